@@ -1,0 +1,17 @@
+"""mlx-metaltile: hand-written Metal kernels as drop-in MLX ops."""
+
+from ._registry import KernelSpec, kernels
+from .backends import available_backends, get_backend, set_backend, use_backend
+from .ops import gated_rms_norm
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KernelSpec",
+    "available_backends",
+    "gated_rms_norm",
+    "get_backend",
+    "kernels",
+    "set_backend",
+    "use_backend",
+]

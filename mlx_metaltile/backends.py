@@ -1,0 +1,206 @@
+"""Which executor runs a kernel, and the one place where kernels are built and launched.
+
+Backends:
+  metal     ``mx.fast.metal_kernel`` on Apple GPUs (the product)
+  cuda      the same MSL bodies on MLX's CUDA build, through ``mlx_metaltile.cuda``
+  emulator  the same MSL bodies on the CPU, through ``mlx_metaltile.emulator`` (eager)
+  reference pure-MLX composites of native ops (any device; the fallback of ``auto``)
+  auto      metal if available, else cuda, else reference (the default)
+
+``auto`` only chooses; it never catches a failing kernel to fall back on the reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+
+import mlx.core as mx
+
+from ._registry import KernelSpec
+from ._templates import render
+
+BACKENDS = ("auto", "metal", "cuda", "emulator", "reference")
+KERNEL_BACKENDS = ("metal", "cuda", "emulator")
+
+MAX_THREADS_PER_THREADGROUP = 1024
+MAX_THREADGROUP_MEMORY = 32 * 1024
+SIMD_WIDTH = 32
+
+_default = "auto"
+_override: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "mlx_metaltile_backend", default=None
+)
+_kernel_cache: dict[tuple[str, str], Callable] = {}
+_launches: Counter = Counter()
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested backend cannot run on this machine."""
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or name not in BACKENDS:
+        raise ValueError(f"[mlx_metaltile] backend must be one of {BACKENDS}, got {name!r}")
+
+
+def _metal_available() -> bool:
+    try:
+        return bool(mx.metal.is_available())
+    except Exception:  # pragma: no cover - very old MLX without mx.metal
+        return False
+
+
+def _module(name: str):
+    """The emulator / cuda layer module, or None while it is not built or cannot run here."""
+    try:
+        mod = importlib.import_module(f"mlx_metaltile.{name}")
+    except ImportError:
+        return None
+    return mod
+
+
+def unavailable_reason(name: str) -> str | None:
+    """None if ``name`` can run here, else why not."""
+    _check_name(name)
+    if name in ("auto", "reference"):
+        return None
+    if name == "metal":
+        return None if _metal_available() else "no Metal device (mx.metal.is_available() is False)"
+    mod = _module(name)
+    if mod is None or not hasattr(mod, "metal_kernel"):
+        return f"the {name} backend is not part of this build of mlx_metaltile"
+    return mod.unavailable_reason()
+
+
+def available_backends() -> dict[str, str | None]:
+    """Each backend -> None if it can run here, else the reason it cannot."""
+    return {name: unavailable_reason(name) for name in BACKENDS}
+
+
+def _require(name: str) -> None:
+    reason = unavailable_reason(name)
+    if reason is not None:
+        raise BackendUnavailableError(f"[mlx_metaltile] backend {name!r} is unavailable: {reason}")
+
+
+def set_backend(name: str) -> None:
+    """Select the backend for every later op call (process-wide default)."""
+    global _default
+    _check_name(name)
+    _require(name)
+    _default = name
+
+
+def get_backend() -> str:
+    """The selected backend name (possibly 'auto')."""
+    return _override.get() or _default
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[str]:
+    """Run the enclosed op calls on ``name`` (context-local, nests)."""
+    _check_name(name)
+    _require(name)
+    token = _override.set(name)
+    try:
+        yield name
+    finally:
+        _override.reset(token)
+
+
+def resolve_backend(name: str | None = None) -> str:
+    """The concrete backend an op call runs on now."""
+    name = name or get_backend()
+    if name != "auto":
+        return name
+    if _metal_available():
+        return "metal"
+    if unavailable_reason("cuda") is None:
+        return "cuda"
+    return "reference"
+
+
+def _factory(backend: str) -> Callable:
+    if backend == "metal":
+        return mx.fast.metal_kernel
+    mod = _module(backend)
+    if mod is None:
+        _require(backend)
+    return mod.metal_kernel
+
+
+def get_kernel(spec: KernelSpec, backend: str, input_names: Sequence[str],
+               output_names: Sequence[str], atomic_outputs: bool = False) -> Callable:
+    """The kernel object of ``spec`` on ``backend``, built once and cached.
+
+    Template arguments (dtypes, head_dim, bits, ...) are given per call and instantiated by
+    the backend, so one object per (backend, variant) is all that is ever built.
+    """
+    key = (backend, spec.name)
+    kernel = _kernel_cache.get(key)
+    if kernel is None:
+        if backend not in spec.backends:
+            raise BackendUnavailableError(
+                f"[{spec.op}] variant {spec.variant!r} does not run on the {backend} backend")
+        tpl = render(spec.template)
+        kernel = _factory(backend)(
+            name=f"mt_{spec.name}",
+            input_names=list(input_names),
+            output_names=list(output_names),
+            source=tpl.body,
+            header=tpl.header,
+            ensure_row_contiguous=True,
+            atomic_outputs=atomic_outputs,
+        )
+        _kernel_cache[key] = kernel
+    return kernel
+
+
+def built_kernels() -> tuple[tuple[str, str], ...]:
+    """(backend, kernel name) of every kernel object built so far in this process."""
+    return tuple(_kernel_cache)
+
+
+def launch_count(name: str | None = None, backend: str | None = None) -> int:
+    """How many times kernels were launched (optionally one kernel / one backend)."""
+    return sum(n for (b, k), n in _launches.items()
+               if (name is None or k == name) and (backend is None or b == backend))
+
+
+def check_geometry(op: str, grid: Sequence[int], threadgroup: Sequence[int],
+                   threadgroup_memory: int = 0) -> None:
+    """Refuse a dispatch that would be illegal (or freeze a Mac) before it is made."""
+    if len(grid) != 3 or len(threadgroup) != 3:
+        raise ValueError(f"[{op}] internal: grid and threadgroup must have 3 entries")
+    if any(int(g) < 1 for g in grid) or any(int(t) < 1 for t in threadgroup):
+        raise ValueError(f"[{op}] internal: empty dispatch grid={tuple(grid)} "
+                         f"threadgroup={tuple(threadgroup)}")
+    threads = threadgroup[0] * threadgroup[1] * threadgroup[2]
+    if threads > MAX_THREADS_PER_THREADGROUP or threads % SIMD_WIDTH:
+        raise ValueError(f"[{op}] internal: threadgroup of {threads} threads; expected a "
+                         f"multiple of {SIMD_WIDTH} and at most {MAX_THREADS_PER_THREADGROUP}")
+    if any(int(g) >= 2**32 for g in grid):
+        raise ValueError(f"[{op}] problem too large: grid {tuple(grid)} exceeds 2^32-1 threads "
+                         "in one dimension")
+    if threadgroup_memory > MAX_THREADGROUP_MEMORY:
+        raise ValueError(f"[{op}] internal: {threadgroup_memory} bytes of threadgroup memory; "
+                         f"at most {MAX_THREADGROUP_MEMORY}")
+
+
+def launch(spec: KernelSpec, backend: str, *, inputs: Sequence[mx.array],
+           input_names: Sequence[str], output_names: Sequence[str],
+           grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
+           output_shapes: Sequence[Sequence[int]], output_dtypes: Sequence[mx.Dtype],
+           template: Sequence[tuple] = (), threadgroup_memory: int = 0,
+           init_value: float | None = None, atomic_outputs: bool = False) -> list[mx.array]:
+    """Validate the geometry, fetch the cached kernel and dispatch it once."""
+    check_geometry(spec.op, grid, threadgroup, threadgroup_memory)
+    kernel = get_kernel(spec, backend, input_names, output_names, atomic_outputs)
+    _launches[(backend, spec.name)] += 1
+    return kernel(inputs=list(inputs), template=list(template), grid=grid,
+                  threadgroup=threadgroup, output_shapes=list(output_shapes),
+                  output_dtypes=list(output_dtypes), init_value=init_value)

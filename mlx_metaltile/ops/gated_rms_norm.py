@@ -1,0 +1,117 @@
+"""gated_rms_norm: ``w * y * rsqrt(mean(y^2) + eps) * silu(z)`` in one kernel.
+
+The post-norm of Gated-DeltaNet layers (Qwen3-Next / Qwen3.5): ``y`` may arrive in float32
+from the recurrence while ``z``, ``weight`` and the output are in the model dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from .. import backends
+from .._registry import FLOAT_DTYPES, KernelSpec, register
+from ._common import (
+    dtype_name,
+    require_array,
+    require_finite_scalar,
+    require_float,
+    round_up,
+    scalar,
+)
+
+OP = "gated_rms_norm"
+N_READS = 4  # elements of a row held by each thread (matches the templates)
+MAX_REGISTER_ROW = 1024 * N_READS  # longest row held in registers in one pass
+
+REGISTER_SPEC, LOOPED_SPEC = register(
+    KernelSpec(
+        op=OP, variant="row", template="gated_rms_norm.metal", dtypes=FLOAT_DTYPES,
+        geometry="n <= 4096: one threadgroup per row, TG = max(32, round_up(ceil(n/4), 32)); "
+                 "grid (TG, rows, 1)",
+    ),
+    KernelSpec(
+        op=OP, variant="looped", template="gated_rms_norm_looped.metal", dtypes=FLOAT_DTYPES,
+        geometry="n > 4096: one threadgroup of 1024 per row, row looped in 4096-chunks; "
+                 "grid (1024, rows, 1)",
+    ),
+)
+_INPUTS = ("y", "z", "w", "n_cols", "eps")
+_OUTPUTS = ("out",)
+
+
+def _check_gated_rms_norm(y, z, weight, eps) -> tuple[int, int, float]:
+    """Validate the inputs; return (n, rows, eps)."""
+    for name, arr in (("y", y), ("z", z), ("weight", weight)):
+        require_array(OP, name, arr)
+    require_float(OP, "z", z)
+    if weight.dtype != z.dtype:
+        raise TypeError(f"[{OP}] weight must have z's dtype {dtype_name(z.dtype)}, "
+                        f"got {dtype_name(weight.dtype)}")
+    if y.dtype not in (mx.float32, z.dtype):
+        raise TypeError(f"[{OP}] y must be float32 or z's dtype {dtype_name(z.dtype)}, "
+                        f"got {dtype_name(y.dtype)}")
+    if z.ndim < 1:
+        raise ValueError(f"[{OP}] z must have at least 1 dimension, got 0")
+    if tuple(y.shape) != tuple(z.shape):
+        raise ValueError(f"[{OP}] y and z must have the same shape, got y {tuple(y.shape)} "
+                         f"and z {tuple(z.shape)}")
+    n = z.shape[-1]
+    if weight.ndim != 1 or weight.shape[0] != n:
+        raise ValueError(f"[{OP}] weight must have shape ({n},) (the last axis of z), "
+                         f"got {tuple(weight.shape)}")
+    if n < 1:
+        raise ValueError(f"[{OP}] the last axis (n) must be >= 1, got {n}")
+    if n >= 2**31:
+        raise ValueError(f"[{OP}] the last axis (n) must be < 2^31, got {n}")
+    eps = require_finite_scalar(OP, "eps", eps, minimum=0.0)
+    rows = math.prod(z.shape[:-1])
+    return n, rows, eps
+
+
+def gated_rms_norm_reference(y: mx.array, z: mx.array, weight: mx.array,
+                             eps: float = 1e-5) -> mx.array:
+    """Pure-MLX composite of the same math (float32 inside, rounded once)."""
+    _check_gated_rms_norm(y, z, weight, eps)
+    yf = y.astype(mx.float32)
+    zf = z.astype(mx.float32)
+    inv_rms = mx.rsqrt(mx.mean(yf * yf, axis=-1, keepdims=True) + eps)
+    out = weight.astype(mx.float32) * yf * inv_rms * (zf * mx.sigmoid(zf))
+    return out.astype(z.dtype)
+
+
+def _launch(y, z, weight, n: int, rows: int, eps: float, backend: str) -> mx.array:
+    if n <= MAX_REGISTER_ROW:
+        spec, tg = REGISTER_SPEC, max(32, round_up(-(-n // N_READS), 32))
+    else:
+        spec, tg = LOOPED_SPEC, 1024
+    (out,) = backends.launch(
+        spec, backend,
+        inputs=(y, z, weight, scalar(n, mx.uint32), scalar(eps, mx.float32)),
+        input_names=_INPUTS, output_names=_OUTPUTS,
+        template=(("T", z.dtype), ("YT", y.dtype)),
+        grid=(tg, rows, 1), threadgroup=(tg, 1, 1), threadgroup_memory=32 * 4,
+        output_shapes=(z.shape,), output_dtypes=(z.dtype,),
+    )
+    return out
+
+
+def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float = 1e-5) -> mx.array:
+    """``weight * y * rsqrt(mean(y^2, -1) + eps) * silu(z)`` over the last axis, fused.
+
+    Args:
+      y: ``[..., n]``, float32 or z's dtype (the normalised input).
+      z: ``[..., n]`` float32/float16/bfloat16 (the gate); sets the output dtype.
+      weight: ``[n]`` in z's dtype.
+      eps: finite, >= 0; a runtime input (changing it does not rebuild the kernel).
+
+    Returns: an array of z's shape and dtype, computed in float32 and rounded once.
+    """
+    n, rows, eps = _check_gated_rms_norm(y, z, weight, eps)
+    if rows == 0:
+        return mx.zeros(z.shape, dtype=z.dtype)
+    backend = backends.resolve_backend()
+    if backend == "reference":
+        return gated_rms_norm_reference(y, z, weight, eps)
+    return _launch(y, z, weight, n, rows, eps, backend)

@@ -1,0 +1,43 @@
+// gated_rms_norm.metal: fused gated RMSNorm, one row per threadgroup, row held in registers.
+//
+// MATH (per row of length n, all in float32, rounded once to T):
+//   out[i] = w[i] * y[i] * rsqrt(mean_j(y[j]^2) + eps) * silu(z[i]),  silu(z) = z*sigmoid(z)
+//
+// LAYOUT: y [rows, n] (YT = float32 or T), z [rows, n] T, w [n] T, out [rows, n] T,
+//   all row-contiguous (ensure_row_contiguous); n_cols (uint) and eps (float) are 0-d
+//   runtime inputs, so changing n or eps never builds a new kernel.
+//
+// DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
+//   threadgroup = (TG, 1, 1), TG = max(32, round_up(ceil(n / 4), 32)) <= 1024, i.e. n <= 4096
+//   grid        = (TG, rows, 1): threadgroup_position_in_grid.y is the row
+//   Thread t holds elements [4t, 4t + 4) of its row; elements past n read as 0.
+//   threadgroup memory: 32 floats. Every thread reaches the one barrier (no early return).
+#include "common.h"
+// ---- kernel body ----
+constexpr uint N_READS = 4;
+threadgroup float simd_partials[32];
+
+const uint row = threadgroup_position_in_grid.y;
+const uint lid = thread_position_in_threadgroup.x;
+const uint n = n_cols;
+const size_t base = size_t(row) * n;
+
+float y_reg[N_READS];
+float sum_sq = 0.0f;
+for (uint j = 0; j < N_READS; ++j) {
+  const uint col = lid * N_READS + j;
+  y_reg[j] = col < n ? float(y[base + col]) : 0.0f;
+  sum_sq += y_reg[j] * y_reg[j];
+}
+const float total = mt_threadgroup_sum(sum_sq, simd_partials, thread_index_in_simdgroup,
+                                       simdgroup_index_in_threadgroup,
+                                       threads_per_threadgroup.x / 32);
+const float inv_rms = metal::precise::rsqrt(total / float(n) + eps);
+
+for (uint j = 0; j < N_READS; ++j) {
+  const uint col = lid * N_READS + j;
+  if (col < n) {
+    const float gate = mt_silu(float(z[base + col]));
+    out[base + col] = T(float(w[col]) * y_reg[j] * inv_rms * gate);
+  }
+}
