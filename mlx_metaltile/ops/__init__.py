@@ -1,5 +1,11 @@
 """One module per op: checks, launcher, reference and public function."""
 
 from .gated_rms_norm import gated_rms_norm, gated_rms_norm_reference
+from .moe_gather_qmm import moe_gather_qmm, moe_gather_qmm_reference
 
-__all__ = ["gated_rms_norm", "gated_rms_norm_reference"]
+__all__ = [
+    "gated_rms_norm",
+    "gated_rms_norm_reference",
+    "moe_gather_qmm",
+    "moe_gather_qmm_reference",
+]
