@@ -227,7 +227,9 @@ inline int tg_slot(int worker) { return 1 + kMaxBuffers + worker; }
 bool reserve_arena(char* err, size_t n) {
   if (g_arena) return true;
   const int nslots = 1 + kMaxBuffers + kMaxWorkers + 1;
-  for (int shift : {34, 32, 30, 28}) {
+  // 64 GiB slots: a 32-bit index that wrapped around (uint(-1) * 4 or 8 bytes) stays in
+  // the lower half of its own buffer's slot and is reported on the right buffer.
+  for (int shift : {36, 34, 32, 30, 28}) {
     uint64_t bytes = uint64_t(nslots) << shift;
     void* p = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p != MAP_FAILED) {
