@@ -34,7 +34,9 @@
 //   Built only where the wrapper found MetalPerformancePrimitives (macOS >= 26.2, GPU
 //   generation >= 17); without Metal 4 the body is an #error, never an empty kernel.
 //
-// TRAFFIC per call: as the simdgroup variant (each run's W tile once per K block).
+// TRAFFIC per call: for each (tile, distinct expert in the tile): N * K * BITS / 8 bytes of
+//   codes and 2 * N * K / GROUP_SIZE scale/bias elements, each loaded once; x rows read
+//   N / 32 times (once per column block); out written once (M * N elements).
 //
 // ONLY CHECKED ON A MAC: that Apple's compiler accepts the tensor views and the (8, 32, 16)
 //   descriptor with half / float operands on threadgroup memory, the cooperative-tensor
@@ -136,13 +138,17 @@ for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
   acc[i] = 0.0f;
 }
 
+float scale = 0.0f;
+float bias = 0.0f;
 for (uint k0 = 0; k0 < K; k0 += BK) {
   for (uint i = 0; i < 8; ++i) {
     const uint k = xk + i;
     xs[k / MK][xr * MK + k % MK] = x_live ? ST(float(x_row[k0 + i])) : ST(0.0f);
   }
-  const float scale = float(w_scales[k0 / GROUP_SIZE]);
-  const float bias = float(w_biases[k0 / GROUP_SIZE]);
+  if (k0 % GROUP_SIZE == 0) {  // a 32-wide block never straddles a group
+    scale = float(w_scales[k0 / GROUP_SIZE]);
+    bias = float(w_biases[k0 / GROUP_SIZE]);
+  }
   for (uint h = 0; h < BK / MK; ++h) {
     float wv[MK];
     mt_moe_dequant16<T, BITS>(w_words + (k0 + h * MK) / PER_WORD, scale, bias, wv);

@@ -38,8 +38,9 @@
 //   indices are read only for rows < M; expert ids are checked against E before any access.
 //
 // TRAFFIC per call: for each (tile, distinct expert in the tile): N * K * BITS / 8 bytes of
-//   codes + 2 * N * K / GROUP_SIZE scale/bias elements; x rows are read N / 32 times (once
-//   per column block, the other reads hit cache); out written once (M * N elements).
+//   codes and 2 * N * K / GROUP_SIZE scale/bias elements (a group cut by a K-split boundary
+//   is loaded by both simdgroups: at most 3 extra per weight row); x rows are read N / 32
+//   times (once per column block; the other reads hit cache); out written once (M * N).
 //
 // ONLY CHECKED ON A MAC: that Apple's compiler accepts this body as written (float
 //   simdgroup_matrix loads from threadgroup memory, make_filled_simdgroup_matrix), and its
@@ -126,14 +127,21 @@ for (uint j = 0; j < BN / 8; ++j) {
 const uint n_steps = K / BK;
 const uint step_begin = (n_steps * sg) / SG;
 const uint step_end = (n_steps * (sg + 1)) / SG;
+uint group = 0xFFFFFFFFu;  // the quantisation group whose scale and bias are loaded
+float scale = 0.0f;
+float bias = 0.0f;
 for (uint step = step_begin; step < step_end; ++step) {
   const uint k0 = step * BK;
   for (uint i = 0; i < 4; ++i) {
     my_x[xr * BK + xk + i] = x_live ? float(x_row[k0 + i]) : 0.0f;
   }
+  if (k0 / GROUP_SIZE != group) {
+    group = k0 / GROUP_SIZE;
+    scale = float(w_scales[group]);
+    bias = float(w_biases[group]);
+  }
   float wv[BK];
-  mt_moe_dequant16<T, BITS>(w_words + k0 / PER_WORD, float(w_scales[k0 / GROUP_SIZE]),
-                            float(w_biases[k0 / GROUP_SIZE]), wv);
+  mt_moe_dequant16<T, BITS>(w_words + k0 / PER_WORD, scale, bias, wv);
   for (uint i = 0; i < BK; ++i) {
     my_w[i * WS_LD + lane] = wv[i];
   }
