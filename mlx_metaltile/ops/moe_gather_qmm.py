@@ -266,7 +266,9 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
         (equal ids adjacent) is fast. An id outside ``[0, E)`` yields a NaN row and reads
         nothing out of bounds.
       group_size: 32, 64 or 128. bits: 4 or 8.
-      variant: None (choose from the device), ``"simdgroup"`` or ``"mpp"``.
+      variant: None (choose from the device), ``"simdgroup"`` or ``"mpp"``. The ``mpp``
+        path stages float16/bfloat16 operands as half: bfloat16 activations beyond half's
+        range (|x| > 65504) overflow there; ``simdgroup`` has no such limit.
 
     Requires N % 32 == 0 and K % 32 == 0. Each weight is dequantised as
     ``T(scale * q + bias)`` (rounded once to x's dtype, as MLX's quantized kernels see it)
