@@ -24,6 +24,7 @@ nvcc compile check, which needs no GPU.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -84,6 +85,24 @@ def compat_header() -> str:
     return resources.files(__package__).joinpath("msl_compat.cuh").read_text(encoding="utf-8")
 
 
+@cache
+def compat_include() -> str:
+    """How a kernel's header pulls in msl_compat.cuh.
+
+    MLX hashes the whole kernel source on every launch (its JIT module key), so ~45 KB of
+    header text inlined in each kernel cost several microseconds per call. An #include of
+    the installed file by absolute path keeps the source small; its digest is written next to
+    it so that MLX's on-disk PTX cache (keyed by that hash) never outlives a changed header.
+    Inlined where the package is not a plain folder on disk.
+    """
+    path = Path(__file__).resolve().with_name("msl_compat.cuh")
+    text = compat_header()
+    if not path.is_file() or any(c in str(path) for c in '"\n\\'):
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return f'// msl_compat.cuh sha256:{digest}\n#include "{path}"\n'
+
+
 def stub_include_dir() -> Path:
     """A folder holding a stand-in for MLX's ``mlx/backend/cuda/device/utils.cuh``.
 
@@ -101,6 +120,7 @@ _CLANG_UNROLL = re.compile(r"#[ \t]*pragma[ \t]+clang[ \t]+loop[ \t]+unroll\(ful
 _CLANG_UNROLL_OP = re.compile(r'_Pragma\(\s*"clang loop unroll\(full\)"\s*\)')
 # 1.0h, 2h, .5h, 1e-3h: MSL half literals (no C++ equivalent).
 _HALF_LITERAL = re.compile(r"(?<![\w.])((?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?)[hH]\b")
+_COMMENT_LINE = re.compile(r"^[ \t]*//.*\n", re.M)
 # Program-scope `constant` declarations (at column 0) become CUDA constant memory.
 _PROGRAM_CONSTANT = re.compile(r"^((?:static[ \t]+)?)constant\b", re.M)
 
@@ -126,8 +146,9 @@ def translate_header(msl_header: str) -> str:
     """
     helpers = _PRAGMA_ONCE.sub("", _common_rewrites(msl_header))
     helpers = _ADDRESS_SPACE.sub("", _PROGRAM_CONSTANT.sub(r"\1__constant__", helpers))
+    helpers = _COMMENT_LINE.sub("", helpers)  # the template's documentation: not compiled
     return (
-        compat_header()
+        compat_include()
         + "\nnamespace mlx::core::cu {\n#define inline __device__ inline\n"
         + "// ---- MSL helpers of the kernel template ----\n"
         + helpers.strip("\n")
