@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from pathlib import Path
 
@@ -40,7 +40,7 @@ def _root():
     return _SOURCE_DIR
 
 
-@lru_cache(maxsize=None)
+@cache
 def read_text(filename: str) -> str:
     path = _root().joinpath(filename)
     if not path.is_file():
@@ -63,7 +63,7 @@ def _inline_includes(text: str, seen: set[str]) -> str:
     return _INCLUDE.sub(replace, text)
 
 
-@lru_cache(maxsize=None)
+@cache
 def render(filename: str) -> Template:
     """Split a template into (header, body) with its local includes inlined."""
     text = read_text(filename)

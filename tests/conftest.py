@@ -1,0 +1,50 @@
+"""Shared fixtures: backends as a test parameter, fresh random inputs."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from mlx_metaltile import backends
+
+KERNEL_BACKENDS = ("emulator", "metal", "cuda")
+
+
+def backend_params(*names: str):
+    """pytest params for backends, marked so that absent ones skip with their reason."""
+    params = []
+    for name in names:
+        marks = [getattr(pytest.mark, name)] if name in ("metal", "cuda") else []
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
+
+
+def require_backend(name: str) -> None:
+    reason = backends.unavailable_reason(name)
+    if reason is not None:
+        pytest.skip(f"backend {name} unavailable: {reason}")
+
+
+@pytest.fixture(params=backend_params(*KERNEL_BACKENDS))
+def kernel_backend(request):
+    """Each kernel-executing backend available here (emulator in CI)."""
+    require_backend(request.param)
+    with backends.use_backend(request.param):
+        yield request.param
+
+
+@pytest.fixture(params=backend_params("reference", *KERNEL_BACKENDS))
+def any_backend(request):
+    """The reference backend plus each kernel-executing backend available here."""
+    require_backend(request.param)
+    with backends.use_backend(request.param):
+        yield request.param
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh generator per test (seeded from the test id so failures reproduce)."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    return np.random.default_rng(seed)

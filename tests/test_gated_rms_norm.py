@@ -1,0 +1,195 @@
+"""gated_rms_norm against a float64 NumPy oracle, on every backend available here."""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tolerances import assert_close, to_f64
+
+import mlx_metaltile as mt
+from mlx_metaltile import _templates, backends
+
+DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+LENGTHS = (1, 3, 31, 32, 33, 128, 512, 1000, 4096, 4097, 8192)
+LEADING = ((), (5,), (2, 3))
+op_module = importlib.import_module("mlx_metaltile.ops.gated_rms_norm")
+
+
+def oracle(y, z, w, eps):
+    """out = w * y * rsqrt(mean(y^2) + eps) * silu(z), in float64."""
+    y, z, w = to_f64(y), to_f64(z), to_f64(w)
+    inv_rms = 1.0 / np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + eps)
+    with np.errstate(over="ignore"):
+        silu = z / (1.0 + np.exp(-z))
+    return w * y * inv_rms * silu
+
+
+def make_inputs(rng, lead, n, dtype, y_dtype, scale=1.0):
+    shape = (*lead, n)
+    # Magnitudes spread over [1e-3, scale]: some rows tiny, some large.
+    row_scale = 10.0 ** rng.uniform(-3, math.log10(scale) if scale > 1 else 0, size=(*lead, 1))
+    y = mx.array((rng.standard_normal(shape) * row_scale).astype(np.float32)).astype(y_dtype)
+    z = mx.array((rng.standard_normal(shape) * 4.0).astype(np.float32)).astype(dtype)
+    w = mx.array(rng.uniform(-2, 2, size=(n,)).astype(np.float32)).astype(dtype)
+    return y, z, w
+
+
+def run_and_check(y, z, w, eps, dtype, backend):
+    before = backends.launch_count(backend=backend)
+    out = mt.gated_rms_norm(y, z, w, eps=eps)
+    mx.eval(out)
+    if backend != "reference":  # prove a kernel ran (never the reference compared with itself)
+        assert backends.launch_count(backend=backend) == before + 1
+    assert out.dtype == dtype and tuple(out.shape) == tuple(z.shape)
+    assert_close(out, oracle(y, z, w, eps), dtype, what=f"gated_rms_norm[{backend}]")
+
+
+@pytest.mark.parametrize("lead", LEADING, ids=lambda s: "lead" + "x".join(map(str, s)))
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("y_f32", (True, False), ids=("y_f32", "y_same"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_matches_oracle(any_backend, rng, dtype, y_f32, n, lead):
+    y, z, w = make_inputs(rng, lead, n, dtype, mx.float32 if y_f32 else dtype)
+    run_and_check(y, z, w, 1e-5, dtype, any_backend)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("n", (128, 4097))
+def test_large_magnitudes(any_backend, rng, dtype, n):
+    """Values up to 1e3 (squares up to 1e6 summed over the row) and saturated gates."""
+    y, z, w = make_inputs(rng, (4,), n, dtype, mx.float32, scale=1e3)
+    z = mx.array(rng.uniform(-1e3, 1e3, size=z.shape).astype(np.float32)).astype(dtype)
+    run_and_check(y, z, w, 1e-6, dtype, any_backend)
+
+
+def test_eps_changes_do_not_rebuild(kernel_backend, rng):
+    y, z, w = make_inputs(rng, (3,), 64, mx.float16, mx.float32)
+    run_and_check(y, z, w, 1e-5, mx.float16, kernel_backend)
+    built = backends.built_kernels()
+    for eps in (0.0, 1e-6, 0.5):
+        run_and_check(y, z, w, eps, mx.float16, kernel_backend)
+    y, z, w = make_inputs(rng, (7,), 100, mx.float16, mx.float32)  # another n, same variant
+    run_and_check(y, z, w, 1e-5, mx.float16, kernel_backend)
+    assert backends.built_kernels() == built
+
+
+def test_non_contiguous_inputs(any_backend, rng):
+    base_y = mx.array(rng.standard_normal((64, 6)).astype(np.float32))
+    y = base_y.T  # transposed: [6, 64], not row-contiguous
+    z = mx.array(rng.standard_normal((6, 128)).astype(np.float32)).astype(mx.bfloat16)[:, ::2]
+    w = mx.array(rng.uniform(-1, 1, size=(64,)).astype(np.float32)).astype(mx.bfloat16)
+    run_and_check(y, z, w, 1e-5, mx.bfloat16, any_backend)
+
+
+def test_empty_rows_do_not_dispatch(kernel_backend):
+    before = backends.launch_count()
+    z = mx.zeros((0, 16), dtype=mx.float16)
+    out = mt.gated_rms_norm(z, z, mx.ones((16,), dtype=mx.float16))
+    assert out.shape == (0, 16) and out.dtype == mx.float16
+    assert backends.launch_count() == before
+
+
+def test_op_is_lazy_and_compiles(monkeypatch, rng):
+    """No evaluation inside the op; it traces under mx.compile (reference backend here)."""
+    y, z, w = make_inputs(rng, (2, 3), 96, mx.float32, mx.float32)
+
+    def no_eval(*args, **kwargs):
+        raise AssertionError("the op evaluated its graph")
+
+    with monkeypatch.context() as m:
+        m.setattr(mx, "eval", no_eval)
+        m.setattr(mx.array, "item", no_eval)
+        out = mt.gated_rms_norm(y, z, w)
+    expected = oracle(y, z, w, 1e-5)
+    assert_close(out, expected, mx.float32)
+    compiled = mx.compile(lambda a, b, c: mt.gated_rms_norm(a, b, c, eps=1e-5))
+    assert_close(compiled(y, z, w), expected, mx.float32)
+
+
+# ---- negative controls: a deliberately wrong variant must fail the harness ----------------
+
+def _broken_template(monkeypatch, spec, old: str, new: str):
+    """Register a copy of ``spec`` whose template has ``old`` replaced by ``new``."""
+    text = _templates.read_text(spec.template)
+    assert old in text
+    fake_name = spec.template.replace(".metal", "_broken.metal")
+    real_read = _templates.read_text
+
+    def read_text(name):
+        return text.replace(old, new) if name == fake_name else real_read(name)
+
+    monkeypatch.setattr(_templates, "read_text", read_text)
+    _templates.render.cache_clear()
+    from dataclasses import replace
+    broken = replace(spec, variant=spec.variant + "_broken", template=fake_name)
+    return broken
+
+
+@pytest.mark.parametrize("attr", ("REGISTER_SPEC", "LOOPED_SPEC"))
+def test_negative_control_kernel_without_gate(kernel_backend, monkeypatch, rng, attr):
+    spec = getattr(op_module, attr)
+    broken = _broken_template(monkeypatch, spec, "* inv_rms * gate", "* inv_rms")
+    monkeypatch.setattr(op_module, attr, broken)
+    n = 200 if attr == "REGISTER_SPEC" else 5000
+    y, z, w = make_inputs(rng, (3,), n, mx.float32, mx.float32)
+    try:
+        with pytest.raises(AssertionError, match="out of tolerance"):
+            run_and_check(y, z, w, 1e-5, mx.float32, kernel_backend)
+    finally:
+        _templates.render.cache_clear()
+
+
+def test_negative_control_reference_without_gate(monkeypatch, rng):
+    """The oracle harness rejects a composite that forgets the gate."""
+
+    def no_gate(y, z, w, eps=1e-5):
+        yf = y.astype(mx.float32)
+        return (w * yf * mx.rsqrt(mx.mean(yf * yf, axis=-1, keepdims=True) + eps)).astype(z.dtype)
+
+    monkeypatch.setattr(op_module, "gated_rms_norm_reference", no_gate)
+    y, z, w = make_inputs(rng, (4,), 64, mx.float32, mx.float32)
+    with backends.use_backend("reference"), pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check(y, z, w, 1e-5, mx.float32, "reference")
+
+
+# ---- bad input ------------------------------------------------------------------------
+
+def _ok(dtype=mx.float16, n=8, lead=(2,)):
+    return (mx.zeros((*lead, n), dtype=mx.float32), mx.zeros((*lead, n), dtype=dtype),
+            mx.ones((n,), dtype=dtype))
+
+
+@pytest.mark.parametrize("mutate, exc, match", [
+    (lambda y, z, w: (y, z.astype(mx.int32), w.astype(mx.int32)), TypeError, "z must be float32"),
+    (lambda y, z, w: (y, z, w.astype(mx.float32)), TypeError, "weight must have z's dtype"),
+    (lambda y, z, w: (y.astype(mx.bfloat16), z, w), TypeError, "y must be float32 or z's dtype"),
+    (lambda y, z, w: (y.astype(mx.int32), z, w), TypeError, "y must be float32"),
+    (lambda y, z, w: (y[:, :4], z, w), ValueError, "y and z must have the same shape"),
+    (lambda y, z, w: (y, z, w[:4]), ValueError, r"weight must have shape \(8,\)"),
+    (lambda y, z, w: (y, z, w.reshape(2, 4)), ValueError, "weight must have shape"),
+    (lambda y, z, w: (y[0, 0], z[0, 0], w), ValueError, "z must have at least 1 dimension"),
+    (lambda y, z, w: (y.tolist(), z, w), TypeError, "y must be an mx.array"),
+])
+def test_bad_input(mutate, exc, match):
+    y, z, w = mutate(*_ok())
+    with pytest.raises(exc, match=r"^\[gated_rms_norm\] " + match):
+        mt.gated_rms_norm(y, z, w)
+
+
+@pytest.mark.parametrize("eps, exc", [
+    (-1e-5, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
+    ("1e-5", TypeError), (True, TypeError),
+])
+def test_bad_eps(eps, exc):
+    with pytest.raises(exc, match=r"^\[gated_rms_norm\] eps"):
+        mt.gated_rms_norm(*_ok(), eps=eps)
+
+
+def test_zero_length_rows_rejected():
+    y, z, w = _ok(n=0)
+    with pytest.raises(ValueError, match=r"^\[gated_rms_norm\] the last axis \(n\) must be >= 1"):
+        mt.gated_rms_norm(y, z, w)

@@ -1,0 +1,46 @@
+"""Build the wheel, install it into a fresh virtual environment, import, render every template."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHECK = r"""
+import pathlib, sys
+import mlx_metaltile as mt
+from mlx_metaltile import _templates
+pkg = pathlib.Path(mt.__file__).resolve().parent
+assert str(pkg).startswith(sys.prefix), f"imported from {pkg}, not the fresh environment"
+root = _templates._root().joinpath("common.h")
+assert str(root).startswith(str(pkg)), f"templates read from {root}, not package data"
+names = _templates.list_templates()
+for spec in mt.kernels():
+    assert spec.template in names, spec.template
+for name in names:
+    if name.endswith(".metal"):
+        tpl = _templates.render(name)
+        assert tpl.body.strip() and "#include" not in tpl.header
+print("rendered", len(names), "templates for", len(mt.kernels()), "kernels")
+"""
+
+
+@pytest.mark.slow
+def test_wheel_installs_and_renders_templates(tmp_path):
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(dist), str(ROOT)], check=True)
+    (wheel,) = dist.glob("mlx_metaltile-*.whl")
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    python = env_dir / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "-q", str(wheel)], check=True)
+    result = subprocess.run([str(python), "-c", CHECK], cwd=tmp_path, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    assert "rendered" in result.stdout
