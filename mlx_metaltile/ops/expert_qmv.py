@@ -149,7 +149,12 @@ def _out_shape(info: dict) -> tuple[int, ...]:
 
 def expert_qmv_reference(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
                          indices: mx.array, *, group_size: int = 64, bits: int = 4) -> mx.array:
-    """Pure-MLX composite (``mx.gather_qmm``) with the same contract, NaN rows included."""
+    """Pure-MLX composite (``mx.gather_qmm``) with the same contract, NaN rows included.
+
+    Like the kernel it accumulates in float32 and rounds once: float16/bfloat16 inputs are
+    widened first (only the selected experts' scales and biases when there are fewer
+    (token, expert) pairs than experts, as in decode; all of them otherwise).
+    """
     info = _check_expert_qmv(x, w, scales, biases, indices, group_size, bits)
     out_shape = _out_shape(info)
     if 0 in out_shape:
@@ -159,6 +164,14 @@ def expert_qmv_reference(x: mx.array, w: mx.array, scales: mx.array, biases: mx.
         valid = valid & (indices >= 0)
     safe = mx.where(valid, indices, 0).astype(mx.uint32)
     xq = x[..., None, None, :] if info["shared"] else x[..., None, :]
+    if x.dtype != mx.float32:
+        pairs = info["tokens"] * info["k"]
+        if pairs < info["n_experts"]:
+            ids_shape = (*info["lead"], info["k"])
+            selected = mx.broadcast_to(safe, ids_shape).reshape(pairs)
+            w, scales, biases = w[selected], scales[selected], biases[selected]
+            safe = mx.arange(pairs, dtype=mx.uint32).reshape(ids_shape)
+        xq, scales, biases = (a.astype(mx.float32) for a in (xq, scales, biases))
     y = mx.gather_qmm(xq, w, scales, biases, rhs_indices=safe, transpose=True,
                       group_size=info["group_size"], bits=info["bits"])
     y = mx.squeeze(y, axis=-2)
