@@ -37,9 +37,10 @@
 #include "common.h"
 
 // q * x summed over the VALS values a lane holds: WORDS packed uint32 words of BITS-bit
-// unsigned integers against VALS float activations.
-template <int BITS, int WORDS>
-inline float mt_expert_qdot(const device uint32_t* words, thread const float* xv) {
+// unsigned integers against VALS float activations. `words` points to device or constant
+// memory (MLX passes inputs of fewer than 8 elements in the constant address space).
+template <int BITS, int WORDS, typename WordPtr>
+inline float mt_expert_qdot(WordPtr words, thread const float* xv) {
   constexpr int PACK = 32 / BITS;
   constexpr uint MASK = (1u << BITS) - 1u;
   float dot = 0.0f;
@@ -84,10 +85,11 @@ const uint words_per_row = K / PACK;
 const uint groups_per_row = K / GROUP_SIZE;
 const uint n_chunks = K / VALS;
 const size_t first_row = size_t(expert) * n_rows_total + row0;
-const device uint32_t* w_rows = w + first_row * words_per_row;
-const device T* s_rows = scales + first_row * groups_per_row;
-const device T* b_rows = biases + first_row * groups_per_row;
-const device T* x_row = x + size_t(pair / x_share) * K;
+// auto: an input of fewer than 8 elements arrives in the constant address space.
+const auto w_rows = w + first_row * words_per_row;
+const auto s_rows = scales + first_row * groups_per_row;
+const auto b_rows = biases + first_row * groups_per_row;
+const auto x_row = x + size_t(pair / x_share) * K;
 const ushort group_leader = ushort(lane & ~(LANES_PER_GROUP - 1));
 const bool loads_group = (lane % LANES_PER_GROUP) == 0;
 

@@ -168,6 +168,14 @@ def test_out_of_range_ids_give_nan_rows(any_backend, poisoned, rng, dtype):
     assert np.isnan(to_f64(out)).all()
 
 
+@pytest.mark.parametrize("n_out", (1, 3))
+def test_tiny_buffers(any_backend, poisoned, rng, n_out):
+    """E = 1, K = 32: w and scales hold < 8 elements (MLX passes those as `constant`)."""
+    w, s, b = make_packed(rng, 1, n_out, 32, mx.float16, 32, 4)
+    ids = mx.array([[0]], dtype=mx.uint32)
+    run_and_check(make_x(rng, (1, 32), mx.float16), w, s, b, ids, 32, 4, any_backend)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dname)
 def test_large_magnitudes(any_backend, poisoned, rng, dtype):
     """Weights and activations ~1e2 (~10 in float16, whose range ends at 65504), K = 1024."""
