@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import zlib
 from dataclasses import replace
 
 import mlx.core as mx
@@ -192,7 +193,6 @@ def test_non_contiguous_inputs(any_backend, poisoned, rng):
     run_and_check(x, w, s, b, ids, 64, 4, any_backend)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("shared, n_out, n_in", [
     (True, 768, 2048),  # gate/up projection
     (False, 2048, 768),  # down projection
@@ -230,7 +230,11 @@ def test_reads_only_selected_experts(poisoned, rng, bits, group_size):
     assert stats.bytes_read["w"] == pairs * n_out * (n_in * bits // 32) * 4
     assert stats.bytes_read["scales"] == pairs * n_out * (n_in // group_size) * 2
     assert stats.bytes_read["biases"] == pairs * n_out * (n_in // group_size) * 2
-    assert stats.bytes_written["out"] == 6 * n_out * 2
+    assert stats.bytes_written["out"] == 6 * n_out * 2  # every row once, the NaN row included
+    assert stats.bytes_read["out"] == 0
+    # x: each SIMD-group (4 output rows) of a valid pair loads its K activations once
+    # (from cache on a GPU; DRAM sees x once per token).
+    assert stats.bytes_read["x"] == pairs * -(-n_out // 4) * n_in * 2
 
 
 # ---- build once, stay lazy ---------------------------------------------------------------
@@ -292,10 +296,13 @@ def test_empty_does_not_dispatch(kernel_backend, rng):
 # ---- negative controls: a deliberately wrong variant must fail the harness ----------------
 
 def _broken_spec(monkeypatch, old: str, new: str):
+    """Make the op launch a copy of its kernel with ``old`` replaced by ``new``."""
     spec = op_module.SPEC
     text = _templates.read_text(spec.template)
     assert old in text
-    fake_name = spec.template.replace(".metal", "_broken.metal")
+    # A name of its own per patch: kernels are cached per (backend, variant name).
+    tag = f"broken{zlib.crc32((old + new).encode()):08x}"
+    fake_name = spec.template.replace(".metal", f"_{tag}.metal")
     real_read = _templates.read_text
 
     def read_text(name):
@@ -303,7 +310,7 @@ def _broken_spec(monkeypatch, old: str, new: str):
 
     monkeypatch.setattr(_templates, "read_text", read_text)
     _templates.render.cache_clear()
-    broken = replace(spec, variant=spec.variant + "_broken", template=fake_name)
+    broken = replace(spec, variant=f"{spec.variant}_{tag}", template=fake_name)
     monkeypatch.setattr(op_module, "SPEC", broken)
 
 
@@ -315,11 +322,28 @@ def _broken_spec(monkeypatch, old: str, new: str):
      "const ushort group_leader = ushort(0);"),  # every lane takes lane 0's scale
 ], ids=("no_bias", "wrong_group", "wrong_shuffle"))
 def test_negative_control_broken_kernel(kernel_backend, poisoned, monkeypatch, rng, old, new):
+    _broken_spec(monkeypatch, old, new)
     w, s, b = make_weights(rng, 4, 16, 256, mx.float32, 32, 4)
     ids = mx.array([[1, 3]], dtype=mx.uint32)
     try:
         with pytest.raises(AssertionError, match="out of tolerance"):
             run_and_check(make_x(rng, (1, 256), mx.float32), w, s, b, ids, 32, 4, kernel_backend)
+    finally:
+        _templates.render.cache_clear()
+
+
+def test_negative_control_unguarded_id_is_a_hazard(monkeypatch, rng):
+    """Without the in-kernel id guard, an out-of-range id reads out of bounds: the emulator
+    must report it (so the guarded kernel's clean runs above mean something)."""
+    emulator = pytest.importorskip("mlx_metaltile.emulator")
+    if backends.unavailable_reason("emulator") is not None:
+        pytest.skip("emulator unavailable")
+    _broken_spec(monkeypatch, "if (expert >= n_experts) {", "if (false) {")
+    w, s, b = make_weights(rng, 4, 16, 128, mx.float32, 64, 4)
+    ids = mx.array([[1, 4000]], dtype=mx.uint32)
+    try:
+        with backends.use_backend("emulator"), pytest.raises(emulator.OutOfBoundsAccess):
+            mx.eval(mt.expert_qmv(make_x(rng, (1, 128), mx.float32), w, s, b, ids))
     finally:
         _templates.render.cache_clear()
 
