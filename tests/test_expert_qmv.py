@@ -281,6 +281,37 @@ def test_router_indices_stay_on_device(monkeypatch, rng):
     assert_close(compiled(x), want, mx.float32, magnitude=mag)
 
 
+def test_kernel_path_is_lazy(monkeypatch, rng):
+    """The launcher (broadcasts, runtime scalars, geometry, launch) syncs nothing either:
+    the kernel is replaced by a stand-in that returns lazy outputs, as on a Mac."""
+    seen = {}
+
+    def fake_kernel(*, inputs, output_shapes, output_dtypes, grid, threadgroup, template,
+                    init_value=None):
+        seen.update(inputs=inputs, grid=grid, threadgroup=threadgroup, template=template)
+        return [mx.zeros(shape, dtype=dtype) for shape, dtype
+                in zip(output_shapes, output_dtypes, strict=True)]
+
+    def no_eval(*args, **kwargs):
+        raise AssertionError("the op evaluated its graph")
+
+    w, s, b = make_weights(rng, 8, 40, 128, mx.bfloat16, 64, 4)
+    x = make_x(rng, (2, 3, 128), mx.bfloat16)
+    logits = make_x(rng, (2, 3, 8), mx.float32)
+    with monkeypatch.context() as m:
+        m.setattr(backends, "resolve_backend", lambda name=None: "metal")
+        m.setattr(backends, "get_kernel", lambda *a, **k: fake_kernel)
+        m.setattr(mx, "eval", no_eval)
+        m.setattr(mx, "async_eval", no_eval)
+        m.setattr(mx.array, "item", no_eval)
+        m.setattr(mx.array, "tolist", no_eval)
+        ids = mx.argpartition(-logits, kth=1, axis=-1)[..., :2]
+        out = mt.expert_qmv(x, w, s, b, ids, group_size=64, bits=4)
+    assert out.shape == (2, 3, 2, 40) and out.dtype == mx.bfloat16
+    assert seen["grid"] == (64, 5, 12) and seen["threadgroup"] == (64, 1, 1)
+    assert seen["template"] == [("T", mx.bfloat16), ("BITS", 4), ("GROUP_SIZE", 64)]
+
+
 def test_empty_does_not_dispatch(kernel_backend, rng):
     w, s, b = make_weights(rng, 4, 8, 64, mx.float16, 64, 4)
     before = backends.launch_count()
