@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 from conftest import PROVIDERS, run_case
 
-from mlx_metaltile._bench_cases import cases
+from mlx_metaltile._bench_cases import _expert_qmv_host_loop, cases
 from mlx_metaltile.ops.expert_qmv import expert_qmv_reference
 
 CASES = cases("expert_qmv")
@@ -43,7 +43,5 @@ def test_expert_qmv(benchmark, case, provider):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_expert_qmv_host_loop(benchmark, case):
     _skip_inexact_native(case)
-    from mlx_metaltile._bench_cases import _expert_qmv_host_loop
-
     run_case(benchmark, replace(case, native=_expert_qmv_host_loop), "mlx_native", _reference)
     benchmark.extra_info["provider"] = "mlx_host_loop"

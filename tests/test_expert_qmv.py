@@ -351,7 +351,9 @@ def _broken_spec(monkeypatch, old: str, new: str):
      "const uint group = chunk / LANES_PER_GROUP / 2;"),  # wrong scale group
     ("const ushort group_leader = ushort(lane & ~(LANES_PER_GROUP - 1));",
      "const ushort group_leader = ushort(0);"),  # every lane takes lane 0's scale
-], ids=("no_bias", "wrong_group", "wrong_shuffle"))
+    ("const uint rows = metal::min(ROWS, n_rows_total - row0);",
+     "const uint rows = metal::min(ROWS - 1, n_rows_total - row0);"),  # leaves rows unwritten
+], ids=("no_bias", "wrong_group", "wrong_shuffle", "unwritten_rows"))
 def test_negative_control_broken_kernel(kernel_backend, poisoned, monkeypatch, rng, old, new):
     _broken_spec(monkeypatch, old, new)
     w, s, b = make_weights(rng, 4, 16, 256, mx.float32, 32, 4)
