@@ -15,6 +15,7 @@ import mlx.core as mx
 from .. import backends
 from .._registry import FLOAT_DTYPES, KernelSpec, register
 from ._common import (
+    FLOAT_TYPES,
     INDEX_TYPES,
     dtype_name,
     require_array,
@@ -179,6 +180,30 @@ def expert_qmv_reference(x: mx.array, w: mx.array, scales: mx.array, biases: mx.
     return mx.broadcast_to(y, out_shape).astype(x.dtype)
 
 
+def _template(dtype: mx.Dtype, bits: int, group_size: int) -> tuple[tuple[str, object], ...]:
+    return (("T", dtype), ("BITS", bits), ("GROUP_SIZE", group_size))
+
+
+def instantiations(spec: KernelSpec) -> tuple:
+    """Every instantiation ``_launch`` can make (for compile checks of other backends)."""
+    from .._registry import KernelInstance  # defined by the registry of the CUDA layer
+
+    del spec
+    out = []
+    for t in FLOAT_TYPES:
+        for bits in SUPPORTED_BITS:
+            for group_size in SUPPORTED_GROUP_SIZES:
+                for idx in INDEX_TYPES:
+                    out.append(KernelInstance(
+                        template=_template(t, bits, group_size),
+                        inputs=(("x", t, 2), ("w", mx.uint32, 3), ("scales", t, 3),
+                                ("biases", t, 3), ("indices", idx, 1),
+                                *((name, mx.uint32, 0) for name in _INPUTS[5:])),
+                        outputs=(("out", t),),
+                    ))
+    return tuple(out)
+
+
 def _launch(x, w, scales, biases, indices, info: dict, backend: str) -> mx.array:
     lead, k, n_out, n_in = info["lead"], info["k"], info["n_out"], info["in_features"]
     tokens = info["tokens"]
@@ -196,7 +221,7 @@ def _launch(x, w, scales, biases, indices, info: dict, backend: str) -> mx.array
         inputs=(xs, w, scales, biases, idx, scalar(info["n_experts"], mx.uint32),
                 scalar(n_out, mx.uint32), scalar(n_in, mx.uint32), scalar(x_share, mx.uint32)),
         input_names=_INPUTS, output_names=_OUTPUTS,
-        template=(("T", x.dtype), ("BITS", info["bits"]), ("GROUP_SIZE", info["group_size"])),
+        template=_template(x.dtype, info["bits"], info["group_size"]),
         grid=(tg, -(-n_out // ROWS_PER_THREADGROUP), pairs), threadgroup=(tg, 1, 1),
         output_shapes=((pairs, n_out),), output_dtypes=(x.dtype,),
     )
