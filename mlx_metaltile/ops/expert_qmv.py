@@ -26,7 +26,6 @@ from ._common import (
 OP = "expert_qmv"
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
-SIMD_WIDTH = 32
 SIMDGROUPS = 2  # SIMD-groups per threadgroup (matches the template)
 ROWS = 4  # output rows per SIMD-group (matches the template)
 ROWS_PER_THREADGROUP = SIMDGROUPS * ROWS
@@ -215,7 +214,7 @@ def _launch(x, w, scales, biases, indices, info: dict, backend: str) -> mx.array
     else:
         xs = mx.broadcast_to(x, (*lead, k, n_in)).reshape(pairs, n_in)
         x_share = 1
-    tg = SIMD_WIDTH * SIMDGROUPS
+    tg = backends.SIMD_WIDTH * SIMDGROUPS
     (out,) = backends.launch(
         SPEC, backend,
         inputs=(xs, w, scales, biases, idx, scalar(info["n_experts"], mx.uint32),
