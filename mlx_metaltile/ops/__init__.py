@@ -1,9 +1,12 @@
 """One module per op: checks, launcher, reference and public function."""
 
+from .expert_qmv import expert_qmv, expert_qmv_reference
 from .gated_rms_norm import gated_rms_norm, gated_rms_norm_reference
 from .moe_gather_qmm import moe_gather_qmm, moe_gather_qmm_reference
 
 __all__ = [
+    "expert_qmv",
+    "expert_qmv_reference",
     "gated_rms_norm",
     "gated_rms_norm_reference",
     "moe_gather_qmm",
