@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -47,6 +48,7 @@ def _check_name(name: str) -> None:
         raise ValueError(f"[mlx_metaltile] backend must be one of {BACKENDS}, got {name!r}")
 
 
+@functools.cache
 def _metal_available() -> bool:
     try:
         return bool(mx.metal.is_available())
@@ -115,8 +117,12 @@ def use_backend(name: str) -> Iterator[str]:
 def resolve_backend(name: str | None = None) -> str:
     """The concrete backend an op call runs on now."""
     name = name or get_backend()
-    if name != "auto":
-        return name
+    return _auto_choice() if name == "auto" else name
+
+
+@functools.cache
+def _auto_choice() -> str:
+    """What ``auto`` means in this process (devices do not come and go while it runs)."""
     if _metal_available():
         return "metal"
     if unavailable_reason("cuda") is None:
@@ -176,14 +182,14 @@ def check_geometry(op: str, grid: Sequence[int], threadgroup: Sequence[int],
     """Refuse a dispatch that would be illegal (or freeze a Mac) before it is made."""
     if len(grid) != 3 or len(threadgroup) != 3:
         raise ValueError(f"[{op}] internal: grid and threadgroup must have 3 entries")
-    if any(int(g) < 1 for g in grid) or any(int(t) < 1 for t in threadgroup):
+    if min(*grid, *threadgroup) < 1:
         raise ValueError(f"[{op}] internal: empty dispatch grid={tuple(grid)} "
                          f"threadgroup={tuple(threadgroup)}")
     threads = threadgroup[0] * threadgroup[1] * threadgroup[2]
     if threads > MAX_THREADS_PER_THREADGROUP or threads % SIMD_WIDTH:
         raise ValueError(f"[{op}] internal: threadgroup of {threads} threads; expected a "
                          f"multiple of {SIMD_WIDTH} and at most {MAX_THREADS_PER_THREADGROUP}")
-    if any(int(g) >= 2**32 for g in grid):
+    if max(grid) >= 2**32:
         raise ValueError(f"[{op}] problem too large: grid {tuple(grid)} exceeds 2^32-1 threads "
                          "in one dimension")
     if threadgroup_memory > MAX_THREADGROUP_MEMORY:

@@ -1,0 +1,131 @@
+"""``python -m mlx_metaltile bench|kernels``: the benchmark table and the kernel registry."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+
+import mlx_metaltile as mt
+from mlx_metaltile import _device, backends
+from mlx_metaltile._registry import TOLERANCES
+
+
+def _time(fn, inputs: list[dict], warmup: int, iters: int) -> float:
+    """Median seconds of one evaluated call, rotating over input copies."""
+    for i in range(warmup):
+        mx.eval(fn(**inputs[i % len(inputs)]))
+    times = []
+    for i in range(iters):
+        args = inputs[i % len(inputs)]
+        start = time.perf_counter()
+        mx.eval(fn(**args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _error(case, got: mx.array, inputs: dict) -> tuple[float, bool]:
+    """Max abs error vs the float64 oracle, and whether it is inside the tolerance table."""
+    want = case.oracle(**inputs)
+    got64 = _to_f64(got)
+    tol = TOLERANCES[case.dtype_name]
+    err = np.abs(got64 - want)
+    bound = tol.atol + (tol.rtol + tol.accum) * np.abs(want)
+    ok = bool(np.all(err <= bound)) if case.op == "gated_rms_norm" else bool(np.all(np.isfinite(err)))
+    return float(np.nanmax(err)) if err.size else 0.0, ok
+
+
+def _to_f64(a: mx.array) -> np.ndarray:
+    if a.dtype == mx.bfloat16:
+        a = a.astype(mx.float32)
+    return np.array(a).astype(np.float64)
+
+
+def cmd_bench(args) -> int:
+    from mlx_metaltile._bench_cases import cases
+
+    if args.backend:
+        mt.set_backend(args.backend)
+    backend = backends.resolve_backend()
+    device = _device.device_name()
+    peak = _device.peak_gbps(device)
+    selected = [c for c in cases(quick=args.quick) if not args.op or c.op in args.op]
+    print(f"mlx_metaltile {mt.__version__}  mlx {mx.__version__}  device: {device}  "
+          f"backend: {backend}" + ("" if backend in ("metal", "cuda") else
+                                   "  (no GPU kernel backend here: 'ours' is the "
+                                   "reference composite)" if backend == "reference" else ""))
+    header = (f"{'op':<16} {'shape':<22} {'dtype':<9} {'native us':>10} {'ours us':>10} "
+              f"{'ratio':>6} {'GB/s':>8}" + (f" {'%peak':>6}" if peak else "") +
+              f" {'max err':>9}  ok")
+    print(header)
+    rng = np.random.default_rng(0)
+    results = []
+    for i, case in enumerate(selected, 1):
+        print(f"[{i}/{len(selected)}] {case.id} ...", end="\r", file=sys.stderr, flush=True)
+        inputs = [case.make(rng) for _ in range(args.rotate)]
+        out = case.ours(**inputs[0])
+        mx.eval(out)
+        err, ok = _error(case, out, inputs[0])
+        t_ours = _time(case.ours, inputs, args.warmup, args.iters)
+        t_native = (_time(case.native, inputs, args.warmup, args.iters)
+                    if case.native is not None else float("nan"))
+        gbps = case.nbytes / t_ours / 1e9
+        row = dict(op=case.op, shape=case.label, dtype=case.dtype_name, backend=backend,
+                   native_us=t_native * 1e6, ours_us=t_ours * 1e6,
+                   speedup=t_native / t_ours, gbps=gbps, bytes=case.nbytes, flops=case.flops,
+                   max_err=err, within_tolerance=ok)
+        results.append(row)
+        line = (f"{case.op:<16} {case.label:<22} {case.dtype_name:<9} {row['native_us']:>10.1f} "
+                f"{row['ours_us']:>10.1f} {row['speedup']:>6.2f} {gbps:>8.1f}")
+        if peak:
+            line += f" {100 * gbps / peak:>5.0f}%"
+        print(f"{line} {err:>9.2e}  {'✓' if ok else '✗'}", flush=True)
+        del inputs, out
+    print(" " * 60, end="\r", file=sys.stderr)
+    if args.json:
+        meta = dict(device=device, device_slug=_device.device_slug(device), peak_gbps=peak,
+                    backend=backend, mlx_version=mx.__version__, package_version=mt.__version__,
+                    git_sha=_device.git_sha(), platform=platform.platform(),
+                    time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, results=results), f, indent=1)
+        print(f"saved {len(results)} results to {args.json}")
+    return 0 if all(r["within_tolerance"] for r in results) else 1
+
+
+def cmd_kernels(args) -> int:
+    avail = backends.available_backends()
+    print("backends: " + ", ".join(f"{k}{'' if v is None else ' (unavailable)'}"
+                                   for k, v in avail.items()))
+    print(f"{'kernel':<34} {'template':<34} {'dtypes':<27} geometry")
+    for spec in mt.kernels():
+        print(f"{spec.name:<34} {spec.template:<34} {','.join(spec.dtypes):<27} {spec.geometry}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mlx_metaltile", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    bench = sub.add_parser("bench", help="time every op against native MLX, check vs oracle")
+    bench.add_argument("--op", action="append", help="only this op (repeatable)")
+    bench.add_argument("--quick", action="store_true", help="a short subset of shapes")
+    bench.add_argument("--backend", choices=backends.BACKENDS, help="default: auto")
+    bench.add_argument("--json", metavar="PATH", help="save results with device and versions")
+    bench.add_argument("--iters", type=int, default=20)
+    bench.add_argument("--warmup", type=int, default=3)
+    bench.add_argument("--rotate", type=int, default=2, help="input copies to rotate through")
+    bench.set_defaults(fn=cmd_bench)
+    kernels = sub.add_parser("kernels", help="list the kernel registry")
+    kernels.set_defaults(fn=cmd_kernels)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

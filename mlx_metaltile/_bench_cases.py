@@ -1,0 +1,91 @@
+"""Benchmark cases shared by ``python -m mlx_metaltile bench`` and the pytest-benchmark suites.
+
+Each case builds fresh inputs, and names three callables over them: ours (the public op on
+the selected backend), the native MLX composite it replaces, and a float64 NumPy oracle
+written from the math. ``nbytes`` counts every input read once plus the outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+import mlx_metaltile as mt
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    op: str
+    label: str
+    dtype: mx.Dtype
+    make: Callable[[np.random.Generator], dict]
+    ours: Callable[..., mx.array]
+    native: Callable[..., mx.array] | None
+    oracle: Callable[..., np.ndarray]
+    nbytes: int
+    flops: int
+    quick: bool = False  # part of the short default run
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).rsplit(".", 1)[-1]
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}-{self.label}-{self.dtype_name}"
+
+
+def f64(a) -> np.ndarray:
+    if isinstance(a, mx.array):
+        if a.dtype == mx.bfloat16:
+            a = a.astype(mx.float32)
+        return np.array(a).astype(np.float64)
+    return np.asarray(a, dtype=np.float64)
+
+
+DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+_CASES: list[BenchCase] = []
+
+
+# ---- gated_rms_norm ------------------------------------------------------------------
+
+def _gated_rms_norm_oracle(y, z, weight, eps=1e-5):
+    y, z, w = f64(y), f64(z), f64(weight)
+    with np.errstate(over="ignore"):
+        silu = z / (1.0 + np.exp(-z))
+    return w * y / np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + eps) * silu
+
+
+def _gated_rms_norm_native(y, z, weight, eps=1e-5):
+    # As mlx-lm's Qwen3-Next gated norm: fast rms_norm in the model dtype, then the gate.
+    return mx.fast.rms_norm(y.astype(z.dtype), weight, eps) * (z * mx.sigmoid(z))
+
+
+def _gated_rms_norm_cases():
+    shapes = [(4096, 128, True), (16384, 128, False), (1, 2048, True), (32, 2048, False),
+              (4096, 2048, False), (1, 4096, False), (32, 4096, True), (4096, 4096, False)]
+    for rows, n, quick in shapes:
+        for dtype in DTYPES:
+            for y_dtype in (mx.float32, dtype) if dtype != mx.float32 else (mx.float32,):
+                def make(rng, rows=rows, n=n, dtype=dtype, y_dtype=y_dtype):
+                    return dict(
+                        y=mx.array(rng.standard_normal((rows, n), dtype=np.float32)).astype(y_dtype),
+                        z=mx.array(rng.standard_normal((rows, n), dtype=np.float32)).astype(dtype),
+                        weight=mx.array(rng.uniform(-2, 2, n).astype(np.float32)).astype(dtype))
+                y_tag = "yf32" if y_dtype == mx.float32 and dtype != mx.float32 else "y=T"
+                nbytes = rows * n * (y_dtype.size + 2 * dtype.size) + n * dtype.size
+                _CASES.append(BenchCase(
+                    op="gated_rms_norm", label=f"{rows}x{n}-{y_tag}", dtype=dtype, make=make,
+                    ours=mt.gated_rms_norm, native=_gated_rms_norm_native,
+                    oracle=_gated_rms_norm_oracle, nbytes=nbytes, flops=8 * rows * n,
+                    quick=quick and dtype == mx.float16))
+
+
+_gated_rms_norm_cases()
+
+
+def cases(op: str | None = None, quick: bool = False) -> list[BenchCase]:
+    return [c for c in _CASES if (op is None or c.op == op) and (c.quick or not quick)]
