@@ -23,7 +23,8 @@
 //   staged at a time: D or D/2, a multiple of 32, with 32 * DC * sizeof(T) <= 16 KiB).
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
-//   threadgroup = (32 * NSG, 1, 1), NSG = ceil(min(G*L, 32) / RS), RS * NSG <= 32
+//   threadgroup = (32 * NSG, 1, 1), NSG = 32 / RS simdgroups (also when G*L < 32: the
+//     simdgroups without rows still share the staging loads)
 //   grid = (32 * NSG * n_splits, ceil(G*L / 32), B * Hkv):
 //     threadgroup_position_in_grid = (slice, row tile, b * Hkv + kvh)
 //   slice s covers keys [s * chunk, min((s + 1) * chunk, kv_len)); n_splits * chunk >= kv_len

@@ -119,6 +119,20 @@ def test_cases_cover_split_kv_and_tiles():
     assert any(p["rows"] % op_module.ROW_TILE for p in plans if p["n_tiles"] > 1)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_one_block_slices(any_backend, poisoned, monkeypatch, rng, dtype):
+    """Slices of 32 keys: with kv_len close to L, early causal queries see no key at all in
+    the later slices (empty partials), and the last slice holds a single key."""
+    monkeypatch.setattr(op_module, "MIN_SPLIT_BLOCKS", 1)
+    monkeypatch.setattr(op_module, "MIN_KEYS_PER_ROW", 0)
+    monkeypatch.setattr(op_module, "TARGET_THREADS", 1 << 30)
+    for L, kv_len in ((33, 33), (40, 97)):
+        plan = op_module.plan(1, 4, 2, L, 64, kv_len, dtype)
+        assert plan["chunk"] == 32 and plan["n_splits"] == -(-kv_len // 32)
+        q, k, v = make_inputs(rng, 1, 4, 2, L, kv_len + 8, 64, dtype)
+        run_and_check(q, k, v, scale=0.125, causal=True, kv_len=kv_len, backend=any_backend)
+
+
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 @pytest.mark.parametrize("kv_len", (28, 4104))
 def test_real_model_shape(any_backend, poisoned, rng, kv_len, causal):

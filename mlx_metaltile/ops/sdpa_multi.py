@@ -24,18 +24,20 @@ KEY_BLOCK = 32  # keys per staged block (one per lane)
 STAGE_BYTES = 16 * 1024  # most bytes of one staged K or V block
 COMBINE_ROWS = 4  # output rows per combine threadgroup (one simdgroup each)
 # Splitting the KV range across threadgroups: aim for about TARGET_THREADS threads in
-# flight, with slices of at least MIN_SPLIT_BLOCKS key blocks and at least 8 keys per query
-# row of the tile (so re-reading q and writing partials stays small next to the K/V slice),
-# and at most MAX_SPLITS slices. Tuning constants: they change speed, never results.
+# flight, with slices of at least MIN_SPLIT_BLOCKS key blocks and at least MIN_KEYS_PER_ROW
+# keys per query row of the tile (so re-reading q and writing partials stays small next to
+# the K/V slice), and at most MAX_SPLITS slices. Tuning constants: they change speed, never
+# results.
 TARGET_THREADS = 32 * 1024
 MIN_SPLIT_BLOCKS = 4
+MIN_KEYS_PER_ROW = 8
 MAX_SPLITS = 128
 LOG2E = 1.4426950408889634
 
 SPLIT_SPEC, COMBINE_SPEC = register(
     KernelSpec(
         op=OP, variant="split", template="sdpa_multi.metal", dtypes=FLOAT_DTYPES,
-        geometry="rows = L*Hq/Hkv per KV head, tiles of 32; TG = 32*ceil(min(rows,32)/RS) "
+        geometry="rows = L*Hq/Hkv per KV head, tiles of 32; TG = 32*(32/RS) threads "
                  "(RS = 8, or 4 for D=256); grid (TG*n_splits, ceil(rows/32), B*Hkv); "
                  "each TG reads its KV slice once (staged 32 keys at a time)",
         notes="template T, D, RS, DC; L, kv_len, S, G, chunk, causal, scale are runtime",
@@ -136,10 +138,11 @@ def plan(B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int, dtype: mx.Dtype
     rs, dc = _tiles(D, dtype)
     rows = (Hq // Hkv) * L
     n_tiles = -(-rows // ROW_TILE)
-    n_simdgroups = -(-min(rows, ROW_TILE) // rs)
+    # A full tile of simdgroups even for few rows: the idle ones still share the staging.
+    n_simdgroups = ROW_TILE // rs
     tg = 32 * n_simdgroups
     blocks = -(-kv_len // KEY_BLOCK)
-    min_blocks = max(MIN_SPLIT_BLOCKS, -(-8 * min(rows, ROW_TILE) // KEY_BLOCK))
+    min_blocks = max(MIN_SPLIT_BLOCKS, -(-MIN_KEYS_PER_ROW * min(rows, ROW_TILE) // KEY_BLOCK))
     want = -(-TARGET_THREADS // (B * Hkv * n_tiles * tg))
     n_splits = max(1, min(want, blocks // min_blocks, MAX_SPLITS))
     chunk = -(-blocks // n_splits) * KEY_BLOCK
