@@ -29,8 +29,10 @@
 //     threadgroup_position_in_grid = (slice, row tile, b * Hkv + kvh)
 //   slice s covers keys [s * chunk, min((s + 1) * chunk, kv_len)); n_splits * chunk >= kv_len
 //   simdgroup w of row tile t owns rows t*32 + w*RS .. + RS - 1 (those < G*L); lane i owns
-//   dims i + 32*c of q and o, and key kb + i of each 32-key block kb.
-//   threadgroup memory: kv_tile, 32 * (DC + 4 / sizeof(T)) elements of T (<= 16.5 KiB).
+//   key kb + i of each 32-key block kb, q columns [i*D/32, (i+1)*D/32) (shuffled to the
+//   other lanes in vectors of up to 4) and o columns i + 32*c.
+//   threadgroup memory: kv_tile, 32 * (DC + 4 / sizeof(T)) elements of T (<= 16.5 KiB), and
+//   p_tile, 32 x 32 floats (each simdgroup's rows of probabilities of the current block).
 //   Every thread reaches every barrier: loop bounds are uniform over the threadgroup.
 //
 // TRAFFIC per call: each visible key/value row is read by exactly one threadgroup per row
@@ -61,13 +63,19 @@ inline void mt_sdpa_stage(threadgroup T* tile, const device T* src, uint n_valid
 }
 // ---- kernel body ----
 constexpr int DPL = D / 32;                   // q / o columns per lane
-constexpr int CPL = DC / 32;                  // staged columns per lane
+constexpr int QV = DPL < 4 ? DPL : 4;         // q columns moved by one shuffle
+constexpr int NQV = DPL / QV;                 // q vectors per lane
+constexpr int CPL = DC / 32;                  // staged o columns per lane
 constexpr int NCH = D / DC;                   // column chunks per 32-key block
+constexpr int LPC = 32 / NCH;                 // lanes whose q columns lie in one chunk
 constexpr int TSTRIDE = DC + 4 / int(sizeof(T));  // odd word stride: lane-per-row reads hit
                                                   // 32 different banks
-static_assert(D % 32 == 0 && DC % 32 == 0 && D % DC == 0, "head dim tiling");
+static_assert(D % 32 == 0 && DPL >= 2 && DPL % QV == 0, "head dim tiling");
+static_assert(DC % 32 == 0 && D % DC == 0, "staged column chunks");
 static_assert(RS >= 1 && RS <= 32 && 32 % RS == 0, "rows per simdgroup");
+typedef vec<float, QV> qvec;
 threadgroup T kv_tile[32 * TSTRIDE];
+threadgroup float p_tile[32 * 32];
 
 const uint split = threadgroup_position_in_grid.x;
 const uint tile_idx = threadgroup_position_in_grid.y;
@@ -87,6 +95,7 @@ const bool is_causal = causal != 0u;
 const uint tile_row0 = tile_idx * 32u;
 const uint row0 = tile_row0 + sg * uint(RS);
 const uint nr = row0 < n_rows ? min(uint(RS), n_rows - row0) : 0u;
+threadgroup float* p_rows = p_tile + sg * uint(RS) * 32u;  // this simdgroup's rows of p
 
 // Keys of this slice; a causal tile stops at the last key its rows can see.
 const uint k_begin = split * chunk;
@@ -100,19 +109,23 @@ if (is_causal) {
   k_end = min(k_end, kvn - L + l_max + 1u);
 }
 
-// Query rows in registers, pre-scaled: lane holds columns lane + 32 * c.
+// Query rows in registers, pre-scaled: lane holds columns lane * DPL .. lane * DPL + DPL - 1.
 const size_t q_row0 = size_t(bh) * n_rows;
-float qr[RS][DPL];
+qvec qr[RS][NQV];
 uint lim[RS];  // last visible key + 1 of each row (0 for rows past n_rows)
 for (int rr = 0; rr < RS; ++rr) {
   const uint r = row0 + uint(rr);
   const bool valid = uint(rr) < nr;
   lim[rr] = !valid ? 0u : (is_causal ? kvn - L + r % L + 1u : kvn);
-  for (int c = 0; c < DPL; ++c) {
-    qr[rr][c] = valid ? scale * float(q[(q_row0 + r) * D + lane + 32u * uint(c)]) : 0.0f;
+  for (int w = 0; w < NQV; ++w) {
+    for (int e = 0; e < QV; ++e) {
+      const size_t at = (q_row0 + r) * D + lane * uint(DPL) + uint(w * QV + e);
+      qr[rr][w][e] = valid ? scale * float(q[at]) : 0.0f;
+    }
   }
 }
 
+// Running softmax state; o: lane holds columns lane + 32 * c.
 float m[RS];
 float l_part[RS];  // this lane's share of the row's sum of exponentials
 float o[RS][DPL];
@@ -130,7 +143,7 @@ const device T* v_head = v + size_t(bh) * kv_rows * D;
 for (uint kb = k_begin; kb < k_end; kb += 32u) {
   const uint nk = min(32u, k_end - kb);  // keys of this block (uniform)
 
-  // Scores: lane owns key kb + lane; q columns are broadcast from their owning lane.
+  // Scores: lane owns key kb + lane; q columns come from their owning lane by shuffle.
   float s[RS];
   for (int rr = 0; rr < RS; ++rr) {
     s[rr] = 0.0f;
@@ -141,12 +154,19 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
                                      tid, n_threads);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (nr > 0u) {
-      for (int c = 0; c < CPL; ++c) {
-        for (ushort src = 0; src < 32; ++src) {
-          const float kval = float(kv_tile[lane * TSTRIDE + uint(c) * 32u + src]);
+      for (int i = 0; i < LPC; ++i) {
+        const ushort src = ushort(ch * LPC + i);
+        for (int w = 0; w < NQV; ++w) {
+          float kval[QV];
+          for (int e = 0; e < QV; ++e) {
+            kval[e] = float(kv_tile[lane * TSTRIDE + uint(i * DPL + w * QV + e)]);
+          }
           for (int rr = 0; rr < RS; ++rr) {
             if (uint(rr) < nr) {
-              s[rr] += simd_shuffle(qr[rr][ch * CPL + c], src) * kval;
+              const qvec qs = simd_shuffle(qr[rr][w], src);
+              for (int e = 0; e < QV; ++e) {
+                s[rr] += qs[e] * kval[e];
+              }
             }
           }
         }
@@ -155,16 +175,16 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
   }
 
   // Online softmax over this block (base 2); masked keys get probability exactly 0.
-  float p[RS];
+  // p goes to this simdgroup's rows of p_tile; the barriers below publish it.
   for (int rr = 0; rr < RS; ++rr) {
-    p[rr] = 0.0f;
     if (uint(rr) < nr) {
       const bool ok = kb + lane < min(lim[rr], k_end);
       const float sc = ok ? s[rr] : MT_SDPA_NEG;
       const float m_new = max(m[rr], simd_max(sc));
       const float alpha = exp2(m[rr] - m_new);
-      p[rr] = ok ? exp2(sc - m_new) : 0.0f;
-      l_part[rr] = l_part[rr] * alpha + p[rr];
+      const float p = ok ? exp2(sc - m_new) : 0.0f;
+      p_rows[uint(rr) * 32u + lane] = p;
+      l_part[rr] = l_part[rr] * alpha + p;
       for (int c = 0; c < DPL; ++c) {
         o[rr][c] *= alpha;
       }
@@ -172,20 +192,20 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
     }
   }
 
-  // o += p @ v_block: lane owns columns; p_j is broadcast from lane j.
+  // o += p @ v_block: lane owns columns; p_j is a broadcast read of p_tile.
   for (int ch = 0; ch < NCH; ++ch) {
     threadgroup_barrier(mem_flags::mem_threadgroup);
     mt_sdpa_stage<T, D, DC, TSTRIDE>(kv_tile, v_head + size_t(kb) * D, nk, uint(ch * DC),
                                      tid, n_threads);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (nr > 0u) {
-      for (ushort j = 0; j < ushort(nk); ++j) {
+      for (uint j = 0; j < nk; ++j) {
         float pj[RS];
         for (int rr = 0; rr < RS; ++rr) {
-          pj[rr] = uint(rr) < nr ? simd_shuffle(p[rr], j) : 0.0f;
+          pj[rr] = uint(rr) < nr ? p_rows[uint(rr) * 32u + j] : 0.0f;
         }
         for (int c = 0; c < CPL; ++c) {
-          const float vval = float(kv_tile[uint(j) * TSTRIDE + uint(c) * 32u + lane]);
+          const float vval = float(kv_tile[j * TSTRIDE + uint(c) * 32u + lane]);
           for (int rr = 0; rr < RS; ++rr) {
             if (uint(rr) < nr) {
               o[rr][ch * CPL + c] += pj[rr] * vval;

@@ -152,7 +152,7 @@ def plan(B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int, dtype: mx.Dtype
         "rs": rs, "dc": dc, "rows": rows, "n_tiles": n_tiles, "n_simdgroups": n_simdgroups,
         "n_splits": n_splits, "chunk": chunk, "threadgroup": (tg, 1, 1),
         "grid": (tg * n_splits, n_tiles, B * Hkv),
-        "threadgroup_memory": KEY_BLOCK * (dc + pad) * dtype.size,
+        "threadgroup_memory": KEY_BLOCK * (dc + pad) * dtype.size + ROW_TILE * KEY_BLOCK * 4,
     }
 
 
