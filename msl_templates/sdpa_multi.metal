@@ -89,7 +89,9 @@ const uint sg = simdgroup_index_in_threadgroup;
 const uint L = n_q;
 const uint n_rows = group * L;                // query rows that share this KV head
 const uint kvn = kv_len;
+const uint chunk_keys = chunk;
 const bool is_causal = causal != 0u;
+const float q_scale = scale;
 
 // Rows of this simdgroup: row0 .. row0 + nr - 1 (nr may be 0 in a ragged last tile).
 const uint tile_row0 = tile_idx * 32u;
@@ -98,8 +100,8 @@ const uint nr = row0 < n_rows ? min(uint(RS), n_rows - row0) : 0u;
 threadgroup float* p_rows = p_tile + sg * uint(RS) * 32u;  // this simdgroup's rows of p
 
 // Keys of this slice; a causal tile stops at the last key its rows can see.
-const uint k_begin = split * chunk;
-uint k_end = min(k_begin + chunk, kvn);
+const uint k_begin = split * chunk_keys;
+uint k_end = min(k_begin + chunk_keys, kvn);
 if (is_causal) {
   const uint last_row = min(tile_row0 + 32u, n_rows) - 1u;
   const uint span = last_row - tile_row0 + 1u;
@@ -120,7 +122,7 @@ for (int rr = 0; rr < RS; ++rr) {
   for (int w = 0; w < NQV; ++w) {
     for (int e = 0; e < QV; ++e) {
       const size_t at = (q_row0 + r) * D + lane * uint(DPL) + uint(w * QV + e);
-      qr[rr][w][e] = valid ? scale * float(q[at]) : 0.0f;
+      qr[rr][w][e] = valid ? q_scale * float(q[at]) : 0.0f;
     }
   }
 }
@@ -137,8 +139,9 @@ for (int rr = 0; rr < RS; ++rr) {
   }
 }
 
-const device T* k_head = k + size_t(bh) * kv_rows * D;
-const device T* v_head = v + size_t(bh) * kv_rows * D;
+const size_t head_off = size_t(bh) * kv_rows * D;
+const device T* k_head = k + head_off;
+const device T* v_head = v + head_off;
 
 for (uint kb = k_begin; kb < k_end; kb += 32u) {
   const uint nk = min(32u, k_end - kb);  // keys of this block (uniform)

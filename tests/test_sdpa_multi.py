@@ -137,8 +137,6 @@ def test_one_block_slices(any_backend, poisoned, monkeypatch, rng, dtype):
 @pytest.mark.parametrize("kv_len", (28, 4104))
 def test_real_model_shape(any_backend, poisoned, rng, kv_len, causal):
     """A Llama-3-8B-style layer: B=1, Hq=32, Hkv=8, D=128, a block of L=8 queries."""
-    if kv_len > 1000 and any_backend == "emulator" and causal is False:
-        pytest.skip("one long-cache run per backend keeps the emulator suite short")
     q, k, v = make_inputs(rng, 1, 32, 8, 8, kv_len + 24, 128, mx.bfloat16)
     run_and_check(q, k, v, scale=128 ** -0.5, causal=causal, kv_len=kv_len,
                   backend=any_backend)
@@ -186,30 +184,111 @@ def test_non_contiguous_inputs(any_backend, rng):
     run_and_check(q, k, v, scale=0.125, causal=True, kv_len=90, backend=any_backend)
 
 
-def test_kv_len_l_and_batch_do_not_rebuild(kernel_backend, rng):
+@pytest.fixture
+def launches(monkeypatch):
+    """Records each sdpa_multi launch: (kernel name, template args, emulator stats or None)."""
+    records = []
+    real_launch = backends.launch
+
+    def spy(spec, backend, **kwargs):
+        outs = real_launch(spec, backend, **kwargs)
+        stats = None
+        if backend == "emulator":  # eager: the launch has run
+            stats = importlib.import_module("mlx_metaltile.emulator").last_launch_stats()
+        records.append((spec.name, tuple(kwargs["template"]), stats))
+        return outs
+
+    monkeypatch.setattr(backends, "launch", spy)
+    return records
+
+
+def _emulator_instantiations():
+    """Distinct instantiations the emulator compiled for the two sdpa_multi kernel objects."""
+    total = 0
+    for spec, ins, outs in ((op_module.SPLIT_SPEC, op_module._SPLIT_INPUTS,
+                             op_module._SPLIT_OUTPUTS),
+                            (op_module.COMBINE_SPEC, op_module._COMBINE_INPUTS,
+                             op_module._COMBINE_OUTPUTS)):
+        kernel = backends.get_kernel(spec, "emulator", ins, outs)
+        total += len(kernel._modules)  # one compiled module per generated source
+    return total
+
+
+def test_kv_len_l_and_batch_do_not_rebuild(kernel_backend, launches, rng):
     """A decode/verify loop (growing kv_len, then other L and B) builds no new kernel."""
-    S = 160
+    S = 700
     q, k, v = make_inputs(rng, 1, 8, 2, 4, S, 64, mx.float16)
     run_and_check(q, k, v, scale=0.125, causal=True, kv_len=4, backend=kernel_backend)
     built = backends.built_kernels()
-    inst = _instantiations(kernel_backend)
-    for kv_len in (5, 31, 32, 33, 64, 97, 150):
+    inst = _emulator_instantiations() if kernel_backend == "emulator" else None
+    for kv_len in (5, 31, 32, 33, 64, 97, 300, 650):  # 1 to several KV slices
         run_and_check(q, k, v, scale=0.125, causal=True, kv_len=kv_len, backend=kernel_backend)
     for B, L in ((1, 1), (2, 8), (3, 16)):
         q2, k2, v2 = make_inputs(rng, B, 8, 2, L, S, 64, mx.float16)
         run_and_check(q2, k2, v2, scale=0.3, causal=False, kv_len=120, backend=kernel_backend)
     assert backends.built_kernels() == built
-    assert _instantiations(kernel_backend) == inst
+    assert len({(name, template) for name, template, _ in launches}) == 2
+    assert len({op_module.plan(1, 8, 2, 4, 64, n, mx.float16)["n_splits"]
+                for n in (4, 650)}) == 2  # the loop did change the launch geometry
+    if kernel_backend == "emulator":
+        assert _emulator_instantiations() == inst
 
 
-def _instantiations(backend):
-    """How many distinct kernel instantiations the backend has compiled, if it says."""
-    if backend == "emulator":
-        emulator = importlib.import_module("mlx_metaltile.emulator")
-        for name in ("compiled_count", "instantiation_count", "compile_count"):
-            if hasattr(emulator, name):
-                return getattr(emulator, name)()
-    return None
+# ---- device traffic (emulator counters) -------------------------------------------------
+
+TRAFFIC_CASES = [
+    # (B, Hq, Hkv, L, kv_len, S, D, causal, one_block_slices)
+    (2, 8, 2, 4, 150, 200, 64, False, True),    # 16 rows: K/V once, over 5 slices
+    (1, 32, 8, 8, 300, 320, 128, True, False),  # 32 rows (real-model GQA 4 x L 8), causal
+    (1, 8, 1, 1, 1000, 1024, 128, False, False),  # decode, GQA 8, planner's own slices
+    (1, 4, 4, 16, 90, 96, 256, False, False),   # D 256 (staged in one or two chunks)
+    (1, 8, 1, 8, 100, 128, 64, False, False),   # 64 rows: two row tiles -> twice
+    (1, 4, 1, 33, 200, 200, 64, True, True),    # 132 rows: 5 tiles, causal, 7 slices
+]
+
+
+@pytest.mark.parametrize("dtype", (mx.float16, mx.float32), ids=dtype_id)
+@pytest.mark.parametrize("case", TRAFFIC_CASES, ids=lambda c: case_id(c[:-1]))
+def test_cache_is_read_once_per_row_tile(launches, monkeypatch, rng, case, dtype):
+    """Bytes the split kernel reads from k and v, against kv_len * Hkv * D * itemsize * B:
+    exactly once per row tile of 32 query rows for full attention (once in all when
+    L * Hq/Hkv <= 32), at most that for causal; q once per KV slice; partials written once."""
+    require_backend_here("emulator")
+    B, Hq, Hkv, L, kv_len, S, D, causal, one_block = case
+    if one_block:
+        monkeypatch.setattr(op_module, "MIN_SPLIT_BLOCKS", 1)
+        monkeypatch.setattr(op_module, "MIN_KEYS_PER_ROW", 0)
+        monkeypatch.setattr(op_module, "TARGET_THREADS", 1 << 30)
+    plan = op_module.plan(B, Hq, Hkv, L, D, kv_len, dtype)
+    q, k, v = make_inputs(rng, B, Hq, Hkv, L, S, D, dtype)
+    with backends.use_backend("emulator"):
+        run_and_check(q, k, v, scale=D ** -0.5, causal=causal, kv_len=kv_len,
+                      backend="emulator")
+    (name1, _, split), (name2, _, combine) = launches
+    assert (name1, name2) == (op_module.SPLIT_SPEC.name, op_module.COMBINE_SPEC.name)
+    ideal = B * Hkv * kv_len * D * dtype.size  # the visible cache of k (or v), once
+    tiles = -(-(L * Hq // Hkv) // op_module.ROW_TILE)
+    assert tiles == plan["n_tiles"]
+    for name in ("k", "v"):
+        if causal:
+            # a tile holding the block's last query reads the whole visible cache
+            assert ideal <= split.bytes_read[name] <= tiles * ideal
+        else:
+            assert split.bytes_read[name] == tiles * ideal
+    assert split.bytes_read["q"] == plan["n_splits"] * q.nbytes
+    rows = B * Hq * L
+    assert split.bytes_written["o_part"] == rows * plan["n_splits"] * D * 4
+    assert split.bytes_written["ml_part"] == rows * plan["n_splits"] * 2 * 4
+    assert split.grid == plan["grid"] and split.threadgroup == plan["threadgroup"]
+    assert split.threadgroup_memory <= plan["threadgroup_memory"] <= 32 * 1024
+    assert combine.bytes_read["o_part"] == rows * plan["n_splits"] * D * 4
+    assert combine.bytes_written["out"] == q.nbytes
+
+
+def require_backend_here(name):
+    reason = backends.unavailable_reason(name)
+    if reason is not None:
+        pytest.skip(f"backend {name} unavailable: {reason}")
 
 
 def test_empty_does_not_dispatch(kernel_backend):
