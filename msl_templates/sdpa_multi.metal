@@ -7,16 +7,17 @@
 //   row r = g * L + l is query l of query head kvh * G + g (G = Hq / Hkv)
 //   visible keys: j < kv_len, and j <= kv_len - L + l when causal (bottom-right aligned)
 //   s_j = (scale * log2(e)) * dot(q_r, k_j)             (`scale` arrives pre-multiplied)
-//   for the keys j of this slice: m = max_j s_j,  l = sum_j 2^(s_j - m),
-//   o[d] = sum_j 2^(s_j - m) * v_j[d]                   (not divided by l)
-//   softmax(scale * q.k) @ v == (sum_slices 2^(m_s - M) o_s) / (sum_slices 2^(m_s - M) l_s)
-//   A slice that sees no key of a row writes m = MT_SDPA_NEG, l = 0, o = 0.
+//   for the visible keys j of this slice: m = max_j s_j,  lsum = sum_j 2^(s_j - m),
+//   o[d] = sum_j 2^(s_j - m) * v_j[d]                   (not divided by lsum)
+//   softmax(scale * q.k) @ v == (sum_s 2^(m_s - M) o_s) / (sum_s 2^(m_s - M) lsum_s) over
+//   the slices s, M = max_s m_s. A slice that sees no key of a row writes m = MT_SDPA_NEG,
+//   lsum = 0, o = 0.
 //
 // LAYOUT (row-contiguous, ensure_row_contiguous):
 //   q [B, Hq, L, D] T: the G*L rows of KV head (b, kvh) are contiguous, row r at
 //     ((b*Hkv + kvh) * G*L + r) * D
 //   k, v [B, Hkv, S, D] T (S = kv_rows >= kv_len; rows >= kv_len are never read)
-//   o_part [B*Hq*L, n_splits, D] float32, ml_part [B*Hq*L, n_splits, 2] float32 (m, l)
+//   o_part [B*Hq*L, n_splits, D] float32, ml_part [B*Hq*L, n_splits, 2] float32 (m, lsum)
 //   0-d runtime inputs: n_q (L), group (G), kv_len, kv_rows (S), chunk (keys per slice,
 //   a multiple of 32), causal (0/1) as uint, scale (float, times log2(e)).
 //   Template: T, D (head dim, multiple of 32), RS (rows per simdgroup), DC (columns

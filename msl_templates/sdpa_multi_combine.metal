@@ -2,13 +2,14 @@
 // results of sdpa_multi.metal into the output rows.
 //
 // MATH (per output row, float32, base-2 exponentials, rounded once to T):
-//   M = max_s m_s;  w_s = 2^(m_s - M);  out[d] = (sum_s w_s * o_s[d]) / (sum_s w_s * l_s)
-//   A slice that saw no key of the row has m_s = -1e30, l_s = 0, o_s = 0, so w_s = 0 once
-//   any slice saw a key; a row with sum_s w_s * l_s == 0 (never produced by the wrapper,
+//   M = max_s m_s;  w_s = 2^(m_s - M);  out[d] = (sum_s w_s * o_s[d]) / (sum_s w_s * lsum_s)
+//   A slice that saw no key of the row has m_s = -1e30, lsum_s = 0, o_s = 0, so w_s = 0 once
+//   any slice saw a key; a row with sum_s w_s * lsum_s == 0 (never produced by the wrapper,
 //   since every row sees key 0) is written as 0, not NaN.
 //
-// LAYOUT: o_part [n_rows, n_splits, D] float32, ml_part [n_rows, n_splits, 2] float32 (m, l),
-//   out [n_rows, D] T (n_rows = B*Hq*L: the rows of q [B, Hq, L, D]), all row-contiguous.
+// LAYOUT: o_part [n_rows, n_splits, D] float32, ml_part [n_rows, n_splits, 2] float32
+//   (m, lsum), out [n_rows, D] T (n_rows = B*Hq*L: the rows of q [B, Hq, L, D]), all
+//   row-contiguous.
 //   0-d runtime inputs: n_rows, n_splits (uint). Template: T, D (multiple of 32).
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
@@ -18,6 +19,8 @@
 //   No threadgroup memory.
 //
 // REDUCTION ORDER: slices are merged in increasing slice order.
+// TRAFFIC: every lane reads each (m, lsum) of its row at the same address (the emulator's
+//   counters see 32 reads of it); o_part is read once, out written once.
 // Checked only on a Mac: that Apple's compiler accepts the body, and the speed.
 // ---- kernel body ----
 constexpr int DPL = D / 32;
