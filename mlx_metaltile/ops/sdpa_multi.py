@@ -201,6 +201,10 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
 
     Returns: ``[B, Hq, L, D]`` in q's dtype; softmax and accumulation in float32.
     D must be one of 64, 96, 128, 256.
+
+    Pass the whole preallocated cache with ``kv_len`` rather than a slice of it: the
+    kernels take row-contiguous inputs, so a non-contiguous view (``cache[:, :, :n]`` of a
+    larger buffer) gives the same result but is first copied by MLX.
     """
     B, Hq, Hkv, L, S, D, kv_len, scale, causal = _check_sdpa_multi(q, k, v, scale, causal,
                                                                    kv_len)
