@@ -3,6 +3,12 @@ grid geometry, partial edge threadgroups, template arguments, init_value, counte
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -210,3 +216,29 @@ def test_use_backend_emulator_runs_the_kernel(rng):
     assert em.last_launch_stats().kernel.startswith("mt_gated_rms_norm")
     ref = mt.ops.gated_rms_norm_reference(y, y, w)
     np.testing.assert_allclose(np.array(out), np.array(ref), rtol=1e-5, atol=1e-6)
+
+
+CONCURRENT = r"""
+import sys
+import mlx.core as mx
+from mlx_metaltile import emulator as em
+k = em.metal_kernel(name="race", input_names=["inp"], output_names=["out"],
+                    source="// %s\nout[thread_position_in_grid.x] = inp[0] + 1.0f;")
+(o,) = k(inputs=[mx.ones((8,))], grid=(4, 1, 1), threadgroup=(4, 1, 1),
+         output_shapes=[(4,)], output_dtypes=[mx.float32])
+assert o.tolist() == [2.0] * 4
+print("ok")
+"""
+
+
+def test_concurrent_processes_share_the_cache(tmp_path):
+    """Two processes building the same new kernel at once both succeed (atomic installs)."""
+    root = Path(__file__).resolve().parents[1]
+    script = CONCURRENT % uuid.uuid4().hex
+    env = dict(os.environ, PYTHONPATH=str(root))
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0 and out.strip() == "ok", err
