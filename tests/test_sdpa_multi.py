@@ -91,7 +91,7 @@ CASES = [
     (1, 4, 4, 16, 300, 320, 256, False),  # D 256, split KV, slack
     (1, 6, 3, 8, 129, 200, 96, True),    # D 96, GQA 2
     (1, 16, 2, 1, 520, 520, 128, False),  # GQA 8 decode, split KV
-    (1, 4, 1, 8, 700, 768, 128, True),   # causal block over split KV, slack
+    (1, 2, 2, 8, 700, 768, 128, True),   # causal block over 5 KV slices, slack
 ]
 
 
@@ -114,7 +114,8 @@ def test_cases_cover_split_kv_and_tiles():
     plans = [op_module.plan(B, Hq, Hkv, L, D, kv, mx.float16)
              for B, Hq, Hkv, L, kv, S, D, causal in CASES]
     assert any(p["n_splits"] > 1 for p in plans)
-    assert any(p["n_splits"] > 1 and c[-1] for p, c in zip(plans, CASES, strict=True))
+    assert any(p["n_splits"] > 1 and c[3] > 1 and c[-1]  # a causal block, several slices
+               for p, c in zip(plans, CASES, strict=True))
     assert any(p["n_tiles"] > 1 for p in plans)
     assert any(p["rows"] % op_module.ROW_TILE for p in plans if p["n_tiles"] > 1)
 

@@ -30,7 +30,7 @@ COMBINE_ROWS = 4  # output rows per combine threadgroup (one simdgroup each)
 # results.
 TARGET_THREADS = 32 * 1024
 MIN_SPLIT_BLOCKS = 4
-MIN_KEYS_PER_ROW = 8
+MIN_KEYS_PER_ROW = 16
 MAX_SPLITS = 128
 LOG2E = 1.4426950408889634
 
