@@ -238,6 +238,8 @@ class _Module:
                 lines = self.body_lines if where == "body" else self.header_lines
                 text = lines[line - 1].strip() if 0 < line <= len(lines) else None
                 return f"{where} line {line}", text
+        if frames and frames[-1][0] == "kernel.cpp":
+            return "the kernel's entry (setting up its local variables)", None
         if frames:
             return f"{frames[0][0]}:{frames[0][1]} (emulator runtime)", None
         return None, None
@@ -467,7 +469,7 @@ class EmulatedKernel:
             where, _ = mod.locate(rt, r.ras[k])
             message = message.replace(f"@RA{k}", where or "an unknown line")
         location, text = mod.locate(rt, r.fault_ra)
-        parts = [f"[{self.name}] {message}"]
+        parts = [f"[{self.name}] {message.rstrip('.')}"]
         threadgroup = thread = None
         if r.has_thread:
             threadgroup = tuple(r.threadgroup)

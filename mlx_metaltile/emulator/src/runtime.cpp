@@ -883,10 +883,10 @@ void on_signal(int sig, siginfo_t* info, void* uctx) {
     char* addr = static_cast<char*>(info->si_addr);
     if ((sig == SIGSEGV || sig == SIGBUS) && addr >= f->map && addr < f->lo) {
       record_hazard(w, MT_HZ_STACK_OVERFLOW, ra, nullptr, 0,
-                    "thread stack overflow (the emulator gives each thread %zu KiB; large "
+                    "thread stack overflow (the emulator gives each thread %llu KiB; large "
                     "per-thread arrays or deep recursion; set MLX_METALTILE_EMULATOR_STACK_KB "
                     "to raise it)",
-                    size_t(f->hi - f->lo) / 1024);
+                    (unsigned long long)(w->L->d->stack_size / 1024));
     } else if (sig == SIGFPE) {
       record_hazard(w, MT_HZ_ARITHMETIC, ra, nullptr, 0,
                     "arithmetic fault (integer division or remainder by zero, or overflow of "
@@ -997,7 +997,9 @@ bool prepare_worker(Worker* w, int index, Launch* L, size_t max_threads, char* e
       return false;
     }
   }
-  if (!L->fibers && !alloc_stack(&w->runner, std::max<size_t>(w->stack_size, 1 << 20))) {
+  // The runner calls the threads one after the other: the same stack budget per thread as a
+  // fiber gets, plus room for the runner's own frames.
+  if (!L->fibers && !alloc_stack(&w->runner, w->stack_size + 64 * 1024)) {
     snprintf(err, n, "cannot allocate the runner stack: %s", strerror(errno));
     return false;
   }

@@ -50,12 +50,12 @@ struct bfloat {
     return uint16_t(u >> 16);
   }
 
-  friend bfloat operator+(bfloat a, bfloat b) { return bfloat(float(a) + float(b)); }
-  friend bfloat operator-(bfloat a, bfloat b) { return bfloat(float(a) - float(b)); }
-  friend bfloat operator*(bfloat a, bfloat b) { return bfloat(float(a) * float(b)); }
-  friend bfloat operator/(bfloat a, bfloat b) { return bfloat(float(a) / float(b)); }
-  friend bfloat operator-(bfloat a) { return from_bits(uint16_t(a.bits ^ 0x8000u)); }
-  friend bfloat operator+(bfloat a) { return a; }
+  friend constexpr bfloat operator+(bfloat a, bfloat b) { return bfloat(float(a) + float(b)); }
+  friend constexpr bfloat operator-(bfloat a, bfloat b) { return bfloat(float(a) - float(b)); }
+  friend constexpr bfloat operator*(bfloat a, bfloat b) { return bfloat(float(a) * float(b)); }
+  friend constexpr bfloat operator/(bfloat a, bfloat b) { return bfloat(float(a) / float(b)); }
+  friend constexpr bfloat operator-(bfloat a) { return from_bits(uint16_t(a.bits ^ 0x8000u)); }
+  friend constexpr bfloat operator+(bfloat a) { return a; }
   bfloat& operator+=(bfloat b) { return *this = *this + b; }
   bfloat& operator-=(bfloat b) { return *this = *this - b; }
   bfloat& operator*=(bfloat b) { return *this = *this * b; }
