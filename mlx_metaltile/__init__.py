@@ -2,7 +2,7 @@
 
 from ._registry import KernelSpec, kernels
 from .backends import available_backends, get_backend, set_backend, use_backend
-from .ops import expert_qmv, gated_rms_norm, moe_gather_qmm
+from .ops import expert_qmv, gated_rms_norm, moe_gather_qmm, sdpa_multi
 
 __version__ = "0.1.0"
 
@@ -14,6 +14,7 @@ __all__ = [
     "get_backend",
     "kernels",
     "moe_gather_qmm",
+    "sdpa_multi",
     "set_backend",
     "use_backend",
 ]
