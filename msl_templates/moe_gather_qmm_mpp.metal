@@ -22,7 +22,8 @@
 //   lane l dequantises output column 32 bx + l) into threadgroup memory as two K halves, and
 //   matmul2d(M = 8, N = 32, K = 16, transpose_right, multiply_accumulate) runs twice on
 //   `metal::tensor` views (tensor_inline) of those halves into one float destination
-//   cooperative tensor. The run's rows are stored from the cooperative tensor through
+//   cooperative tensor; the next block's codes and x values are fetched into registers
+//   before the products. The run's rows are stored from the cooperative tensor through
 //   get_multidimensional_index (index[0] = column, index[1] = row).
 //   An out-of-range expert id (>= E) reads no weight: its slot writes NaN to its own row.
 //
@@ -138,22 +139,40 @@ for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
   acc[i] = 0.0f;
 }
 
+constexpr uint WORDS = BK / PER_WORD;  // packed words of one row per K block
 float scale = 0.0f;
 float bias = 0.0f;
+uint wq[WORDS];  // the fetched block: this lane's codes and x values
+float xq[8];
+for (uint j = 0; j < WORDS; ++j) {
+  wq[j] = w_words[j];
+}
+for (uint i = 0; i < 8; ++i) {
+  xq[i] = x_live ? float(x_row[i]) : 0.0f;
+}
 for (uint k0 = 0; k0 < K; k0 += BK) {
-  for (uint i = 0; i < 8; ++i) {
-    const uint k = xk + i;
-    xs[k / MK][xr * MK + k % MK] = x_live ? ST(float(x_row[k0 + i])) : ST(0.0f);
-  }
   if (k0 % GROUP_SIZE == 0) {  // a 32-wide block never straddles a group
     scale = float(w_scales[k0 / GROUP_SIZE]);
     bias = float(w_biases[k0 / GROUP_SIZE]);
   }
+  for (uint i = 0; i < 8; ++i) {
+    const uint k = xk + i;
+    xs[k / MK][xr * MK + k % MK] = ST(xq[i]);
+  }
   for (uint h = 0; h < BK / MK; ++h) {
     float wv[MK];
-    mt_moe_dequant16<T, BITS>(w_words + (k0 + h * MK) / PER_WORD, scale, bias, wv);
+    mt_moe_dequant16<T, BITS>(wq + h * (MK / PER_WORD), scale, bias, wv);
     for (uint i = 0; i < MK; ++i) {
       ws[h][lane * MK + i] = ST(wv[i]);
+    }
+  }
+  // Fetch the next block while this one is multiplied.
+  if (k0 + BK < K) {
+    for (uint j = 0; j < WORDS; ++j) {
+      wq[j] = w_words[(k0 + BK) / PER_WORD + j];
+    }
+    for (uint i = 0; i < 8; ++i) {
+      xq[i] = x_live ? float(x_row[k0 + BK + i]) : 0.0f;
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -24,7 +24,8 @@
 //   The 4 simdgroups split K into 4 contiguous ranges of BK = 16 steps. Per step a
 //   simdgroup stages x (8 x 16, rows outside the run zeroed) and W^T (16 x 32, lane l
 //   dequantises output column 32 bx + l) in its own threadgroup slices, then does
-//   2 x 4 products 8x8x8 into four float 8x8 accumulators (8 rows x 32 columns).
+//   2 x 4 products 8x8x8 into four float 8x8 accumulators (8 rows x 32 columns); the codes
+//   and x values of the next step are fetched into registers before the products.
 //   The 4 partial accumulators are summed through threadgroup memory in simdgroup order
 //   0, 1, 2, 3 (a fixed reduction order) and the run's rows are written.
 //   An out-of-range expert id (>= E) reads no weight: its slot writes NaN to its own row.
@@ -127,23 +128,43 @@ for (uint j = 0; j < BN / 8; ++j) {
 const uint n_steps = K / BK;
 const uint step_begin = (n_steps * sg) / SG;
 const uint step_end = (n_steps * (sg + 1)) / SG;
+constexpr uint WORDS = BK / PER_WORD;  // packed words of one row per step
 uint group = 0xFFFFFFFFu;  // the quantisation group whose scale and bias are loaded
 float scale = 0.0f;
 float bias = 0.0f;
+uint wq[WORDS];  // the fetched step: this lane's codes and x values
+float xq[4];
+if (step_begin < step_end) {
+  for (uint j = 0; j < WORDS; ++j) {
+    wq[j] = w_words[step_begin * WORDS + j];
+  }
+  for (uint i = 0; i < 4; ++i) {
+    xq[i] = x_live ? float(x_row[step_begin * BK + i]) : 0.0f;
+  }
+}
 for (uint step = step_begin; step < step_end; ++step) {
   const uint k0 = step * BK;
-  for (uint i = 0; i < 4; ++i) {
-    my_x[xr * BK + xk + i] = x_live ? float(x_row[k0 + i]) : 0.0f;
-  }
   if (k0 / GROUP_SIZE != group) {
     group = k0 / GROUP_SIZE;
     scale = float(w_scales[group]);
     bias = float(w_biases[group]);
   }
+  for (uint i = 0; i < 4; ++i) {
+    my_x[xr * BK + xk + i] = xq[i];
+  }
   float wv[BK];
-  mt_moe_dequant16<T, BITS>(w_words + k0 / PER_WORD, scale, bias, wv);
+  mt_moe_dequant16<T, BITS>(wq, scale, bias, wv);
   for (uint i = 0; i < BK; ++i) {
     my_w[i * WS_LD + lane] = wv[i];
+  }
+  // Fetch the next step while this one is multiplied.
+  if (step + 1 < step_end) {
+    for (uint j = 0; j < WORDS; ++j) {
+      wq[j] = w_words[(step + 1) * WORDS + j];
+    }
+    for (uint i = 0; i < 4; ++i) {
+      xq[i] = x_live ? float(x_row[(step + 1) * BK + i]) : 0.0f;
+    }
   }
   simdgroup_barrier(mem_flags::mem_threadgroup);
   for (uint kk = 0; kk < BK; kk += 8) {
