@@ -224,6 +224,24 @@ def test_emulator_traffic_is_ideal(rng, variant_name, bits):
     assert stats.threadgroups == (N // 32) * 8 * len(tiles)
 
 
+@pytest.mark.parametrize("variant_name", VARIANTS)
+@pytest.mark.parametrize("seed", (1, 2))
+def test_emulator_strict_shuffled(rng, variant_name, seed):
+    """Strict mode (no read of threadgroup memory before it is written) with the threads and
+    threadgroups run in a permuted order: the result must not depend on either."""
+    require_backend("emulator")
+    from mlx_metaltile import emulator
+
+    ids = [0, 1, 0, 1, 2, 2, 5, 3,  3, 3, 0]
+    case = make_case(rng, 4, len(ids), 64, 128, 32, 4, mx.float16, ids)
+    previous = emulator.configure(strict=True, shuffle_seed=seed)
+    try:
+        with backends.use_backend("emulator"):
+            run_and_check(case, 32, 4, mx.float16, "emulator", variant_name)
+    finally:
+        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
+
+
 def test_empty_rows_do_not_dispatch(backend, rng):
     x, w, scales, biases, _ = make_case(rng, 2, 1, 32, 32, 32, 8, mx.float16)
     before = backends.launch_count()
