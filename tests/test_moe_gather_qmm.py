@@ -296,6 +296,23 @@ def test_mpp_rule(monkeypatch, mac, arch, ok):
             op_module._select_variant("mpp", "metal")
 
 
+@pytest.mark.parametrize("mac_ver, sysctl, want", [
+    ("26.2", "", (26, 2)),
+    ("15.6.1", "", (15, 6, 1)),
+    ("16.0", "26.2\n", (26, 2)),  # the compatibility version of older-SDK builds
+    ("16.0", "", (16, 0)),
+    ("", "", ()),
+])
+def test_macos_version(monkeypatch, mac_ver, sysctl, want):
+    monkeypatch.setattr(op_module.platform, "mac_ver", lambda: (mac_ver, ("", "", ""), ""))
+    monkeypatch.setattr(op_module, "_sysctl", lambda name: sysctl)
+    op_module._macos_version.cache_clear()
+    try:
+        assert op_module._macos_version() == want
+    finally:
+        op_module._macos_version.cache_clear()
+
+
 def test_variant_defaults_off_metal():
     assert op_module._select_variant(None, "emulator") == "simdgroup"
     assert op_module._select_variant("mpp", "emulator") == "mpp"

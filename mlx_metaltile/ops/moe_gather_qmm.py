@@ -14,7 +14,9 @@ macOS >= 26.2 and GPU generation >= 17, the rule MLX uses for its NAX kernels).
 
 from __future__ import annotations
 
+import functools
 import platform
+import subprocess
 
 import mlx.core as mx
 
@@ -167,12 +169,29 @@ def moe_gather_qmm_reference(x, w, scales, biases, indices, *, group_size: int =
     return out.astype(x.dtype)
 
 
-def _macos_version() -> tuple[int, ...]:
-    release = platform.mac_ver()[0]
+def _parse_version(release: str) -> tuple[int, ...]:
     try:
-        return tuple(int(p) for p in release.split(".")) if release else ()
+        return tuple(int(p) for p in release.strip().split(".")) if release.strip() else ()
     except ValueError:
         return ()
+
+
+def _sysctl(name: str) -> str:
+    try:
+        return subprocess.run(["sysctl", "-n", name], capture_output=True, text=True,
+                              timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+@functools.lru_cache(maxsize=1)
+def _macos_version() -> tuple[int, ...]:
+    version = _parse_version(platform.mac_ver()[0])
+    if version[:1] == (16,):
+        # macOS 26 shows Python builds linked against an older SDK the compatibility version
+        # 16.x; the kernel's product version is the real one.
+        version = _parse_version(_sysctl("kern.osproductversion")) or version
+    return version
 
 
 def _device_architecture() -> str:
