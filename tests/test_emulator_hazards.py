@@ -202,3 +202,22 @@ def test_the_emulator_recovers_after_a_hazard():
     (out,) = run("out[thread_position_in_grid.x] = 2.0f;", D, {"out": ((64,), mx.float32)},
                  (64, 1, 1), (64, 1, 1))
     assert (out == 2).all()
+
+
+def test_spin_wait_on_another_thread_times_out():
+    previous = em.configure(timeout_s=1.0)
+    try:
+        err = hazard(em.KernelTimeout, """
+            threadgroup atomic_uint flag;
+            uint t = thread_index_in_threadgroup;
+            if (t == 0) atomic_store_explicit(&flag, 0u, memory_order_relaxed);
+            threadgroup_barrier(mem_flags::mem_threadgroup);
+            if (t == 1) {
+              while (atomic_load_explicit(&flag, memory_order_relaxed) == 0u) {}
+            }
+            if (t == 2) atomic_store_explicit(&flag, 1u, memory_order_relaxed);
+            out[t] = 1.0f;
+        """)
+    finally:
+        em.configure(**vars(previous))
+    assert "spin-waiting" in str(err) and err.location == "body line 7"

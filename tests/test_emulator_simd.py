@@ -214,3 +214,24 @@ def test_fiber_order_permutation_exposes_order_dependence():
         em.configure(**vars(previous))
     for o in outs[1:]:
         np.testing.assert_array_equal(o, outs[0])
+
+
+def test_one_source_barrier_is_one_barrier_whatever_the_compiler_does():
+    # Branches right before a barrier or a SIMD function let the compiler duplicate the call
+    # into each path; threads on either path still meet at the same barrier / collective.
+    (out,) = run("""
+        threadgroup float shared[64];
+        uint t = thread_index_in_threadgroup;
+        float v = float(t);
+        if (t % 3 == 0) { shared[t] = v * 2.0f; } else { shared[t] = v; }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        float s;
+        if (t < 7) { v += 1.0f; } else { v -= 1.0f; }
+        s = simd_sum(v);
+        out[t] = s + shared[63 - t];
+    """, {"d": mx.zeros((1,))}, {"out": ((64,), mx.float32)}, (64, 1, 1), (64, 1, 1))
+    t = np.arange(64)
+    shared = np.where(t % 3 == 0, 2.0 * t, t)
+    v = np.where(t < 7, t + 1.0, t - 1.0)
+    sums = np.repeat([v[:32].sum(), v[32:].sum()], 32)
+    np.testing.assert_array_equal(out, sums + shared[63 - t])

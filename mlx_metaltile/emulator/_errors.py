@@ -68,6 +68,11 @@ class ArithmeticFault(KernelHazard):
     """Integer division (or remainder) by zero in kernel code."""
 
 
+class KernelTimeout(KernelHazard):
+    """A launch ran past the time limit: an endless loop, or threads spin-waiting on each
+    other."""
+
+
 HAZARD_CLASSES = {
     1: OutOfBoundsAccess,
     2: ThreadgroupMemoryExceeded,
@@ -78,4 +83,5 @@ HAZARD_CLASSES = {
     7: MemoryFault,
     8: ArithmeticFault,
     9: SimdgroupMatrixHazard,
+    10: KernelTimeout,
 }

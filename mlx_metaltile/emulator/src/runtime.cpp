@@ -25,6 +25,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -71,13 +73,14 @@ struct LaunchDesc {
   int32_t force_fibers;  // skip the plain attempt
   int32_t nworkers;
   uint64_t stack_size;
+  double timeout_s;  // 0: no limit
 };
 
 struct LaunchResult {
   int32_t status;  // 0 ok, 1 hazard, 2 emulator error
   int32_t hazard_kind;
   char message[4096];
-  uint64_t ras[kMaxRas];  // code addresses named "@RA<k>" in the message
+  uint64_t ras[kMaxRas];  // code addresses the message may name as "@RA<k>"
   int32_t nras;
   int32_t has_thread;
   uint32_t threadgroup[3];
@@ -113,7 +116,8 @@ struct Fiber {
   char* hi = nullptr;
   int state = DONE;
   mt_coll* coll = nullptr;
-  uintptr_t site = 0;
+  mt_site site = {nullptr, 0, 0};  // source position of the barrier / collective it waits at
+  uintptr_t site_ra = 0;            // code address of that call (for the hazard's location)
   mt_ids ids;
   Worker* w = nullptr;
   bool runner = false;
@@ -179,6 +183,7 @@ struct Launch {
   std::atomic<uint64_t> next{0};
   std::atomic<bool> abort{false};
   std::atomic<bool> need_fibers{false};
+  std::atomic<bool> timed_out{false};  // set by the watchdog
   bool fibers = false;
   int strict = 0;
   std::mutex mu;
@@ -355,15 +360,26 @@ __attribute__((noinline, cold)) void uninit_read(Worker* w, uintptr_t a, size_t 
   escape(w);
 }
 
+__attribute__((noinline, cold)) void timeout_fault(Worker* w, uintptr_t ra) {
+  record_hazard(w, MT_HZ_TIMEOUT, ra, nullptr, 0,
+                "the launch ran for more than %g s: an endless loop, or threads spin-waiting "
+                "on each other (a GPU gives no such guarantee either; here the threads of a "
+                "threadgroup take turns). Raise the limit with "
+                "MLX_METALTILE_EMULATOR_TIMEOUT_S if the kernel is just slow",
+                w->L->d->timeout_s);
+  escape(w);
+}
+
 inline __attribute__((always_inline)) void on_access(uintptr_t a, size_t n, bool write,
                                                       uintptr_t ra) {
   Worker* w = tl_w;
   if (__builtin_expect(w == nullptr, 0)) return;
+  Launch* L = w->L;
+  if (__builtin_expect(L->timed_out.load(std::memory_order_relaxed), 0)) timeout_fault(w, ra);
   uint64_t off = a - uintptr_t(g_arena);
   if (off >= g_arena_bytes) return;  // stack, globals: not ours to check
   int slot = int(off >> g_shift);
   uint64_t so = off & (g_slot - 1);
-  Launch* L = w->L;
   if (slot >= 1 && slot <= L->nbuf) {
     int i = slot - 1;
     if (__builtin_expect(so + n > L->span[i], 0)) access_fault(w, a, n, write, ra);
@@ -622,9 +638,25 @@ void describe_threads(const std::vector<uint32_t>& ts, char* out, size_t len) {
   }
 }
 
+bool same_site(const mt_site& a, const mt_site& b) {
+  return a.line == b.line && a.column == b.column &&
+         (a.file == b.file || (a.file && b.file && strcmp(a.file, b.file) == 0));
+}
+
+// "body line 12" / "header line 3" / "file.h:7"
+void site_text(const mt_site& s, char* out, size_t n) {
+  const char* f = s.file ? s.file : "?";
+  const char* base = strrchr(f, '/');
+  base = base ? base + 1 : f;
+  if (strcmp(base, "body.metal") == 0) snprintf(out, n, "body line %u", s.line);
+  else if (strcmp(base, "header.metal") == 0) snprintf(out, n, "header line %u", s.line);
+  else snprintf(out, n, "%s:%u", base, s.line);
+}
+
 // Everyone blocked or done: report who waits where.
 void deadlock(Worker* w, TgState& st) {
-  std::vector<uintptr_t> sites;
+  std::vector<mt_site> sites;
+  std::vector<uintptr_t> ras;
   std::vector<std::vector<uint32_t>> who;
   std::vector<int> kinds;
   std::vector<uint32_t> done;
@@ -635,9 +667,10 @@ void deadlock(Worker* w, TgState& st) {
       continue;
     }
     size_t k = 0;
-    while (k < sites.size() && !(sites[k] == f.site && kinds[k] == f.state)) ++k;
+    while (k < sites.size() && !(same_site(sites[k], f.site) && kinds[k] == f.state)) ++k;
     if (k == sites.size()) {
       sites.push_back(f.site);
+      ras.push_back(f.site_ra);
       kinds.push_back(f.state);
       who.emplace_back();
     }
@@ -647,22 +680,22 @@ void deadlock(Worker* w, TgState& st) {
   size_t used = size_t(snprintf(msg, sizeof msg,
                                 "deadlock: the threads of this threadgroup can never all meet at "
                                 "one barrier (a Mac would hang).")); 
-  char list[512];
-  for (size_t k = 0; k < sites.size() && k < kMaxRas && used + 700 < sizeof msg; ++k) {
+  char list[512], where[300];
+  for (size_t k = 0; k < sites.size() && used + 900 < sizeof msg; ++k) {
     describe_threads(who[k], list, sizeof list);
+    site_text(sites[k], where, sizeof where);
     const char* what = kinds[k] == BLOCK_TGB   ? "threadgroup_barrier"
                        : kinds[k] == BLOCK_SGB ? "simdgroup_barrier"
                                                : "a SIMD-group function";
-    used += size_t(snprintf(msg + used, sizeof msg - used, " Threads %s wait at %s (@RA%zu).",
-                            list, what, k));
+    used += size_t(snprintf(msg + used, sizeof msg - used, " Threads %s wait at %s (%s).",
+                            list, what, where));
   }
   if (!done.empty() && used + 600 < sizeof msg) {
     describe_threads(done, list, sizeof list);
     snprintf(msg + used, sizeof msg - used, " Threads %s have returned.", list);
   }
   w->cur_ids = nullptr;
-  record_hazard(w, MT_HZ_BARRIER, sites.empty() ? 0 : sites[0], sites.data(), int(sites.size()),
-                "%s", msg);
+  record_hazard(w, MT_HZ_BARRIER, ras.empty() ? 0 : ras[0], nullptr, 0, "%s", msg);
 }
 
 void release(Fiber& f) {
@@ -680,11 +713,12 @@ void try_resolve_sg(Worker* w, TgState& st, uint32_t g) {
   for (uint32_t i = 0; i < sg.size; ++i) {
     if (lanes[i].state != BLOCK_COLL) continue;
     any_coll = true;
-    uintptr_t site = lanes[i].site;
+    const mt_site site = lanes[i].site;
+    const uintptr_t site_ra = lanes[i].site_ra;
     mt_coll* set[kSimd] = {};
     uint32_t count = 0;
     for (uint32_t j = i; j < sg.size; ++j) {
-      if (lanes[j].state == BLOCK_COLL && lanes[j].site == site) {
+      if (lanes[j].state == BLOCK_COLL && same_site(lanes[j].site, site)) {
         set[j] = lanes[j].coll;
         count++;
       }
@@ -696,7 +730,7 @@ void try_resolve_sg(Worker* w, TgState& st, uint32_t g) {
     if (bad >= 0) {
       int kind = bad >> 8 ? bad >> 8 : MT_HZ_SIMD_LANE;
       w->cur_ids = &lanes[bad & 255].ids;
-      record_hazard(w, kind, site, nullptr, 0, "%s", err);
+      record_hazard(w, kind, site_ra, nullptr, 0, "%s", err);
       w->cur_ids = nullptr;
       return;
     }
@@ -708,11 +742,11 @@ void try_resolve_sg(Worker* w, TgState& st, uint32_t g) {
   if (any_coll) return;
   // simdgroup_barrier: every live lane of the SIMD-group at the same one.
   uint32_t at_sgb = 0;
-  uintptr_t site = 0;
+  mt_site site = {nullptr, 0, 0};
   bool same = true;
   for (uint32_t i = 0; i < sg.size; ++i) {
     if (lanes[i].state == BLOCK_SGB) {
-      if (at_sgb && lanes[i].site != site) same = false;
+      if (at_sgb && !same_site(lanes[i].site, site)) same = false;
       site = lanes[i].site;
       at_sgb++;
     }
@@ -741,7 +775,8 @@ void run_threadgroup_fibers(Worker* w, uint64_t linear) {
     thread_ids(L, pos, real, t, &f.ids);
     f.state = RUNNABLE;
     f.coll = nullptr;
-    f.site = 0;
+    f.site = mt_site{nullptr, 0, 0};
+    f.site_ra = 0;
     f.w = w;
     f.runner = false;
     start_fiber(&f);
@@ -768,20 +803,20 @@ void run_threadgroup_fibers(Worker* w, uint64_t linear) {
           if (st.at_tgb) {
             w->cur_ids = &f.ids;
             std::vector<uint32_t> waiting;
-            uintptr_t site = 0;
+            const Fiber* waiter = nullptr;
             for (uint32_t u = 0; u < st.n; ++u)
               if (w->fibers[u].state == BLOCK_TGB) {
                 waiting.push_back(u);
-                site = w->fibers[u].site;
+                waiter = &w->fibers[u];
               }
-            char list[512];
+            char list[512], where[300];
             describe_threads(waiting, list, sizeof list);
-            uintptr_t ras[1] = {site};
-            record_hazard(w, MT_HZ_BARRIER, site, ras, 1,
+            site_text(waiter->site, where, sizeof where);
+            record_hazard(w, MT_HZ_BARRIER, waiter->site_ra, nullptr, 0,
                           "barrier divergence: this thread returned while threads %s wait at "
-                          "threadgroup_barrier (@RA0); every thread of a threadgroup must reach "
+                          "threadgroup_barrier (%s); every thread of a threadgroup must reach "
                           "each barrier (a Mac would hang)",
-                          list);
+                          list, where);
             return;
           }
           break;
@@ -793,7 +828,7 @@ void run_threadgroup_fibers(Worker* w, uint64_t linear) {
               if (w->fibers[u].state == DONE) gone.push_back(u);
             char list[512];
             describe_threads(gone, list, sizeof list);
-            record_hazard(w, MT_HZ_BARRIER, f.site, nullptr, 0,
+            record_hazard(w, MT_HZ_BARRIER, f.site_ra, nullptr, 0,
                           "barrier divergence: this thread reached threadgroup_barrier after "
                           "threads %s returned; every thread of a threadgroup must reach each "
                           "barrier (a Mac would hang)",
@@ -814,12 +849,9 @@ void run_threadgroup_fibers(Worker* w, uint64_t linear) {
       if (L->abort.load(std::memory_order_relaxed)) return;
       if (st.at_tgb && st.at_tgb + st.done == st.n) {
         // Every live thread waits at a threadgroup barrier: the same one?
-        uintptr_t site = 0;
         bool same = true;
-        for (uint32_t u = 0; u < st.n; ++u) {
-          if (u == 0) site = w->fibers[u].site;
-          else if (w->fibers[u].site != site) same = false;
-        }
+        for (uint32_t u = 1; u < st.n; ++u)
+          if (!same_site(w->fibers[u].site, w->fibers[0].site)) same = false;
         if (!same) {
           deadlock(w, st);
           return;
@@ -1015,10 +1047,31 @@ int run_launch(Launch* L, char* err, size_t errn) {
     if (!prepare_worker(&g_workers[i], i, L, max_threads, err, errn)) return 2;
   L->next.store(0);
   L->abort.store(false);
+  // The watchdog: past the time limit, the next memory access of kernel code raises.
+  std::mutex wd_mu;
+  std::condition_variable wd_cv;
+  bool finished = false;
+  std::thread watchdog;
+  if (d->timeout_s > 0) {
+    watchdog = std::thread([&] {
+      std::unique_lock<std::mutex> lock(wd_mu);
+      if (!wd_cv.wait_for(lock, std::chrono::duration<double>(d->timeout_s),
+                          [&] { return finished; }))
+        L->timed_out.store(true);
+    });
+  }
   std::vector<std::thread> threads;
   threads.reserve(size_t(nw));
   for (int i = 0; i < nw; ++i) threads.emplace_back(worker_main, &g_workers[i]);
   for (auto& t : threads) t.join();
+  if (watchdog.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(wd_mu);
+      finished = true;
+    }
+    wd_cv.notify_all();
+    watchdog.join();
+  }
   LaunchResult* r = L->r;
   for (int i = 0; i < nw; ++i) {
     Worker& w = g_workers[i];
@@ -1041,7 +1094,7 @@ int run_launch(Launch* L, char* err, size_t errn) {
 
 // ---- entry points for kernel code ---------------------------------------------------------------
 
-extern "C" void mt_barrier(int kind) {
+extern "C" void mt_barrier(int kind, const mt_site* site) {
   Worker* w = tl_w;
   uintptr_t ra = uintptr_t(__builtin_return_address(0));
   Fiber* f = w->cur;
@@ -1050,7 +1103,8 @@ extern "C" void mt_barrier(int kind) {
     w->L->abort.store(true);
     escape(w);
   }
-  f->site = ra;
+  f->site = *site;
+  f->site_ra = ra;
   f->state = kind == MT_BARRIER_THREADGROUP ? BLOCK_TGB : BLOCK_SGB;
   yield_to_scheduler(w, f);
 }
@@ -1064,7 +1118,8 @@ extern "C" void mt_collective(mt_coll* c) {
     w->L->abort.store(true);
     escape(w);
   }
-  f->site = ra;
+  f->site = c->site;
+  f->site_ra = ra;
   f->coll = c;
   f->state = BLOCK_COLL;
   yield_to_scheduler(w, f);
@@ -1199,7 +1254,7 @@ extern "C" int mt_atomic_cas(void* p, int size, uint64_t* expected, uint64_t des
 
 // ---- entry points for Python ----------------------------------------------------------------
 
-extern "C" int mt_rt_abi_version(void) { return 1; }
+extern "C" int mt_rt_abi_version(void) { return 3; }
 
 extern "C" int mt_launch(const LaunchDesc* d, LaunchResult* r) {
   std::lock_guard<std::mutex> lock(g_launch_mu);
