@@ -3,6 +3,8 @@ exception, naming the kernel, the threadgroup, the thread and the source line.""
 
 from __future__ import annotations
 
+import faulthandler
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -221,3 +223,17 @@ def test_spin_wait_on_another_thread_times_out():
     finally:
         em.configure(**vars(previous))
     assert "spin-waiting" in str(err) and err.location == "body line 7"
+
+
+def test_stack_overflow_caught_after_faulthandler_reinstalls_its_handler():
+    was_enabled = faulthandler.is_enabled()
+    faulthandler.enable()  # replaces the SIGSEGV handler
+    try:
+        hazard(em.StackOverflow, """
+            float big[100000];
+            for (uint k = 0; k < 100000; ++k) big[k] = float(k) * inp[0];
+            out[thread_position_in_grid.x] = big[thread_position_in_grid.x * 1000];
+        """, {"inp": np.ones(8, np.float32)})
+    finally:
+        if not was_enabled:
+            faulthandler.disable()

@@ -923,6 +923,10 @@ void on_signal(int sig, siginfo_t* info, void* uctx) {
       record_hazard(w, MT_HZ_ARITHMETIC, ra, nullptr, 0,
                     "arithmetic fault (integer division or remainder by zero, or overflow of "
                     "INT_MIN / -1)");
+    } else if (sig == SIGILL) {
+      record_hazard(w, MT_HZ_MEMORY_FAULT, ra, nullptr, 0,
+                    "illegal instruction: the compiler's trap for undefined behaviour (for "
+                    "example a non-void function that ends without a return)");
     } else {
       record_hazard(w, MT_HZ_MEMORY_FAULT, ra, nullptr, 0,
                     "memory fault (signal %d) at address %p: a wild pointer outside every "
@@ -945,14 +949,20 @@ void on_signal(int sig, siginfo_t* info, void* uctx) {
   sigaction(sig, &old, nullptr);  // default action on return: re-faults and terminates
 }
 
+// Installed at each launch unless still in place (someone may have installed a handler since,
+// e.g. faulthandler.enable(); it becomes the one faults outside kernel code go to).
 void install_handlers() {
-  if (g_handlers) return;
-  g_handlers = true;
   struct sigaction sa = {};
   sa.sa_sigaction = on_signal;
   sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
   sigemptyset(&sa.sa_mask);
-  for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL}) sigaction(sig, &sa, &g_old[sig]);
+  for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL}) {
+    struct sigaction cur;
+    sigaction(sig, nullptr, &cur);
+    if (g_handlers && (cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_signal) continue;
+    sigaction(sig, &sa, &g_old[sig]);
+  }
+  g_handlers = true;
 }
 
 // ---- the launch -------------------------------------------------------------------------------
