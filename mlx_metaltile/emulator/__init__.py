@@ -20,6 +20,7 @@ from ._errors import (
     SimdgroupMatrixHazard,
     StackOverflow,
     ThreadgroupMemoryExceeded,
+    ThreadgroupRace,
     UninitializedThreadgroupRead,
 )
 from ._kernel import (
@@ -49,6 +50,7 @@ __all__ = [
     "SimdgroupMatrixHazard",
     "StackOverflow",
     "ThreadgroupMemoryExceeded",
+    "ThreadgroupRace",
     "UninitializedThreadgroupRead",
     "configure",
     "last_launch_stats",

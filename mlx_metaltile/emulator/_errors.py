@@ -68,6 +68,12 @@ class ArithmeticFault(KernelHazard):
     """Integer division (or remainder) by zero in kernel code."""
 
 
+class ThreadgroupRace(KernelHazard):
+    """Strict mode: two threads access the same byte of threadgroup memory, at least one
+    writing (not atomically), with no barrier in between: the result depends on an order a
+    GPU does not define."""
+
+
 class KernelTimeout(KernelHazard):
     """A launch ran past the time limit: an endless loop, or threads spin-waiting on each
     other."""
@@ -84,4 +90,5 @@ HAZARD_CLASSES = {
     8: ArithmeticFault,
     9: SimdgroupMatrixHazard,
     10: KernelTimeout,
+    11: ThreadgroupRace,
 }

@@ -190,6 +190,19 @@ struct Launch {
   bool hazard = false;
 };
 
+// Strict mode's race detector: per byte of threadgroup memory, the last writer and the last
+// reader (thread, barrier epoch, SIMD-group epoch, code address).
+struct RaceShadow {
+  uint16_t* w_thread = nullptr;
+  uint32_t* w_epoch = nullptr;
+  uint32_t* w_sg = nullptr;
+  uintptr_t* w_ra = nullptr;
+  uint16_t* r_thread = nullptr;
+  uint32_t* r_epoch = nullptr;
+  uint32_t* r_sg = nullptr;
+};
+constexpr uint16_t kNoThread = 0xFFFF;
+
 struct Worker {
   int index = 0;
   Launch* L = nullptr;
@@ -208,6 +221,9 @@ struct Worker {
   size_t tg_end = 0;          // end of the last allocation
   size_t tg_declared = 0;     // bytes declared (each rounded to 16), against the limit
   std::vector<std::pair<int, void*>> tg_slots;
+  RaceShadow race;
+  uint32_t tg_epoch = 1;             // threadgroup barriers released in this threadgroup, + 1
+  uint32_t sg_epoch[1024 / 32] = {};  // simdgroup (and threadgroup) barriers, per SIMD-group
   // counters
   uint64_t rd[kMaxBuffers] = {};
   uint64_t wr[kMaxBuffers] = {};
@@ -370,8 +386,58 @@ __attribute__((noinline, cold)) void timeout_fault(Worker* w, uintptr_t ra) {
   escape(w);
 }
 
+__attribute__((noinline, cold)) void race_fault(Worker* w, size_t so, uint32_t other,
+                                                uintptr_t other_ra, const char* what,
+                                                uintptr_t ra) {
+  uintptr_t ras[1] = {other_ra};
+  record_hazard(w, MT_HZ_RACE, ra, ras, other_ra ? 1 : 0,
+                "strict mode: data race on threadgroup memory at offset %zu: %s thread %u "
+                "(index in threadgroup; its access at @RA0) with no threadgroup_barrier in "
+                "between, so the order is undefined on a GPU",
+                so, what, other);
+  escape(w);
+}
+
+// Strict mode, one threadgroup byte: uninitialised reads and races between threads.
+inline void strict_check(Worker* w, size_t idx, uint8_t* sh, bool write, bool atomic,
+                         uintptr_t ra, uintptr_t a, size_t n) {
+  const uint32_t t = w->cur_ids ? w->cur_ids->thread_index_in_threadgroup : 0;
+  const uint32_t g = t / 32;
+  RaceShadow& R = w->race;
+  auto synced = [&](uint16_t other, uint32_t other_sg) {
+    // a simdgroup_barrier since then orders accesses within one SIMD-group
+    return other / 32u == g && w->sg_epoch[g] != other_sg;
+  };
+  if (write) {
+    if (!atomic) {
+      uint16_t wt = R.w_thread[idx];
+      if (wt != kNoThread && wt != t && R.w_epoch[idx] == w->tg_epoch && !synced(wt, R.w_sg[idx]))
+        race_fault(w, idx, wt, R.w_ra[idx], "this thread writes a byte also written by", ra);
+      uint16_t rt = R.r_thread[idx];
+      if (rt != kNoThread && rt != t && R.r_epoch[idx] == w->tg_epoch && !synced(rt, R.r_sg[idx]))
+        race_fault(w, idx, rt, 0, "this thread writes a byte read by", ra);
+    }
+    *sh = 2;
+    R.w_thread[idx] = atomic ? kNoThread : uint16_t(t);
+    R.w_epoch[idx] = w->tg_epoch;
+    R.w_sg[idx] = w->sg_epoch[g];
+    R.w_ra[idx] = ra;
+  } else {
+    if (*sh != 2) uninit_read(w, a, n, ra);
+    uint16_t wt = R.w_thread[idx];
+    if (!atomic && wt != kNoThread && wt != t && R.w_epoch[idx] == w->tg_epoch &&
+        !synced(wt, R.w_sg[idx]))
+      race_fault(w, idx, wt, R.w_ra[idx], "this thread reads a byte written by", ra);
+    if (!atomic) {
+      R.r_thread[idx] = uint16_t(t);
+      R.r_epoch[idx] = w->tg_epoch;
+      R.r_sg[idx] = w->sg_epoch[g];
+    }
+  }
+}
+
 inline __attribute__((always_inline)) void on_access(uintptr_t a, size_t n, bool write,
-                                                      uintptr_t ra) {
+                                                      uintptr_t ra, bool atomic = false) {
   Worker* w = tl_w;
   if (__builtin_expect(w == nullptr, 0)) return;
   Launch* L = w->L;
@@ -393,13 +459,7 @@ inline __attribute__((always_inline)) void on_access(uintptr_t a, size_t n, bool
       if (__builtin_expect(sh[k] == 0, 0)) access_fault(w, a, n, write, ra);
     }
     if (L->strict) {
-      if (write) {
-        memset(sh, 2, n);
-      } else {
-        for (size_t k = 0; k < n; ++k) {
-          if (sh[k] != 2) uninit_read(w, a, n, ra);
-        }
-      }
+      for (size_t k = 0; k < n; ++k) strict_check(w, so + k, sh + k, write, atomic, ra, a, n);
     }
     return;
   }
@@ -476,6 +536,14 @@ void tg_coords(const Launch* L, uint64_t linear, uint32_t pos[3], uint32_t real[
 }
 
 void reset_threadgroup_memory(Worker* w) {
+  w->tg_epoch = 1;
+  memset(w->sg_epoch, 0, sizeof w->sg_epoch);
+  if (w->tg_end && w->L->strict) {
+    size_t m = w->tg_end + kRedzone;
+    RaceShadow& R = w->race;
+    memset(R.w_thread, 0xFF, m * sizeof *R.w_thread);
+    memset(R.r_thread, 0xFF, m * sizeof *R.r_thread);
+  }
   if (w->tg_end) memset(w->shadow, 0, w->tg_end + kRedzone);
   w->tg_end = 0;
   w->tg_declared = 0;
@@ -755,6 +823,7 @@ void try_resolve_sg(Worker* w, TgState& st, uint32_t g) {
     for (uint32_t i = 0; i < sg.size; ++i) release(lanes[i]);
     sg.blocked -= at_sgb;
     w->sgb += 1;
+    w->sg_epoch[g] += 1;
   } else if (at_sgb && (sg.done || !same || at_sgb < sg.size)) {
     deadlock(w, st);
   }
@@ -860,6 +929,7 @@ void run_threadgroup_fibers(Worker* w, uint64_t linear) {
         for (uint32_t q = 0; q < nsg; ++q) st.sg[q].blocked = 0;
         st.at_tgb = 0;
         w->tgb += 1;
+        w->tg_epoch += 1;
       }
     }
     if (!ran && st.done < st.n) {
@@ -1019,6 +1089,27 @@ bool prepare_worker(Worker* w, int index, Launch* L, size_t max_threads, char* e
     w->altstack = static_cast<char*>(malloc(kAltStack));
     g_tg_mapped[index] = true;
   }
+  if (L->strict && !w->race.w_thread) {
+    auto arr = [](size_t elem) {
+      void* p = mmap(nullptr, kTgSlotMap * elem, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      return p == MAP_FAILED ? nullptr : p;
+    };
+    RaceShadow& R = w->race;
+    R.w_thread = static_cast<uint16_t*>(arr(2));
+    R.w_epoch = static_cast<uint32_t*>(arr(4));
+    R.w_sg = static_cast<uint32_t*>(arr(4));
+    R.w_ra = static_cast<uintptr_t*>(arr(8));
+    R.r_thread = static_cast<uint16_t*>(arr(2));
+    R.r_epoch = static_cast<uint32_t*>(arr(4));
+    R.r_sg = static_cast<uint32_t*>(arr(4));
+    if (!R.w_thread || !R.w_epoch || !R.w_sg || !R.w_ra || !R.r_thread || !R.r_epoch || !R.r_sg) {
+      snprintf(err, n, "cannot allocate the strict-mode shadow memory");
+      return false;
+    }
+    memset(R.w_thread, 0xFF, kTgSlotMap * 2);
+    memset(R.r_thread, 0xFF, kTgSlotMap * 2);
+  }
   w->tg_end = 0;
   memset(w->shadow, 0, kTgSlotMap);
   w->tg_declared = 0;
@@ -1161,6 +1252,10 @@ extern "C" void* mt_tg_alloc(size_t bytes, size_t align, int slot, const char* n
   char* p = w->tg_base + off;
   memset(p, 0xFF, bytes);  // Metal does not clear threadgroup memory: poison
   memset(w->shadow + off, 1, bytes);
+  if (w->L->strict) {  // no access yet to the new array's bytes
+    memset(w->race.w_thread + off, 0xFF, bytes * sizeof(uint16_t));
+    memset(w->race.r_thread + off, 0xFF, bytes * sizeof(uint16_t));
+  }
   w->tg_end = off + bytes;
   w->tg_peak = std::max<uint64_t>(w->tg_peak, w->tg_declared);
   w->tg_slots.emplace_back(slot, p);
@@ -1187,8 +1282,8 @@ extern "C" void mt_hazard(int kind, const char* message) {
 
 extern "C" uint64_t mt_atomic_rmw(void* p, int size, int kind, int op, uint64_t v) {
   uintptr_t ra = uintptr_t(__builtin_return_address(0));
-  if (op != 1) on_access(uintptr_t(p), size_t(size), false, ra);
-  if (op != 0) on_access(uintptr_t(p), size_t(size), true, ra);
+  if (op != 1) on_access(uintptr_t(p), size_t(size), false, ra, true);
+  if (op != 0) on_access(uintptr_t(p), size_t(size), true, ra, true);
   // op: 0 load, 1 store, 2 exchange, 3 add, 4 sub, 5 and, 6 or, 7 xor, 8 min, 9 max
   auto rmw = [&](auto* q, auto val) -> uint64_t {
     using T = std::remove_pointer_t<decltype(q)>;
@@ -1246,8 +1341,8 @@ extern "C" uint64_t mt_atomic_rmw(void* p, int size, int kind, int op, uint64_t 
 
 extern "C" int mt_atomic_cas(void* p, int size, uint64_t* expected, uint64_t desired) {
   uintptr_t ra = uintptr_t(__builtin_return_address(0));
-  on_access(uintptr_t(p), size_t(size), false, ra);
-  on_access(uintptr_t(p), size_t(size), true, ra);
+  on_access(uintptr_t(p), size_t(size), false, ra, true);
+  on_access(uintptr_t(p), size_t(size), true, ra, true);
   if (size == 4) {
     uint32_t e = uint32_t(*expected);
     bool ok = __atomic_compare_exchange_n(static_cast<uint32_t*>(p), &e, uint32_t(desired), false,

@@ -76,6 +76,7 @@ enum {
   MT_HZ_ARITHMETIC = 8,
   MT_HZ_SIMDGROUP_MATRIX = 9,
   MT_HZ_TIMEOUT = 10,
+  MT_HZ_RACE = 11,
 };
 
 // Runtime entry points used by kernel code (through the headers).
