@@ -710,6 +710,12 @@ bool same_site(const mt_site& a, const mt_site& b) {
   return a.line == b.line && a.column == b.column &&
          (a.file == b.file || (a.file && b.file && strcmp(a.file, b.file) == 0));
 }
+// Two waiting fibers at the same barrier / collective: same source position, or (a caller
+// that gave none) the same code address.
+bool same_site(const Fiber& a, const Fiber& b) {
+  if (!a.site.file || !b.site.file) return !a.site.file && !b.site.file && a.site_ra == b.site_ra;
+  return same_site(a.site, b.site);
+}
 
 // "body line 12" / "header line 3" / "file.h:7"
 void site_text(const mt_site& s, char* out, size_t n) {
@@ -724,6 +730,7 @@ void site_text(const mt_site& s, char* out, size_t n) {
 // Everyone blocked or done: report who waits where.
 void deadlock(Worker* w, TgState& st) {
   std::vector<mt_site> sites;
+  std::vector<const Fiber*> firsts;
   std::vector<uintptr_t> ras;
   std::vector<std::vector<uint32_t>> who;
   std::vector<int> kinds;
@@ -735,8 +742,9 @@ void deadlock(Worker* w, TgState& st) {
       continue;
     }
     size_t k = 0;
-    while (k < sites.size() && !(same_site(sites[k], f.site) && kinds[k] == f.state)) ++k;
+    while (k < sites.size() && !(same_site(*firsts[k], f) && kinds[k] == f.state)) ++k;
     if (k == sites.size()) {
+      firsts.push_back(&f);
       sites.push_back(f.site);
       ras.push_back(f.site_ra);
       kinds.push_back(f.state);
@@ -781,12 +789,11 @@ void try_resolve_sg(Worker* w, TgState& st, uint32_t g) {
   for (uint32_t i = 0; i < sg.size; ++i) {
     if (lanes[i].state != BLOCK_COLL) continue;
     any_coll = true;
-    const mt_site site = lanes[i].site;
     const uintptr_t site_ra = lanes[i].site_ra;
     mt_coll* set[kSimd] = {};
     uint32_t count = 0;
     for (uint32_t j = i; j < sg.size; ++j) {
-      if (lanes[j].state == BLOCK_COLL && same_site(lanes[j].site, site)) {
+      if (lanes[j].state == BLOCK_COLL && same_site(lanes[j], lanes[i])) {
         set[j] = lanes[j].coll;
         count++;
       }
@@ -810,12 +817,12 @@ void try_resolve_sg(Worker* w, TgState& st, uint32_t g) {
   if (any_coll) return;
   // simdgroup_barrier: every live lane of the SIMD-group at the same one.
   uint32_t at_sgb = 0;
-  mt_site site = {nullptr, 0, 0};
+  const Fiber* first = nullptr;
   bool same = true;
   for (uint32_t i = 0; i < sg.size; ++i) {
     if (lanes[i].state == BLOCK_SGB) {
-      if (at_sgb && !same_site(lanes[i].site, site)) same = false;
-      site = lanes[i].site;
+      if (first && !same_site(lanes[i], *first)) same = false;
+      if (!first) first = &lanes[i];
       at_sgb++;
     }
   }
@@ -920,7 +927,7 @@ void run_threadgroup_fibers(Worker* w, uint64_t linear) {
         // Every live thread waits at a threadgroup barrier: the same one?
         bool same = true;
         for (uint32_t u = 1; u < st.n; ++u)
-          if (!same_site(w->fibers[u].site, w->fibers[0].site)) same = false;
+          if (!same_site(w->fibers[u], w->fibers[0])) same = false;
         if (!same) {
           deadlock(w, st);
           return;

@@ -58,7 +58,13 @@ struct mt_coll {
   const void* in3;
   void* out;           // this lane's result
   mt_resolve_fn resolve;
+#ifdef __cplusplus
+  // Set it (mt::site_of(std::source_location)) so lanes meet by source position; left null,
+  // lanes meet by the code address of the mt_collective call instead.
+  mt_site site = {nullptr, 0, 0};
+#else
   mt_site site;
+#endif
 };
 
 enum { MT_BARRIER_THREADGROUP = 0, MT_BARRIER_SIMDGROUP = 1 };
