@@ -209,6 +209,58 @@ def _expert_qmv_cases():
 
 _expert_qmv_cases()
 
+# ---- sdpa_multi -----------------------------------------------------------------------
+
+def _sdpa_multi_oracle(q, k, v, scale, causal, kv_len):
+    q, k, v = f64(q), f64(k), f64(v)
+    L, G = q.shape[2], q.shape[1] // k.shape[1]
+    kk = np.repeat(k[:, :, :kv_len], G, axis=1)
+    s = scale * (q @ kk.swapaxes(-1, -2))
+    if causal:
+        visible = np.arange(kv_len)[None, :] <= (kv_len - L + np.arange(L))[:, None]
+        s = np.where(visible, s, -np.inf)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    return (p / p.sum(axis=-1, keepdims=True)) @ np.repeat(v[:, :, :kv_len], G, axis=1)
+
+
+def _sdpa_multi_native(q, k, v, scale, causal, kv_len):
+    return mx.fast.scaled_dot_product_attention(
+        q, k[:, :, :kv_len], v[:, :, :kv_len], scale=scale, mask="causal" if causal else None)
+
+
+def _sdpa_multi_cases():
+    # Decode (L=1) and verify/denoise blocks against a preallocated cache (256 rows of slack,
+    # as a step-allocated KV cache), Llama-style D=128 with GQA 32/8 and 32/4.
+    D, B, Hq, slack = 128, 1, 32, 256
+    for Hkv in (8, 4):
+        for kv_len in (1024, 4096, 16384):
+            for L in (1, 4, 8, 16, 32):
+                for causal in (True, False) if L == 16 else (True,):
+                    for dtype in DTYPES:
+                        def make(rng, L=L, kv_len=kv_len, Hkv=Hkv, dtype=dtype, causal=causal):
+                            def arr(shape):
+                                return mx.array(rng.standard_normal(shape, dtype=np.float32)
+                                                ).astype(dtype)
+                            S = kv_len + slack
+                            return dict(q=arr((B, Hq, L, D)), k=arr((B, Hkv, S, D)),
+                                        v=arr((B, Hkv, S, D)), scale=D ** -0.5,
+                                        causal=causal, kv_len=kv_len)
+                        visible = (L * kv_len - L * (L - 1) // 2) if causal else L * kv_len
+                        _CASES.append(BenchCase(
+                            op="sdpa_multi",
+                            label=f"h{Hq}/{Hkv}-L{L}-kv{kv_len // 1024}k"
+                                  + ("" if causal else "-full"),
+                            dtype=dtype, make=make, ours=mt.sdpa_multi,
+                            native=_sdpa_multi_native, oracle=_sdpa_multi_oracle,
+                            nbytes=(2 * B * Hq * L * D + 2 * B * Hkv * kv_len * D) * dtype.size,
+                            flops=4 * B * Hq * visible * D,
+                            quick=(dtype == mx.float16 and Hkv == 8 and kv_len == 4096
+                                   and L in (1, 8))))
+
+
+_sdpa_multi_cases()
+
+
 
 def cases(op: str | None = None, quick: bool = False) -> list[BenchCase]:
     return [c for c in _CASES if (op is None or c.op == op) and (c.quick or not quick)]
