@@ -3,6 +3,8 @@ exception, naming the kernel, the threadgroup, the thread and the source line.""
 
 from __future__ import annotations
 
+import faulthandler
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -202,3 +204,85 @@ def test_the_emulator_recovers_after_a_hazard():
     (out,) = run("out[thread_position_in_grid.x] = 2.0f;", D, {"out": ((64,), mx.float32)},
                  (64, 1, 1), (64, 1, 1))
     assert (out == 2).all()
+
+
+def test_spin_wait_on_another_thread_times_out():
+    previous = em.configure(timeout_s=1.0)
+    try:
+        err = hazard(em.KernelTimeout, """
+            threadgroup atomic_uint flag;
+            uint t = thread_index_in_threadgroup;
+            if (t == 0) atomic_store_explicit(&flag, 0u, memory_order_relaxed);
+            threadgroup_barrier(mem_flags::mem_threadgroup);
+            if (t == 1) {
+              while (atomic_load_explicit(&flag, memory_order_relaxed) == 0u) {}
+            }
+            if (t == 2) atomic_store_explicit(&flag, 1u, memory_order_relaxed);
+            out[t] = 1.0f;
+        """)
+    finally:
+        em.configure(**vars(previous))
+    assert "spin-waiting" in str(err) and err.location == "body line 7"
+
+
+def test_stack_overflow_caught_after_faulthandler_reinstalls_its_handler():
+    was_enabled = faulthandler.is_enabled()
+    faulthandler.enable()  # replaces the SIGSEGV handler
+    try:
+        hazard(em.StackOverflow, """
+            float big[100000];
+            for (uint k = 0; k < 100000; ++k) big[k] = float(k) * inp[0];
+            out[thread_position_in_grid.x] = big[thread_position_in_grid.x * 1000];
+        """, {"inp": np.ones(8, np.float32)})
+    finally:
+        if not was_enabled:
+            faulthandler.disable()
+
+
+def strict_run(source, **kw):
+    previous = em.configure(strict=True)
+    try:
+        return run(source, D, {"out": ((64,), mx.float32)}, (64, 1, 1), (64, 1, 1), **kw)
+    finally:
+        em.configure(**vars(previous))
+
+
+def test_strict_mode_reports_threadgroup_races():
+    with pytest.raises(em.ThreadgroupRace, match="reads a byte written by thread 0") as info:
+        strict_run("""
+            threadgroup float s[64];
+            uint t = thread_index_in_threadgroup;
+            s[t] = float(t);
+            out[t] = s[t > 0 ? t - 1 : 0];  // a neighbour's value, without a barrier
+        """)
+    assert info.value.location == "body line 5" and info.value.thread == (1, 0, 0)
+    assert "body line 4" in str(info.value)  # where the other thread wrote
+    with pytest.raises(em.ThreadgroupRace, match="writes a byte also written by"):
+        strict_run("""
+            threadgroup float s[1];
+            s[0] = float(thread_index_in_threadgroup);  // every thread writes the same slot
+            threadgroup_barrier(mem_flags::mem_threadgroup);
+            out[thread_index_in_threadgroup] = s[0];
+        """)
+
+
+def test_strict_mode_accepts_barrier_separated_and_simdgroup_ordered_accesses():
+    (out,) = strict_run("""
+        threadgroup float s[64];
+        threadgroup atomic_uint n;
+        uint t = thread_index_in_threadgroup;
+        if (t == 0) atomic_store_explicit(&n, 0u, memory_order_relaxed);
+        s[t] = float(t);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        float a = s[63 - t];
+        atomic_fetch_add_explicit(&n, 1u, memory_order_relaxed);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        s[t] = a * 2.0f;                    // written again after everyone read: ordered
+        simdgroup_barrier(mem_flags::mem_threadgroup);
+        float b = s[(t & ~31u) + ((t + 1) & 31u)];  // a lane of the same SIMD-group
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        out[t] = b + float(atomic_load_explicit(&n, memory_order_relaxed));
+    """)
+    t = np.arange(64)
+    nxt = (t & ~31) + ((t + 1) & 31)
+    np.testing.assert_array_equal(out, 2.0 * (63 - nxt) + 64)

@@ -214,3 +214,54 @@ def test_fiber_order_permutation_exposes_order_dependence():
         em.configure(**vars(previous))
     for o in outs[1:]:
         np.testing.assert_array_equal(o, outs[0])
+
+
+def test_one_source_barrier_is_one_barrier_whatever_the_compiler_does():
+    # Branches right before a barrier or a SIMD function let the compiler duplicate the call
+    # into each path; threads on either path still meet at the same barrier / collective.
+    (out,) = run("""
+        threadgroup float shared[64];
+        uint t = thread_index_in_threadgroup;
+        float v = float(t);
+        if (t % 3 == 0) { shared[t] = v * 2.0f; } else { shared[t] = v; }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        float s;
+        if (t < 7) { v += 1.0f; } else { v -= 1.0f; }
+        s = simd_sum(v);
+        out[t] = s + shared[63 - t];
+    """, {"d": mx.zeros((1,))}, {"out": ((64,), mx.float32)}, (64, 1, 1), (64, 1, 1))
+    t = np.arange(64)
+    shared = np.where(t % 3 == 0, 2.0 * t, t)
+    v = np.where(t < 7, t + 1.0, t - 1.0)
+    sums = np.repeat([v[:32].sum(), v[32:].sum()], 32)
+    np.testing.assert_array_equal(out, sums + shared[63 - t])
+
+
+EXTENSION_HEADER = """
+#include <metal_stdlib>
+// A collective defined outside the runtime, as extension headers do: a record on the lane's
+// stack, a resolve function, mt_collective(). (No source position: lanes meet by code
+// address.)
+inline float ext_lane_sum(float x) {
+  float out;
+  mt_coll c;
+  c.op = mt::OP_SUM;
+  c.width = 32;
+  c.arg = 0;
+  c.in = &x;
+  c.in2 = nullptr;
+  c.in3 = nullptr;
+  c.out = &out;
+  c.resolve = &mt::resolve<float>;
+  mt_collective(&c);
+  return out;
+}
+"""
+
+
+def test_extension_collective_without_source_position():
+    (out,) = run("uint i = thread_position_in_grid.x;\nout[i] = ext_lane_sum(float(i));",
+                 {"d": mx.zeros((1,))}, {"out": ((64,), mx.float32)}, (64, 1, 1), (64, 1, 1),
+                 header=EXTENSION_HEADER)
+    np.testing.assert_array_equal(out, np.repeat([np.arange(32).sum(), np.arange(32, 64).sum()],
+                                                 32))

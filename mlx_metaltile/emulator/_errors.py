@@ -68,6 +68,17 @@ class ArithmeticFault(KernelHazard):
     """Integer division (or remainder) by zero in kernel code."""
 
 
+class ThreadgroupRace(KernelHazard):
+    """Strict mode: two threads access the same byte of threadgroup memory, at least one
+    writing (not atomically), with no barrier in between: the result depends on an order a
+    GPU does not define."""
+
+
+class KernelTimeout(KernelHazard):
+    """A launch ran past the time limit: an endless loop, or threads spin-waiting on each
+    other."""
+
+
 HAZARD_CLASSES = {
     1: OutOfBoundsAccess,
     2: ThreadgroupMemoryExceeded,
@@ -78,4 +89,6 @@ HAZARD_CLASSES = {
     7: MemoryFault,
     8: ArithmeticFault,
     9: SimdgroupMatrixHazard,
+    10: KernelTimeout,
+    11: ThreadgroupRace,
 }

@@ -62,6 +62,7 @@ class _LaunchDesc(ctypes.Structure):
         ("force_fibers", ctypes.c_int32),
         ("nworkers", ctypes.c_int32),
         ("stack_size", ctypes.c_uint64),
+        ("timeout_s", ctypes.c_double),
     ]
 
 
@@ -102,11 +103,22 @@ def _env_int(name: str, default: int | None) -> int | None:
         raise ValueError(f"[emulator] {name} must be an integer, got {value!r}") from None
 
 
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"[emulator] {name} must be a number, got {value!r}") from None
+
+
 @dataclass
 class Settings:
     """How launches run. Defaults come from the environment:
     MLX_METALTILE_EMULATOR_STRICT=1, MLX_METALTILE_EMULATOR_SHUFFLE_SEED=<int>,
-    MLX_METALTILE_EMULATOR_WORKERS=<n>, MLX_METALTILE_EMULATOR_STACK_KB=<kib>."""
+    MLX_METALTILE_EMULATOR_WORKERS=<n>, MLX_METALTILE_EMULATOR_STACK_KB=<kib>,
+    MLX_METALTILE_EMULATOR_TIMEOUT_S=<seconds> (0: no limit)."""
 
     strict: bool = field(default_factory=lambda: bool(_env_int(
         "MLX_METALTILE_EMULATOR_STRICT", 0)))
@@ -116,14 +128,16 @@ class Settings:
         "MLX_METALTILE_EMULATOR_WORKERS", min(4, os.cpu_count() or 1)))
     stack_kb: int = field(default_factory=lambda: _env_int(
         "MLX_METALTILE_EMULATOR_STACK_KB", 128))
+    timeout_s: float = field(default_factory=lambda: _env_float(
+        "MLX_METALTILE_EMULATOR_TIMEOUT_S", 120.0))
 
 
 _settings = Settings()
 _UNSET = object()
 
 
-def configure(*, strict=_UNSET, shuffle_seed=_UNSET, workers=_UNSET,
-              stack_kb=_UNSET) -> Settings:
+def configure(*, strict=_UNSET, shuffle_seed=_UNSET, workers=_UNSET, stack_kb=_UNSET,
+              timeout_s=_UNSET) -> Settings:
     """Change how later launches run; returns the previous settings.
 
     strict: also report reads of threadgroup memory never written since the threadgroup
@@ -132,6 +146,8 @@ def configure(*, strict=_UNSET, shuffle_seed=_UNSET, workers=_UNSET,
       which the threads of each threadgroup run and the order of the threadgroups, to expose
       kernels whose result depends on it.
     workers: threads running threadgroups concurrently. stack_kb: stack per kernel thread.
+    timeout_s: a launch running longer raises KernelTimeout (an endless loop or a spin-wait);
+      0 disables the limit.
     """
     global _settings
     previous = Settings(**vars(_settings))
@@ -151,6 +167,11 @@ def configure(*, strict=_UNSET, shuffle_seed=_UNSET, workers=_UNSET,
         if isinstance(stack_kb, bool) or not isinstance(stack_kb, int) or stack_kb < 16:
             raise ValueError(f"[emulator] stack_kb must be an int >= 16, got {stack_kb!r}")
         _settings.stack_kb = stack_kb
+    if timeout_s is not _UNSET:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+                or timeout_s < 0:
+            raise ValueError(f"[emulator] timeout_s must be a number >= 0, got {timeout_s!r}")
+        _settings.timeout_s = float(timeout_s)
     return previous
 
 
@@ -434,6 +455,7 @@ class EmulatedKernel:
         desc.force_fibers = int(mod.needs_fibers)
         desc.nworkers = s.workers
         desc.stack_size = s.stack_kb * 1024
+        desc.timeout_s = s.timeout_s
         result = _LaunchResult()
         rt.mt_launch(ctypes.byref(desc), ctypes.byref(result))
         del keep  # the runtime copied what it needed

@@ -26,11 +26,13 @@ from ._errors import EmulatorError, KernelCompileError
 PACKAGE_DIR = Path(__file__).resolve().parent
 INCLUDE_DIR = PACKAGE_DIR / "include"
 RUNTIME_SOURCE = PACKAGE_DIR / "src" / "runtime.cpp"
-ABI_VERSION = 1
+ABI_VERSION = 3
 
 # Kernel code: -O1 keeps compile time low; the thread-sanitizer instrumentation reports every
 # load and store to the runtime (bounds checks, byte counters, threadgroup shadow memory);
 # -g1 gives the line tables that map a faulting address back to the kernel's source line.
+# C++20 for std::source_location (barriers and SIMD functions are matched by source position,
+# column included); MSL itself is C++17-based.
 KERNEL_FLAGS = (
     "-std=c++20", "-O1", "-g1", "-fPIC",
     "-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0",

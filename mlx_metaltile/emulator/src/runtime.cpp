@@ -25,6 +25,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -71,13 +73,14 @@ struct LaunchDesc {
   int32_t force_fibers;  // skip the plain attempt
   int32_t nworkers;
   uint64_t stack_size;
+  double timeout_s;  // 0: no limit
 };
 
 struct LaunchResult {
   int32_t status;  // 0 ok, 1 hazard, 2 emulator error
   int32_t hazard_kind;
   char message[4096];
-  uint64_t ras[kMaxRas];  // code addresses named "@RA<k>" in the message
+  uint64_t ras[kMaxRas];  // code addresses the message may name as "@RA<k>"
   int32_t nras;
   int32_t has_thread;
   uint32_t threadgroup[3];
@@ -113,7 +116,8 @@ struct Fiber {
   char* hi = nullptr;
   int state = DONE;
   mt_coll* coll = nullptr;
-  uintptr_t site = 0;
+  mt_site site = {nullptr, 0, 0};  // source position of the barrier / collective it waits at
+  uintptr_t site_ra = 0;            // code address of that call (for the hazard's location)
   mt_ids ids;
   Worker* w = nullptr;
   bool runner = false;
@@ -179,11 +183,25 @@ struct Launch {
   std::atomic<uint64_t> next{0};
   std::atomic<bool> abort{false};
   std::atomic<bool> need_fibers{false};
+  std::atomic<bool> timed_out{false};  // set by the watchdog
   bool fibers = false;
   int strict = 0;
   std::mutex mu;
   bool hazard = false;
 };
+
+// Strict mode's race detector: per byte of threadgroup memory, the last writer and the last
+// reader (thread, barrier epoch, SIMD-group epoch, code address).
+struct RaceShadow {
+  uint16_t* w_thread = nullptr;
+  uint32_t* w_epoch = nullptr;
+  uint32_t* w_sg = nullptr;
+  uintptr_t* w_ra = nullptr;
+  uint16_t* r_thread = nullptr;
+  uint32_t* r_epoch = nullptr;
+  uint32_t* r_sg = nullptr;
+};
+constexpr uint16_t kNoThread = 0xFFFF;
 
 struct Worker {
   int index = 0;
@@ -203,6 +221,9 @@ struct Worker {
   size_t tg_end = 0;          // end of the last allocation
   size_t tg_declared = 0;     // bytes declared (each rounded to 16), against the limit
   std::vector<std::pair<int, void*>> tg_slots;
+  RaceShadow race;
+  uint32_t tg_epoch = 1;             // threadgroup barriers released in this threadgroup, + 1
+  uint32_t sg_epoch[1024 / 32] = {};  // simdgroup (and threadgroup) barriers, per SIMD-group
   // counters
   uint64_t rd[kMaxBuffers] = {};
   uint64_t wr[kMaxBuffers] = {};
@@ -355,15 +376,76 @@ __attribute__((noinline, cold)) void uninit_read(Worker* w, uintptr_t a, size_t 
   escape(w);
 }
 
+__attribute__((noinline, cold)) void timeout_fault(Worker* w, uintptr_t ra) {
+  record_hazard(w, MT_HZ_TIMEOUT, ra, nullptr, 0,
+                "the launch ran for more than %g s: an endless loop, or threads spin-waiting "
+                "on each other (a GPU gives no such guarantee either; here the threads of a "
+                "threadgroup take turns). Raise the limit with "
+                "MLX_METALTILE_EMULATOR_TIMEOUT_S if the kernel is just slow",
+                w->L->d->timeout_s);
+  escape(w);
+}
+
+__attribute__((noinline, cold)) void race_fault(Worker* w, size_t so, uint32_t other,
+                                                uintptr_t other_ra, const char* what,
+                                                uintptr_t ra) {
+  uintptr_t ras[1] = {other_ra};
+  record_hazard(w, MT_HZ_RACE, ra, ras, other_ra ? 1 : 0,
+                "strict mode: data race on threadgroup memory at offset %zu: %s thread %u "
+                "(index in threadgroup; its access at @RA0) with no threadgroup_barrier in "
+                "between, so the order is undefined on a GPU",
+                so, what, other);
+  escape(w);
+}
+
+// Strict mode, one threadgroup byte: uninitialised reads and races between threads.
+inline void strict_check(Worker* w, size_t idx, uint8_t* sh, bool write, bool atomic,
+                         uintptr_t ra, uintptr_t a, size_t n) {
+  const uint32_t t = w->cur_ids ? w->cur_ids->thread_index_in_threadgroup : 0;
+  const uint32_t g = t / 32;
+  RaceShadow& R = w->race;
+  auto synced = [&](uint16_t other, uint32_t other_sg) {
+    // a simdgroup_barrier since then orders accesses within one SIMD-group
+    return other / 32u == g && w->sg_epoch[g] != other_sg;
+  };
+  if (write) {
+    if (!atomic) {
+      uint16_t wt = R.w_thread[idx];
+      if (wt != kNoThread && wt != t && R.w_epoch[idx] == w->tg_epoch && !synced(wt, R.w_sg[idx]))
+        race_fault(w, idx, wt, R.w_ra[idx], "this thread writes a byte also written by", ra);
+      uint16_t rt = R.r_thread[idx];
+      if (rt != kNoThread && rt != t && R.r_epoch[idx] == w->tg_epoch && !synced(rt, R.r_sg[idx]))
+        race_fault(w, idx, rt, 0, "this thread writes a byte read by", ra);
+    }
+    *sh = 2;
+    R.w_thread[idx] = atomic ? kNoThread : uint16_t(t);
+    R.w_epoch[idx] = w->tg_epoch;
+    R.w_sg[idx] = w->sg_epoch[g];
+    R.w_ra[idx] = ra;
+  } else {
+    if (*sh != 2) uninit_read(w, a, n, ra);
+    uint16_t wt = R.w_thread[idx];
+    if (!atomic && wt != kNoThread && wt != t && R.w_epoch[idx] == w->tg_epoch &&
+        !synced(wt, R.w_sg[idx]))
+      race_fault(w, idx, wt, R.w_ra[idx], "this thread reads a byte written by", ra);
+    if (!atomic) {
+      R.r_thread[idx] = uint16_t(t);
+      R.r_epoch[idx] = w->tg_epoch;
+      R.r_sg[idx] = w->sg_epoch[g];
+    }
+  }
+}
+
 inline __attribute__((always_inline)) void on_access(uintptr_t a, size_t n, bool write,
-                                                      uintptr_t ra) {
+                                                      uintptr_t ra, bool atomic = false) {
   Worker* w = tl_w;
   if (__builtin_expect(w == nullptr, 0)) return;
+  Launch* L = w->L;
+  if (__builtin_expect(L->timed_out.load(std::memory_order_relaxed), 0)) timeout_fault(w, ra);
   uint64_t off = a - uintptr_t(g_arena);
   if (off >= g_arena_bytes) return;  // stack, globals: not ours to check
   int slot = int(off >> g_shift);
   uint64_t so = off & (g_slot - 1);
-  Launch* L = w->L;
   if (slot >= 1 && slot <= L->nbuf) {
     int i = slot - 1;
     if (__builtin_expect(so + n > L->span[i], 0)) access_fault(w, a, n, write, ra);
@@ -377,13 +459,7 @@ inline __attribute__((always_inline)) void on_access(uintptr_t a, size_t n, bool
       if (__builtin_expect(sh[k] == 0, 0)) access_fault(w, a, n, write, ra);
     }
     if (L->strict) {
-      if (write) {
-        memset(sh, 2, n);
-      } else {
-        for (size_t k = 0; k < n; ++k) {
-          if (sh[k] != 2) uninit_read(w, a, n, ra);
-        }
-      }
+      for (size_t k = 0; k < n; ++k) strict_check(w, so + k, sh + k, write, atomic, ra, a, n);
     }
     return;
   }
@@ -460,6 +536,14 @@ void tg_coords(const Launch* L, uint64_t linear, uint32_t pos[3], uint32_t real[
 }
 
 void reset_threadgroup_memory(Worker* w) {
+  w->tg_epoch = 1;
+  memset(w->sg_epoch, 0, sizeof w->sg_epoch);
+  if (w->tg_end && w->L->strict) {
+    size_t m = w->tg_end + kRedzone;
+    RaceShadow& R = w->race;
+    memset(R.w_thread, 0xFF, m * sizeof *R.w_thread);
+    memset(R.r_thread, 0xFF, m * sizeof *R.r_thread);
+  }
   if (w->tg_end) memset(w->shadow, 0, w->tg_end + kRedzone);
   w->tg_end = 0;
   w->tg_declared = 0;
@@ -622,9 +706,32 @@ void describe_threads(const std::vector<uint32_t>& ts, char* out, size_t len) {
   }
 }
 
+bool same_site(const mt_site& a, const mt_site& b) {
+  return a.line == b.line && a.column == b.column &&
+         (a.file == b.file || (a.file && b.file && strcmp(a.file, b.file) == 0));
+}
+// Two waiting fibers at the same barrier / collective: same source position, or (a caller
+// that gave none) the same code address.
+bool same_site(const Fiber& a, const Fiber& b) {
+  if (!a.site.file || !b.site.file) return !a.site.file && !b.site.file && a.site_ra == b.site_ra;
+  return same_site(a.site, b.site);
+}
+
+// "body line 12" / "header line 3" / "file.h:7"
+void site_text(const mt_site& s, char* out, size_t n) {
+  const char* f = s.file ? s.file : "?";
+  const char* base = strrchr(f, '/');
+  base = base ? base + 1 : f;
+  if (strcmp(base, "body.metal") == 0) snprintf(out, n, "body line %u", s.line);
+  else if (strcmp(base, "header.metal") == 0) snprintf(out, n, "header line %u", s.line);
+  else snprintf(out, n, "%s:%u", base, s.line);
+}
+
 // Everyone blocked or done: report who waits where.
 void deadlock(Worker* w, TgState& st) {
-  std::vector<uintptr_t> sites;
+  std::vector<mt_site> sites;
+  std::vector<const Fiber*> firsts;
+  std::vector<uintptr_t> ras;
   std::vector<std::vector<uint32_t>> who;
   std::vector<int> kinds;
   std::vector<uint32_t> done;
@@ -635,9 +742,11 @@ void deadlock(Worker* w, TgState& st) {
       continue;
     }
     size_t k = 0;
-    while (k < sites.size() && !(sites[k] == f.site && kinds[k] == f.state)) ++k;
+    while (k < sites.size() && !(same_site(*firsts[k], f) && kinds[k] == f.state)) ++k;
     if (k == sites.size()) {
+      firsts.push_back(&f);
       sites.push_back(f.site);
+      ras.push_back(f.site_ra);
       kinds.push_back(f.state);
       who.emplace_back();
     }
@@ -647,22 +756,22 @@ void deadlock(Worker* w, TgState& st) {
   size_t used = size_t(snprintf(msg, sizeof msg,
                                 "deadlock: the threads of this threadgroup can never all meet at "
                                 "one barrier (a Mac would hang).")); 
-  char list[512];
-  for (size_t k = 0; k < sites.size() && k < kMaxRas && used + 700 < sizeof msg; ++k) {
+  char list[512], where[300];
+  for (size_t k = 0; k < sites.size() && used + 900 < sizeof msg; ++k) {
     describe_threads(who[k], list, sizeof list);
+    site_text(sites[k], where, sizeof where);
     const char* what = kinds[k] == BLOCK_TGB   ? "threadgroup_barrier"
                        : kinds[k] == BLOCK_SGB ? "simdgroup_barrier"
                                                : "a SIMD-group function";
-    used += size_t(snprintf(msg + used, sizeof msg - used, " Threads %s wait at %s (@RA%zu).",
-                            list, what, k));
+    used += size_t(snprintf(msg + used, sizeof msg - used, " Threads %s wait at %s (%s).",
+                            list, what, where));
   }
   if (!done.empty() && used + 600 < sizeof msg) {
     describe_threads(done, list, sizeof list);
     snprintf(msg + used, sizeof msg - used, " Threads %s have returned.", list);
   }
   w->cur_ids = nullptr;
-  record_hazard(w, MT_HZ_BARRIER, sites.empty() ? 0 : sites[0], sites.data(), int(sites.size()),
-                "%s", msg);
+  record_hazard(w, MT_HZ_BARRIER, ras.empty() ? 0 : ras[0], nullptr, 0, "%s", msg);
 }
 
 void release(Fiber& f) {
@@ -680,11 +789,11 @@ void try_resolve_sg(Worker* w, TgState& st, uint32_t g) {
   for (uint32_t i = 0; i < sg.size; ++i) {
     if (lanes[i].state != BLOCK_COLL) continue;
     any_coll = true;
-    uintptr_t site = lanes[i].site;
+    const uintptr_t site_ra = lanes[i].site_ra;
     mt_coll* set[kSimd] = {};
     uint32_t count = 0;
     for (uint32_t j = i; j < sg.size; ++j) {
-      if (lanes[j].state == BLOCK_COLL && lanes[j].site == site) {
+      if (lanes[j].state == BLOCK_COLL && same_site(lanes[j], lanes[i])) {
         set[j] = lanes[j].coll;
         count++;
       }
@@ -696,7 +805,7 @@ void try_resolve_sg(Worker* w, TgState& st, uint32_t g) {
     if (bad >= 0) {
       int kind = bad >> 8 ? bad >> 8 : MT_HZ_SIMD_LANE;
       w->cur_ids = &lanes[bad & 255].ids;
-      record_hazard(w, kind, site, nullptr, 0, "%s", err);
+      record_hazard(w, kind, site_ra, nullptr, 0, "%s", err);
       w->cur_ids = nullptr;
       return;
     }
@@ -708,12 +817,12 @@ void try_resolve_sg(Worker* w, TgState& st, uint32_t g) {
   if (any_coll) return;
   // simdgroup_barrier: every live lane of the SIMD-group at the same one.
   uint32_t at_sgb = 0;
-  uintptr_t site = 0;
+  const Fiber* first = nullptr;
   bool same = true;
   for (uint32_t i = 0; i < sg.size; ++i) {
     if (lanes[i].state == BLOCK_SGB) {
-      if (at_sgb && lanes[i].site != site) same = false;
-      site = lanes[i].site;
+      if (first && !same_site(lanes[i], *first)) same = false;
+      if (!first) first = &lanes[i];
       at_sgb++;
     }
   }
@@ -721,6 +830,7 @@ void try_resolve_sg(Worker* w, TgState& st, uint32_t g) {
     for (uint32_t i = 0; i < sg.size; ++i) release(lanes[i]);
     sg.blocked -= at_sgb;
     w->sgb += 1;
+    w->sg_epoch[g] += 1;
   } else if (at_sgb && (sg.done || !same || at_sgb < sg.size)) {
     deadlock(w, st);
   }
@@ -741,7 +851,8 @@ void run_threadgroup_fibers(Worker* w, uint64_t linear) {
     thread_ids(L, pos, real, t, &f.ids);
     f.state = RUNNABLE;
     f.coll = nullptr;
-    f.site = 0;
+    f.site = mt_site{nullptr, 0, 0};
+    f.site_ra = 0;
     f.w = w;
     f.runner = false;
     start_fiber(&f);
@@ -768,20 +879,20 @@ void run_threadgroup_fibers(Worker* w, uint64_t linear) {
           if (st.at_tgb) {
             w->cur_ids = &f.ids;
             std::vector<uint32_t> waiting;
-            uintptr_t site = 0;
+            const Fiber* waiter = nullptr;
             for (uint32_t u = 0; u < st.n; ++u)
               if (w->fibers[u].state == BLOCK_TGB) {
                 waiting.push_back(u);
-                site = w->fibers[u].site;
+                waiter = &w->fibers[u];
               }
-            char list[512];
+            char list[512], where[300];
             describe_threads(waiting, list, sizeof list);
-            uintptr_t ras[1] = {site};
-            record_hazard(w, MT_HZ_BARRIER, site, ras, 1,
+            site_text(waiter->site, where, sizeof where);
+            record_hazard(w, MT_HZ_BARRIER, waiter->site_ra, nullptr, 0,
                           "barrier divergence: this thread returned while threads %s wait at "
-                          "threadgroup_barrier (@RA0); every thread of a threadgroup must reach "
+                          "threadgroup_barrier (%s); every thread of a threadgroup must reach "
                           "each barrier (a Mac would hang)",
-                          list);
+                          list, where);
             return;
           }
           break;
@@ -793,7 +904,7 @@ void run_threadgroup_fibers(Worker* w, uint64_t linear) {
               if (w->fibers[u].state == DONE) gone.push_back(u);
             char list[512];
             describe_threads(gone, list, sizeof list);
-            record_hazard(w, MT_HZ_BARRIER, f.site, nullptr, 0,
+            record_hazard(w, MT_HZ_BARRIER, f.site_ra, nullptr, 0,
                           "barrier divergence: this thread reached threadgroup_barrier after "
                           "threads %s returned; every thread of a threadgroup must reach each "
                           "barrier (a Mac would hang)",
@@ -814,12 +925,9 @@ void run_threadgroup_fibers(Worker* w, uint64_t linear) {
       if (L->abort.load(std::memory_order_relaxed)) return;
       if (st.at_tgb && st.at_tgb + st.done == st.n) {
         // Every live thread waits at a threadgroup barrier: the same one?
-        uintptr_t site = 0;
         bool same = true;
-        for (uint32_t u = 0; u < st.n; ++u) {
-          if (u == 0) site = w->fibers[u].site;
-          else if (w->fibers[u].site != site) same = false;
-        }
+        for (uint32_t u = 1; u < st.n; ++u)
+          if (!same_site(w->fibers[u], w->fibers[0])) same = false;
         if (!same) {
           deadlock(w, st);
           return;
@@ -828,6 +936,7 @@ void run_threadgroup_fibers(Worker* w, uint64_t linear) {
         for (uint32_t q = 0; q < nsg; ++q) st.sg[q].blocked = 0;
         st.at_tgb = 0;
         w->tgb += 1;
+        w->tg_epoch += 1;
       }
     }
     if (!ran && st.done < st.n) {
@@ -891,6 +1000,10 @@ void on_signal(int sig, siginfo_t* info, void* uctx) {
       record_hazard(w, MT_HZ_ARITHMETIC, ra, nullptr, 0,
                     "arithmetic fault (integer division or remainder by zero, or overflow of "
                     "INT_MIN / -1)");
+    } else if (sig == SIGILL) {
+      record_hazard(w, MT_HZ_MEMORY_FAULT, ra, nullptr, 0,
+                    "illegal instruction: the compiler's trap for undefined behaviour (for "
+                    "example a non-void function that ends without a return)");
     } else {
       record_hazard(w, MT_HZ_MEMORY_FAULT, ra, nullptr, 0,
                     "memory fault (signal %d) at address %p: a wild pointer outside every "
@@ -913,14 +1026,20 @@ void on_signal(int sig, siginfo_t* info, void* uctx) {
   sigaction(sig, &old, nullptr);  // default action on return: re-faults and terminates
 }
 
+// Installed at each launch unless still in place (someone may have installed a handler since,
+// e.g. faulthandler.enable(); it becomes the one faults outside kernel code go to).
 void install_handlers() {
-  if (g_handlers) return;
-  g_handlers = true;
   struct sigaction sa = {};
   sa.sa_sigaction = on_signal;
   sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
   sigemptyset(&sa.sa_mask);
-  for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL}) sigaction(sig, &sa, &g_old[sig]);
+  for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL}) {
+    struct sigaction cur;
+    sigaction(sig, nullptr, &cur);
+    if (g_handlers && (cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_signal) continue;
+    sigaction(sig, &sa, &g_old[sig]);
+  }
+  g_handlers = true;
 }
 
 // ---- the launch -------------------------------------------------------------------------------
@@ -977,6 +1096,27 @@ bool prepare_worker(Worker* w, int index, Launch* L, size_t max_threads, char* e
     w->altstack = static_cast<char*>(malloc(kAltStack));
     g_tg_mapped[index] = true;
   }
+  if (L->strict && !w->race.w_thread) {
+    auto arr = [](size_t elem) {
+      void* p = mmap(nullptr, kTgSlotMap * elem, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      return p == MAP_FAILED ? nullptr : p;
+    };
+    RaceShadow& R = w->race;
+    R.w_thread = static_cast<uint16_t*>(arr(2));
+    R.w_epoch = static_cast<uint32_t*>(arr(4));
+    R.w_sg = static_cast<uint32_t*>(arr(4));
+    R.w_ra = static_cast<uintptr_t*>(arr(8));
+    R.r_thread = static_cast<uint16_t*>(arr(2));
+    R.r_epoch = static_cast<uint32_t*>(arr(4));
+    R.r_sg = static_cast<uint32_t*>(arr(4));
+    if (!R.w_thread || !R.w_epoch || !R.w_sg || !R.w_ra || !R.r_thread || !R.r_epoch || !R.r_sg) {
+      snprintf(err, n, "cannot allocate the strict-mode shadow memory");
+      return false;
+    }
+    memset(R.w_thread, 0xFF, kTgSlotMap * 2);
+    memset(R.r_thread, 0xFF, kTgSlotMap * 2);
+  }
   w->tg_end = 0;
   memset(w->shadow, 0, kTgSlotMap);
   w->tg_declared = 0;
@@ -1015,10 +1155,31 @@ int run_launch(Launch* L, char* err, size_t errn) {
     if (!prepare_worker(&g_workers[i], i, L, max_threads, err, errn)) return 2;
   L->next.store(0);
   L->abort.store(false);
+  // The watchdog: past the time limit, the next memory access of kernel code raises.
+  std::mutex wd_mu;
+  std::condition_variable wd_cv;
+  bool finished = false;
+  std::thread watchdog;
+  if (d->timeout_s > 0) {
+    watchdog = std::thread([&] {
+      std::unique_lock<std::mutex> lock(wd_mu);
+      if (!wd_cv.wait_for(lock, std::chrono::duration<double>(d->timeout_s),
+                          [&] { return finished; }))
+        L->timed_out.store(true);
+    });
+  }
   std::vector<std::thread> threads;
   threads.reserve(size_t(nw));
   for (int i = 0; i < nw; ++i) threads.emplace_back(worker_main, &g_workers[i]);
   for (auto& t : threads) t.join();
+  if (watchdog.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(wd_mu);
+      finished = true;
+    }
+    wd_cv.notify_all();
+    watchdog.join();
+  }
   LaunchResult* r = L->r;
   for (int i = 0; i < nw; ++i) {
     Worker& w = g_workers[i];
@@ -1041,7 +1202,7 @@ int run_launch(Launch* L, char* err, size_t errn) {
 
 // ---- entry points for kernel code ---------------------------------------------------------------
 
-extern "C" void mt_barrier(int kind) {
+extern "C" void mt_barrier(int kind, const mt_site* site) {
   Worker* w = tl_w;
   uintptr_t ra = uintptr_t(__builtin_return_address(0));
   Fiber* f = w->cur;
@@ -1050,7 +1211,8 @@ extern "C" void mt_barrier(int kind) {
     w->L->abort.store(true);
     escape(w);
   }
-  f->site = ra;
+  f->site = *site;
+  f->site_ra = ra;
   f->state = kind == MT_BARRIER_THREADGROUP ? BLOCK_TGB : BLOCK_SGB;
   yield_to_scheduler(w, f);
 }
@@ -1064,7 +1226,8 @@ extern "C" void mt_collective(mt_coll* c) {
     w->L->abort.store(true);
     escape(w);
   }
-  f->site = ra;
+  f->site = c->site;
+  f->site_ra = ra;
   f->coll = c;
   f->state = BLOCK_COLL;
   yield_to_scheduler(w, f);
@@ -1096,6 +1259,10 @@ extern "C" void* mt_tg_alloc(size_t bytes, size_t align, int slot, const char* n
   char* p = w->tg_base + off;
   memset(p, 0xFF, bytes);  // Metal does not clear threadgroup memory: poison
   memset(w->shadow + off, 1, bytes);
+  if (w->L->strict) {  // no access yet to the new array's bytes
+    memset(w->race.w_thread + off, 0xFF, bytes * sizeof(uint16_t));
+    memset(w->race.r_thread + off, 0xFF, bytes * sizeof(uint16_t));
+  }
   w->tg_end = off + bytes;
   w->tg_peak = std::max<uint64_t>(w->tg_peak, w->tg_declared);
   w->tg_slots.emplace_back(slot, p);
@@ -1122,8 +1289,8 @@ extern "C" void mt_hazard(int kind, const char* message) {
 
 extern "C" uint64_t mt_atomic_rmw(void* p, int size, int kind, int op, uint64_t v) {
   uintptr_t ra = uintptr_t(__builtin_return_address(0));
-  if (op != 1) on_access(uintptr_t(p), size_t(size), false, ra);
-  if (op != 0) on_access(uintptr_t(p), size_t(size), true, ra);
+  if (op != 1) on_access(uintptr_t(p), size_t(size), false, ra, true);
+  if (op != 0) on_access(uintptr_t(p), size_t(size), true, ra, true);
   // op: 0 load, 1 store, 2 exchange, 3 add, 4 sub, 5 and, 6 or, 7 xor, 8 min, 9 max
   auto rmw = [&](auto* q, auto val) -> uint64_t {
     using T = std::remove_pointer_t<decltype(q)>;
@@ -1181,8 +1348,8 @@ extern "C" uint64_t mt_atomic_rmw(void* p, int size, int kind, int op, uint64_t 
 
 extern "C" int mt_atomic_cas(void* p, int size, uint64_t* expected, uint64_t desired) {
   uintptr_t ra = uintptr_t(__builtin_return_address(0));
-  on_access(uintptr_t(p), size_t(size), false, ra);
-  on_access(uintptr_t(p), size_t(size), true, ra);
+  on_access(uintptr_t(p), size_t(size), false, ra, true);
+  on_access(uintptr_t(p), size_t(size), true, ra, true);
   if (size == 4) {
     uint32_t e = uint32_t(*expected);
     bool ok = __atomic_compare_exchange_n(static_cast<uint32_t*>(p), &e, uint32_t(desired), false,
@@ -1199,7 +1366,7 @@ extern "C" int mt_atomic_cas(void* p, int size, uint64_t* expected, uint64_t des
 
 // ---- entry points for Python ----------------------------------------------------------------
 
-extern "C" int mt_rt_abi_version(void) { return 1; }
+extern "C" int mt_rt_abi_version(void) { return 3; }
 
 extern "C" int mt_launch(const LaunchDesc* d, LaunchResult* r) {
   std::lock_guard<std::mutex> lock(g_launch_mu);

@@ -33,6 +33,15 @@ typedef struct mt_ids {
 // _shape/_strides/_ndim buffers, outputs, in signature order).
 typedef void (*mt_thread_fn)(void* const* args, const mt_ids* ids);
 
+// Where a barrier or SIMD-group function is called, in the kernel's source. Threads meet at
+// the same barrier / collective when they call it from the same source position (the
+// compiler may duplicate or merge the machine code of a call).
+typedef struct mt_site {
+  const char* file;
+  uint32_t line;
+  uint32_t column;
+} mt_site;
+
 // A SIMD-group collective: every lane that calls one fills a record on its own stack and
 // blocks; once every unfinished lane of the SIMD-group is blocked, the lanes blocked at the
 // same call site form the active set and `resolve` is called once with lanes[0..31]
@@ -49,6 +58,13 @@ struct mt_coll {
   const void* in3;
   void* out;           // this lane's result
   mt_resolve_fn resolve;
+#ifdef __cplusplus
+  // Set it (mt::site_of(std::source_location)) so lanes meet by source position; left null,
+  // lanes meet by the code address of the mt_collective call instead.
+  mt_site site = {nullptr, 0, 0};
+#else
+  mt_site site;
+#endif
 };
 
 enum { MT_BARRIER_THREADGROUP = 0, MT_BARRIER_SIMDGROUP = 1 };
@@ -65,11 +81,13 @@ enum {
   MT_HZ_MEMORY_FAULT = 7,
   MT_HZ_ARITHMETIC = 8,
   MT_HZ_SIMDGROUP_MATRIX = 9,
+  MT_HZ_TIMEOUT = 10,
+  MT_HZ_RACE = 11,
 };
 
 // Runtime entry points used by kernel code (through the headers).
 void mt_collective(mt_coll* c);
-void mt_barrier(int kind);
+void mt_barrier(int kind, const mt_site* site);
 void* mt_tg_alloc(size_t bytes, size_t align, int slot, const char* name);
 uint32_t mt_lane(void);
 int mt_strict(void);

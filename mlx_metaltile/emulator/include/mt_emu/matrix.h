@@ -121,7 +121,8 @@ int resolve_mma(mt_coll* const* L, char* err, size_t err_len) {
 
 template <class TD, class TA, class TB, class TC>
 MT_AI void mma(metal::simdgroup_matrix<TD, 8, 8>& d, const metal::simdgroup_matrix<TA, 8, 8>& a,
-               const metal::simdgroup_matrix<TB, 8, 8>& b, const void* c) {
+               const metal::simdgroup_matrix<TB, 8, 8>& b, const void* c,
+               const std::source_location& loc) {
   metal::vec<TD, 2> result;
   mt_coll k;
   k.op = OP_MMA;
@@ -132,6 +133,7 @@ MT_AI void mma(metal::simdgroup_matrix<TD, 8, 8>& d, const metal::simdgroup_matr
   k.in3 = c;
   k.out = &result;
   k.resolve = &resolve_mma<TD, TA, TB, TC>;
+  k.site = site_of(loc);
   mt_collective(&k);
   d.e = result;
 }
@@ -144,14 +146,14 @@ template <class TD, class TA, class TB, class TC>
 MT_AI void simdgroup_multiply_accumulate(simdgroup_matrix<TD, 8, 8>& d,
                                          const simdgroup_matrix<TA, 8, 8>& a,
                                          const simdgroup_matrix<TB, 8, 8>& b,
-                                         const simdgroup_matrix<TC, 8, 8>& c) {
-  mt::mma<TD, TA, TB, TC>(d, a, b, &c.e);
+                                         const simdgroup_matrix<TC, 8, 8>& c, MT_LOC) {
+  mt::mma<TD, TA, TB, TC>(d, a, b, &c.e, mt_loc);
 }
 
 template <class TD, class TA, class TB>
 MT_AI void simdgroup_multiply(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>& a,
-                              const simdgroup_matrix<TB, 8, 8>& b) {
-  mt::mma<TD, TA, TB, TD>(d, a, b, nullptr);
+                              const simdgroup_matrix<TB, 8, 8>& b, MT_LOC) {
+  mt::mma<TD, TA, TB, TD>(d, a, b, nullptr, mt_loc);
 }
 
 }  // namespace metal

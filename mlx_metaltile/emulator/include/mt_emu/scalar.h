@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <source_location>
 #include <type_traits>
 #include <utility>
 

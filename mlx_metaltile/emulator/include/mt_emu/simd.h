@@ -15,6 +15,14 @@
 #include "mt_emu/math.h"
 
 #define MT_AI inline __attribute__((always_inline))
+// The caller's source position, as a defaulted last parameter of barriers and collectives.
+#define MT_LOC std::source_location mt_loc = std::source_location::current()
+
+namespace mt {
+inline mt_site site_of(const std::source_location& l) {
+  return mt_site{l.file_name(), l.line(), l.column()};
+}
+}  // namespace mt
 
 namespace metal {
 
@@ -30,12 +38,13 @@ constexpr mem_flags operator|(mem_flags a, mem_flags b) {
   return mem_flags(unsigned(a) | unsigned(b));
 }
 
-// always_inline: the call site identifies the barrier
-MT_AI void threadgroup_barrier(mem_flags = mem_flags::mem_none) {
-  mt_barrier(MT_BARRIER_THREADGROUP);
+MT_AI void threadgroup_barrier(mem_flags = mem_flags::mem_none, MT_LOC) {
+  const mt_site site = mt::site_of(mt_loc);
+  mt_barrier(MT_BARRIER_THREADGROUP, &site);
 }
-MT_AI void simdgroup_barrier(mem_flags = mem_flags::mem_none) {
-  mt_barrier(MT_BARRIER_SIMDGROUP);
+MT_AI void simdgroup_barrier(mem_flags = mem_flags::mem_none, MT_LOC) {
+  const mt_site site = mt::site_of(mt_loc);
+  mt_barrier(MT_BARRIER_SIMDGROUP, &site);
 }
 inline void atomic_thread_fence(mem_flags, int = 0, int = 0) {}
 
@@ -242,7 +251,8 @@ template <class T> int resolve(mt_coll* const* L, char* err, size_t err_len) {
 }
 
 template <class T>
-MT_AI T collective(int op, int width, const T& x, int64_t arg = 0, const T* x2 = nullptr) {
+MT_AI T collective(const std::source_location& loc, int op, int width, const T& x,
+                   int64_t arg = 0, const T* x2 = nullptr) {
   T result;
   mt_coll c;
   c.op = op;
@@ -253,11 +263,12 @@ MT_AI T collective(int op, int width, const T& x, int64_t arg = 0, const T* x2 =
   c.in3 = nullptr;
   c.out = &result;
   c.resolve = &resolve<T>;
+  c.site = site_of(loc);
   mt_collective(&c);
   return result;
 }
 
-template <class R> MT_AI R vote(int op, int width, bool x) {
+template <class R> MT_AI R vote(const std::source_location& loc, int op, int width, bool x) {
   R result{};
   bool in = x;
   mt_coll c;
@@ -269,6 +280,7 @@ template <class R> MT_AI R vote(int op, int width, bool x) {
   c.in3 = nullptr;
   c.out = &result;
   c.resolve = &resolve<bool>;
+  c.site = site_of(loc);
   mt_collective(&c);
   return result;
 }
@@ -288,7 +300,9 @@ MT_AI void check_lane_arg(int op, int width, long value, const char* what) {
 namespace metal {
 
 #define MT_SIMD_REDUCE(prefix, width, name, OP)                                              \
-  template <class T> MT_AI T prefix##name(T x) { return mt::collective(mt::OP, width, x); }
+  template <class T> MT_AI T prefix##name(T x, MT_LOC) {                                    \
+    return mt::collective(mt_loc, mt::OP, width, x);                                         \
+  }
 #define MT_SIMD_FAMILY(prefix, width)                                                        \
   MT_SIMD_REDUCE(prefix, width, sum, OP_SUM)                                                 \
   MT_SIMD_REDUCE(prefix, width, product, OP_PRODUCT)                                         \
@@ -299,84 +313,86 @@ namespace metal {
   MT_SIMD_REDUCE(prefix, width, prefix_inclusive_product, OP_INC_PRODUCT)                    \
   MT_SIMD_REDUCE(prefix, width, prefix_exclusive_product, OP_EXC_PRODUCT)                    \
   MT_SIMD_REDUCE(prefix, width, broadcast_first, OP_BROADCAST_FIRST)                         \
-  template <class T> MT_AI T prefix##shuffle(T x, ushort lane) {                              \
+  template <class T> MT_AI T prefix##shuffle(T x, ushort lane, MT_LOC) {                              \
     mt::check_lane_arg(mt::OP_SHUFFLE, width, lane, "lane");                                 \
-    return mt::collective(mt::OP_SHUFFLE, width, x, lane);                                   \
+    return mt::collective(mt_loc, mt::OP_SHUFFLE, width, x, lane);                                   \
   }                                                                                          \
-  template <class T> MT_AI T prefix##broadcast(T x, ushort lane) {                            \
+  template <class T> MT_AI T prefix##broadcast(T x, ushort lane, MT_LOC) {                            \
     mt::check_lane_arg(mt::OP_BROADCAST, width, lane, "lane");                               \
-    return mt::collective(mt::OP_BROADCAST, width, x, lane);                                 \
+    return mt::collective(mt_loc, mt::OP_BROADCAST, width, x, lane);                                 \
   }                                                                                          \
-  template <class T> MT_AI T prefix##shuffle_xor(T x, ushort mask) {                          \
+  template <class T> MT_AI T prefix##shuffle_xor(T x, ushort mask, MT_LOC) {                          \
     mt::check_lane_arg(mt::OP_XOR_SHUFFLE, width, mask, "mask");                             \
-    return mt::collective(mt::OP_XOR_SHUFFLE, width, x, mask);                               \
+    return mt::collective(mt_loc, mt::OP_XOR_SHUFFLE, width, x, mask);                               \
   }                                                                                          \
-  template <class T> MT_AI T prefix##shuffle_up(T x, ushort delta) {                          \
+  template <class T> MT_AI T prefix##shuffle_up(T x, ushort delta, MT_LOC) {                          \
     mt::check_lane_arg(mt::OP_UP, width, delta, "delta");                                    \
-    return mt::collective(mt::OP_UP, width, x, delta);                                       \
+    return mt::collective(mt_loc, mt::OP_UP, width, x, delta);                                       \
   }                                                                                          \
-  template <class T> MT_AI T prefix##shuffle_down(T x, ushort delta) {                        \
+  template <class T> MT_AI T prefix##shuffle_down(T x, ushort delta, MT_LOC) {                        \
     mt::check_lane_arg(mt::OP_DOWN, width, delta, "delta");                                  \
-    return mt::collective(mt::OP_DOWN, width, x, delta);                                     \
+    return mt::collective(mt_loc, mt::OP_DOWN, width, x, delta);                                     \
   }                                                                                          \
-  template <class T> MT_AI T prefix##shuffle_rotate_up(T x, ushort delta) {                   \
+  template <class T> MT_AI T prefix##shuffle_rotate_up(T x, ushort delta, MT_LOC) {                   \
     mt::check_lane_arg(mt::OP_ROTATE_UP, width, delta, "delta");                             \
-    return mt::collective(mt::OP_ROTATE_UP, width, x, delta);                                \
+    return mt::collective(mt_loc, mt::OP_ROTATE_UP, width, x, delta);                                \
   }                                                                                          \
-  template <class T> MT_AI T prefix##shuffle_rotate_down(T x, ushort delta) {                 \
+  template <class T> MT_AI T prefix##shuffle_rotate_down(T x, ushort delta, MT_LOC) {                 \
     mt::check_lane_arg(mt::OP_ROTATE_DOWN, width, delta, "delta");                           \
-    return mt::collective(mt::OP_ROTATE_DOWN, width, x, delta);                              \
+    return mt::collective(mt_loc, mt::OP_ROTATE_DOWN, width, x, delta);                              \
   }                                                                                          \
-  template <class T> MT_AI T prefix##shuffle_and_fill_up(T x, T fill, ushort delta) {         \
+  template <class T> MT_AI T prefix##shuffle_and_fill_up(T x, T fill, ushort delta, MT_LOC) {         \
     mt::check_lane_arg(mt::OP_FILL_UP, width, delta, "delta");                               \
-    return mt::collective(mt::OP_FILL_UP, width, x, delta, &fill);                           \
+    return mt::collective(mt_loc, mt::OP_FILL_UP, width, x, delta, &fill);                           \
   }                                                                                          \
-  template <class T> MT_AI T prefix##shuffle_and_fill_down(T x, T fill, ushort delta) {       \
+  template <class T> MT_AI T prefix##shuffle_and_fill_down(T x, T fill, ushort delta, MT_LOC) {       \
     mt::check_lane_arg(mt::OP_FILL_DOWN, width, delta, "delta");                             \
-    return mt::collective(mt::OP_FILL_DOWN, width, x, delta, &fill);                         \
+    return mt::collective(mt_loc, mt::OP_FILL_DOWN, width, x, delta, &fill);                         \
   }                                                                                          \
   template <class T>                                                                         \
-  MT_AI T prefix##shuffle_and_fill_up(T x, T fill, ushort delta, ushort modulo) {            \
+  MT_AI T prefix##shuffle_and_fill_up(T x, T fill, ushort delta, ushort modulo, MT_LOC) {            \
     if (modulo == 0 || modulo > width || (modulo & (modulo - 1)))                            \
       mt::check_lane_arg(mt::OP_FILL_UP, 0, modulo, "modulo");                               \
     mt::check_lane_arg(mt::OP_FILL_UP, modulo, delta, "delta");                              \
-    return mt::collective(mt::OP_FILL_UP, modulo, x, delta, &fill);                          \
+    return mt::collective(mt_loc, mt::OP_FILL_UP, modulo, x, delta, &fill);                          \
   }                                                                                          \
   template <class T>                                                                         \
-  MT_AI T prefix##shuffle_and_fill_down(T x, T fill, ushort delta, ushort modulo) {          \
+  MT_AI T prefix##shuffle_and_fill_down(T x, T fill, ushort delta, ushort modulo, MT_LOC) {          \
     if (modulo == 0 || modulo > width || (modulo & (modulo - 1)))                            \
       mt::check_lane_arg(mt::OP_FILL_DOWN, 0, modulo, "modulo");                             \
     mt::check_lane_arg(mt::OP_FILL_DOWN, modulo, delta, "delta");                            \
-    return mt::collective(mt::OP_FILL_DOWN, modulo, x, delta, &fill);                        \
+    return mt::collective(mt_loc, mt::OP_FILL_DOWN, modulo, x, delta, &fill);                        \
   }                                                                                          \
-  MT_AI bool prefix##all(bool x) { return mt::vote<bool>(mt::OP_ALL, width, x); }             \
-  MT_AI bool prefix##any(bool x) { return mt::vote<bool>(mt::OP_ANY, width, x); }             \
-  MT_AI bool prefix##is_first() { return mt::vote<bool>(mt::OP_IS_FIRST, width, true); }      \
+  MT_AI bool prefix##all(bool x, MT_LOC) { return mt::vote<bool>(mt_loc, mt::OP_ALL, width, x); } \
+  MT_AI bool prefix##any(bool x, MT_LOC) { return mt::vote<bool>(mt_loc, mt::OP_ANY, width, x); } \
+  MT_AI bool prefix##is_first(MT_LOC) {                                                      \
+    return mt::vote<bool>(mt_loc, mt::OP_IS_FIRST, width, true);                             \
+  }                                                                                          \
   MT_AI bool prefix##is_helper_thread() { return false; }
 
 MT_SIMD_FAMILY(simd_, 32)
 MT_SIMD_FAMILY(quad_, 4)
 // (and / or / xor are alternative tokens: these cannot be pasted by the macro)
-template <class T> MT_AI T simd_and(T x) { return mt::collective(mt::OP_AND, 32, x); }
-template <class T> MT_AI T simd_or(T x) { return mt::collective(mt::OP_OR, 32, x); }
-template <class T> MT_AI T simd_xor(T x) { return mt::collective(mt::OP_XOR, 32, x); }
-template <class T> MT_AI T quad_and(T x) { return mt::collective(mt::OP_AND, 4, x); }
-template <class T> MT_AI T quad_or(T x) { return mt::collective(mt::OP_OR, 4, x); }
-template <class T> MT_AI T quad_xor(T x) { return mt::collective(mt::OP_XOR, 4, x); }
+template <class T> MT_AI T simd_and(T x, MT_LOC) { return mt::collective(mt_loc, mt::OP_AND, 32, x); }
+template <class T> MT_AI T simd_or(T x, MT_LOC) { return mt::collective(mt_loc, mt::OP_OR, 32, x); }
+template <class T> MT_AI T simd_xor(T x, MT_LOC) { return mt::collective(mt_loc, mt::OP_XOR, 32, x); }
+template <class T> MT_AI T quad_and(T x, MT_LOC) { return mt::collective(mt_loc, mt::OP_AND, 4, x); }
+template <class T> MT_AI T quad_or(T x, MT_LOC) { return mt::collective(mt_loc, mt::OP_OR, 4, x); }
+template <class T> MT_AI T quad_xor(T x, MT_LOC) { return mt::collective(mt_loc, mt::OP_XOR, 4, x); }
 #undef MT_SIMD_FAMILY
 #undef MT_SIMD_REDUCE
 
-MT_AI simd_vote simd_ballot(bool x) {
-  return simd_vote(mt::vote<unsigned long>(mt::OP_BALLOT, 32, x));
+MT_AI simd_vote simd_ballot(bool x, MT_LOC) {
+  return simd_vote(mt::vote<unsigned long>(mt_loc, mt::OP_BALLOT, 32, x));
 }
-MT_AI simd_vote simd_active_threads_mask() {
-  return simd_vote(mt::vote<unsigned long>(mt::OP_ACTIVE, 32, true));
+MT_AI simd_vote simd_active_threads_mask(MT_LOC) {
+  return simd_vote(mt::vote<unsigned long>(mt_loc, mt::OP_ACTIVE, 32, true));
 }
-MT_AI quad_vote quad_ballot(bool x) {
-  return quad_vote(mt::vote<unsigned short>(mt::OP_BALLOT, 4, x));
+MT_AI quad_vote quad_ballot(bool x, MT_LOC) {
+  return quad_vote(mt::vote<unsigned short>(mt_loc, mt::OP_BALLOT, 4, x));
 }
-MT_AI quad_vote quad_active_threads_mask() {
-  return quad_vote(mt::vote<unsigned short>(mt::OP_ACTIVE, 4, true));
+MT_AI quad_vote quad_active_threads_mask(MT_LOC) {
+  return quad_vote(mt::vote<unsigned short>(mt_loc, mt::OP_ACTIVE, 4, true));
 }
 
 }  // namespace metal
