@@ -2,13 +2,14 @@
 
 from ._registry import KernelSpec, kernels
 from .backends import available_backends, get_backend, set_backend, use_backend
-from .ops import gated_rms_norm
+from .ops import fp4_qmm, gated_rms_norm
 
 __version__ = "0.1.0"
 
 __all__ = [
     "KernelSpec",
     "available_backends",
+    "fp4_qmm",
     "gated_rms_norm",
     "get_backend",
     "kernels",

@@ -1,5 +1,12 @@
 """One module per op: checks, launcher, reference and public function."""
 
+from .fp4_qmm import fp4_dequantize_reference, fp4_qmm, fp4_qmm_reference
 from .gated_rms_norm import gated_rms_norm, gated_rms_norm_reference
 
-__all__ = ["gated_rms_norm", "gated_rms_norm_reference"]
+__all__ = [
+    "fp4_dequantize_reference",
+    "fp4_qmm",
+    "fp4_qmm_reference",
+    "gated_rms_norm",
+    "gated_rms_norm_reference",
+]
