@@ -231,7 +231,7 @@ def _qmv_rows(m: int) -> int:
 def _launch(spec: KernelSpec, x2, w, scales, m, n, k, mode, group_size, backend):
     template = [("T", x2.dtype), ("ST", scales.dtype), ("GS", group_size),
                 ("SCALE_MODE", mode)]
-    if spec is QMV_SPEC or spec.variant.startswith("qmv"):
+    if spec.variant.startswith("qmv"):
         mb = _qmv_rows(m)
         template.append(("MB", mb))
         grid = (QMV_THREADS, n // QMV_ROWS_PER_TG, -(-m // mb))
@@ -239,8 +239,10 @@ def _launch(spec: KernelSpec, x2, w, scales, m, n, k, mode, group_size, backend)
     else:
         grid = (TILE_THREADS * (n // TILE), -(-m // TILE), 1)
         threadgroup = (TILE_THREADS, 1, 1)
-        tg_mem = 2 * TILE * (TILE + 4) * 4 if spec.variant.startswith("simdgroup") \
-            else TILE * (TILE + 8) * 2 + TILE * 4
+        if spec.variant.startswith("simdgroup"):
+            tg_mem = 2 * TILE * (TILE + 4) * 4  # x and w tiles, float, rows padded to 36
+        else:
+            tg_mem = TILE * (TILE + 8) * 2 + 2 * TILE * 4  # half w tile + 2 x 32 scales
     (out,) = backends.launch(
         spec, backend,
         inputs=(x2, w, scales, scalar(m, mx.uint32), scalar(n, mx.uint32),
