@@ -28,6 +28,9 @@ class BenchCase:
     nbytes: int
     flops: int
     quick: bool = False  # part of the short default run
+    # float64 sum of |terms| behind each output (reductions: float32 accumulation error is
+    # relative to it, as in the tests' tolerance); None for elementwise ops
+    magnitude: Callable[..., np.ndarray] | None = None
 
     @property
     def dtype_name(self) -> str:
@@ -85,6 +88,55 @@ def _gated_rms_norm_cases():
 
 
 _gated_rms_norm_cases()
+
+
+# ---- fp4_qmm -------------------------------------------------------------------------
+
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                  -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
+
+
+def _mxfp4_weights64(w, scales) -> np.ndarray:
+    """[N, K] float64: E2M1 code * 2^(s - 127), from the mxfp4 definition."""
+    words = np.array(w)
+    n = words.shape[0]
+    codes = (words[:, :, None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF
+    values = _E2M1[codes.reshape(n, -1)].reshape(n, -1, 32)
+    s = np.exp2(np.array(scales).astype(np.float32) - 127.0)
+    return (values * s[:, :, None]).reshape(n, -1).astype(np.float64)
+
+
+def _fp4_qmm_oracle(x, w, scales):
+    return f64(x) @ _mxfp4_weights64(w, scales).T
+
+
+def _fp4_qmm_magnitude(x, w, scales):
+    return np.abs(f64(x)) @ np.abs(_mxfp4_weights64(w, scales)).T
+
+
+def _fp4_qmm_native(x, w, scales):
+    return mx.quantized_matmul(x, w, scales, transpose=True, group_size=32, bits=4,
+                               mode="mxfp4")
+
+
+def _fp4_qmm_cases():
+    for n, k in ((4096, 4096), (14336, 4096)):
+        for m in (1, 8, 32, 512):
+            for dtype in DTYPES:
+                def make(rng, m=m, n=n, k=k, dtype=dtype):
+                    wf = mx.array(rng.standard_normal((n, k), dtype=np.float32) * 0.02)
+                    w, scales = mx.quantize(wf, mode="mxfp4")[:2]
+                    x = mx.array(rng.standard_normal((m, k), dtype=np.float32)).astype(dtype)
+                    return dict(x=x, w=w, scales=scales)
+                nbytes = m * k * dtype.size + n * k // 2 + n * k // 32 + m * n * dtype.size
+                _CASES.append(BenchCase(
+                    op="fp4_qmm", label=f"M{m}-N{n}-K{k}", dtype=dtype, make=make,
+                    ours=mt.fp4_qmm, native=_fp4_qmm_native, oracle=_fp4_qmm_oracle,
+                    nbytes=nbytes, flops=2 * m * n * k, magnitude=_fp4_qmm_magnitude,
+                    quick=n == k and m in (1, 32) and dtype == mx.bfloat16))
+
+
+_fp4_qmm_cases()
 
 
 def cases(op: str | None = None, quick: bool = False) -> list[BenchCase]:
