@@ -1,0 +1,223 @@
+"""Compiling for the emulator: the host C++ compiler, the on-disk cache, the runtime library,
+the precompiled header and the kernel modules.
+
+Everything built is cached under ``$MLX_METALTILE_CACHE/emulator`` (default
+``~/.cache/mlx_metaltile/emulator``), keyed by a hash of what went into it (compiler version,
+flags, runtime sources, kernel source). Builds happen in a private temporary directory and are
+moved into place with an atomic rename, so concurrent test processes share the cache safely.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ._errors import EmulatorError, KernelCompileError
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+INCLUDE_DIR = PACKAGE_DIR / "include"
+RUNTIME_SOURCE = PACKAGE_DIR / "src" / "runtime.cpp"
+ABI_VERSION = 1
+
+# Kernel code: -O1 keeps compile time low; the thread-sanitizer instrumentation reports every
+# load and store to the runtime (bounds checks, byte counters, threadgroup shadow memory);
+# -g1 gives the line tables that map a faulting address back to the kernel's source line.
+KERNEL_FLAGS = (
+    "-std=c++17", "-O1", "-g1", "-fPIC",
+    "-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0",
+    "-fno-strict-aliasing", "-fwrapv", "-ffp-contract=off", "-fno-math-errno",
+    "-fno-exceptions", "-fstack-clash-protection",
+    "-Wno-attributes", "-Wno-unknown-pragmas",
+)
+RUNTIME_FLAGS = ("-std=c++17", "-O2", "-g", "-fPIC", "-shared", "-pthread")
+
+
+def _compiler_candidates() -> list[str]:
+    env = os.environ.get("MLX_METALTILE_CXX") or os.environ.get("CXX")
+    return [env] if env else ["g++", "c++", "clang++"]
+
+
+@functools.cache
+def compiler() -> str | None:
+    """Path of the C++ compiler the emulator uses, or None."""
+    for name in _compiler_candidates():
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def unavailable_reason() -> str | None:
+    if not (sys.platform.startswith("linux") or sys.platform == "darwin"):
+        return f"the emulator runs on Linux and macOS, not {sys.platform}"
+    if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
+        return f"the emulator supports x86-64 and arm64 hosts, not {platform.machine()}"
+    if compiler() is None:
+        wanted = " or ".join(_compiler_candidates())
+        return f"no C++ compiler found (looked for {wanted}; set MLX_METALTILE_CXX)"
+    return None
+
+
+def cache_root() -> Path:
+    base = os.environ.get("MLX_METALTILE_CACHE")
+    root = Path(base) if base else Path.home() / ".cache" / "mlx_metaltile"
+    return root / "emulator"
+
+
+def _digest(*parts: str | bytes) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode() if isinstance(part, str) else part)
+        h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+@functools.cache
+def _compiler_version() -> str:
+    cxx = compiler()
+    if cxx is None:
+        raise EmulatorError(f"[emulator] {unavailable_reason()}")
+    out = subprocess.run([cxx, "--version"], capture_output=True, text=True)
+    return out.stdout
+
+
+@functools.cache
+def runtime_sources_digest() -> str:
+    files = sorted(p for p in INCLUDE_DIR.rglob("*") if p.is_file()) + [RUNTIME_SOURCE]
+    parts = []
+    for p in files:
+        parts += [str(p.relative_to(PACKAGE_DIR)), p.read_bytes()]
+    return _digest(*parts)
+
+
+@functools.cache
+def toolchain_key() -> str:
+    return _digest(compiler() or "", _compiler_version(), " ".join(KERNEL_FLAGS),
+                   " ".join(RUNTIME_FLAGS), runtime_sources_digest(), str(ABI_VERSION),
+                   platform.machine())
+
+
+def _run(cmd: list[str], cwd: Path, what: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise EmulatorError(f"[emulator] building {what} failed:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def _install(tmp: Path, final: Path) -> None:
+    """Move a finished build into the cache (another process may have won the race)."""
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if not final.exists():
+            raise
+
+
+@functools.cache
+def runtime_library() -> ctypes.CDLL:
+    """The emulator runtime, built once per toolchain, loaded with its symbols global (the
+    kernel modules call into it)."""
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"mt_runtime-{toolchain_key()}.so"
+    if not final.exists():
+        with tempfile.TemporaryDirectory(dir=root, prefix="build-") as tmp:
+            out = Path(tmp) / "mt_runtime.so"
+            _run([compiler(), *RUNTIME_FLAGS, f"-I{INCLUDE_DIR}", str(RUNTIME_SOURCE), "-o",
+                  str(out)], Path(tmp), "the emulator runtime")
+            _install(out, final)
+    lib = ctypes.CDLL(str(final), mode=ctypes.RTLD_GLOBAL)
+    if lib.mt_rt_abi_version() != ABI_VERSION:
+        raise EmulatorError("[emulator] runtime library ABI mismatch; clear the cache at "
+                            f"{root}")
+    return lib
+
+
+@functools.cache
+def precompiled_header() -> Path | None:
+    """Directory holding mt_pch.h and its precompiled form (None if the compiler cannot
+    precompile; kernels then parse the headers each time)."""
+    root = cache_root()
+    final = root / f"pch-{toolchain_key()}"
+    if (final / "mt_pch.h").exists():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix="pch-build-"))
+    try:
+        (tmp / "mt_pch.h").write_text('#include "mt_emu/kernel.h"\n')
+        proc = subprocess.run([compiler(), *KERNEL_FLAGS, f"-I{INCLUDE_DIR}", "-x", "c++-header",
+                               "mt_pch.h", "-o", "mt_pch.h.gch"], cwd=tmp, capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            # The headers themselves do not compile: report it (every kernel would fail).
+            raise EmulatorError(f"[emulator] the runtime headers do not compile:\n"
+                                f"{proc.stderr[-4000:]}")
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "mt_pch.h").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+_DIAG_FILE = re.compile(r"(?:(?<=\s)|^)(?:\./)?(body|header)\.metal:(\d+)(?::(\d+))?", re.M)
+
+
+def _map_diagnostics(stderr: str, name: str) -> tuple[str, str | None]:
+    """Compiler output with the kernel's files named plainly, and the first error line."""
+    lines = []
+    first = None
+    for line in stderr.splitlines():
+        if "mt_pch.h" in line or "<command-line>" in line:
+            continue
+        line = _DIAG_FILE.sub(lambda m: f"{m.group(1)}:{m.group(2)}"
+                              + (f":{m.group(3)}" if m.group(3) else ""), line)
+        line = line.replace(str(INCLUDE_DIR) + "/", "")
+        if first is None and "error" in line:
+            first = line.strip()
+        lines.append(line)
+    text = "\n".join(lines)
+    if len(text) > 6000:
+        text = text[:6000] + "\n... (truncated)"
+    return text, first
+
+
+def build_kernel(cpp: str, header: str, body: str, name: str) -> Path:
+    """Compile one kernel instantiation into a shared module (cached); return its path."""
+    root = cache_root() / "kernels"
+    root.mkdir(parents=True, exist_ok=True)
+    key = _digest(toolchain_key(), cpp, header, body)
+    final = root / f"{key}.so"
+    if final.exists():
+        return final
+    pch = precompiled_header()
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix="build-"))
+    try:
+        (tmp / "kernel.cpp").write_text(cpp)
+        (tmp / "header.metal").write_text(header)
+        (tmp / "body.metal").write_text(body)
+        include = ["-include", str(pch / "mt_pch.h")] if pch else ["-include", "mt_emu/kernel.h"]
+        cmd = [compiler(), *KERNEL_FLAGS, f"-I{INCLUDE_DIR}", *include,
+               f"-fdebug-prefix-map={tmp}=.", "-c", "kernel.cpp", "-o", "kernel.o"]
+        proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True)
+        if proc.returncode != 0:
+            text, first = _map_diagnostics(proc.stderr, name)
+            raise KernelCompileError(f"[{name}] the kernel does not compile: "
+                                     f"{first or 'see below'}\n{text}", kernel=name)
+        _run([compiler(), "-shared", "kernel.o", "-o", "kernel.so"], tmp, f"kernel {name}")
+        _install(tmp / "kernel.so", final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

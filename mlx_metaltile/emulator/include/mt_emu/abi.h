@@ -1,0 +1,84 @@
+// abi.h: the C interface between the emulator runtime library (src/runtime.cpp, built once)
+// and the kernel modules (one per kernel instantiation, built from the generated source).
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// The built-in attribute values of one thread ([[thread_position_in_grid]], ...).
+typedef struct mt_ids {
+  uint32_t thread_position_in_grid[3];
+  uint32_t thread_position_in_threadgroup[3];
+  uint32_t threadgroup_position_in_grid[3];
+  uint32_t threads_per_threadgroup[3];           // the real size (partial at grid edges)
+  uint32_t dispatch_threads_per_threadgroup[3];  // the requested size
+  uint32_t threads_per_grid[3];
+  uint32_t threadgroups_per_grid[3];
+  uint32_t thread_index_in_threadgroup;
+  uint32_t thread_index_in_simdgroup;
+  uint32_t simdgroup_index_in_threadgroup;
+  uint32_t simdgroups_per_threadgroup;
+  uint32_t dispatch_simdgroups_per_threadgroup;
+  uint32_t thread_index_in_quadgroup;
+  uint32_t quadgroup_index_in_threadgroup;
+  uint32_t quadgroups_per_threadgroup;
+  uint32_t dispatch_quadgroups_per_threadgroup;
+} mt_ids;
+
+// One thread of the kernel: args[i] is the address of buffer i (inputs, their
+// _shape/_strides/_ndim buffers, outputs, in signature order).
+typedef void (*mt_thread_fn)(void* const* args, const mt_ids* ids);
+
+// A SIMD-group collective: every lane that calls one fills a record on its own stack and
+// blocks; once every unfinished lane of the SIMD-group is blocked, the lanes blocked at the
+// same call site form the active set and `resolve` is called once with lanes[0..31]
+// (NULL for lanes outside the set). It writes each active lane's `out` and returns -1, or
+// returns the offending lane after writing a message into err.
+typedef struct mt_coll mt_coll;
+typedef int (*mt_resolve_fn)(mt_coll* const* lanes, char* err, size_t err_len);
+struct mt_coll {
+  int op;              // operation code (header-defined)
+  int width;           // 32 for simd_*, 4 for quad_*
+  int64_t arg;         // lane / delta / mask argument
+  const void* in;      // this lane's operand(s)
+  const void* in2;
+  const void* in3;
+  void* out;           // this lane's result
+  mt_resolve_fn resolve;
+};
+
+enum { MT_BARRIER_THREADGROUP = 0, MT_BARRIER_SIMDGROUP = 1 };
+
+// Hazard kinds (mirrored by the Python exception classes).
+enum {
+  MT_HZ_NONE = 0,
+  MT_HZ_OUT_OF_BOUNDS = 1,
+  MT_HZ_THREADGROUP_MEMORY = 2,
+  MT_HZ_BARRIER = 3,
+  MT_HZ_SIMD_LANE = 4,
+  MT_HZ_UNINITIALIZED_READ = 5,
+  MT_HZ_STACK_OVERFLOW = 6,
+  MT_HZ_MEMORY_FAULT = 7,
+  MT_HZ_ARITHMETIC = 8,
+  MT_HZ_SIMDGROUP_MATRIX = 9,
+};
+
+// Runtime entry points used by kernel code (through the headers).
+void mt_collective(mt_coll* c);
+void mt_barrier(int kind);
+void* mt_tg_alloc(size_t bytes, size_t align, int slot, const char* name);
+uint32_t mt_lane(void);
+int mt_strict(void);
+void mt_hazard(int kind, const char* message);  // from kernel code; never returns
+// Device and threadgroup atomics (bounds-checked and counted like other accesses).
+// kind: 0 unsigned, 1 signed, 2 float; op: see MT_ATOMIC_* in mt_emu/atomic.h.
+uint64_t mt_atomic_rmw(void* p, int size, int kind, int op, uint64_t value);
+int mt_atomic_cas(void* p, int size, uint64_t* expected, uint64_t desired);
+
+#ifdef __cplusplus
+}
+#endif

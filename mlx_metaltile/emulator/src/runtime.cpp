@@ -1,0 +1,1275 @@
+// runtime.cpp: the emulator's execution engine, built once into a shared library.
+//
+// One launch = a grid of threadgroups. Threadgroups are claimed by a few worker threads; the
+// threads of one threadgroup run on one worker, either
+//   * plainly, one after the other inside a single "runner" fiber (no switches), which is how
+//     every launch starts, or
+//   * as one fiber per thread, switched cooperatively at barriers and SIMD collectives, once
+//     a kernel has been seen to call one (the plain attempt is abandoned and the launch redone).
+//
+// Device buffers live in a reserved address range, one large slot per buffer (the rest of
+// the slot is unmapped), and every load and store of kernel code is reported here by the
+// compiler's thread-sanitizer instrumentation (__tsan_read4, ...): that gives bounds checks,
+// per-buffer byte counters and, for threadgroup memory, the uninitialised-read check.
+// This file itself is compiled without instrumentation.
+
+#include "mt_emu/abi.h"
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <vector>
+
+namespace {
+
+constexpr int kSimd = 32;
+constexpr int kMaxBuffers = 64;
+constexpr int kMaxWorkers = 16;
+constexpr int kMaxRas = 16;
+constexpr size_t kTgLimit = 32 * 1024;     // Metal's threadgroup memory limit
+constexpr size_t kTgSlotMap = 512 * 1024;  // mapped part of a worker's threadgroup slot
+constexpr size_t kRedzone = 64;            // gap between threadgroup arrays (catches overruns)
+constexpr size_t kAltStack = 64 * 1024;
+
+// ---- the C structures shared with Python (ctypes mirrors them) ----------------------------
+
+struct BufDesc {
+  const char* name;
+  const void* src;     // bytes to copy in (inputs), or null
+  void* dst;           // where to copy the result (outputs), or null
+  uint64_t span;       // bytes of the region the kernel may touch
+  int64_t data_off;    // offset of element 0 within the region (negative strides)
+  uint32_t elem_size;
+  int32_t init_kind;   // 0 copy src, 1 poison (0xFF bytes), 2 repeat `pattern`
+  uint8_t pattern[16];
+};
+
+struct LaunchDesc {
+  mt_thread_fn fn;
+  const char* kernel;
+  int32_t nbuf;
+  const BufDesc* bufs;
+  uint32_t grid[3];
+  uint32_t tg[3];
+  int32_t strict;
+  int32_t shuffle;       // permute fiber and threadgroup order
+  uint64_t seed;
+  int32_t force_fibers;  // skip the plain attempt
+  int32_t nworkers;
+  uint64_t stack_size;
+};
+
+struct LaunchResult {
+  int32_t status;  // 0 ok, 1 hazard, 2 emulator error
+  int32_t hazard_kind;
+  char message[4096];
+  uint64_t ras[kMaxRas];  // code addresses named "@RA<k>" in the message
+  int32_t nras;
+  int32_t has_thread;
+  uint32_t threadgroup[3];
+  uint32_t thread[3];     // position in threadgroup
+  uint32_t thread_index;  // linear index in threadgroup
+  uint64_t fault_ra;      // the faulting code address (the source line of the hazard)
+  uint64_t bytes_read[kMaxBuffers];
+  uint64_t bytes_written[kMaxBuffers];
+  uint64_t threadgroups;
+  uint64_t threads;
+  uint64_t threadgroup_barriers;
+  uint64_t simdgroup_barriers;
+  uint64_t simd_collectives;
+  uint64_t fiber_switches;
+  uint64_t threadgroup_memory;
+  int32_t used_fibers;
+};
+
+// ---- fibers ---------------------------------------------------------------------------------
+
+enum FiberState { RUNNABLE, BLOCK_COLL, BLOCK_TGB, BLOCK_SGB, DONE };
+
+struct Worker;
+
+struct Fiber {
+  void* sp = nullptr;
+#if !defined(__x86_64__)
+  ucontext_t uc;
+#endif
+  char* map = nullptr;  // guard page + stack
+  size_t map_size = 0;
+  char* lo = nullptr;   // usable stack [lo, hi)
+  char* hi = nullptr;
+  int state = DONE;
+  mt_coll* coll = nullptr;
+  uintptr_t site = 0;
+  mt_ids ids;
+  Worker* w = nullptr;
+  bool runner = false;
+};
+
+#if defined(__x86_64__)
+// Callee-saved registers, MXCSR and the x87 control word are saved on the stack.
+extern "C" void mt_switch(void** save_sp, void* new_sp);
+extern "C" void mt_fiber_trampoline();
+asm(R"(
+  .text
+  .globl mt_switch
+  .hidden mt_switch
+  .type mt_switch,@function
+mt_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size mt_switch,.-mt_switch
+
+  .globl mt_fiber_trampoline
+  .hidden mt_fiber_trampoline
+  .type mt_fiber_trampoline,@function
+mt_fiber_trampoline:
+  movq %r12, %rdi
+  call mt_fiber_main
+  ud2
+  .size mt_fiber_trampoline,.-mt_fiber_trampoline
+)");
+#endif
+
+// ---- launch state ---------------------------------------------------------------------------
+
+struct Launch {
+  const LaunchDesc* d = nullptr;
+  LaunchResult* r = nullptr;
+  int nbuf = 0;
+  char* region[kMaxBuffers] = {};
+  uint64_t span[kMaxBuffers] = {};
+  void* args[kMaxBuffers] = {};
+  uint32_t tgdim[3] = {1, 1, 1};  // threadgroup size after clamping to the grid
+  uint32_t ntg[3] = {0, 0, 0};
+  uint64_t total_tg = 0;
+  std::vector<uint64_t> order;  // threadgroup order (permuted with shuffle)
+  std::atomic<uint64_t> next{0};
+  std::atomic<bool> abort{false};
+  std::atomic<bool> need_fibers{false};
+  bool fibers = false;
+  int strict = 0;
+  std::mutex mu;
+  bool hazard = false;
+};
+
+struct Worker {
+  int index = 0;
+  Launch* L = nullptr;
+  void* sched_sp = nullptr;
+#if !defined(__x86_64__)
+  ucontext_t sched_uc;
+#endif
+  Fiber* cur = nullptr;
+  const mt_ids* cur_ids = nullptr;
+  std::vector<Fiber> fibers;  // one per thread of a threadgroup (fiber mode)
+  Fiber runner;
+  size_t stack_size = 0;
+  // threadgroup memory of the current threadgroup
+  char* tg_base = nullptr;
+  uint8_t* shadow = nullptr;  // 0 not addressable, 1 allocated, 2 written (strict mode)
+  size_t tg_end = 0;          // end of the last allocation
+  size_t tg_declared = 0;     // bytes declared (each rounded to 16), against the limit
+  std::vector<std::pair<int, void*>> tg_slots;
+  // counters
+  uint64_t rd[kMaxBuffers] = {};
+  uint64_t wr[kMaxBuffers] = {};
+  uint64_t tgb = 0, sgb = 0, coll = 0, switches = 0, tg_peak = 0, tgs = 0, threads = 0;
+  char* altstack = nullptr;
+};
+
+std::mutex g_launch_mu;  // one launch at a time per process
+char* g_arena = nullptr;
+uint64_t g_arena_bytes = 0;
+int g_shift = 0;         // log2 of the slot size
+uint64_t g_slot = 0;
+Worker g_workers[kMaxWorkers];
+bool g_tg_mapped[kMaxWorkers] = {};
+__attribute__((tls_model("initial-exec"))) thread_local Worker* tl_w = nullptr;
+
+inline char* slot_base(int slot) { return g_arena + (uint64_t(slot) << g_shift); }
+// Slot 0 is a guard; buffers use slots 1..kMaxBuffers; worker threadgroup memory follows.
+inline int buf_slot(int i) { return 1 + i; }
+inline int tg_slot(int worker) { return 1 + kMaxBuffers + worker; }
+
+bool reserve_arena(char* err, size_t n) {
+  if (g_arena) return true;
+  const int nslots = 1 + kMaxBuffers + kMaxWorkers + 1;
+  // 64 GiB slots: a 32-bit index that wrapped around (uint(-1) * 4 or 8 bytes) stays in
+  // the lower half of its own buffer's slot and is reported on the right buffer.
+  for (int shift : {36, 34, 32, 30, 28}) {
+    uint64_t bytes = uint64_t(nslots) << shift;
+    void* p = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p != MAP_FAILED) {
+      g_arena = static_cast<char*>(p);
+      g_arena_bytes = bytes;
+      g_shift = shift;
+      g_slot = uint64_t(1) << shift;
+      return true;
+    }
+  }
+  snprintf(err, n, "cannot reserve address space for device buffers: %s", strerror(errno));
+  return false;
+}
+
+size_t page_round(size_t x) {
+  size_t pg = size_t(sysconf(_SC_PAGESIZE));
+  return (x + pg - 1) / pg * pg;
+}
+
+bool map_rw(char* at, size_t bytes) {
+  if (bytes == 0) return true;
+  void* p = mmap(at, page_round(bytes), PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+  return p == at;
+}
+
+void unmap_to_guard(char* at, size_t bytes) {
+  if (bytes == 0) return;
+  mmap(at, page_round(bytes), PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE,
+       -1, 0);
+}
+
+// ---- hazards ----------------------------------------------------------------------------------
+
+void escape(Worker* w);
+
+// Record the first hazard of the launch. `ras` are code addresses the message names as @RA<k>.
+void record_hazard(Worker* w, int kind, uintptr_t fault_ra, const uintptr_t* ras, int nras,
+                   const char* fmt, ...) __attribute__((format(printf, 6, 7)));
+void record_hazard(Worker* w, int kind, uintptr_t fault_ra, const uintptr_t* ras, int nras,
+                   const char* fmt, ...) {
+  Launch* L = w->L;
+  std::lock_guard<std::mutex> lock(L->mu);
+  L->abort.store(true);
+  if (L->hazard) return;
+  L->hazard = true;
+  LaunchResult* r = L->r;
+  r->status = 1;
+  r->hazard_kind = kind;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(r->message, sizeof r->message, fmt, ap);
+  va_end(ap);
+  r->fault_ra = fault_ra;
+  r->nras = std::min(nras, kMaxRas);
+  for (int i = 0; i < r->nras; ++i) r->ras[i] = ras[i];
+  const mt_ids* ids = w->cur_ids;
+  if (ids) {
+    r->has_thread = 1;
+    for (int k = 0; k < 3; ++k) {
+      r->threadgroup[k] = ids->threadgroup_position_in_grid[k];
+      r->thread[k] = ids->thread_position_in_threadgroup[k];
+    }
+    r->thread_index = ids->thread_index_in_threadgroup;
+  }
+}
+
+// Leave the faulting fiber for good: back to the worker's scheduler.
+void escape(Worker* w) {
+  Fiber* f = w->cur;
+  if (!f) return;  // on the scheduler: the caller checks L->abort
+#if defined(__x86_64__)
+  mt_switch(&f->sp, w->sched_sp);
+#else
+  swapcontext(&f->uc, &w->sched_uc);
+#endif
+  __builtin_unreachable();
+}
+
+// ---- memory access checks (called by the instrumentation) -----------------------------------
+
+__attribute__((noinline, cold)) void access_fault(Worker* w, uintptr_t a, size_t n, bool write,
+                                                  uintptr_t ra) {
+  Launch* L = w->L;
+  uint64_t off = a - uintptr_t(g_arena);
+  int slot = int(off >> g_shift);
+  int64_t so = int64_t(off & (g_slot - 1));
+  // An address in the upper half of a slot is a negative offset of the next slot's buffer.
+  if (uint64_t(so) > g_slot / 2) {
+    slot += 1;
+    so -= int64_t(g_slot);
+  }
+  const char* verb = write ? "write" : "read";
+  if (slot >= 1 && slot <= L->nbuf) {
+    int i = slot - 1;
+    const BufDesc& b = L->d->bufs[i];
+    int64_t rel = so - b.data_off;  // bytes from element 0
+    int64_t es = b.elem_size ? b.elem_size : 1;
+    record_hazard(w, MT_HZ_OUT_OF_BOUNDS, ra, nullptr, 0,
+                  "out-of-bounds %s of %zu bytes on buffer '%s': byte offset %lld "
+                  "(element %lld of %u-byte elements); the buffer holds %llu bytes",
+                  verb, n, b.name, (long long)rel, (long long)(rel >= 0 ? rel / es : -((-rel + es - 1) / es)),
+                  unsigned(es), (unsigned long long)L->span[i]);
+  } else if (slot == tg_slot(w->index)) {
+    record_hazard(w, MT_HZ_OUT_OF_BOUNDS, ra, nullptr, 0,
+                  "out-of-bounds %s of %zu bytes in threadgroup memory at offset %lld: outside "
+                  "every threadgroup array (%zu bytes declared)",
+                  verb, n, (long long)so, w->tg_declared);
+  } else {
+    record_hazard(w, MT_HZ_OUT_OF_BOUNDS, ra, nullptr, 0,
+                  "wild %s of %zu bytes at %p: not inside any buffer of this launch", verb, n,
+                  reinterpret_cast<void*>(a));
+  }
+  escape(w);
+}
+
+__attribute__((noinline, cold)) void uninit_read(Worker* w, uintptr_t a, size_t n, uintptr_t ra) {
+  size_t so = a - uintptr_t(w->tg_base);
+  record_hazard(w, MT_HZ_UNINITIALIZED_READ, ra, nullptr, 0,
+                "strict mode: read of %zu bytes of threadgroup memory at offset %zu that no "
+                "thread of this threadgroup has written",
+                n, so);
+  escape(w);
+}
+
+inline __attribute__((always_inline)) void on_access(uintptr_t a, size_t n, bool write,
+                                                      uintptr_t ra) {
+  Worker* w = tl_w;
+  if (__builtin_expect(w == nullptr, 0)) return;
+  uint64_t off = a - uintptr_t(g_arena);
+  if (off >= g_arena_bytes) return;  // stack, globals: not ours to check
+  int slot = int(off >> g_shift);
+  uint64_t so = off & (g_slot - 1);
+  Launch* L = w->L;
+  if (slot >= 1 && slot <= L->nbuf) {
+    int i = slot - 1;
+    if (__builtin_expect(so + n > L->span[i], 0)) access_fault(w, a, n, write, ra);
+    (write ? w->wr : w->rd)[i] += n;
+    return;
+  }
+  if (slot == tg_slot(w->index)) {
+    if (__builtin_expect(so + n > w->tg_end, 0)) access_fault(w, a, n, write, ra);
+    uint8_t* sh = w->shadow + so;
+    for (size_t k = 0; k < n; ++k) {
+      if (__builtin_expect(sh[k] == 0, 0)) access_fault(w, a, n, write, ra);
+    }
+    if (L->strict) {
+      if (write) {
+        memset(sh, 2, n);
+      } else {
+        for (size_t k = 0; k < n; ++k) {
+          if (sh[k] != 2) uninit_read(w, a, n, ra);
+        }
+      }
+    }
+    return;
+  }
+  access_fault(w, a, n, write, ra);
+}
+
+}  // namespace
+
+// The thread-sanitizer instrumentation interface (only the parts GCC emits for our flags).
+#define MT_RA uintptr_t(__builtin_return_address(0))
+#define MT_TSAN_SIZED(N)                                                                       \
+  extern "C" void __tsan_read##N(void* a) { on_access(uintptr_t(a), N, false, MT_RA); }        \
+  extern "C" void __tsan_write##N(void* a) { on_access(uintptr_t(a), N, true, MT_RA); }        \
+  extern "C" void __tsan_unaligned_read##N(void* a) { on_access(uintptr_t(a), N, false, MT_RA); } \
+  extern "C" void __tsan_unaligned_write##N(void* a) { on_access(uintptr_t(a), N, true, MT_RA); } \
+  extern "C" void __tsan_volatile_read##N(void* a) { on_access(uintptr_t(a), N, false, MT_RA); } \
+  extern "C" void __tsan_volatile_write##N(void* a) { on_access(uintptr_t(a), N, true, MT_RA); }
+MT_TSAN_SIZED(1)
+MT_TSAN_SIZED(2)
+MT_TSAN_SIZED(4)
+MT_TSAN_SIZED(8)
+MT_TSAN_SIZED(16)
+extern "C" void __tsan_read_range(void* a, unsigned long n) {
+  if (n) on_access(uintptr_t(a), n, false, MT_RA);
+}
+extern "C" void __tsan_write_range(void* a, unsigned long n) {
+  if (n) on_access(uintptr_t(a), n, true, MT_RA);
+}
+extern "C" void __tsan_init() {}
+extern "C" void __tsan_func_entry(void*) {}
+extern "C" void __tsan_func_exit() {}
+extern "C" void __tsan_vptr_update(void**, void*) {}
+extern "C" void __tsan_vptr_read(void**) {}
+
+namespace {
+
+// ---- threadgroup geometry -----------------------------------------------------------------------
+
+void thread_ids(const Launch* L, const uint32_t tgpos[3], const uint32_t real[3], uint32_t t,
+                mt_ids* ids) {
+  const uint32_t* g = L->d->grid;
+  uint32_t x = t % real[0], y = (t / real[0]) % real[1], z = t / (real[0] * real[1]);
+  uint32_t pos[3] = {x, y, z};
+  uint32_t n = real[0] * real[1] * real[2];
+  uint32_t dn = L->tgdim[0] * L->tgdim[1] * L->tgdim[2];
+  for (int k = 0; k < 3; ++k) {
+    ids->thread_position_in_threadgroup[k] = pos[k];
+    ids->threadgroup_position_in_grid[k] = tgpos[k];
+    ids->thread_position_in_grid[k] = tgpos[k] * L->tgdim[k] + pos[k];
+    ids->threads_per_threadgroup[k] = real[k];
+    ids->dispatch_threads_per_threadgroup[k] = L->tgdim[k];
+    ids->threads_per_grid[k] = g[k];
+    ids->threadgroups_per_grid[k] = L->ntg[k];
+  }
+  ids->thread_index_in_threadgroup = t;
+  ids->thread_index_in_simdgroup = t % kSimd;
+  ids->simdgroup_index_in_threadgroup = t / kSimd;
+  ids->simdgroups_per_threadgroup = (n + kSimd - 1) / kSimd;
+  ids->dispatch_simdgroups_per_threadgroup = (dn + kSimd - 1) / kSimd;
+  ids->thread_index_in_quadgroup = t % 4;
+  ids->quadgroup_index_in_threadgroup = t / 4;
+  ids->quadgroups_per_threadgroup = (n + 3) / 4;
+  ids->dispatch_quadgroups_per_threadgroup = (dn + 3) / 4;
+}
+
+void tg_coords(const Launch* L, uint64_t linear, uint32_t pos[3], uint32_t real[3]) {
+  pos[0] = uint32_t(linear % L->ntg[0]);
+  pos[1] = uint32_t((linear / L->ntg[0]) % L->ntg[1]);
+  pos[2] = uint32_t(linear / (uint64_t(L->ntg[0]) * L->ntg[1]));
+  for (int k = 0; k < 3; ++k) {
+    uint32_t start = pos[k] * L->tgdim[k];
+    real[k] = std::min(L->tgdim[k], L->d->grid[k] - start);
+  }
+}
+
+void reset_threadgroup_memory(Worker* w) {
+  if (w->tg_end) memset(w->shadow, 0, w->tg_end + kRedzone);
+  w->tg_end = 0;
+  w->tg_declared = 0;
+  w->tg_slots.clear();
+}
+
+uint64_t mix_seed(uint64_t a, uint64_t b) {
+  uint64_t x = a * 0x9E3779B97F4A7C15ull ^ (b + 0x632BE59BD9B4E019ull + (a << 6) + (a >> 2));
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 29;
+  return x;
+}
+
+// ---- fibers -------------------------------------------------------------------------------------
+
+bool alloc_stack(Fiber* f, size_t stack_size) {
+  if (f->map && f->map_size == stack_size + size_t(sysconf(_SC_PAGESIZE))) return true;
+  if (f->map) munmap(f->map, f->map_size);
+  size_t pg = size_t(sysconf(_SC_PAGESIZE));
+  size_t total = stack_size + pg;
+  void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) {
+    f->map = nullptr;
+    return false;
+  }
+  mprotect(p, pg, PROT_NONE);  // guard page: an overflow faults here
+  f->map = static_cast<char*>(p);
+  f->map_size = total;
+  f->lo = f->map + pg;
+  f->hi = f->map + total;
+  return true;
+}
+
+extern "C" void mt_fiber_main(Fiber* f);
+
+void start_fiber(Fiber* f) {
+#if defined(__x86_64__)
+  uint64_t* top = reinterpret_cast<uint64_t*>(uintptr_t(f->hi) & ~uintptr_t(15));
+  // Frame popped by mt_switch: control words, r15..r12, rbx, rbp, return address.
+  uint64_t* s = top - 1;  // return address slot at top-8, so the trampoline's rsp is aligned
+  *s = uint64_t(uintptr_t(&mt_fiber_trampoline));
+  s -= 1; *s = 0;                         // rbp
+  s -= 1; *s = 0;                         // rbx
+  s -= 1; *s = uint64_t(uintptr_t(f));    // r12: the argument of mt_fiber_main
+  s -= 1; *s = 0;                         // r13
+  s -= 1; *s = 0;                         // r14
+  s -= 1; *s = 0;                         // r15
+  s -= 1;
+  uint32_t ctl[2];
+  asm volatile("stmxcsr %0" : "=m"(ctl[0]));
+  asm volatile("fnstcw %0" : "=m"(ctl[1]));
+  memcpy(s, ctl, 8);
+  f->sp = s;
+#else
+  getcontext(&f->uc);
+  f->uc.uc_stack.ss_sp = f->lo;
+  f->uc.uc_stack.ss_size = size_t(f->hi - f->lo);
+  f->uc.uc_link = nullptr;
+  makecontext(&f->uc, reinterpret_cast<void (*)()>(&mt_fiber_main), 1, f);
+#endif
+}
+
+inline void run_fiber(Worker* w, Fiber* f) {
+  w->cur = f;
+  w->cur_ids = &f->ids;
+#if defined(__x86_64__)
+  mt_switch(&w->sched_sp, f->sp);
+#else
+  swapcontext(&w->sched_uc, &f->uc);
+#endif
+  w->cur = nullptr;
+}
+
+inline void yield_to_scheduler(Worker* w, Fiber* f) {
+#if defined(__x86_64__)
+  mt_switch(&f->sp, w->sched_sp);
+#else
+  swapcontext(&f->uc, &w->sched_uc);
+#endif
+}
+
+void run_plain(Worker* w);
+
+}  // namespace
+
+extern "C" void mt_fiber_main(Fiber* f) {
+  Worker* w = f->w;
+  if (f->runner) {
+    run_plain(w);
+  } else {
+    w->L->d->fn(w->L->args, &f->ids);
+  }
+  f->state = DONE;
+  yield_to_scheduler(w, f);
+  __builtin_trap();
+}
+
+namespace {
+
+// ---- plain mode: the threads of a threadgroup one after the other ---------------------------
+
+bool claim(Launch* L, uint64_t* linear) {
+  if (L->abort.load(std::memory_order_relaxed)) return false;
+  uint64_t k = L->next.fetch_add(1);
+  if (k >= L->total_tg) return false;
+  *linear = L->order.empty() ? k : L->order[k];
+  return true;
+}
+
+void run_plain(Worker* w) {
+  Launch* L = w->L;
+  uint64_t linear;
+  mt_ids ids;
+  std::vector<uint32_t> perm;
+  while (claim(L, &linear)) {
+    uint32_t pos[3], real[3];
+    tg_coords(L, linear, pos, real);
+    uint32_t n = real[0] * real[1] * real[2];
+    reset_threadgroup_memory(w);
+    perm.resize(n);
+    for (uint32_t t = 0; t < n; ++t) perm[t] = t;
+    if (L->d->shuffle) {
+      std::mt19937_64 rng(mix_seed(L->d->seed, linear));
+      std::shuffle(perm.begin(), perm.end(), rng);
+    }
+    for (uint32_t t : perm) {
+      thread_ids(L, pos, real, t, &ids);
+      w->cur_ids = &ids;
+      L->d->fn(L->args, &ids);
+    }
+    w->cur_ids = nullptr;
+    w->tgs += 1;
+    w->threads += n;
+  }
+}
+
+// ---- fiber mode: SIMD-groups and barriers ---------------------------------------------------
+
+struct TgState {
+  uint32_t n = 0;
+  uint32_t done = 0;
+  uint32_t at_tgb = 0;
+  struct Sg {
+    uint32_t size = 0, done = 0, blocked = 0;
+  } sg[1024 / kSimd];
+};
+
+void describe_threads(const std::vector<uint32_t>& ts, char* out, size_t len) {
+  // "0-31, 40, 64-95" (compact ranges)
+  size_t used = 0;
+  out[0] = 0;
+  for (size_t i = 0; i < ts.size() && used + 24 < len;) {
+    size_t j = i;
+    while (j + 1 < ts.size() && ts[j + 1] == ts[j] + 1) ++j;
+    used += size_t(snprintf(out + used, len - used, "%s%u", i ? ", " : "", ts[i]));
+    if (j > i) used += size_t(snprintf(out + used, len - used, "-%u", ts[j]));
+    i = j + 1;
+  }
+}
+
+// Everyone blocked or done: report who waits where.
+void deadlock(Worker* w, TgState& st) {
+  std::vector<uintptr_t> sites;
+  std::vector<std::vector<uint32_t>> who;
+  std::vector<int> kinds;
+  std::vector<uint32_t> done;
+  for (uint32_t t = 0; t < st.n; ++t) {
+    Fiber& f = w->fibers[t];
+    if (f.state == DONE) {
+      done.push_back(t);
+      continue;
+    }
+    size_t k = 0;
+    while (k < sites.size() && !(sites[k] == f.site && kinds[k] == f.state)) ++k;
+    if (k == sites.size()) {
+      sites.push_back(f.site);
+      kinds.push_back(f.state);
+      who.emplace_back();
+    }
+    who[k].push_back(t);
+  }
+  char msg[3500];
+  size_t used = size_t(snprintf(msg, sizeof msg,
+                                "deadlock: the threads of this threadgroup can never all meet at "
+                                "one barrier (a Mac would hang).")); 
+  char list[512];
+  for (size_t k = 0; k < sites.size() && k < kMaxRas && used + 700 < sizeof msg; ++k) {
+    describe_threads(who[k], list, sizeof list);
+    const char* what = kinds[k] == BLOCK_TGB   ? "threadgroup_barrier"
+                       : kinds[k] == BLOCK_SGB ? "simdgroup_barrier"
+                                               : "a SIMD-group function";
+    used += size_t(snprintf(msg + used, sizeof msg - used, " Threads %s wait at %s (@RA%zu).",
+                            list, what, k));
+  }
+  if (!done.empty() && used + 600 < sizeof msg) {
+    describe_threads(done, list, sizeof list);
+    snprintf(msg + used, sizeof msg - used, " Threads %s have returned.", list);
+  }
+  w->cur_ids = nullptr;
+  record_hazard(w, MT_HZ_BARRIER, sites.empty() ? 0 : sites[0], sites.data(), int(sites.size()),
+                "%s", msg);
+}
+
+void release(Fiber& f) {
+  f.state = RUNNABLE;
+  f.coll = nullptr;
+}
+
+// Resolve what can be resolved in SIMD-group g once all its unfinished lanes are blocked.
+void try_resolve_sg(Worker* w, TgState& st, uint32_t g) {
+  TgState::Sg& sg = st.sg[g];
+  if (sg.blocked + sg.done < sg.size || sg.blocked == 0) return;
+  Fiber* lanes = &w->fibers[g * kSimd];
+  bool any_coll = false;
+  // Collectives, one call site at a time (lowest lane first).
+  for (uint32_t i = 0; i < sg.size; ++i) {
+    if (lanes[i].state != BLOCK_COLL) continue;
+    any_coll = true;
+    uintptr_t site = lanes[i].site;
+    mt_coll* set[kSimd] = {};
+    uint32_t count = 0;
+    for (uint32_t j = i; j < sg.size; ++j) {
+      if (lanes[j].state == BLOCK_COLL && lanes[j].site == site) {
+        set[j] = lanes[j].coll;
+        count++;
+      }
+    }
+    char err[512] = {0};
+    // -1, or the offending lane + 256 * hazard kind (MT_HZ_SIMD_LANE when 0)
+    int bad = set[i]->resolve(set, err, sizeof err);
+    w->coll += 1;
+    if (bad >= 0) {
+      int kind = bad >> 8 ? bad >> 8 : MT_HZ_SIMD_LANE;
+      w->cur_ids = &lanes[bad & 255].ids;
+      record_hazard(w, kind, site, nullptr, 0, "%s", err);
+      w->cur_ids = nullptr;
+      return;
+    }
+    for (uint32_t j = i; j < sg.size; ++j) {
+      if (set[j]) release(lanes[j]);
+    }
+    sg.blocked -= count;
+  }
+  if (any_coll) return;
+  // simdgroup_barrier: every live lane of the SIMD-group at the same one.
+  uint32_t at_sgb = 0;
+  uintptr_t site = 0;
+  bool same = true;
+  for (uint32_t i = 0; i < sg.size; ++i) {
+    if (lanes[i].state == BLOCK_SGB) {
+      if (at_sgb && lanes[i].site != site) same = false;
+      site = lanes[i].site;
+      at_sgb++;
+    }
+  }
+  if (at_sgb && at_sgb == sg.size && same) {
+    for (uint32_t i = 0; i < sg.size; ++i) release(lanes[i]);
+    sg.blocked -= at_sgb;
+    w->sgb += 1;
+  } else if (at_sgb && (sg.done || !same || at_sgb < sg.size)) {
+    deadlock(w, st);
+  }
+}
+
+void run_threadgroup_fibers(Worker* w, uint64_t linear) {
+  Launch* L = w->L;
+  uint32_t pos[3], real[3];
+  tg_coords(L, linear, pos, real);
+  TgState st;
+  st.n = real[0] * real[1] * real[2];
+  reset_threadgroup_memory(w);
+  uint32_t nsg = (st.n + kSimd - 1) / kSimd;
+  for (uint32_t g = 0; g < nsg; ++g) st.sg[g].size = std::min<uint32_t>(kSimd, st.n - g * kSimd);
+  std::vector<uint32_t> order(st.n);
+  for (uint32_t t = 0; t < st.n; ++t) {
+    Fiber& f = w->fibers[t];
+    thread_ids(L, pos, real, t, &f.ids);
+    f.state = RUNNABLE;
+    f.coll = nullptr;
+    f.site = 0;
+    f.w = w;
+    f.runner = false;
+    start_fiber(&f);
+    order[t] = t;
+  }
+  if (L->d->shuffle) {
+    std::mt19937_64 rng(mix_seed(L->d->seed, linear));
+    std::shuffle(order.begin(), order.end(), rng);
+  }
+  while (st.done < st.n) {
+    bool ran = false;
+    for (uint32_t t : order) {
+      Fiber& f = w->fibers[t];
+      if (f.state != RUNNABLE) continue;
+      ran = true;
+      run_fiber(w, &f);
+      w->switches += 2;
+      if (L->abort.load(std::memory_order_relaxed)) return;
+      uint32_t g = t / kSimd;
+      switch (f.state) {
+        case DONE:
+          st.done++;
+          st.sg[g].done++;
+          if (st.at_tgb) {
+            w->cur_ids = &f.ids;
+            std::vector<uint32_t> waiting;
+            uintptr_t site = 0;
+            for (uint32_t u = 0; u < st.n; ++u)
+              if (w->fibers[u].state == BLOCK_TGB) {
+                waiting.push_back(u);
+                site = w->fibers[u].site;
+              }
+            char list[512];
+            describe_threads(waiting, list, sizeof list);
+            uintptr_t ras[1] = {site};
+            record_hazard(w, MT_HZ_BARRIER, site, ras, 1,
+                          "barrier divergence: this thread returned while threads %s wait at "
+                          "threadgroup_barrier (@RA0); every thread of a threadgroup must reach "
+                          "each barrier (a Mac would hang)",
+                          list);
+            return;
+          }
+          break;
+        case BLOCK_TGB:
+          if (st.done) {
+            w->cur_ids = &f.ids;
+            std::vector<uint32_t> gone;
+            for (uint32_t u = 0; u < st.n; ++u)
+              if (w->fibers[u].state == DONE) gone.push_back(u);
+            char list[512];
+            describe_threads(gone, list, sizeof list);
+            record_hazard(w, MT_HZ_BARRIER, f.site, nullptr, 0,
+                          "barrier divergence: this thread reached threadgroup_barrier after "
+                          "threads %s returned; every thread of a threadgroup must reach each "
+                          "barrier (a Mac would hang)",
+                          list);
+            return;
+          }
+          st.at_tgb++;
+          st.sg[g].blocked++;
+          break;
+        case BLOCK_SGB:
+        case BLOCK_COLL:
+          st.sg[g].blocked++;
+          break;
+        default:
+          break;
+      }
+      try_resolve_sg(w, st, g);
+      if (L->abort.load(std::memory_order_relaxed)) return;
+      if (st.at_tgb && st.at_tgb + st.done == st.n) {
+        // Every live thread waits at a threadgroup barrier: the same one?
+        uintptr_t site = 0;
+        bool same = true;
+        for (uint32_t u = 0; u < st.n; ++u) {
+          if (u == 0) site = w->fibers[u].site;
+          else if (w->fibers[u].site != site) same = false;
+        }
+        if (!same) {
+          deadlock(w, st);
+          return;
+        }
+        for (uint32_t u = 0; u < st.n; ++u) release(w->fibers[u]);
+        for (uint32_t q = 0; q < nsg; ++q) st.sg[q].blocked = 0;
+        st.at_tgb = 0;
+        w->tgb += 1;
+      }
+    }
+    if (!ran && st.done < st.n) {
+      deadlock(w, st);
+      return;
+    }
+  }
+  w->tgs += 1;
+  w->threads += st.n;
+}
+
+// ---- workers ----------------------------------------------------------------------------------
+
+void worker_main(Worker* w) {
+  tl_w = w;
+  stack_t ss = {};
+  ss.ss_sp = w->altstack;
+  ss.ss_size = kAltStack;
+  stack_t old_ss;
+  sigaltstack(&ss, &old_ss);
+  Launch* L = w->L;
+  if (!L->fibers) {
+    Fiber& f = w->runner;
+    f.w = w;
+    f.runner = true;
+    f.state = RUNNABLE;
+    start_fiber(&f);
+    run_fiber(w, &f);
+  } else {
+    uint64_t linear;
+    while (claim(L, &linear)) run_threadgroup_fibers(w, linear);
+  }
+  w->cur_ids = nullptr;
+  sigaltstack(&old_ss, nullptr);
+  tl_w = nullptr;
+}
+
+// ---- signals: stack overflow and other faults inside kernel code ----------------------------
+
+struct sigaction g_old[65];
+bool g_handlers = false;
+
+void on_signal(int sig, siginfo_t* info, void* uctx) {
+  Worker* w = tl_w;
+  if (w && w->cur) {
+    Fiber* f = w->cur;
+    uintptr_t ra = 0;
+#if defined(__x86_64__)
+    ra = uintptr_t(static_cast<ucontext_t*>(uctx)->uc_mcontext.gregs[REG_RIP]) + 1;
+#elif defined(__aarch64__)
+    ra = uintptr_t(static_cast<ucontext_t*>(uctx)->uc_mcontext.pc) + 1;
+#endif
+    char* addr = static_cast<char*>(info->si_addr);
+    if ((sig == SIGSEGV || sig == SIGBUS) && addr >= f->map && addr < f->lo) {
+      record_hazard(w, MT_HZ_STACK_OVERFLOW, ra, nullptr, 0,
+                    "thread stack overflow (the emulator gives each thread %llu KiB; large "
+                    "per-thread arrays or deep recursion; set MLX_METALTILE_EMULATOR_STACK_KB "
+                    "to raise it)",
+                    (unsigned long long)(w->L->d->stack_size / 1024));
+    } else if (sig == SIGFPE) {
+      record_hazard(w, MT_HZ_ARITHMETIC, ra, nullptr, 0,
+                    "arithmetic fault (integer division or remainder by zero, or overflow of "
+                    "INT_MIN / -1)");
+    } else {
+      record_hazard(w, MT_HZ_MEMORY_FAULT, ra, nullptr, 0,
+                    "memory fault (signal %d) at address %p: a wild pointer outside every "
+                    "buffer",
+                    sig, info->si_addr);
+    }
+    escape(w);  // leaves the signal frame for good (SA_NODEFER: no mask to restore)
+  }
+  // Not ours: hand over to whoever handled it before (Python's faulthandler, the default).
+  struct sigaction& old = g_old[sig];
+  if (old.sa_flags & SA_SIGINFO) {
+    if (old.sa_sigaction) {
+      old.sa_sigaction(sig, info, uctx);
+      return;
+    }
+  } else if (old.sa_handler != SIG_DFL && old.sa_handler != SIG_IGN) {
+    old.sa_handler(sig);
+    return;
+  }
+  sigaction(sig, &old, nullptr);  // default action on return: re-faults and terminates
+}
+
+void install_handlers() {
+  if (g_handlers) return;
+  g_handlers = true;
+  struct sigaction sa = {};
+  sa.sa_sigaction = on_signal;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+  sigemptyset(&sa.sa_mask);
+  for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL}) sigaction(sig, &sa, &g_old[sig]);
+}
+
+// ---- the launch -------------------------------------------------------------------------------
+
+bool setup_buffers(Launch* L, char* err, size_t n) {
+  const LaunchDesc* d = L->d;
+  for (int i = 0; i < d->nbuf; ++i) {
+    const BufDesc& b = d->bufs[i];
+    if (b.span >= g_slot / 2) {
+      snprintf(err, n, "buffer '%s' of %llu bytes is too large for the emulator", b.name,
+               (unsigned long long)b.span);
+      return false;
+    }
+    char* base = slot_base(buf_slot(i));
+    if (!map_rw(base, b.span)) {
+      snprintf(err, n, "cannot map buffer '%s': %s", b.name, strerror(errno));
+      return false;
+    }
+    L->region[i] = base;
+    L->span[i] = b.span;
+    L->args[i] = base + b.data_off;
+    if (b.init_kind == 0 && b.src) {
+      memcpy(base, static_cast<const char*>(b.src), b.span);
+    } else if (b.init_kind == 2 && b.elem_size && b.elem_size <= 16) {
+      for (uint64_t o = 0; o + b.elem_size <= b.span; o += b.elem_size)
+        memcpy(base + o, b.pattern, b.elem_size);
+    } else {
+      memset(base, 0xFF, b.span);  // Metal does not clear outputs: poison
+    }
+  }
+  return true;
+}
+
+void teardown_buffers(Launch* L) {
+  for (int i = 0; i < L->nbuf; ++i) unmap_to_guard(L->region[i], L->span[i]);
+}
+
+bool prepare_worker(Worker* w, int index, Launch* L, size_t max_threads, char* err, size_t n) {
+  w->index = index;
+  w->L = L;
+  w->cur = nullptr;
+  w->cur_ids = nullptr;
+  memset(w->rd, 0, sizeof w->rd);
+  memset(w->wr, 0, sizeof w->wr);
+  w->tgb = w->sgb = w->coll = w->switches = w->tg_peak = w->tgs = w->threads = 0;
+  if (!g_tg_mapped[index]) {
+    char* base = slot_base(tg_slot(index));
+    if (!map_rw(base, kTgSlotMap)) {
+      snprintf(err, n, "cannot map threadgroup memory: %s", strerror(errno));
+      return false;
+    }
+    w->tg_base = base;
+    w->shadow = static_cast<uint8_t*>(calloc(kTgSlotMap + kRedzone, 1));
+    w->altstack = static_cast<char*>(malloc(kAltStack));
+    g_tg_mapped[index] = true;
+  }
+  w->tg_end = 0;
+  memset(w->shadow, 0, kTgSlotMap);
+  w->tg_declared = 0;
+  w->tg_slots.clear();
+  if (w->stack_size != L->d->stack_size) {
+    for (Fiber& f : w->fibers)
+      if (f.map) munmap(f.map, f.map_size);
+    w->fibers.clear();
+    if (w->runner.map) munmap(w->runner.map, w->runner.map_size);
+    w->runner.map = nullptr;
+    w->stack_size = L->d->stack_size;
+  }
+  size_t want = L->fibers ? max_threads : 0;
+  if (w->fibers.size() < want) w->fibers.resize(want);
+  for (size_t i = 0; i < want; ++i) {
+    if (!alloc_stack(&w->fibers[i], w->stack_size)) {
+      snprintf(err, n, "cannot allocate fiber stacks: %s", strerror(errno));
+      return false;
+    }
+  }
+  // The runner calls the threads one after the other: the same stack budget per thread as a
+  // fiber gets, plus room for the runner's own frames.
+  if (!L->fibers && !alloc_stack(&w->runner, w->stack_size + 64 * 1024)) {
+    snprintf(err, n, "cannot allocate the runner stack: %s", strerror(errno));
+    return false;
+  }
+  return true;
+}
+
+int run_launch(Launch* L, char* err, size_t errn) {
+  const LaunchDesc* d = L->d;
+  int nw = std::max(1, std::min<int>(d->nworkers, kMaxWorkers));
+  if (uint64_t(nw) > L->total_tg) nw = int(std::max<uint64_t>(1, L->total_tg));
+  size_t max_threads = size_t(L->tgdim[0]) * L->tgdim[1] * L->tgdim[2];
+  for (int i = 0; i < nw; ++i)
+    if (!prepare_worker(&g_workers[i], i, L, max_threads, err, errn)) return 2;
+  L->next.store(0);
+  L->abort.store(false);
+  std::vector<std::thread> threads;
+  threads.reserve(size_t(nw));
+  for (int i = 0; i < nw; ++i) threads.emplace_back(worker_main, &g_workers[i]);
+  for (auto& t : threads) t.join();
+  LaunchResult* r = L->r;
+  for (int i = 0; i < nw; ++i) {
+    Worker& w = g_workers[i];
+    for (int b = 0; b < L->nbuf; ++b) {
+      r->bytes_read[b] += w.rd[b];
+      r->bytes_written[b] += w.wr[b];
+    }
+    r->threadgroups += w.tgs;
+    r->threads += w.threads;
+    r->threadgroup_barriers += w.tgb;
+    r->simdgroup_barriers += w.sgb;
+    r->simd_collectives += w.coll;
+    r->fiber_switches += w.switches;
+    r->threadgroup_memory = std::max(r->threadgroup_memory, w.tg_peak);
+  }
+  return 0;
+}
+
+}  // namespace
+
+// ---- entry points for kernel code ---------------------------------------------------------------
+
+extern "C" void mt_barrier(int kind) {
+  Worker* w = tl_w;
+  uintptr_t ra = uintptr_t(__builtin_return_address(0));
+  Fiber* f = w->cur;
+  if (!f || f->runner) {  // plain mode: redo the launch with fibers
+    w->L->need_fibers.store(true);
+    w->L->abort.store(true);
+    escape(w);
+  }
+  f->site = ra;
+  f->state = kind == MT_BARRIER_THREADGROUP ? BLOCK_TGB : BLOCK_SGB;
+  yield_to_scheduler(w, f);
+}
+
+extern "C" void mt_collective(mt_coll* c) {
+  Worker* w = tl_w;
+  uintptr_t ra = uintptr_t(__builtin_return_address(0));
+  Fiber* f = w->cur;
+  if (!f || f->runner) {
+    w->L->need_fibers.store(true);
+    w->L->abort.store(true);
+    escape(w);
+  }
+  f->site = ra;
+  f->coll = c;
+  f->state = BLOCK_COLL;
+  yield_to_scheduler(w, f);
+}
+
+extern "C" void* mt_tg_alloc(size_t bytes, size_t align, int slot, const char* name) {
+  Worker* w = tl_w;
+  for (auto& s : w->tg_slots)
+    if (s.first == slot) return s.second;
+  size_t rounded = (bytes + 15) / 16 * 16;
+  w->tg_declared += rounded;
+  uintptr_t ra = uintptr_t(__builtin_return_address(0));
+  if (w->tg_declared > kTgLimit) {
+    record_hazard(w, MT_HZ_THREADGROUP_MEMORY, ra, nullptr, 0,
+                  "threadgroup memory over the 32 KiB limit: the threadgroup arrays declared "
+                  "so far need %zu bytes ('%s' adds %zu)",
+                  w->tg_declared, name, rounded);
+    escape(w);
+    return nullptr;
+  }
+  if (align < 16) align = 16;
+  size_t off = (w->tg_end + kRedzone + align - 1) / align * align;
+  if (off + bytes + kRedzone > kTgSlotMap) {
+    record_hazard(w, MT_HZ_THREADGROUP_MEMORY, ra, nullptr, 0,
+                  "threadgroup memory: too many threadgroup arrays ('%s')", name);
+    escape(w);
+    return nullptr;
+  }
+  char* p = w->tg_base + off;
+  memset(p, 0xFF, bytes);  // Metal does not clear threadgroup memory: poison
+  memset(w->shadow + off, 1, bytes);
+  w->tg_end = off + bytes;
+  w->tg_peak = std::max<uint64_t>(w->tg_peak, w->tg_declared);
+  w->tg_slots.emplace_back(slot, p);
+  return p;
+}
+
+extern "C" uint32_t mt_lane(void) {
+  Worker* w = tl_w;
+  return w && w->cur_ids ? w->cur_ids->thread_index_in_simdgroup : 0;
+}
+
+extern "C" int mt_strict(void) {
+  Worker* w = tl_w;
+  return w && w->L ? w->L->strict : 0;
+}
+
+extern "C" void mt_hazard(int kind, const char* message) {
+  Worker* w = tl_w;
+  uintptr_t ra = uintptr_t(__builtin_return_address(0));
+  record_hazard(w, kind, ra, nullptr, 0, "%s", message);
+  escape(w);
+  abort();  // not reached from kernel code
+}
+
+extern "C" uint64_t mt_atomic_rmw(void* p, int size, int kind, int op, uint64_t v) {
+  uintptr_t ra = uintptr_t(__builtin_return_address(0));
+  if (op != 1) on_access(uintptr_t(p), size_t(size), false, ra);
+  if (op != 0) on_access(uintptr_t(p), size_t(size), true, ra);
+  // op: 0 load, 1 store, 2 exchange, 3 add, 4 sub, 5 and, 6 or, 7 xor, 8 min, 9 max
+  auto rmw = [&](auto* q, auto val) -> uint64_t {
+    using T = std::remove_pointer_t<decltype(q)>;
+    T old;
+    switch (op) {
+      case 0: old = __atomic_load_n(q, __ATOMIC_SEQ_CST); break;
+      case 1: __atomic_store_n(q, val, __ATOMIC_SEQ_CST); old = val; break;
+      case 2: old = __atomic_exchange_n(q, val, __ATOMIC_SEQ_CST); break;
+      case 3: old = __atomic_fetch_add(q, val, __ATOMIC_SEQ_CST); break;
+      case 4: old = __atomic_fetch_sub(q, val, __ATOMIC_SEQ_CST); break;
+      case 5: old = __atomic_fetch_and(q, val, __ATOMIC_SEQ_CST); break;
+      case 6: old = __atomic_fetch_or(q, val, __ATOMIC_SEQ_CST); break;
+      case 7: old = __atomic_fetch_xor(q, val, __ATOMIC_SEQ_CST); break;
+      default: {
+        old = __atomic_load_n(q, __ATOMIC_SEQ_CST);
+        for (;;) {
+          T want = op == 8 ? (val < old ? val : old) : (val > old ? val : old);
+          if (__atomic_compare_exchange_n(q, &old, want, false, __ATOMIC_SEQ_CST,
+                                          __ATOMIC_SEQ_CST))
+            break;
+        }
+      }
+    }
+    uint64_t bits = 0;
+    memcpy(&bits, &old, sizeof old);
+    return bits;
+  };
+  if (kind == 2) {  // float: compare-and-swap on the bits
+    uint32_t* q = static_cast<uint32_t*>(p);
+    float fv;
+    uint32_t vb = uint32_t(v);
+    memcpy(&fv, &vb, 4);
+    if (op <= 2) return rmw(q, vb);
+    uint32_t old = __atomic_load_n(q, __ATOMIC_SEQ_CST);
+    for (;;) {
+      float of;
+      memcpy(&of, &old, 4);
+      float nf = op == 3 ? of + fv : op == 4 ? of - fv : op == 8 ? std::min(of, fv) : std::max(of, fv);
+      uint32_t nb;
+      memcpy(&nb, &nf, 4);
+      if (__atomic_compare_exchange_n(q, &old, nb, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+        return old;
+    }
+  }
+  if (size == 4) {
+    if (kind == 1) return rmw(static_cast<int32_t*>(p), int32_t(v)) & 0xFFFFFFFFull;
+    return rmw(static_cast<uint32_t*>(p), uint32_t(v));
+  }
+  if (size == 8) {
+    if (kind == 1) return rmw(static_cast<int64_t*>(p), int64_t(v));
+    return rmw(static_cast<uint64_t*>(p), v);
+  }
+  return 0;
+}
+
+extern "C" int mt_atomic_cas(void* p, int size, uint64_t* expected, uint64_t desired) {
+  uintptr_t ra = uintptr_t(__builtin_return_address(0));
+  on_access(uintptr_t(p), size_t(size), false, ra);
+  on_access(uintptr_t(p), size_t(size), true, ra);
+  if (size == 4) {
+    uint32_t e = uint32_t(*expected);
+    bool ok = __atomic_compare_exchange_n(static_cast<uint32_t*>(p), &e, uint32_t(desired), false,
+                                          __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    *expected = e;
+    return ok;
+  }
+  uint64_t e = *expected;
+  bool ok = __atomic_compare_exchange_n(static_cast<uint64_t*>(p), &e, desired, false,
+                                        __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+  *expected = e;
+  return ok;
+}
+
+// ---- entry points for Python ----------------------------------------------------------------
+
+extern "C" int mt_rt_abi_version(void) { return 1; }
+
+extern "C" int mt_launch(const LaunchDesc* d, LaunchResult* r) {
+  std::lock_guard<std::mutex> lock(g_launch_mu);
+  memset(r, 0, sizeof *r);
+  char err[512] = {0};
+  if (!reserve_arena(err, sizeof err)) {
+    r->status = 2;
+    snprintf(r->message, sizeof r->message, "%s", err);
+    return r->status;
+  }
+  install_handlers();
+  if (d->nbuf > kMaxBuffers) {
+    r->status = 2;
+    snprintf(r->message, sizeof r->message, "too many buffers (%d > %d)", d->nbuf, kMaxBuffers);
+    return r->status;
+  }
+  for (bool fibers : {bool(d->force_fibers), true}) {
+    Launch L;
+    L.d = d;
+    L.r = r;
+    L.nbuf = d->nbuf;
+    L.strict = d->strict;
+    L.fibers = fibers;
+    L.total_tg = 1;
+    for (int k = 0; k < 3; ++k) {
+      L.tgdim[k] = std::min(d->tg[k], d->grid[k]);  // as MLX: the group never exceeds the grid
+      if (L.tgdim[k] == 0) L.tgdim[k] = 1;
+      L.ntg[k] = d->grid[k] ? (d->grid[k] + L.tgdim[k] - 1) / L.tgdim[k] : 0;
+      L.total_tg *= L.ntg[k];
+    }
+    if (d->shuffle) {
+      L.order.resize(L.total_tg);
+      for (uint64_t i = 0; i < L.total_tg; ++i) L.order[i] = i;
+      std::mt19937_64 rng(mix_seed(d->seed, ~0ull));
+      std::shuffle(L.order.begin(), L.order.end(), rng);
+    }
+    memset(r, 0, sizeof *r);
+    if (!setup_buffers(&L, err, sizeof err)) {
+      teardown_buffers(&L);
+      r->status = 2;
+      snprintf(r->message, sizeof r->message, "%s", err);
+      return r->status;
+    }
+    int rc = L.total_tg ? run_launch(&L, err, sizeof err) : 0;
+    if (rc) {
+      teardown_buffers(&L);
+      r->status = 2;
+      snprintf(r->message, sizeof r->message, "%s", err);
+      return r->status;
+    }
+    if (!fibers && L.need_fibers.load() && !L.hazard) {
+      teardown_buffers(&L);
+      continue;  // the kernel blocks at barriers or SIMD functions: redo it with fibers
+    }
+    r->used_fibers = fibers;
+    if (r->status == 0) {
+      for (int i = 0; i < d->nbuf; ++i)
+        if (d->bufs[i].dst) memcpy(d->bufs[i].dst, L.region[i], d->bufs[i].span);
+    }
+    teardown_buffers(&L);
+    return r->status;
+  }
+  return r->status;
+}
+
+// Where a code address lives, for mapping it to a source line (addr2line on the module).
+extern "C" int mt_addr_info(uint64_t addr, char* path, size_t n, uint64_t* offset) {
+  Dl_info info;
+  if (!dladdr(reinterpret_cast<void*>(uintptr_t(addr)), &info) || !info.dli_fname) return 0;
+  snprintf(path, n, "%s", info.dli_fname);
+  *offset = addr - uint64_t(uintptr_t(info.dli_fbase));
+  return 1;
+}

@@ -1,0 +1,212 @@
+"""Emulator basics against NumPy: elementwise and strided bodies (MLX documentation style),
+grid geometry, partial edge threadgroups, template arguments, init_value, counters."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from emulator_util import requires_emulator, run
+
+import mlx_metaltile as mt
+from mlx_metaltile import emulator as em
+
+pytestmark = requires_emulator
+
+
+def test_elementwise_exp_like_mlx_docs(rng):
+    a = mx.array(rng.standard_normal((4, 16)).astype(np.float32)).astype(mx.float16)
+    kernel = em.metal_kernel(name="myexp", input_names=["inp"], output_names=["out"], source="""
+        uint elem = thread_position_in_grid.x;
+        T tmp = inp[elem];
+        out[elem] = metal::exp(tmp);
+    """)
+    (out,) = kernel(inputs=[a], template=[("T", mx.float32)], grid=(a.size, 1, 1),
+                    threadgroup=(256, 1, 1), output_shapes=[a.shape], output_dtypes=[a.dtype])
+    assert out.dtype == mx.float16 and out.shape == a.shape
+    want = np.exp(np.array(a.astype(mx.float32), dtype=np.float64)).astype(np.float16)
+    np.testing.assert_array_equal(np.array(out), want)
+
+
+STRIDED = """
+    uint elem = thread_position_in_grid.x;
+    uint loc = elem_to_loc(elem, inp_shape, inp_strides, inp_ndim);
+    T tmp = inp[loc];
+    out[elem] = metal::exp(tmp);
+"""
+
+
+@pytest.mark.parametrize("view", ["transposed", "sliced", "reversed", "broadcast"])
+def test_strided_input_with_elem_to_loc(rng, view):
+    base = mx.array(rng.standard_normal((6, 8)).astype(np.float32))
+    a = {"transposed": base.T, "sliced": base[1:5:2, ::3], "reversed": base[::-1, 2:],
+         "broadcast": mx.broadcast_to(base[2:3], (5, 8))}[view]
+    # negative strides need a signed location (a uint one wraps: out of bounds on a Mac too)
+    src = STRIDED.replace("uint loc = elem_to_loc(elem,", "int64_t loc = elem_to_loc(int64_t(elem),")
+    kernel = em.metal_kernel(name="strided_exp", input_names=["inp"], output_names=["out"],
+                             source=src if view == "reversed" else STRIDED,
+                             ensure_row_contiguous=False)
+    (out,) = kernel(inputs=[a], template=[("T", mx.float32)], grid=(a.size, 1, 1),
+                    threadgroup=(32, 1, 1), output_shapes=[a.shape], output_dtypes=[a.dtype])
+    np.testing.assert_allclose(np.array(out), np.exp(np.array(a)), rtol=1e-6)
+    stats = em.last_launch_stats()
+    assert stats.bytes_read["inp"] == a.size * 4  # each element once
+    assert stats.bytes_written["out"] == a.size * 4
+    assert set(stats.bytes_read) == {"inp", "inp_shape", "inp_strides", "inp_ndim", "out"}
+
+
+def test_unsigned_wrap_is_reported_on_its_buffer(rng):
+    a = mx.array(rng.standard_normal((6, 8)).astype(np.float32))[::-1]
+    kernel = em.metal_kernel(name="strided_exp", input_names=["inp"], output_names=["out"],
+                             source=STRIDED, ensure_row_contiguous=False)
+    with pytest.raises(em.OutOfBoundsAccess, match="buffer 'inp'.*element 42949672") as info:
+        kernel(inputs=[a], template=[("T", mx.float32)], grid=(a.size, 1, 1),
+               threadgroup=(32, 1, 1), output_shapes=[a.shape], output_dtypes=[a.dtype])
+    assert info.value.location == "body line 4"
+
+
+def test_row_contiguous_copy_gives_contiguous_strides(rng):
+    a = mx.array(rng.standard_normal((6, 8)).astype(np.float32)).T
+    (strides, shape) = run("""
+        uint i = thread_position_in_grid.x;
+        if (i < 2) { s[i] = inp_strides[i]; sh[i] = inp_shape[i]; }
+    """, {"inp": a}, {"s": ((2,), mx.int64), "sh": ((2,), mx.int32)}, (2, 1, 1), (2, 1, 1))
+    np.testing.assert_array_equal(strides, [6, 1])
+    np.testing.assert_array_equal(shape, [8, 6])
+
+
+def test_grid_counts_threads_and_edges_report_real_size():
+    # grid 70 x 5 with threadgroups of 32 x 2: edge groups are 6 wide and 1 high.
+    (pos, tpt, tg, sgs, tpg) = run("""
+        uint3 g = thread_position_in_grid;
+        uint i = g.y * 70 + g.x;
+        pos[i] = g.x + 1000 * g.y;
+        tpt[i] = threads_per_threadgroup.x + 100 * threads_per_threadgroup.y;
+        tg[i] = threadgroup_position_in_grid.x + 100 * threadgroup_position_in_grid.y;
+        sgs[i] = simdgroups_per_threadgroup * 100 + thread_index_in_simdgroup;
+        tpg[i] = threads_per_grid.x * 100 + threadgroups_per_grid.y;
+    """, {"dummy": mx.zeros((1,))},
+        {k: ((5 * 70,), mx.uint32) for k in ("pos", "tpt", "tg", "sgs", "tpg")},
+        (70, 5, 1), (32, 2, 1))
+    x, y = np.meshgrid(np.arange(70), np.arange(5))
+    x, y = x.ravel(), y.ravel()
+    np.testing.assert_array_equal(pos, x + 1000 * y)
+    width = np.where(x >= 64, 6, 32)
+    height = np.where(y >= 4, 1, 2)
+    np.testing.assert_array_equal(tpt, width + 100 * height)
+    np.testing.assert_array_equal(tg, x // 32 + 100 * (y // 2))
+    lin = (x % 32) + (y % 2) * width
+    np.testing.assert_array_equal(sgs, -(-(width * height) // 32) * 100 + lin % 32)
+    np.testing.assert_array_equal(tpg, 70 * 100 + 3)
+    stats = em.last_launch_stats()
+    assert stats.threads == 350 and stats.threadgroups == 9
+
+
+def test_threadgroup_clamped_to_grid_like_mlx():
+    (tpt,) = run("out[thread_position_in_grid.x] = threads_per_threadgroup.x;",
+                 {"dummy": mx.zeros((1,))}, {"out": ((5,), mx.uint32)}, (5, 1, 1), (256, 1, 1))
+    np.testing.assert_array_equal(tpt, 5)
+
+
+def test_template_arguments_int_bool_dtype():
+    (out,) = run("""
+        uint i = thread_position_in_grid.x;
+        out[i] = T(i * N) + (FLAG ? T(1) : T(0));
+    """, {"dummy": mx.zeros((1,))}, {"out": ((8,), mx.float16)}, (8, 1, 1), (8, 1, 1),
+        template=[("T", mx.float16), ("N", 3), ("FLAG", True)])
+    np.testing.assert_array_equal(out, np.arange(8) * 3 + 1)
+
+
+def test_scalar_and_small_inputs_by_reference_and_constant():
+    (out,) = run("out[thread_position_in_grid.x] = a + b[1] + float(c);",
+                 {"a": 1.5, "b": mx.array([1.0, 2.0, 3.0]), "c": 4},
+                 {"out": ((4,), mx.float32)}, (4, 1, 1), (4, 1, 1))
+    np.testing.assert_array_equal(out, 7.5)
+
+
+def test_init_value_and_poisoned_outputs():
+    src = "if (thread_position_in_grid.x % 2 == 0) out[thread_position_in_grid.x] = 1.0f;"
+    (out,) = run(src, {"dummy": mx.zeros((1,))}, {"out": ((6,), mx.float32)}, (6, 1, 1),
+                 (6, 1, 1), init_value=-2.0)
+    np.testing.assert_array_equal(out, [1, -2, 1, -2, 1, -2])
+    (out,) = run(src, {"dummy": mx.zeros((1,))}, {"out": ((6,), mx.float32)}, (6, 1, 1),
+                 (6, 1, 1))
+    assert np.all(np.isnan(out[1::2]))  # never written: poison, not zeros
+
+
+def test_multiple_outputs_and_dtypes():
+    (a, b, c) = run("""
+        uint i = thread_position_in_grid.x;
+        a[i] = bfloat16_t(float(i) + 0.5f);
+        b[i] = int8_t(-int(i));
+        c[i] = i % 2 == 0;
+    """, {"dummy": mx.zeros((1,))}, {"a": ((4,), mx.bfloat16), "b": ((4,), mx.int8),
+                                     "c": ((4,), mx.bool_)}, (4, 1, 1), (4, 1, 1))
+    np.testing.assert_array_equal(a, [0.5, 1.5, 2.5, 3.5])
+    np.testing.assert_array_equal(b, [0, -1, -2, -3])
+    np.testing.assert_array_equal(c, [True, False, True, False])
+
+
+def test_verbose_prints_generated_source(capsys):
+    run("out[0] = inp[0];", {"inp": mx.zeros((10,))}, {"out": ((1,), mx.float32)}, (1, 1, 1),
+        (1, 1, 1), name="verbose_k")
+    kernel = em.metal_kernel(name="verbose_k", input_names=["inp"], output_names=["out"],
+                             source="out[0] = inp[0];")
+    kernel(inputs=[mx.zeros((10,))], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+           output_shapes=[(1,)], output_dtypes=[mx.float32], verbose=True)
+    printed = capsys.readouterr().out
+    assert "Generated source code for `verbose_k`" in printed
+    assert "const device float* inp [[buffer(0)]]" in printed
+
+
+def test_argument_errors_mirror_mlx():
+    kernel = em.metal_kernel(name="k", input_names=["a", "b"], output_names=["out"],
+                             source="out[0] = a[0];")
+    with pytest.raises(ValueError, match="Expected `inputs` to have size 2 but got size 1"):
+        kernel(inputs=[mx.zeros((2,))], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+               output_shapes=[(1,)], output_dtypes=[mx.float32])
+    with pytest.raises(ValueError, match="greater than the maximum allowed threads"):
+        kernel(inputs=[mx.zeros((2,)), mx.zeros((2,))], grid=(2048, 1, 1),
+               threadgroup=(1025, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.float32])
+    with pytest.raises(ValueError, match="Invalid template argument"):
+        kernel(inputs=[mx.zeros((2,)), mx.zeros((2,))], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+               output_shapes=[(1,)], output_dtypes=[mx.float32], template=[("T", 1.5)])
+    with pytest.raises(ValueError, match="at least one output"):
+        em.metal_kernel(name="k", input_names=[], output_names=[], source="")
+
+
+def test_barrier_free_kernel_runs_without_fibers():
+    run("out[thread_position_in_grid.x] = 1.0f;", {"dummy": mx.zeros((1,))},
+        {"out": ((4096,), mx.float32)}, (4096, 1, 1), (256, 1, 1))
+    stats = em.last_launch_stats()
+    assert not stats.used_fibers and stats.fiber_switches == 0
+
+
+def test_counters_of_a_threadgroup_reduction():
+    src = """
+        threadgroup float partial[4];
+        uint t = thread_position_in_threadgroup.x;
+        float v = simd_sum(inp[thread_position_in_grid.x]);
+        if (thread_index_in_simdgroup == 0) partial[simdgroup_index_in_threadgroup] = v;
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        if (t == 0) out[threadgroup_position_in_grid.x] = partial[0] + partial[1] + partial[2] + partial[3];
+    """
+    x = np.arange(512, dtype=np.float32)
+    (out,) = run(src, {"inp": x}, {"out": ((4,), mx.float32)}, (512, 1, 1), (128, 1, 1))
+    np.testing.assert_array_equal(out, x.reshape(4, 128).sum(1))
+    s = em.last_launch_stats()
+    assert s.used_fibers and s.threadgroups == 4 and s.threads == 512
+    assert s.bytes_read["inp"] == 512 * 4 and s.bytes_written["out"] == 4 * 4
+    assert s.threadgroup_barriers == 4  # one barrier per threadgroup
+    assert s.simd_collectives == 16  # one simd_sum per SIMD-group
+    assert s.threadgroup_memory == 16
+
+
+def test_use_backend_emulator_runs_the_kernel(rng):
+    y = mx.array(rng.standard_normal((3, 40)).astype(np.float32))
+    w = mx.ones((40,))
+    with mt.use_backend("emulator"):
+        out = mt.gated_rms_norm(y, y, w)
+    assert em.last_launch_stats().kernel.startswith("mt_gated_rms_norm")
+    ref = mt.ops.gated_rms_norm_reference(y, y, w)
+    np.testing.assert_allclose(np.array(out), np.array(ref), rtol=1e-5, atol=1e-6)

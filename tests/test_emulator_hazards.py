@@ -1,0 +1,204 @@
+"""Each hazard the emulator reports: a deliberately broken kernel per hazard must raise its
+exception, naming the kernel, the threadgroup, the thread and the source line."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from emulator_util import requires_emulator, run
+
+from mlx_metaltile import emulator as em
+
+pytestmark = requires_emulator
+D = {"d": mx.zeros((1,))}
+
+
+def hazard(exc, source, inputs=None, outputs=None, grid=(64, 1, 1), tg=(64, 1, 1), **kw):
+    with pytest.raises(exc) as info:
+        run(source, inputs or D, outputs or {"out": ((64,), mx.float32)}, grid, tg,
+            name="broken", **kw)
+    err = info.value
+    assert str(err).startswith("[broken] ")
+    return err
+
+
+def test_out_of_bounds_read_of_an_input():
+    err = hazard(em.OutOfBoundsAccess, """
+        uint i = thread_position_in_grid.x;
+        out[i] = inp[i + 1];  // the last thread reads one past the end
+    """, {"inp": np.zeros(64, np.float32)})
+    assert "read of 4 bytes on buffer 'inp'" in str(err) and "element 64" in str(err)
+    assert err.thread == (63, 0, 0) and err.threadgroup == (0, 0, 0)
+    assert err.location == "body line 3" and err.source_line.startswith("out[i] = inp[i + 1];")
+
+
+def test_out_of_bounds_write_of_an_output_and_negative_index():
+    err = hazard(em.OutOfBoundsAccess, """
+        int i = int(thread_position_in_grid.x);
+        out[i - 1] = 1.0f;
+    """)
+    assert "write of 4 bytes on buffer 'out'" in str(err) and "element -1" in str(err)
+    assert err.thread == (0, 0, 0)
+
+
+def test_out_of_bounds_in_threadgroup_memory():
+    err = hazard(em.OutOfBoundsAccess, """
+        threadgroup float a[64];
+        threadgroup float b[64];
+        a[thread_index_in_threadgroup] = 1.0f;
+        b[thread_index_in_threadgroup] = 2.0f;
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        out[thread_index_in_threadgroup] = a[thread_index_in_threadgroup + 8];
+    """)
+    assert "threadgroup memory" in str(err) and err.location == "body line 7"
+
+
+def test_threadgroup_memory_over_32_kib():
+    err = hazard(em.ThreadgroupMemoryExceeded, """
+        threadgroup float a[4096];
+        threadgroup float b[4100];  // 16 KiB + 16400 bytes > 32 KiB
+        a[0] = b[0] = 0.0f;
+        out[0] = a[0];
+    """, tg=(64, 1, 1))
+    assert "32 KiB" in str(err) and "'b'" in str(err) and err.location == "body line 3"
+
+
+def test_exactly_32_kib_is_allowed():
+    (out,) = run("""
+        threadgroup float a[4096];
+        threadgroup half b[8192];
+        a[thread_index_in_threadgroup] = 1.0f;
+        b[thread_index_in_threadgroup] = half(2.0f);
+        out[thread_index_in_threadgroup] = a[thread_index_in_threadgroup] + float(b[thread_index_in_threadgroup]);
+    """, D, {"out": ((64,), mx.float32)}, (64, 1, 1), (64, 1, 1))
+    assert (out == 3).all() and em.last_launch_stats().threadgroup_memory == 32768
+
+
+def test_threadgroups_of_more_than_1024_threads_are_refused():
+    with pytest.raises(ValueError, match="maximum allowed threads per threadgroup"):
+        run("out[0] = 1.0f;", D, {"out": ((1,), mx.float32)}, (2048, 1, 1), (64, 32, 1))
+
+
+def test_early_return_before_a_barrier():
+    err = hazard(em.BarrierDivergence, """
+        uint i = thread_position_in_grid.x;
+        if (i >= 40) return;  // the classic Mac freeze
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        out[i] = 1.0f;
+    """)
+    assert "barrier divergence" in str(err) and "body line 4" in str(err)
+    assert err.threadgroup == (0, 0, 0)
+
+
+def test_threads_at_different_barriers_deadlock():
+    err = hazard(em.BarrierDivergence, """
+        uint i = thread_position_in_grid.x;
+        if (i < 32) {
+          threadgroup_barrier(mem_flags::mem_threadgroup);
+        } else {
+          threadgroup_barrier(mem_flags::mem_threadgroup);
+        }
+        out[i] = 1.0f;
+    """)
+    assert "deadlock" in str(err)
+    assert "Threads 0-31 wait at threadgroup_barrier (body line 4)" in str(err)
+    assert "Threads 32-63 wait at threadgroup_barrier (body line 6)" in str(err)
+
+
+def test_simdgroup_barrier_after_a_lane_returned():
+    hazard(em.BarrierDivergence, """
+        uint i = thread_position_in_grid.x;
+        if (i % 32 == 5) return;
+        simdgroup_barrier(mem_flags::mem_none);
+        out[i] = 1.0f;
+    """)
+
+
+@pytest.mark.parametrize("call", ["simd_shuffle(v, 40)", "simd_shuffle_down(v, 32)",
+                                  "simd_shuffle_xor(v, 33)", "simd_broadcast(v, 99)",
+                                  "quad_shuffle(v, 4)"])
+def test_invalid_simd_lane_argument(call):
+    err = hazard(em.InvalidSimdLane, f"""
+        float v = float(thread_position_in_grid.x);
+        out[thread_position_in_grid.x] = {call};
+    """)
+    assert call.split("(")[0] in str(err) and err.location == "body line 3"
+
+
+def test_strict_mode_reports_reads_of_unwritten_threadgroup_memory():
+    source = """
+        threadgroup float partial[64];
+        uint t = thread_index_in_threadgroup;
+        if (t < 32) partial[t] = 1.0f;  // the upper half is never written
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        out[t] = partial[63 - t];
+    """
+    (out,) = run(source, D, {"out": ((64,), mx.float32)}, (64, 1, 1), (64, 1, 1))
+    assert np.isnan(out[:32]).all()  # poison, not zeros
+    previous = em.configure(strict=True)
+    try:
+        err = hazard(em.UninitializedThreadgroupRead, source)
+    finally:
+        em.configure(**vars(previous))
+    assert err.location == "body line 6" and err.thread[0] < 32
+
+
+def test_stack_overflow_is_an_exception_not_a_crash():
+    err = hazard(em.StackOverflow, """
+        float big[100000];  // 400 KB on one thread's stack
+        for (uint k = 0; k < 100000; ++k) big[k] = float(k) * inp[0];
+        out[thread_position_in_grid.x] = big[thread_position_in_grid.x * 1000];
+    """, {"inp": np.ones(8, np.float32)})
+    assert "stack overflow" in str(err)
+
+
+def test_wild_pointer_is_a_memory_fault():
+    err = hazard(em.MemoryFault, """
+        device float* p = (device float*)(ulong(16));
+        out[thread_position_in_grid.x] = p[thread_position_in_grid.x];
+    """)
+    assert err.location == "body line 3"
+
+
+def test_integer_division_by_zero():
+    err = hazard(em.ArithmeticFault, """
+        int i = int(thread_position_in_grid.x);
+        out[i] = float(100 / (i - 7));
+    """)
+    assert err.thread == (7, 0, 0)
+
+
+def test_simdgroup_matrix_needs_a_full_simdgroup():
+    hazard(em.SimdgroupMatrixHazard, """
+        simdgroup_float8x8 a(1.0f), c(0.0f);
+        if (thread_index_in_simdgroup < 31) simdgroup_multiply_accumulate(c, a, a, c);
+        out[thread_position_in_grid.x] = c.thread_elements()[0];
+    """, grid=(32, 1, 1), tg=(32, 1, 1))
+
+
+def test_compile_errors_name_the_kernel_lines():
+    with pytest.raises(em.KernelCompileError) as info:
+        run("uint i = thread_position_in_grid.x;\nout[i] = undefined_name + 1.0f;", D,
+            {"out": ((4,), mx.float32)}, (4, 1, 1), (4, 1, 1), name="broken")
+    msg = str(info.value)
+    assert msg.startswith("[broken] the kernel does not compile: body:2:")
+    assert "undefined_name" in msg
+    with pytest.raises(em.KernelCompileError, match="header:2:"):
+        run("out[0] = 1.0f;", D, {"out": ((4,), mx.float32)}, (4, 1, 1), (4, 1, 1),
+            header="// helpers\ninline float f() { return missing; }\n", name="broken")
+
+
+def test_hazard_in_a_header_helper_names_the_header_line():
+    err = hazard(em.OutOfBoundsAccess, "out[thread_position_in_grid.x] = load(inp, 70);",
+                 {"inp": np.zeros(64, np.float32)},
+                 header="inline float load(const device float* p, uint i) {\n"
+                        "  return p[i];\n}\n")
+    assert err.location == "header line 2"
+
+
+def test_the_emulator_recovers_after_a_hazard():
+    hazard(em.OutOfBoundsAccess, "out[thread_position_in_grid.x + 1] = 0.0f;")
+    (out,) = run("out[thread_position_in_grid.x] = 2.0f;", D, {"out": ((64,), mx.float32)},
+                 (64, 1, 1), (64, 1, 1))
+    assert (out == 2).all()

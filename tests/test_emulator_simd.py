@@ -1,0 +1,216 @@
+"""SIMD-group and quad-group functions against NumPy: reductions (also divergent), every
+shuffle's edge semantics, votes, prefix scans, partial SIMD-groups, fiber-order permutation."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from emulator_util import requires_emulator, run
+
+from mlx_metaltile import emulator as em
+
+pytestmark = requires_emulator
+LANES = np.arange(32)
+
+
+def per_lane(expr: str, n: int = 32, dtype=mx.float32, setup: str = "", tg: int | None = None):
+    """out[i] = expr for each thread i of one threadgroup of n threads; `v` is 100 + lane id
+    (float) and `lane` the index in the SIMD-group."""
+    src = f"""
+        uint i = thread_position_in_grid.x;
+        ushort lane = thread_index_in_simdgroup;
+        float v = 100.0f + float(i);
+        {setup}
+        out[i] = {expr};
+    """
+    (out,) = run(src, {"dummy": mx.zeros((1,))}, {"out": ((n,), dtype)}, (n, 1, 1),
+                 (tg or n, 1, 1))
+    return out
+
+
+def test_simd_reductions_full_group():
+    v = 100.0 + LANES
+    assert np.all(per_lane("simd_sum(v)") == v.sum())
+    assert np.all(per_lane("simd_product(v / 100.0f)") == pytest.approx(np.prod(v / 100), rel=1e-5))
+    assert np.all(per_lane("simd_min(v)") == 100)
+    assert np.all(per_lane("simd_max(v)") == 131)
+    assert np.all(per_lane("simd_and(uint(i) | 64u)", dtype=mx.uint32) == 64)
+    assert np.all(per_lane("simd_or(1u << (i % 8))", dtype=mx.uint32) == 255)
+    assert np.all(per_lane("simd_xor(uint(i))", dtype=mx.uint32) == np.bitwise_xor.reduce(LANES))
+
+
+def test_simd_sum_fixed_tree_order():
+    # 1e8 and -1e8 cancel only when they meet first: lanes (0,1) pair in the tree.
+    setup = "float x = lane == 0 ? 1e8f : lane == 1 ? -1e8f : 1.0f;"
+    assert np.all(per_lane("simd_sum(x)", setup=setup) == 30.0)
+    # lanes 0 and 16 meet at the last level, after 1e8 has absorbed the 1.0s of lanes 1..15
+    setup = "float x = lane == 0 ? 1e8f : lane == 16 ? -1e8f : 1.0f;"
+    got = per_lane("simd_sum(x)", setup=setup)
+    left = np.float32(1e8) + np.float32(1) + np.float32(2) + np.float32(4) + np.float32(8)
+    right = np.float32(-1e8) + np.float32(1) + np.float32(2) + np.float32(4) + np.float32(8)
+    np.testing.assert_array_equal(got, np.float32(left + right))
+
+
+def test_divergent_simd_sum_uses_active_lanes_only():
+    got = per_lane("lane % 3 == 0 ? simd_sum(v) : -1.0f")
+    want = np.where(LANES % 3 == 0, (100.0 + LANES[LANES % 3 == 0]).sum(), -1)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_two_call_sites_in_different_branches_are_separate():
+    got = per_lane("lane < 10 ? simd_sum(v) : simd_sum(2.0f * v)")
+    want = np.where(LANES < 10, (100.0 + LANES[:10]).sum(), 2 * (100.0 + LANES[10:]).sum())
+    np.testing.assert_array_equal(got, want)
+
+
+def test_simd_sum_after_early_return_of_some_lanes():
+    src = """
+        uint i = thread_position_in_grid.x;
+        if (i % 32 >= 20) return;
+        out[i] = simd_sum(float(i));
+    """
+    (out,) = run(src, {"d": mx.zeros((1,))}, {"out": ((64,), mx.float32)}, (64, 1, 1),
+                 (64, 1, 1))
+    np.testing.assert_array_equal(out[:20], np.arange(20).sum())
+    np.testing.assert_array_equal(out[32:52], np.arange(32, 52).sum())
+    assert np.all(np.isnan(out[20:32]))
+
+
+def test_partial_last_simd_group():
+    got = per_lane("simd_sum(v)", n=40)
+    np.testing.assert_array_equal(got[:32], (100.0 + np.arange(32)).sum())
+    np.testing.assert_array_equal(got[32:], (100.0 + np.arange(32, 40)).sum())
+
+
+@pytest.mark.parametrize("delta", [0, 1, 5, 31])
+def test_shuffle_up_keeps_low_lanes(delta):
+    got = per_lane(f"simd_shuffle_up(v, {delta})")
+    np.testing.assert_array_equal(got, 100 + np.where(LANES >= delta, LANES - delta, LANES))
+
+
+@pytest.mark.parametrize("delta", [0, 1, 16, 31])
+def test_shuffle_down_keeps_high_lanes(delta):
+    got = per_lane(f"simd_shuffle_down(v, {delta})")
+    np.testing.assert_array_equal(got, 100 + np.where(LANES + delta < 32, LANES + delta, LANES))
+
+
+def test_shuffle_xor_rotate_broadcast():
+    np.testing.assert_array_equal(per_lane("simd_shuffle_xor(v, 5)"), 100 + (LANES ^ 5))
+    np.testing.assert_array_equal(per_lane("simd_shuffle_rotate_up(v, 3)"),
+                                  100 + (LANES - 3) % 32)
+    np.testing.assert_array_equal(per_lane("simd_shuffle_rotate_down(v, 3)"),
+                                  100 + (LANES + 3) % 32)
+    np.testing.assert_array_equal(per_lane("simd_shuffle(v, (lane * 7) % 32)"),
+                                  100 + (LANES * 7) % 32)
+    np.testing.assert_array_equal(per_lane("simd_broadcast(v, 9)"), 109)
+    np.testing.assert_array_equal(per_lane("lane < 4 ? -1.0f : simd_broadcast_first(v)"),
+                                  np.where(LANES < 4, -1, 104))
+
+
+def test_shuffle_and_fill():
+    up = per_lane("simd_shuffle_and_fill_up(v, v + 1000.0f, 3)")
+    np.testing.assert_array_equal(up, np.where(LANES >= 3, 100 + LANES - 3, 1100 + LANES + 29))
+    down = per_lane("simd_shuffle_and_fill_down(v, v + 1000.0f, 3)")
+    np.testing.assert_array_equal(down, np.where(LANES < 29, 103 + LANES, 1100 + LANES - 29))
+    # with a modulo of 8: each group of 8 lanes shuffles on its own
+    up8 = per_lane("simd_shuffle_and_fill_up(v, v + 1000.0f, 2, 8)")
+    g = LANES % 8
+    np.testing.assert_array_equal(up8, np.where(g >= 2, 100 + LANES - 2, 1100 + LANES + 6))
+
+
+def test_shuffle_of_vectors_and_64_bit():
+    got = per_lane("simd_shuffle_down(float2(v, -v), 1).y")
+    np.testing.assert_array_equal(got, -(100 + np.where(LANES < 31, LANES + 1, LANES)))
+    got = per_lane("float(simd_shuffle(ulong(i) << 40, 3) >> 40)")
+    np.testing.assert_array_equal(got, 3)
+
+
+def test_votes_and_first():
+    got = per_lane("uint(ulong(simd_ballot(lane % 4 == 1)))", dtype=mx.uint32)
+    np.testing.assert_array_equal(got, sum(1 << k for k in range(1, 32, 4)))
+    np.testing.assert_array_equal(per_lane("simd_all(v > 99.0f) ? 1.0f : 0.0f"), 1)
+    np.testing.assert_array_equal(per_lane("simd_all(v > 100.0f) ? 1.0f : 0.0f"), 0)
+    np.testing.assert_array_equal(per_lane("simd_any(v == 131.0f) ? 1.0f : 0.0f"), 1)
+    got = per_lane("lane < 5 ? -1.0f : (simd_is_first() ? 1.0f : 0.0f)")
+    np.testing.assert_array_equal(got, np.where(LANES < 5, -1, LANES == 5))
+    got = per_lane("lane >= 8 ? uint(ulong(simd_active_threads_mask())) : 7u", dtype=mx.uint32)
+    np.testing.assert_array_equal(got, np.where(LANES >= 8, 0xFFFFFF00, 7))
+
+
+def test_prefix_scans_over_active_lanes():
+    v = 100.0 + LANES
+    np.testing.assert_array_equal(per_lane("simd_prefix_inclusive_sum(v)"), np.cumsum(v))
+    np.testing.assert_array_equal(per_lane("simd_prefix_exclusive_sum(v)"),
+                                  np.cumsum(v) - v)
+    got = per_lane("lane % 2 == 0 ? simd_prefix_exclusive_sum(1.0f) : -1.0f")
+    np.testing.assert_array_equal(got, np.where(LANES % 2 == 0, LANES // 2, -1))
+    got = per_lane("simd_prefix_inclusive_product(lane < 10 ? 2.0f : 1.0f)")
+    np.testing.assert_array_equal(got, 2.0 ** np.minimum(LANES + 1, 10))
+
+
+def test_quad_functions():
+    q = LANES % 4
+    np.testing.assert_array_equal(per_lane("quad_sum(v)"),
+                                  (100 + LANES - q) * 4 + 6)
+    np.testing.assert_array_equal(per_lane("quad_shuffle(v, 3)"), 100 + LANES - q + 3)
+    np.testing.assert_array_equal(per_lane("quad_shuffle_down(v, 1)"),
+                                  100 + np.where(q < 3, LANES + 1, LANES))
+    np.testing.assert_array_equal(per_lane("quad_shuffle_xor(v, 2)"), 100 + (LANES ^ 2))
+    np.testing.assert_array_equal(per_lane("quad_broadcast(v, 1)"), 100 + LANES - q + 1)
+    got = per_lane("float(ushort(quad_ballot(lane % 2 == 0)))")
+    np.testing.assert_array_equal(got, 0b0101)
+    np.testing.assert_array_equal(per_lane("quad_prefix_exclusive_sum(1.0f)"), q)
+    np.testing.assert_array_equal(per_lane("thread_index_in_quadgroup + 0.0f"), q)
+
+
+def test_half_and_bfloat_simd_sum_round_in_their_type():
+    got = per_lane("float(simd_sum(half(v)))")
+    assert got[0] == (100.0 + LANES).sum()  # 3696 is exact in half
+    got = per_lane("float(simd_sum(bfloat16_t(v)))")
+    assert np.all(got == got[0]) and abs(got[0] - 3696) <= 16
+
+
+def test_inactive_source_lane_gives_poison_or_strict_hazard():
+    expr = "lane < 16 ? simd_shuffle_down(v, 8) : -1.0f"
+    got = per_lane(expr)
+    np.testing.assert_array_equal(got[:8], 108 + LANES[:8])
+    assert np.all(np.isnan(got[8:16]))  # lanes 16..23 did not take part
+    previous = em.configure(strict=True)
+    try:
+        with pytest.raises(em.InvalidSimdLane, match="reads lane 16, which is not active"):
+            per_lane(expr)
+    finally:
+        em.configure(**vars(previous))
+
+
+def test_fiber_order_permutation_exposes_order_dependence():
+    # the last writer of a shared slot wins: depends on the order threads run in
+    src = """
+        threadgroup float slot[1];
+        slot[0] = float(thread_position_in_threadgroup.x);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        out[thread_position_in_grid.x] = slot[0];
+    """
+    results = set()
+    previous = em.configure()
+    try:
+        for seed in (None, 1, 2, 3):
+            em.configure(shuffle_seed=seed)
+            (out,) = run(src, {"d": mx.zeros((1,))}, {"out": ((64,), mx.float32)}, (64, 1, 1),
+                         (64, 1, 1))
+            results.add(float(out[0]))
+    finally:
+        em.configure(**vars(previous))
+    assert len(results) > 1
+    # an order-independent kernel gives the same result under every permutation
+    previous = em.configure()
+    try:
+        outs = []
+        for seed in (None, 7, 8):
+            em.configure(shuffle_seed=seed)
+            outs.append(per_lane("simd_sum(v) + simd_shuffle_xor(v, 1)", n=64))
+    finally:
+        em.configure(**vars(previous))
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
