@@ -357,11 +357,12 @@ def test_op_is_lazy_and_compiles(monkeypatch, rng):
 
 # ---- negative controls: a deliberately wrong kernel must fail the harness ----------------
 
-def _broken_spec(monkeypatch, spec, old: str, new: str):
-    """A copy of ``spec`` whose template has ``old`` replaced by ``new``."""
+def _broken_spec(monkeypatch, spec, old: str, new: str, tag: str = "broken"):
+    """A copy of ``spec`` whose template has ``old`` replaced by ``new`` (variant and template
+    names carry ``tag``: kernels are cached by name, so each break needs its own)."""
     text = _templates.read_text(spec.template)
     assert old in text, f"{old!r} not in {spec.template}"
-    fake_name = spec.template.replace(".metal", "_broken.metal")
+    fake_name = spec.template.replace(".metal", f"_{tag}.metal")
     real_read = _templates.read_text
 
     def read_text(name):
@@ -369,7 +370,7 @@ def _broken_spec(monkeypatch, spec, old: str, new: str):
 
     monkeypatch.setattr(_templates, "read_text", read_text)
     _templates.render.cache_clear()
-    return replace(spec, variant=spec.variant + "_broken", template=fake_name)
+    return replace(spec, variant=f"{spec.variant}_{tag}", template=fake_name)
 
 
 # Each breaks one thing a weaker harness could miss: the decode's pair order (qmv), the
@@ -393,6 +394,22 @@ def test_negative_control_broken_kernel(kernel_backend, monkeypatch, rng, varian
     try:
         with pytest.raises(AssertionError, match="out of tolerance"):
             run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant)
+    finally:
+        _templates.render.cache_clear()
+
+
+def test_negative_control_unguarded_rows_fault_on_the_emulator(monkeypatch, rng):
+    """Without the row guard on the store, a ragged M writes past out: the emulator says so."""
+    require_backend("emulator")
+    from mlx_metaltile import emulator
+
+    broken = _broken_spec(monkeypatch, op_module.SIMDGROUP_SPEC, "if (x_row_ok) {\n  const",
+                          "if (true) {\n  const", tag="unguarded")
+    monkeypatch.setitem(op_module.VARIANTS, "simdgroup", broken)
+    x, w, s = make_case(rng, 33, 32, 64, mx.float32)
+    try:
+        with backends.use_backend("emulator"), pytest.raises(emulator.OutOfBoundsAccess):
+            mx.eval(mt.fp4_qmm(x, w, s, variant="simdgroup"))
     finally:
         _templates.render.cache_clear()
 
@@ -449,6 +466,13 @@ def test_bad_input(mutate, kwargs, exc, match):
 
 @pytest.mark.parametrize("variant, m", [("qmv", 1), ("qmv", 5), ("simdgroup", 33)])
 def test_emulator_traffic(poisoned_outputs, rng, variant, m):
+    """Device bytes per buffer, against the ideal (each input once, the output once).
+
+    w is read exactly once per block of M rows, out written exactly once. The excess is by
+    design and hits the cache: x is read by each simdgroup of qmv (N / 4 times) and each
+    threadgroup of simdgroup (N / 32 times), and
+    the scale of a group is loaded once per VPT codes (qmv, VPT = 16 for MB <= 2, else 8)
+    or per uint32 word (simdgroup) instead of once per group."""
     require_backend("emulator")
     from mlx_metaltile import emulator
 
@@ -457,11 +481,14 @@ def test_emulator_traffic(poisoned_outputs, rng, variant, m):
     with backends.use_backend("emulator"):
         run_and_check(x, w, s, "e8m0", 32, "emulator", variant=variant, expect=variant)
     stats = emulator.last_launch_stats()
-    read = {name: stats.read_bytes(name) for name in ("x", "w", "scales")}
-    m_blocks = 1 if variant == "qmv" else -(-m // 32)
-    x_reads = n // 8 if variant == "qmv" else n // 32  # threadgroups along N each read x
-    assert read["w"] == m_blocks * n * k // 2
-    assert read["scales"] == m_blocks * n * k // 32
-    assert read["x"] == x_reads * m * k * 2
-    assert stats.written_bytes("out") == m * n * 2
-
+    read = {name: stats.bytes_read[name] for name in ("x", "w", "scales")}
+    if variant == "qmv":
+        m_blocks, x_reads = 1, n // 4  # each simdgroup (4 rows of w) reads its x rows
+        scale_loads = n * k // (16 if op_module._qmv_rows(m) <= 2 else 8)
+    else:
+        m_blocks, x_reads = -(-m // 32), n // 32
+        scale_loads = n * k // 8
+    assert read["w"] == m_blocks * n * k // 2  # ideal: n * k / 2
+    assert read["scales"] == m_blocks * scale_loads  # ideal: n * k / 32
+    assert read["x"] == x_reads * m * k * 2  # ideal: m * k * 2
+    assert stats.bytes_written["out"] == m * n * 2  # ideal
