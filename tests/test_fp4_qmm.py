@@ -464,16 +464,18 @@ def test_bad_input(mutate, kwargs, exc, match):
 
 # ---- traffic, from the emulator's per-buffer counters ----------------------------------
 
-@pytest.mark.parametrize("variant, m", [("qmv", 1), ("qmv", 5), ("simdgroup", 33)])
+@pytest.mark.parametrize("variant, m", [("qmv", 1), ("qmv", 5), ("simdgroup", 33), ("mpp", 33)])
 def test_emulator_traffic(poisoned_outputs, rng, variant, m):
     """Device bytes per buffer, against the ideal (each input once, the output once).
 
     w is read exactly once per block of M rows, out written exactly once. The excess is by
-    design and hits the cache: x is read by each simdgroup of qmv (N / 4 times) and each
-    threadgroup of simdgroup (N / 32 times), and
+    design and hits the cache: x is read by each simdgroup of qmv (N / 4 times), each
+    threadgroup of simdgroup (N / 32 times), the two simdgroups of an mpp threadgroup that
+    share rows (N / 16 times), and
     the scale of a group is loaded once per VPT codes (qmv, VPT = 16 for MB <= 2, else 8)
     or per uint32 word (simdgroup) instead of once per group."""
     require_backend("emulator")
+    kernel_variant("emulator", variant)
     from mlx_metaltile import emulator
 
     n, k = 64, 256
@@ -486,7 +488,7 @@ def test_emulator_traffic(poisoned_outputs, rng, variant, m):
         m_blocks, x_reads = 1, n // 4  # each simdgroup (4 rows of w) reads its x rows
         scale_loads = n * k // (16 if op_module._qmv_rows(m) <= 2 else 8)
     else:
-        m_blocks, x_reads = -(-m // 32), n // 32
+        m_blocks, x_reads = -(-m // 32), (n // 32 if variant == "simdgroup" else n // 16)
         scale_loads = n * k // 8
     assert read["w"] == m_blocks * n * k // 2  # ideal: n * k / 2
     assert read["scales"] == m_blocks * scale_loads  # ideal: n * k / 32

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import platform
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -54,6 +55,9 @@ QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC = register(
 )
 VARIANTS = {spec.variant: spec for spec in (QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC)}
 _INPUTS = ("x", "w", "scales", "m_rows", "n_cols", "k_cols")
+# The emulator runs the mpp variant once it models MetalPerformancePrimitives (this header).
+_EMULATOR_MPP_HEADER = (Path(__file__).resolve().parent.parent / "emulator" / "include"
+                        / "MetalPerformancePrimitives" / "MetalPerformancePrimitives.h")
 _OUTPUTS = ("out",)
 
 
@@ -194,13 +198,8 @@ def mpp_unavailable_reason(backend: str) -> str | None:
         return None if _metal_has_mpp() else ("needs macOS >= 26.2 and an Apple GPU of "
                                               "generation >= 17 (M5 class)")
     if backend == "emulator":
-        try:
-            from .. import emulator
-        except ImportError:
-            return "the emulator is not part of this build of mlx_metaltile"
-        has = getattr(emulator, "supports_mpp", None)
-        if has is None or not has():
-            return "this build of the emulator has no MetalPerformancePrimitives support"
+        if not _EMULATOR_MPP_HEADER.is_file():
+            return "this build of the emulator has no MetalPerformancePrimitives model"
         return None
     return f"the {backend} backend has no MetalPerformancePrimitives"
 
