@@ -1,8 +1,10 @@
 // fp4_qmm_simdgroup.metal: fp4 (E2M1) quantized matmul, 32x32 output tiles on simdgroup
-// matrices (every Apple GPU).
+// matrices (every Apple GPU), optionally split along K.
 //
-// MATH (float32 accumulation, rounded once to T):
-//   out[m, n] = sum_k float(x[m, k]) * wdq[n, k]
+// MATH (float32 accumulation, rounded once to OT):
+//   out[p, m, n] = sum_{k in part p} float(x[m, k]) * wdq[n, k],  part p = [p Kp, (p + 1) Kp)
+//   With one part (Kp = K), OT = T and out is the result [M, N]. With several, OT = float and
+//   out holds float32 partial sums [parts, M, N] that fp4_qmm_splitk_sum.metal adds up.
 //   wdq[n, k] = e2m1(code (w[n, k / 8] >> 4 (k % 8)) & 0xF) * scale(n, k / GS)   (float32)
 //   e2m1 -> {+-0, 0.5, 1, 1.5, 2, 3, 4, 6}; scale = mt_fp4_scale<SCALE_MODE>(scales[n, g])
 //   wdq is exact in float32 for E8M0 / E4M3 scales (a code times a power of two or a 4-bit
@@ -10,25 +12,28 @@
 //   products, so no scale exponent can overflow a half staging buffer.
 //
 // LAYOUT (row-contiguous): x [M, K] T; w [N, K / 8] uint32 (code j of a word at bits
-//   [4j, 4j + 4)); scales [N, K / GS] ST; out [M, N] T. m_rows, n_cols, k_cols: 0-d uint32
-//   runtime inputs (M, N, K).
-// TEMPLATE: T, ST, GS (16, 32, 64, 128), SCALE_MODE (0 float, 1 E8M0, 2 E4M3).
+//   [4j, 4j + 4)); scales [N, K / GS] ST; out [parts, M, N] OT. m_rows, n_cols, k_cols,
+//   k_part: 0-d uint32 runtime inputs (M, N, K, Kp).
+// TEMPLATE: T, ST, GS (16, 32, 64, 128), SCALE_MODE (0 float, 1 E8M0, 2 E4M3), OT (T or float).
 //
 // DESIGN: a threadgroup of 128 threads (4 simdgroups) owns out[m_tile : +32, n_tile : +32] and
-//   walks K in steps of BK = 32. Per step, thread t stages row t / 4, columns (t % 4) * 8 .. +8
+//   walks its part of K in steps of BK = 32. Per step, thread t stages row t / 4, columns (t % 4) * 8 .. +8
 //   of both operands into threadgroup float: 8 values of x (zeros for rows past M) and one
 //   uint32 word of w (8 codes, decoded with mt_e2m1x2 and multiplied by the row's group scale:
 //   the dequantisation of each weight happens once per threadgroup). Simdgroup s computes the
 //   16x16 block (rows 16 (s / 2), columns 16 (s % 2)) as 2x2 simdgroup_float8x8 accumulators,
 //   4 k-slices of 8 per step (B is loaded transposed: B[k][n] = ws[n][k]). The accumulators
 //   go through threadgroup memory (xs reused) so that the store to out can be guarded per row.
-//   Traffic: x is read N / 32 times, w and scales ceil(M / 32) times, out written once.
+//   Traffic: x is read N / 32 times, w and scales ceil(M / 32) times, out written once (parts
+//   times in float32 when split). Split-K (as MLX's qmm_splitk) gives small-M problems
+//   enough threadgroups: the wrapper targets about 512.
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
-//   threadgroup = (128, 1, 1); grid = (128 * N / 32, ceil(M / 32), 1):
-//   threadgroup_position_in_grid.x is the n tile, .y the m tile.
+//   threadgroup = (128, 1, 1); grid = (128 * N / 32, ceil(M / 32), parts):
+//   threadgroup_position_in_grid.x is the n tile, .y the m tile, .z the K part.
 //   N % 32 == 0, K % 32 == 0, GS | K (checked): no column or K tail; 8 | GS, so the 8 codes of
-//   a word share one scale. Rows of x past M are not read (their pointer is clamped to row
+//   a word share one scale. Kp = K / parts is a multiple of 32 and of GS (parts > 1 only
+//   then), so the parts tile K exactly. Rows of x past M are not read (their pointer is clamped to row
 //   M - 1 and the value replaced by 0) and rows of out past M are not written.
 //   threadgroup memory: 2 x 32 x 36 floats = 9216 bytes. Every thread reaches every barrier.
 // ONLY CHECKABLE ON A MAC: simdgroup_load with transpose from a padded threadgroup float
@@ -45,6 +50,8 @@ threadgroup float ws[BN * LD];
 const uint M = m_rows;
 const uint N = n_cols;
 const uint K = k_cols;
+const uint k_begin = threadgroup_position_in_grid.z * k_part;
+const uint k_end = k_begin + k_part;
 const uint tid = thread_index_in_threadgroup;
 const uint sg = simdgroup_index_in_threadgroup;
 const uint n_tile = threadgroup_position_in_grid.x * BN;
@@ -68,7 +75,7 @@ for (uint i = 0; i < 2; ++i) {
   }
 }
 
-for (uint k0 = 0; k0 < K; k0 += BK) {
+for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
   float xv[8];
   for (uint j = 0; j < 8; ++j) {
     xv[j] = x_row_ok ? float(x[x_off + k0 + j]) : 0.0f;
@@ -110,8 +117,8 @@ for (uint i = 0; i < 2; ++i) {
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 if (x_row_ok) {
-  const size_t o_off = size_t(m_tile + lr) * N + n_tile + lc;
+  const size_t o_off = (size_t(threadgroup_position_in_grid.z) * M + m_tile + lr) * N + n_tile + lc;
   for (uint j = 0; j < 8; ++j) {
-    out[o_off + j] = T(xs[lr * LD + lc + j]);
+    out[o_off + j] = OT(xs[lr * LD + lc + j]);
   }
 }

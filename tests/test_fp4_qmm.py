@@ -112,21 +112,36 @@ def poisoned_outputs(monkeypatch):
 
 
 def run_and_check(x, w, scales, kind, group_size, backend, variant=None, expect=None):
+    """Run fp4_qmm, prove the expected kernel(s) ran, compare with the float64 oracle."""
     dtype = x.dtype
+    n, k = w.shape[0], w.shape[1] * 8
+    m = x.size // k
+    spec = None if backend == "reference" else op_module._choose(backend, m, variant)
+    launches = 1
+    if spec is not None and spec.variant.startswith("simdgroup") and \
+            op_module._split_parts(m, n, k, group_size) > 1:
+        launches = 2  # the tile kernel's float32 partial sums, then fp4_qmm_splitk_sum
+    names = [] if expect is None else [f"fp4_qmm_{expect}"] + (
+        ["fp4_qmm_splitk_sum"] if launches == 2 else [])
     before = backends.launch_count(backend=backend)
-    name = None if expect is None else f"fp4_qmm_{expect}"
-    before_named = backends.launch_count(name, backend) if name else 0
+    before_named = [backends.launch_count(name, backend) for name in names]
     out = mt.fp4_qmm(x, w, scales, group_size=group_size, variant=variant)
     mx.eval(out)
     if backend != "reference":  # prove a kernel ran (never the reference against itself)
-        assert backends.launch_count(backend=backend) == before + 1
-        if name:
-            assert backends.launch_count(name, backend) == before_named + 1
+        assert backends.launch_count(backend=backend) == before + launches
+        for name, count in zip(names, before_named, strict=True):
+            assert backends.launch_count(name, backend) == count + 1, name
     assert out.dtype == dtype and tuple(out.shape) == (*x.shape[:-1], w.shape[0])
     want, mag = oracle(x, w, scales, kind, group_size)
     assert_close(out, want, dtype, magnitude=mag,
                  what=f"fp4_qmm[{backend}, {variant or 'auto'}, {kind}/{group_size}]")
     return out
+
+
+@pytest.fixture
+def no_split(monkeypatch):
+    """The simdgroup kernel in one pass (no split-K), whatever the shape."""
+    monkeypatch.setattr(op_module, "SPLITK_TARGET_TGS", 1)
 
 
 def kernel_variant(backend: str, variant: str) -> None:
@@ -169,6 +184,25 @@ def test_scale_formats(kernel_backend, poisoned_outputs, rng, variant, kind, gro
     m = 5 if variant == "qmv" else 37
     x, w, s = make_case(rng, m, 64, 128, mx.float32, kind, group_size)
     run_and_check(x, w, s, kind, group_size, kernel_backend, variant=variant, expect=variant)
+
+
+@pytest.mark.parametrize("m, nk", ((9, 64), (33, 128), (100, 256)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_simdgroup_without_split(kernel_backend, poisoned_outputs, no_split, rng, dtype, m, nk):
+    """The one-pass path (what large problems take): rows and columns of several tiles."""
+    assert op_module._split_parts(m, nk, nk, 32) == 1
+    x, w, s = make_case(rng, m, nk, nk, dtype)
+    run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant="simdgroup", expect="simdgroup")
+
+
+@pytest.mark.parametrize("m, n, k, gs, parts", [
+    (1, 64, 256, 32, 8), (33, 4096, 4096, 32, 2), (32, 4096, 4096, 32, 4),
+    (32, 4096, 4096, 128, 4), (40, 64, 96, 32, 3), (40, 64, 96, 16, 3), (1, 32, 128, 64, 2),
+    (512, 4096, 4096, 32, 1), (32, 14336, 4096, 32, 1),
+])
+def test_split_parts(m, n, k, gs, parts):
+    """About 512 threadgroups, parts of whole 32-steps and groups (as MLX's qmm_splitk)."""
+    assert op_module._split_parts(m, n, k, gs) == parts
 
 
 @pytest.mark.parametrize("kind, group_size", SCALE_KINDS, ids=[f"{k}-g{g}" for k, g in SCALE_KINDS])
@@ -465,7 +499,7 @@ def test_bad_input(mutate, kwargs, exc, match):
 # ---- traffic, from the emulator's per-buffer counters ----------------------------------
 
 @pytest.mark.parametrize("variant, m", [("qmv", 1), ("qmv", 5), ("simdgroup", 33), ("mpp", 33)])
-def test_emulator_traffic(poisoned_outputs, rng, variant, m):
+def test_emulator_traffic(poisoned_outputs, no_split, rng, variant, m):
     """Device bytes per buffer, against the ideal (each input once, the output once).
 
     w is read exactly once per block of M rows, out written exactly once. The excess is by
@@ -494,3 +528,20 @@ def test_emulator_traffic(poisoned_outputs, rng, variant, m):
     assert read["scales"] == m_blocks * scale_loads  # ideal: n * k / 32
     assert read["x"] == x_reads * m * k * 2  # ideal: m * k * 2
     assert stats.bytes_written["out"] == m * n * 2  # ideal
+
+
+def test_emulator_traffic_split_k(poisoned_outputs, rng):
+    """Split-K: the second pass reads the float32 partials once and writes out once."""
+    require_backend("emulator")
+    from mlx_metaltile import emulator
+
+    m, n, k = 3, 64, 256
+    parts = op_module._split_parts(m, n, k, 32)
+    assert parts == 8
+    x, w, s = make_case(rng, m, n, k, mx.float16)
+    with backends.use_backend("emulator"):
+        run_and_check(x, w, s, "e8m0", 32, "emulator", variant="simdgroup", expect="simdgroup")
+    stats = emulator.last_launch_stats()
+    assert stats.kernel.endswith("fp4_qmm_splitk_sum")
+    assert stats.bytes_read["partial"] == parts * m * n * 4
+    assert stats.bytes_written["out"] == m * n * 2

@@ -22,13 +22,15 @@ import numpy as np
 
 from .. import backends
 from .._registry import FLOAT_DTYPES, KernelSpec, register
-from ._common import FLOAT_TYPES, dtype_name, require_array, require_float, scalar
+from ._common import FLOAT_TYPES, dtype_name, require_array, require_float, round_up, scalar
 
 OP = "fp4_qmm"
 QMV_MAX_M = 8  # auto picks the GEMV-shaped kernel up to this many rows of x
 QMV_THREADS, QMV_ROWS_PER_TG = 64, 8
 TILE = 32  # BM = BN = BK of the tile kernels
 TILE_THREADS = 128
+SPLITK_TARGET_TGS = 512  # split K (simdgroup kernel) until about this many threadgroups run
+SUM_THREADS = 256
 FLOAT_SCALE_GROUPS = (16, 32, 64, 128)
 SCALE_FLOAT, SCALE_E8M0, SCALE_E4M3 = 0, 1, 2
 _MAX_DIM = 2**31
@@ -43,7 +45,8 @@ QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC = register(
     KernelSpec(
         op=OP, variant="simdgroup", template="fp4_qmm_simdgroup.metal", dtypes=FLOAT_DTYPES,
         geometry="32x32 output tile per threadgroup of 128 (4 simdgroups x 16x16 on "
-                 "simdgroup_float8x8), BK = 32; grid (128 * N/32, ceil(M/32), 1)",
+                 "simdgroup_float8x8), BK = 32; grid (128 * N/32, ceil(M/32), parts): K split "
+                 "in parts (float32 partials + fp4_qmm_splitk_sum) until ~512 threadgroups",
     ),
     KernelSpec(
         op=OP, variant="mpp", template="fp4_qmm_mpp.metal", dtypes=FLOAT_DTYPES,
@@ -53,8 +56,16 @@ QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC = register(
                  "grid (128 * N/32, ceil(M/32), 1); macOS >= 26.2, GPU generation >= 17",
     ),
 )
+(SPLITK_SUM_SPEC,) = register(
+    KernelSpec(
+        op=OP, variant="splitk_sum", template="fp4_qmm_splitk_sum.metal", dtypes=FLOAT_DTYPES,
+        geometry="second pass of a split-K simdgroup call: threadgroup (256, 1, 1), 4 outputs "
+                 "per thread; grid (round_up(M*N/4, 256), 1, 1)",
+    ),
+)
 VARIANTS = {spec.variant: spec for spec in (QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC)}
 _INPUTS = ("x", "w", "scales", "m_rows", "n_cols", "k_cols")
+_SPLIT_INPUTS = (*_INPUTS, "k_part")
 # The emulator runs the mpp variant once it models MetalPerformancePrimitives (this header).
 _EMULATOR_MPP_HEADER = (Path(__file__).resolve().parent.parent / "emulator" / "include"
                         / "MetalPerformancePrimitives" / "MetalPerformancePrimitives.h")
@@ -227,28 +238,53 @@ def _qmv_rows(m: int) -> int:
     return 1 << (min(m, QMV_MAX_M) - 1).bit_length()
 
 
+def _split_parts(m: int, n: int, k: int, group_size: int) -> int:
+    """K parts for the simdgroup kernel (as MLX's qmm_splitk): about SPLITK_TARGET_TGS
+    threadgroups; each part a whole number of 32-wide K steps and of groups."""
+    tiles = (n // TILE) * -(-m // TILE)
+    align = max(TILE, group_size)
+    parts = min(max(1, SPLITK_TARGET_TGS // tiles), k // align)
+    while parts > 1 and k % (parts * align):
+        parts -= 1
+    return parts
+
+
 def _launch(spec: KernelSpec, x2, w, scales, m, n, k, mode, group_size, backend):
     template = [("T", x2.dtype), ("ST", scales.dtype), ("GS", group_size),
                 ("SCALE_MODE", mode)]
+    inputs = [x2, w, scales, scalar(m, mx.uint32), scalar(n, mx.uint32), scalar(k, mx.uint32)]
+    names, parts, out_dtype = _INPUTS, 1, x2.dtype
     if spec.variant.startswith("qmv"):
         mb = _qmv_rows(m)
         template.append(("MB", mb))
         grid = (QMV_THREADS, n // QMV_ROWS_PER_TG, -(-m // mb))
         threadgroup, tg_mem = (QMV_THREADS, 1, 1), 0
     else:
-        grid = (TILE_THREADS * (n // TILE), -(-m // TILE), 1)
         threadgroup = (TILE_THREADS, 1, 1)
         if spec.variant.startswith("simdgroup"):
+            parts = _split_parts(m, n, k, group_size)
+            out_dtype = x2.dtype if parts == 1 else mx.float32
+            template.append(("OT", out_dtype))
+            inputs.append(scalar(k // parts, mx.uint32))
+            names = _SPLIT_INPUTS
             tg_mem = 2 * TILE * (TILE + 4) * 4  # x and w tiles, float, rows padded to 36
         else:
             tg_mem = TILE * (TILE + 8) * 2 + 2 * TILE * 4  # half w tile + 2 x 32 scales
+        grid = (TILE_THREADS * (n // TILE), -(-m // TILE), parts)
     (out,) = backends.launch(
-        spec, backend,
-        inputs=(x2, w, scales, scalar(m, mx.uint32), scalar(n, mx.uint32),
-                scalar(k, mx.uint32)),
-        input_names=_INPUTS, output_names=_OUTPUTS, template=template,
-        grid=grid, threadgroup=threadgroup, threadgroup_memory=tg_mem,
-        output_shapes=((m, n),), output_dtypes=(x2.dtype,),
+        spec, backend, inputs=inputs, input_names=names, output_names=_OUTPUTS,
+        template=template, grid=grid, threadgroup=threadgroup, threadgroup_memory=tg_mem,
+        output_shapes=((parts, m, n) if parts > 1 else (m, n),), output_dtypes=(out_dtype,),
+    )
+    if parts == 1:
+        return out
+    total = m * n
+    (out,) = backends.launch(
+        SPLITK_SUM_SPEC, backend,
+        inputs=(out, scalar(parts, mx.uint32), scalar(total, mx.uint32)),
+        input_names=("partial", "n_parts", "n_out"), output_names=_OUTPUTS,
+        template=(("T", x2.dtype),), grid=(round_up(-(-total // 4), SUM_THREADS), 1, 1),
+        threadgroup=(SUM_THREADS, 1, 1), output_shapes=((m, n),), output_dtypes=(x2.dtype,),
     )
     return out
 
