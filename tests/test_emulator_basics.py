@@ -3,6 +3,12 @@ grid geometry, partial edge threadgroups, template arguments, init_value, counte
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -10,6 +16,7 @@ from emulator_util import requires_emulator, run
 
 import mlx_metaltile as mt
 from mlx_metaltile import emulator as em
+from mlx_metaltile._msl_signature import METAL_ATTRIBUTES
 
 pytestmark = requires_emulator
 
@@ -210,3 +217,81 @@ def test_use_backend_emulator_runs_the_kernel(rng):
     assert em.last_launch_stats().kernel.startswith("mt_gated_rms_norm")
     ref = mt.ops.gated_rms_norm_reference(y, y, w)
     np.testing.assert_allclose(np.array(out), np.array(ref), rtol=1e-5, atol=1e-6)
+
+
+CONCURRENT = r"""
+import sys
+import mlx.core as mx
+from mlx_metaltile import emulator as em
+k = em.metal_kernel(name="race", input_names=["inp"], output_names=["out"],
+                    source="// %s\nout[thread_position_in_grid.x] = inp[0] + 1.0f;")
+(o,) = k(inputs=[mx.ones((8,))], grid=(4, 1, 1), threadgroup=(4, 1, 1),
+         output_shapes=[(4,)], output_dtypes=[mx.float32])
+assert o.tolist() == [2.0] * 4
+print("ok")
+"""
+
+
+def test_concurrent_processes_share_the_cache(tmp_path):
+    """Two processes building the same new kernel at once both succeed (atomic installs)."""
+    root = Path(__file__).resolve().parents[1]
+    script = CONCURRENT % uuid.uuid4().hex
+    env = dict(os.environ, PYTHONPATH=str(root))
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0 and out.strip() == "ok", err
+
+
+def test_all_twenty_attributes_compile_and_report():
+    names = [a for a, _ in METAL_ATTRIBUTES]
+    terms = [f"float({a}.x + {a}.y + {a}.z)" if t == "uint3" else f"float({a})"
+             for a, t in METAL_ATTRIBUTES]
+    src = "uint i = thread_index_in_threadgroup + 64 * threadgroup_position_in_grid.x;\n"
+    src += "".join(f"out[i * 20 + {k}] = {term};\n" for k, term in enumerate(terms))
+    (out,) = run(src, {"d": mx.zeros((1,))}, {"out": ((100 * 20,), mx.float32)},
+                 (100, 1, 1), (64, 1, 1))
+    out = out.reshape(100, 20)
+    col = dict(zip(names, out.T, strict=True))
+    t = np.arange(100)
+    np.testing.assert_array_equal(col["thread_position_in_grid"], t)  # (t, 0, 0)
+    np.testing.assert_array_equal(col["threads_per_threadgroup"], np.where(t < 64, 66, 38))
+    np.testing.assert_array_equal(col["dispatch_threads_per_threadgroup"], 66)
+    np.testing.assert_array_equal(col["simdgroups_per_threadgroup"], 2)  # 64 and 36 threads
+    np.testing.assert_array_equal(col["dispatch_simdgroups_per_threadgroup"], 2)
+    np.testing.assert_array_equal(col["thread_execution_width"], 32)
+    np.testing.assert_array_equal(col["threads_per_simdgroup"], 32)
+    np.testing.assert_array_equal(col["grid_size"], 102)
+    np.testing.assert_array_equal(col["grid_origin"], 0)
+    np.testing.assert_array_equal(col["threadgroups_per_grid"], 4)
+    np.testing.assert_array_equal(col["quadgroup_index_in_threadgroup"], (t % 64) // 4)
+    np.testing.assert_array_equal(col["thread_index_in_quadgroup"], t % 4)
+    np.testing.assert_array_equal(col["quadgroups_per_threadgroup"], np.where(t < 64, 16, 9))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16],
+                         ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("n", [1, 100, 256, 1000])
+def test_threadgroup_tree_reduction_with_partial_edge(rng, dtype, n):
+    """Shared-memory halving reduction; the last threadgroup is partial (n % 128)."""
+    src = """
+        threadgroup float buf[128];
+        uint t = thread_position_in_threadgroup.x;
+        uint size = threads_per_threadgroup.x;  // real size: partial at the edge
+        buf[t] = float(inp[thread_position_in_grid.x]);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        for (uint s = 64; s > 0; s >>= 1) {
+          if (t < s && t + s < size) buf[t] += buf[t + s];
+          threadgroup_barrier(mem_flags::mem_threadgroup);
+        }
+        if (t == 0) out[threadgroup_position_in_grid.x] = buf[0];
+    """
+    x = mx.array(rng.standard_normal(n).astype(np.float32)).astype(dtype)
+    groups = -(-n // 128)
+    (out,) = run(src, {"inp": x}, {"out": ((groups,), mx.float32)}, (n, 1, 1), (128, 1, 1))
+    xs = np.array(x.astype(mx.float32), dtype=np.float64)
+    want = [xs[g * 128:(g + 1) * 128].sum() for g in range(groups)]
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    assert em.last_launch_stats().threadgroup_barriers == groups * 8

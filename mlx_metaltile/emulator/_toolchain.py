@@ -38,7 +38,7 @@ KERNEL_FLAGS = (
     "-fno-exceptions", "-fstack-clash-protection",
     "-Wno-attributes", "-Wno-unknown-pragmas",
 )
-RUNTIME_FLAGS = ("-std=c++17", "-O2", "-g", "-fPIC", "-shared", "-pthread")
+RUNTIME_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-pthread")
 
 
 def _compiler_candidates() -> list[str]:
