@@ -89,8 +89,10 @@ constexpr auto desc = mpp::tensor_ops::matmul2d_descriptor(
 mpp::tensor_ops::matmul2d<desc, metal::execution_simdgroup> op;
 auto a = op.template get_left_input_cooperative_tensor<T, half, float>();
 auto b = op.template get_right_input_cooperative_tensor<T, half, float>();
-auto acc = op.template get_destination_cooperative_tensor<decltype(a), decltype(b), float>();
-auto part = op.template get_destination_cooperative_tensor<decltype(a), decltype(b), float>();
+using left_t = metal::remove_addrspace_t<decltype(a)>;
+using right_t = metal::remove_addrspace_t<decltype(b)>;
+auto acc = op.template get_destination_cooperative_tensor<left_t, right_t, float>();
+auto part = op.template get_destination_cooperative_tensor<left_t, right_t, float>();
 for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
   acc[i] = 0.0f;
   part[i] = 0.0f;
