@@ -224,6 +224,17 @@ def test_float16_large_scales_do_not_overflow(kernel_backend, poisoned_outputs, 
     run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant, expect=variant)
 
 
+@pytest.mark.parametrize("dtype", (mx.float32, mx.bfloat16), ids=dtype_id)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_scales_over_ninety_binades(kernel_backend, poisoned_outputs, rng, variant, dtype):
+    """E8M0 exponents from 2^-60 to 2^30 in one matrix (float and bfloat16 ranges)."""
+    kernel_variant(kernel_backend, variant)
+    x, w = make_x(rng, (11,), 128, dtype), make_w(rng, 64, 128)
+    s = make_scales(rng, 64, 128, "e8m0", 32, spread=60)
+    assert np.ptp(np.array(s).astype(int)) > 60
+    run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant, expect=variant)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_leading_dims_and_non_contiguous_x(kernel_backend, poisoned_outputs, rng, variant):
     kernel_variant(kernel_backend, variant)
