@@ -2,7 +2,7 @@
 
 from ._registry import KernelSpec, kernels
 from .backends import available_backends, get_backend, set_backend, use_backend
-from .ops import fp4_qmm, gated_rms_norm
+from .ops import fp4_qmm, gated_rms_norm, moe_gather_qmm
 
 __version__ = "0.1.0"
 
@@ -13,6 +13,7 @@ __all__ = [
     "gated_rms_norm",
     "get_backend",
     "kernels",
+    "moe_gather_qmm",
     "set_backend",
     "use_backend",
 ]

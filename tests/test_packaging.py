@@ -25,7 +25,7 @@ for spec in mt.kernels():
 for name in names:
     if name.endswith(".metal"):
         tpl = _templates.render(name)
-        assert tpl.body.strip() and '#include "' not in tpl.header  # local ones inlined
+        assert tpl.body.strip() and '#include "' not in tpl.header
 print("rendered", len(names), "templates for", len(mt.kernels()), "kernels")
 """
 

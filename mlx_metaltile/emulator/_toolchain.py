@@ -32,7 +32,7 @@ ABI_VERSION = 1
 # load and store to the runtime (bounds checks, byte counters, threadgroup shadow memory);
 # -g1 gives the line tables that map a faulting address back to the kernel's source line.
 KERNEL_FLAGS = (
-    "-std=c++17", "-O1", "-g1", "-fPIC",
+    "-std=c++20", "-O1", "-g1", "-fPIC",
     "-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0",
     "-fno-strict-aliasing", "-fwrapv", "-ffp-contract=off", "-fno-math-errno",
     "-fno-exceptions", "-fstack-clash-protection",

@@ -54,13 +54,23 @@ _ATTRIBUTE_VALUES = {
 }
 
 
+# A kernel that includes Metal 4 headers is compiled as MSL 4.0 (what MLX uses on macOS 26):
+# it sees __METAL_VERSION__ 400 and the emulator's <metal_tensor> / MetalPerformancePrimitives
+# subset. Every other kernel keeps the default version of the runtime headers.
+_METAL4_INCLUDE = re.compile(r"^\s*#\s*include\s*<(?:metal_tensor|MetalPerformancePrimitives/)",
+                             re.M)
+
+
 def translate(gen: GeneratedKernel) -> tuple[str, str, str]:
     """(kernel.cpp, header.metal, body.metal) for one generated kernel."""
     header = rewrite_literals(gen.header)
     body = rewrite_literals(rewrite_threadgroup_declarations(gen.body))
     lines = [f"  {p.msl_type} {p.name} [[buffer({p.buffer})]]" for p in gen.params]
     lines += [f"  {typ} {attr} [[{attr}]]" for attr, typ in gen.attributes]
-    cpp = ['#include "header.metal"']
+    cpp = []
+    if _METAL4_INCLUDE.search(header):
+        cpp += ["#undef __METAL_VERSION__", "#define __METAL_VERSION__ 400"]
+    cpp.append('#include "header.metal"')
     if gen.template_params:
         cpp.append("template <" + ", ".join(f"{k} {n}" for k, n in gen.template_params) + ">")
     cpp.append(f"[[kernel]] void {gen.kernel_name}(")

@@ -1,0 +1,176 @@
+// moe_gather_qmm_simdgroup.metal: MoE grouped affine-quantized matmul over expert-sorted
+// rows, 8x8 simdgroup_matrix products (every Apple GPU since M1).
+//
+// MATH (rows m in [0, M), output columns n in [0, N), float32 accumulation, rounded once):
+//   e        = indices[m]                                  (the expert of row m)
+//   W[n, k]  = T(scale[e, n, k / gs] * q[e, n, k] + bias[e, n, k / gs])
+//              (the dequantised weight, rounded once to the activation dtype T, as MLX's
+//               quantized kernels see it; q = the BITS-bit code, low bits first)
+//   out[m,n] = T( sum_k float(x[m, k]) * float(W[n, k]) )  if e < E, else NaN
+//
+// LAYOUTS (row-contiguous; mx.quantize of a stacked [E, N, K] weight):
+//   x [M, K] T; w [E, N, K * BITS / 32] uint32 (32 / BITS codes per word, low bits first);
+//   scales, biases [E, N, K / GROUP_SIZE] T; indices [M] uint32 or int32 (a negative int32
+//   reads as a huge uint and is out of range); out [M, N] T.
+//   n_rows (M), n_experts (E), n_cols (N), k_dim (K) are 0-d uint runtime inputs: changing
+//   them never builds a new kernel. Template: T, BITS (4 or 8), GROUP_SIZE (32, 64, 128).
+//
+// TILING: the rows are cut into tiles of BM = 8 consecutive rows. Inside a tile the rows
+//   that share an expert form a run (for sorted indices: a run of equal ids). Threadgroup
+//   (bx, slot, tile) computes out[run rows, 32 bx : 32 bx + 32] for the run whose first row
+//   in the tile is `slot`; the other slots of the tile exit at once (uniformly, before any
+//   barrier). So each run reads and dequantises its expert's W tile once per K step, whatever
+//   the number of runs in the tile, and x rows of other runs are never read.
+//   The 4 simdgroups split K into 4 contiguous ranges of BK = 16 steps. Per step a
+//   simdgroup stages x (8 x 16, rows outside the run zeroed) and W^T (16 x 32, lane l
+//   dequantises output column 32 bx + l) in its own threadgroup slices, then does
+//   2 x 4 products 8x8x8 into four float 8x8 accumulators (8 rows x 32 columns).
+//   The 4 partial accumulators are summed through threadgroup memory in simdgroup order
+//   0, 1, 2, 3 (a fixed reduction order) and the run's rows are written.
+//   An out-of-range expert id (>= E) reads no weight: its slot writes NaN to its own row.
+//
+// DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
+//   threadgroup = (128, 1, 1): 4 simdgroups of 32
+//   grid        = (128 * N / 32, 8, ceil(M / 8)) threads: threadgroup_position_in_grid is
+//                 (column block, slot, row tile)
+//   N % 32 == 0, K % 32 == 0 (a multiple of BK and of GROUP_SIZE), GROUP_SIZE % 16 == 0
+//   threadgroup memory: 4 x 8 x 16 + 4 x 16 x 36 floats = 11,264 bytes
+//   indices are read only for rows < M; expert ids are checked against E before any access.
+//
+// TRAFFIC per call: for each (tile, distinct expert in the tile): N * K * BITS / 8 bytes of
+//   codes and 2 * N * K / GROUP_SIZE scale/bias elements (a group cut by a K-split boundary
+//   is loaded by both simdgroups: at most 3 extra per weight row); x rows are read N / 32
+//   times (once per column block; the other reads hit cache); out written once (M * N).
+//
+// ONLY CHECKED ON A MAC: that Apple's compiler accepts this body as written (float
+//   simdgroup_matrix loads from threadgroup memory, make_filled_simdgroup_matrix), and its
+//   speed. The emulator checks the arithmetic, every memory access and the barriers.
+#include "common.h"
+
+// Dequantise 16 consecutive codes of one weight row that lie in one quantisation group,
+// rounding each weight once to T (returned as float). `words` points at the first word.
+template <typename T, int BITS, typename WordPtr>
+inline void mt_moe_dequant16(WordPtr words, float scale, float bias, thread float* dst) {
+  constexpr int PER_WORD = 32 / BITS;
+  constexpr uint MASK = (1u << BITS) - 1u;
+  for (int j = 0; j < 16 / PER_WORD; ++j) {
+    const uint word = words[j];
+    for (int i = 0; i < PER_WORD; ++i) {
+      const float q = float((word >> (BITS * i)) & MASK);
+      dst[j * PER_WORD + i] = float(T(metal::fma(scale, q, bias)));
+    }
+  }
+}
+// ---- kernel body ----
+constexpr uint SG = 4;           // simdgroups per threadgroup (K split)
+constexpr uint BM = 8;           // rows per tile
+constexpr uint BN = 32;          // output columns per threadgroup
+constexpr uint BK = 16;          // K step of a simdgroup
+constexpr uint WS_LD = BN + 4;   // padded row length of the staged W^T block
+constexpr uint PER_WORD = 32 / BITS;
+threadgroup float xs[SG][BM * BK];
+threadgroup float ws[SG][BK * WS_LD];
+
+const uint n_block = threadgroup_position_in_grid.x;
+const uint slot = threadgroup_position_in_grid.y;
+const uint row0 = threadgroup_position_in_grid.z * BM;
+const uint M = n_rows;
+const uint E = n_experts;
+const uint N = n_cols;
+const uint K = k_dim;
+const uint tid = thread_position_in_threadgroup.x;
+const uint lane = thread_index_in_simdgroup;
+const uint sg = simdgroup_index_in_threadgroup;
+const uint n0 = n_block * BN;
+
+const uint rows_here = min(BM, M - row0);
+if (slot >= rows_here) {
+  return;
+}
+const uint e = uint(indices[row0 + slot]);
+if (e >= E) {
+  // Out-of-range expert: NaN for this row, no weight read.
+  if (tid < BN) {
+    out[size_t(row0 + slot) * N + n0 + tid] = T(NAN);
+  }
+  return;
+}
+uint run = 0;          // bit r: row r of the tile belongs to this run
+bool leader = true;    // slot is the first row of the tile with expert e
+for (uint r = 0; r < rows_here; ++r) {
+  const bool same = uint(indices[row0 + r]) == e;
+  run |= same ? (1u << r) : 0u;
+  leader = leader && !(same && r < slot);
+}
+if (!leader) {
+  return;
+}
+
+// This lane's weight row (output column n0 + lane of expert e).
+const size_t w_row = size_t(e) * N + n0 + lane;
+const auto w_words = w + w_row * (K / PER_WORD);
+const auto w_scales = scales + w_row * (K / GROUP_SIZE);
+const auto w_biases = biases + w_row * (K / GROUP_SIZE);
+// This lane's x slice: row xr of the tile, 4 values from xk.
+const uint xr = lane / 4;
+const uint xk = (lane % 4) * 4;
+const bool x_live = ((run >> xr) & 1u) != 0u;
+const auto x_row = x + size_t(row0 + (x_live ? xr : 0u)) * K + xk;
+
+threadgroup float* my_x = xs[sg];
+threadgroup float* my_w = ws[sg];
+simdgroup_matrix<float, 8, 8> acc[BN / 8];
+for (uint j = 0; j < BN / 8; ++j) {
+  acc[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+}
+
+const uint n_steps = K / BK;
+const uint step_begin = (n_steps * sg) / SG;
+const uint step_end = (n_steps * (sg + 1)) / SG;
+uint group = 0xFFFFFFFFu;  // the quantisation group whose scale and bias are loaded
+float scale = 0.0f;
+float bias = 0.0f;
+for (uint step = step_begin; step < step_end; ++step) {
+  const uint k0 = step * BK;
+  for (uint i = 0; i < 4; ++i) {
+    my_x[xr * BK + xk + i] = x_live ? float(x_row[k0 + i]) : 0.0f;
+  }
+  if (k0 / GROUP_SIZE != group) {
+    group = k0 / GROUP_SIZE;
+    scale = float(w_scales[group]);
+    bias = float(w_biases[group]);
+  }
+  float wv[BK];
+  mt_moe_dequant16<T, BITS>(w_words + k0 / PER_WORD, scale, bias, wv);
+  for (uint i = 0; i < BK; ++i) {
+    my_w[i * WS_LD + lane] = wv[i];
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint kk = 0; kk < BK; kk += 8) {
+    simdgroup_matrix<float, 8, 8> a;
+    simdgroup_load(a, my_x + kk, BK);
+    for (uint j = 0; j < BN / 8; ++j) {
+      simdgroup_matrix<float, 8, 8> b;
+      simdgroup_load(b, my_w + kk * WS_LD + j * 8, WS_LD);
+      simdgroup_multiply_accumulate(acc[j], a, b, acc[j]);
+    }
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+// Partial sums of the 4 simdgroups -> rows 0..7 of each simdgroup's W slice, then summed.
+for (uint j = 0; j < BN / 8; ++j) {
+  simdgroup_store(acc[j], my_w + j * 8, WS_LD);
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+for (uint o = tid; o < BM * BN; o += SG * 32) {
+  const uint r = o / BN;
+  const uint c = o % BN;
+  if (((run >> r) & 1u) != 0u) {
+    float v = 0.0f;
+    for (uint s = 0; s < SG; ++s) {
+      v += ws[s][r * WS_LD + c];
+    }
+    out[size_t(row0 + r) * N + n0 + c] = T(v);
+  }
+}

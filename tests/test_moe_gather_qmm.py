@@ -1,0 +1,434 @@
+"""moe_gather_qmm against a float64 NumPy oracle, on every backend and variant available here."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import replace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import backend_params, require_backend
+from tolerances import assert_close, to_f64
+
+import mlx_metaltile as mt
+from mlx_metaltile import _templates, backends
+
+op_module = importlib.import_module("mlx_metaltile.ops.moe_gather_qmm")
+
+DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+DTYPE_IDS = ("float32", "float16", "bfloat16")
+VARIANTS = ("simdgroup", "mpp")
+
+
+# ---- the oracle, from the math ---------------------------------------------------------
+
+def round_to(values: np.ndarray, dtype) -> np.ndarray:
+    """float64 -> nearest value of ``dtype`` (ties to even), back in float64."""
+    if dtype == mx.float32:
+        return values.astype(np.float32).astype(np.float64)
+    if dtype == mx.float16:
+        return values.astype(np.float16).astype(np.float64)
+    # bfloat16: 8 significant bits; the exponent range of float32 (no subnormal values here).
+    mant, expo = np.frexp(values)
+    return np.ldexp(np.rint(mant * 256.0) / 256.0, expo)
+
+
+def unpack_codes(w: np.ndarray, bits: int) -> np.ndarray:
+    """[..., K*bits/32] uint32 words -> [..., K] codes, low bits first."""
+    per_word = 32 // bits
+    shifts = np.arange(per_word, dtype=np.uint64) * bits
+    codes = (w.astype(np.uint64)[..., None] >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*w.shape[:-1], w.shape[-1] * per_word).astype(np.float64)
+
+
+def oracle(x, w, scales, biases, indices, group_size, bits, dtype):
+    """out[m] = W[e_m] @ x[m], W = dtype(scale * q + bias); NaN rows for e_m outside [0, E).
+
+    Returns (out, magnitude): magnitude[m, n] = sum_k |x[m, k] * W[e_m, n, k]|.
+    """
+    xf = to_f64(x)
+    ids = np.array(indices).astype(np.int64)
+    wn = np.array(w)
+    E, N = wn.shape[:2]
+    M, K = xf.shape
+    s = to_f64(scales)
+    b = to_f64(biases)
+    out = np.full((M, N), np.nan)
+    mag = np.zeros((M, N))
+    cache = {}
+    for m in range(M):
+        e = int(ids[m])
+        if not 0 <= e < E:
+            continue
+        if e not in cache:
+            q = unpack_codes(wn[e], bits)
+            wd = q * np.repeat(s[e], group_size, axis=-1) + np.repeat(b[e], group_size, axis=-1)
+            cache[e] = round_to(wd, dtype)
+        out[m] = cache[e] @ xf[m]
+        mag[m] = np.abs(cache[e]) @ np.abs(xf[m])
+    return out, mag
+
+
+# ---- inputs ----------------------------------------------------------------------------
+
+def make_weights(rng, E, N, K, group_size, bits, dtype):
+    """Random codes and per-group scales/biases in mx.quantize's layout (scales of both signs)."""
+    words = rng.integers(0, 2**32, size=(E, N, K * bits // 32), dtype=np.uint64)
+    w = mx.array(words.astype(np.uint32))
+    scales = rng.standard_normal((E, N, K // group_size)) * 0.05
+    biases = rng.standard_normal((E, N, K // group_size)) * 0.5
+    return (w, mx.array(scales.astype(np.float32)).astype(dtype),
+            mx.array(biases.astype(np.float32)).astype(dtype))
+
+
+def make_case(rng, E, M, N, K, group_size, bits, dtype, ids=None, index_dtype=mx.uint32):
+    if ids is None:
+        ids = np.sort(rng.integers(0, E, size=M))
+    x = mx.array(rng.standard_normal((M, K)).astype(np.float32)).astype(dtype)
+    w, scales, biases = make_weights(rng, E, N, K, group_size, bits, dtype)
+    return x, w, scales, biases, mx.array(np.asarray(ids), dtype=index_dtype)
+
+
+def run_and_check(case, group_size, bits, dtype, backend, variant=None, what=""):
+    x, w, scales, biases, indices = case
+    before = backends.launch_count(backend=backend)
+    out = mt.moe_gather_qmm(x, w, scales, biases, indices, group_size=group_size, bits=bits,
+                            variant=variant)
+    mx.eval(out)
+    if backend != "reference":  # prove a kernel ran (never the reference against itself)
+        name = f"moe_gather_qmm_{variant or 'simdgroup'}"
+        assert backends.launch_count(name, backend) >= 1
+        assert backends.launch_count(backend=backend) == before + 1
+    assert out.dtype == dtype and tuple(out.shape) == (x.shape[0], w.shape[1])
+    want, mag = oracle(x, w, scales, biases, indices, group_size, bits, dtype)
+    valid = ~np.isnan(want[:, 0])
+    got = to_f64(out)
+    assert np.isnan(got[~valid]).all(), f"{what}: rows with an out-of-range expert must be NaN"
+    assert_close(got[valid], want[valid], dtype, magnitude=mag[valid],
+                 what=f"moe_gather_qmm[{backend}/{variant}]{what}")
+    return out
+
+
+@pytest.fixture(params=backend_params("reference", "emulator", "metal", "cuda"))
+def backend(request):
+    require_backend(request.param)
+    with backends.use_backend(request.param):
+        yield request.param
+
+
+@pytest.fixture(params=VARIANTS)
+def variant(request, backend):
+    """Both kernel paths where the backend runs them (the reference ignores the variant)."""
+    name = request.param
+    if backend == "reference":
+        if name != VARIANTS[0]:
+            pytest.skip("the reference backend has no kernel variants")
+        return None
+    if backend == "metal" and name == "mpp":
+        reason = op_module.mpp_unavailable_reason()
+        if reason is not None:
+            pytest.skip(f"mpp path unavailable: {reason}")
+    if backend not in op_module._SPECS[name].backends:
+        pytest.skip(f"variant {name} does not run on {backend}")
+    return name
+
+
+# (E, M, N, K, group_size, ids or None for sorted random), the shapes that break kernels
+SHAPES = {
+    "one_tile": (4, 8, 64, 64, 32, None),
+    "multi_tile": (8, 16, 128, 128, 64, None),
+    "ragged_m5": (4, 5, 64, 64, 32, [0, 0, 1, 1, 2]),
+    "unsorted_repeats": (2, 13, 64, 128, 64, [0, 1] * 6 + [0]),
+    "m1": (4, 1, 96, 64, 64, [3]),
+    "first_last_expert": (6, 11, 32, 128, 128, [0, 0, 0, 2, 2, 5, 5, 5, 5, 5, 5]),
+    "out_of_range_id": (4, 9, 64, 64, 32, [0, 1, 4, 1, 7, 2, 3, 3, 9]),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("bits", (4, 8))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_matches_oracle(backend, variant, rng, dtype, bits, shape):
+    E, M, N, K, gs, ids = SHAPES[shape]
+    case = make_case(rng, E, M, N, K, gs, bits, dtype, ids)
+    run_and_check(case, gs, bits, dtype, backend, variant, what=f" {shape}")
+
+
+@pytest.mark.parametrize("bits", (4, 8))
+def test_decode_block_eight_experts(backend, variant, rng, bits):
+    """A real decode block: one token's top-8 of 128 experts, 8 runs in one tile."""
+    E, M, N, K, gs = 128, 8, 512, 2048, 64
+    ids = np.sort(rng.choice(E, size=8, replace=False))
+    case = make_case(rng, E, M, N, K, gs, bits, mx.bfloat16, ids)
+    run_and_check(case, gs, bits, mx.bfloat16, backend, variant, what=" decode block")
+
+
+def test_int32_indices_and_negative_id(backend, variant, rng):
+    ids = np.array([-1, 0, 0, 1, 2, 2, 3, -5, 3], dtype=np.int32)
+    case = make_case(rng, 4, 9, 64, 64, 32, 8, mx.float16, ids, index_dtype=mx.int32)
+    run_and_check(case, 32, 8, mx.float16, backend, variant, what=" int32 ids")
+
+
+def test_mx_quantize_layout(backend, variant, rng):
+    """Weights straight from mx.quantize of a stacked [E, N, K] weight (scales of both signs)."""
+    E, M, N, K, gs, bits = 4, 12, 64, 128, 64, 4
+    dense = mx.array(rng.standard_normal((E, N, K)).astype(np.float32)).astype(mx.float16)
+    w, scales, biases = mx.quantize(dense, group_size=gs, bits=bits)
+    x = mx.array(rng.standard_normal((M, K)).astype(np.float32)).astype(mx.float16)
+    ids = mx.array(np.sort(rng.integers(0, E, size=M)), dtype=mx.uint32)
+    run_and_check((x, w, scales, biases, ids), gs, bits, mx.float16, backend, variant)
+
+
+def test_large_magnitudes_bf16(backend, variant, rng):
+    """bf16 activations and weights far from 1 (within half's range: the mpp path stages
+    bfloat16 through half)."""
+    E, M, N, K, gs, bits = 3, 10, 32, 64, 32, 8
+    x, w, scales, biases, ids = make_case(rng, E, M, N, K, gs, bits, mx.bfloat16)
+    x = x * 300.0
+    scales = scales * 40.0
+    biases = biases * 40.0
+    run_and_check((x, w, scales, biases, ids), gs, bits, mx.bfloat16, backend, variant)
+
+
+@pytest.mark.parametrize("variant_name", VARIANTS)
+@pytest.mark.parametrize("bits", (4, 8))
+def test_emulator_traffic_is_ideal(rng, variant_name, bits):
+    """Bytes each buffer moved (emulator counters): every (tile, expert) run reads its
+    expert's weight rows once, nothing for an out-of-range id, and writes each output once."""
+    require_backend("emulator")
+    from mlx_metaltile import emulator
+
+    E, N, K, gs, dtype = 6, 64, 256, 64, mx.bfloat16
+    ids = [0, 0, 0, 1, 1, 2, 2, 2,  2, 2, 3, 9, 3, 5, 5, 5,  0, 5, 5]
+    case = make_case(rng, E, len(ids), N, K, gs, bits, dtype, ids)
+    with backends.use_backend("emulator"):
+        run_and_check(case, gs, bits, dtype, "emulator", variant_name)
+    stats = emulator.last_launch_stats()
+    assert stats.kernel.startswith(f"mt_moe_gather_qmm_{variant_name}")
+    tiles = [ids[i:i + 8] for i in range(0, len(ids), 8)]
+    runs = sum(len({e for e in tile if e < E}) for tile in tiles)  # (tile, expert) pairs
+    valid_rows = sum(e < E for e in ids)
+    assert stats.bytes_read["w"] == runs * N * K * bits // 8
+    if variant_name == "mpp":
+        groups_per_row = K // gs  # one load per group
+    else:  # one load per group per simdgroup range of 16-wide steps
+        steps = K // 16
+        groups_per_row = sum(
+            len({step * 16 // gs for step in range(steps * sg // 4, steps * (sg + 1) // 4)})
+            for sg in range(4))
+    for name in ("scales", "biases"):
+        assert stats.bytes_read[name] == runs * N * groups_per_row * dtype.size, name
+    assert stats.bytes_read["x"] == valid_rows * K * dtype.size * (N // 32)
+    assert stats.bytes_written["out"] == len(ids) * N * dtype.size
+    assert stats.threadgroups == (N // 32) * 8 * len(tiles)
+
+
+def test_empty_rows_do_not_dispatch(backend, rng):
+    x, w, scales, biases, _ = make_case(rng, 2, 1, 32, 32, 32, 8, mx.float16)
+    before = backends.launch_count()
+    out = mt.moe_gather_qmm(x[:0], w, scales, biases, mx.zeros((0,), dtype=mx.uint32),
+                            group_size=32, bits=8)
+    assert out.shape == (0, 32) and out.dtype == mx.float16
+    assert backends.launch_count() == before
+
+
+def test_op_is_lazy_and_compiles(monkeypatch, rng):
+    """No evaluation inside the op; it traces under mx.compile (reference backend here)."""
+    case = make_case(rng, 4, 8, 64, 64, 32, 4, mx.float32)
+
+    def no_eval(*args, **kwargs):
+        raise AssertionError("the op evaluated its graph")
+
+    with monkeypatch.context() as m:
+        m.setattr(mx, "eval", no_eval)
+        m.setattr(mx.array, "item", no_eval)
+        out = mt.moe_gather_qmm(*case, group_size=32, bits=4)
+    want, mag = oracle(*case, 32, 4, mx.float32)
+    assert_close(out, want, mx.float32, magnitude=mag)
+    compiled = mx.compile(lambda *a: mt.moe_gather_qmm(*a, group_size=32, bits=4))
+    assert_close(compiled(*case), want, mx.float32, magnitude=mag)
+
+
+# ---- path selection ------------------------------------------------------------------
+
+@pytest.mark.parametrize("mac, arch, ok", [
+    ((26, 2), "applegpu_g17s", True),
+    ((26, 3, 1), "applegpu_g17g", True),
+    ((26, 2), "applegpu_g18p", True),
+    ((26, 2), "applegpu_g17p", False),  # phone-class GPUs need generation 18
+    ((26, 1), "applegpu_g17s", False),
+    ((15, 5), "applegpu_g17s", False),
+    ((26, 2), "applegpu_g16s", False),  # M4
+    ((26, 2), "applegpu_g13g", False),  # M1
+    ((26, 2), "", False),
+])
+def test_mpp_rule(monkeypatch, mac, arch, ok):
+    monkeypatch.setattr(backends, "_metal_available", lambda: True)
+    monkeypatch.setattr(op_module, "_macos_version", lambda: mac)
+    monkeypatch.setattr(op_module, "_device_architecture", lambda: arch)
+    reason = op_module.mpp_unavailable_reason()
+    assert (reason is None) == ok, reason
+    assert op_module._select_variant(None, "metal") == ("mpp" if ok else "simdgroup")
+    assert op_module._select_variant("simdgroup", "metal") == "simdgroup"
+    if ok:
+        assert op_module._select_variant("mpp", "metal") == "mpp"
+    else:
+        with pytest.raises(ValueError, match=r"^\[moe_gather_qmm\] variant 'mpp' is unavail"):
+            op_module._select_variant("mpp", "metal")
+
+
+def test_variant_defaults_off_metal():
+    assert op_module._select_variant(None, "emulator") == "simdgroup"
+    assert op_module._select_variant("mpp", "emulator") == "mpp"
+    assert op_module._select_variant(None, "cuda") == "simdgroup"
+    with pytest.raises(ValueError, match=r"^\[moe_gather_qmm\] variant 'mpp' does not run on "
+                                         r"the cuda backend"):
+        op_module._select_variant("mpp", "cuda")
+
+
+def test_mpp_unavailable_without_metal(monkeypatch):
+    monkeypatch.setattr(backends, "_metal_available", lambda: False)
+    assert op_module.mpp_unavailable_reason() == "no Metal device"
+
+
+def test_architecture_generation():
+    gen = op_module._architecture_generation
+    assert gen("applegpu_g17s") == 17 and gen("applegpu_g13g") == 13
+    assert gen("") == 0 and gen("ab") == 0 and gen("applegpu_gxxs") == 0
+
+
+# ---- negative controls: a deliberately wrong variant must fail the harness -------------
+
+def _broken_spec(monkeypatch, spec, old: str, new: str):
+    """A copy of ``spec`` whose template has ``old`` replaced by ``new``."""
+    text = _templates.read_text(spec.template)
+    assert old in text
+    fake_name = spec.template.replace(".metal", "_broken.metal")
+    real_read = _templates.read_text
+
+    def read_text(name):
+        return text.replace(old, new) if name == fake_name else real_read(name)
+
+    monkeypatch.setattr(_templates, "read_text", read_text)
+    _templates.render.cache_clear()
+    return replace(spec, variant=spec.variant + "_broken", template=fake_name)
+
+
+@pytest.mark.parametrize("variant_name", VARIANTS)
+def test_negative_control_runs_share_one_expert(monkeypatch, rng, variant_name):
+    """A kernel that treats every row of a tile as the slot's run must fail."""
+    backend = "emulator"
+    require_backend(backend)
+    spec = op_module._SPECS[variant_name]
+    broken = _broken_spec(monkeypatch, spec, "const bool same = uint(indices[row0 + r]) == e;",
+                          "const bool same = true;")
+    monkeypatch.setitem(op_module._SPECS, variant_name, broken)
+    case = make_case(rng, 4, 8, 64, 64, 32, 8, mx.float32, [0, 0, 1, 1, 1, 2, 3, 3])
+    try:
+        with backends.use_backend(backend), pytest.raises(AssertionError,
+                                                          match="out of tolerance"):
+            run_and_check(case, 32, 8, mx.float32, backend, variant_name)
+    finally:
+        _templates.render.cache_clear()
+
+
+def test_negative_control_reference_without_bias(monkeypatch, rng):
+    """The oracle harness rejects a composite that forgets the biases."""
+    real = op_module.moe_gather_qmm_reference
+
+    def no_bias(x, w, scales, biases, indices, **kw):
+        return real(x, w, scales, mx.zeros_like(biases), indices, **kw)
+
+    monkeypatch.setattr(op_module, "moe_gather_qmm_reference", no_bias)
+    case = make_case(rng, 4, 8, 64, 64, 32, 8, mx.float32)
+    with backends.use_backend("reference"), pytest.raises(AssertionError,
+                                                          match="out of tolerance"):
+        run_and_check(case, 32, 8, mx.float32, "reference")
+
+
+# ---- bad input -----------------------------------------------------------------------
+
+def _ok(E=2, M=3, N=32, K=64, gs=32, bits=8, dtype=mx.float16):
+    x = mx.zeros((M, K), dtype=dtype)
+    w = mx.zeros((E, N, K * bits // 32), dtype=mx.uint32)
+    s = mx.ones((E, N, K // gs), dtype=dtype)
+    b = mx.zeros((E, N, K // gs), dtype=dtype)
+    ids = mx.zeros((M,), dtype=mx.uint32)
+    return x, w, s, b, ids
+
+
+def _call(args, **kw):
+    kw.setdefault("group_size", 32)
+    kw.setdefault("bits", 8)
+    return mt.moe_gather_qmm(*args, **kw)
+
+
+@pytest.mark.parametrize("mutate, exc, match", [
+    (lambda x, w, s, b, i: (x.astype(mx.int32), w, s, b, i), TypeError, "x must be float32"),
+    (lambda x, w, s, b, i: (x, w, s.astype(mx.float32), b, i), TypeError,
+     "scales must have x's dtype float16, got float32"),
+    (lambda x, w, s, b, i: (x, w, s, b.astype(mx.bfloat16), i), TypeError,
+     "biases must have x's dtype float16, got bfloat16"),
+    (lambda x, w, s, b, i: (x, w.astype(mx.int32), s, b, i), TypeError, "w must be uint32"),
+    (lambda x, w, s, b, i: (x, w, s, b, i.astype(mx.float32)), TypeError,
+     "indices must be uint32 or int32, got float32"),
+    (lambda x, w, s, b, i: (x[None], w, s, b, i), ValueError, "x must have 2 dimensions, got 3"),
+    (lambda x, w, s, b, i: (x, w[0], s, b, i), ValueError, "w must have 3 dimensions, got 2"),
+    (lambda x, w, s, b, i: (x, w, s, b, i[None]), ValueError,
+     "indices must have 1 dimensions, got 2"),
+    (lambda x, w, s, b, i: (x, w[:, :, :8], s, b, i), ValueError,
+     r"w must have shape \(2, 32, 16\) for K=64 and bits=8"),
+    (lambda x, w, s, b, i: (x, w, s[:, :, :1], b, i), ValueError,
+     r"scales must have shape \(2, 32, 2\)"),
+    (lambda x, w, s, b, i: (x, w, s, b[:1], i), ValueError, r"biases must have shape \(2, 32, 2\)"),
+    (lambda x, w, s, b, i: (x, w, s, b, i[:2]), ValueError,
+     r"indices must have shape \(3,\) \(one expert per row of x\), got \(2,\)"),
+    (lambda x, w, s, b, i: (x, w[:, :16], s[:, :16], b[:, :16], i), None, None),  # N=16 below
+    (lambda x, w, s, b, i: (x, w[:0], s[:0], b[:0], i), ValueError,
+     "w must have at least one expert"),
+    (lambda x, w, s, b, i: (x.tolist(), w, s, b, i), TypeError, "x must be an mx.array"),
+])
+def test_bad_input(mutate, exc, match):
+    args = mutate(*_ok())
+    if exc is None:  # N = 16: not a multiple of 32
+        exc, match = ValueError, "N \\(w.shape\\[1\\]\\) must be a multiple of 32, got 16"
+    with pytest.raises(exc, match=r"^\[moe_gather_qmm\] " + match):
+        _call(args)
+
+
+def test_bad_k_tile_and_group():
+    x, w, s, b, i = _ok(K=64)
+    with pytest.raises(ValueError, match=r"^\[moe_gather_qmm\] K \(x.shape\[1\]\) must be a "
+                                         r"positive multiple of the tile depth 32, got 48"):
+        _call((x[:, :48], w, s, b, i))
+    with pytest.raises(ValueError, match=r"^\[moe_gather_qmm\] K \(x.shape\[1\]\) must be a "
+                                         r"multiple of group_size 128, got 64"):
+        _call((x, w, s, b, i), group_size=128)
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(bits=3), ValueError, r"bits must be one of \(4, 8\), got 3"),
+    (dict(bits=8.0), TypeError, "bits must be an int, got float"),
+    (dict(bits=True), TypeError, "bits must be an int, got bool"),
+    (dict(group_size=16), ValueError, r"group_size must be one of \(32, 64, 128\), got 16"),
+    (dict(variant="nax"), ValueError, r"variant must be one of \('simdgroup', 'mpp'\) or None"),
+])
+def test_bad_options(kw, exc, match):
+    with pytest.raises(exc, match=r"^\[moe_gather_qmm\] " + match):
+        _call(_ok(), **kw)
+
+
+def test_mpp_request_on_cuda_raises(monkeypatch):
+    monkeypatch.setattr(backends, "resolve_backend", lambda name=None: "cuda")
+    with pytest.raises(ValueError, match=r"^\[moe_gather_qmm\] variant 'mpp' does not run"):
+        _call(_ok(), variant="mpp")
+
+
+def test_mpp_request_on_metal_without_it_raises(monkeypatch):
+    monkeypatch.setattr(backends, "resolve_backend", lambda name=None: "metal")
+    monkeypatch.setattr(backends, "_metal_available", lambda: True)
+    monkeypatch.setattr(op_module, "_macos_version", lambda: (15, 6))
+    with pytest.raises(ValueError, match=r"^\[moe_gather_qmm\] variant 'mpp' is unavailable "
+                                         r"on this device: needs macOS >= 26.2"):
+        _call(_ok(), variant="mpp")
