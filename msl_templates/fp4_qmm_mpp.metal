@@ -31,7 +31,9 @@
 //   a destination cooperative tensor and is added to the float accumulator times its column's
 //   scale (or accumulated in place when the scale is folded). The accumulator is stored from
 //   its cooperative tensor to out, row-guarded.
-//   Traffic: x read N / 32 times, w and scales ceil(M / 32) times, out written once.
+//   Traffic (device loads, counted by the emulator): w ceil(M / 32) times, a scale once per
+//   word as in the simdgroup kernel, x N / 16 times (the two simdgroups that share rows each
+//   load them), out once.
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
 //   threadgroup = (128, 1, 1): 4 simdgroups, each the execution_simdgroup scope of its

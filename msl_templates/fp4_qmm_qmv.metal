@@ -18,9 +18,11 @@
 //   The lane's x chunk (MB x VPT) is loaded once per step and reused for the 4 rows of w; the
 //   codes are decoded two at a time (mt_e2m1x2: integer bit placement, no table), dotted with
 //   x in float32, and the group's scale is applied once per VPT codes. simd_sum reduces over
-//   lanes; lane 0 writes the MB x 4 outputs. Every byte of w and scales is read once per
-//   threadgroup column of M-blocks (once in total for M <= MB); x is re-read by every
-//   threadgroup (N / 8 times, from cache).
+//   lanes; lane 0 writes the MB x 4 outputs.
+//   Traffic (device loads, counted by the emulator): w once per block of MB rows of x (once
+//   in total for M <= MB: N K / 2 bytes); a scale once per VPT codes (GS / VPT lanes load the
+//   same one: 2x the ideal N K / GS for GS 32 and VPT 16); x once per simdgroup (N / 4 times,
+//   from cache); out once.
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
 //   threadgroup = (64, 1, 1): 2 simdgroups; grid = (64, N / 8, ceil(M / MB))

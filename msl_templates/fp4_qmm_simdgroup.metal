@@ -24,8 +24,9 @@
 //   16x16 block (rows 16 (s / 2), columns 16 (s % 2)) as 2x2 simdgroup_float8x8 accumulators,
 //   4 k-slices of 8 per step (B is loaded transposed: B[k][n] = ws[n][k]). The accumulators
 //   go through threadgroup memory (xs reused) so that the store to out can be guarded per row.
-//   Traffic: x is read N / 32 times, w and scales ceil(M / 32) times, out written once (parts
-//   times in float32 when split). Split-K (as MLX's qmm_splitk) gives small-M problems
+//   Traffic (device loads, counted by the emulator): w ceil(M / 32) times, a scale once per
+//   word (the 4 threads of a row load the same one for GS >= 32), x N / 32 times, out once
+//   (parts times in float32 when split, then read once by the sum). Split-K (as MLX's qmm_splitk) gives small-M problems
 //   enough threadgroups: the wrapper targets about 512.
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
