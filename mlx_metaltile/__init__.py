@@ -2,18 +2,20 @@
 
 from ._registry import KernelSpec, kernels
 from .backends import available_backends, get_backend, set_backend, use_backend
-from .ops import fp4_qmm, gated_rms_norm, moe_gather_qmm
+from .ops import expert_qmv, fp4_qmm, gated_rms_norm, moe_gather_qmm, sdpa_multi
 
 __version__ = "0.1.0"
 
 __all__ = [
     "KernelSpec",
     "available_backends",
+    "expert_qmv",
     "fp4_qmm",
     "gated_rms_norm",
     "get_backend",
     "kernels",
     "moe_gather_qmm",
+    "sdpa_multi",
     "set_backend",
     "use_backend",
 ]

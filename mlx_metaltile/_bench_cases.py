@@ -28,8 +28,8 @@ class BenchCase:
     nbytes: int
     flops: int
     quick: bool = False  # part of the short default run
-    # float64 sum of |terms| behind each output (reductions: float32 accumulation error is
-    # relative to it, as in the tests' tolerance); None for elementwise ops
+    # float64 sum of |terms| behind each output, for the tolerance's accumulation term
+    # (reductions such as matmuls); None: |oracle| (elementwise ops).
     magnitude: Callable[..., np.ndarray] | None = None
 
     @property
@@ -224,6 +224,178 @@ def _moe_gather_qmm_cases():
 
 
 _moe_gather_qmm_cases()
+
+
+# ---- expert_qmv ------------------------------------------------------------------------
+
+def _expert_qmv_ours(x, w, scales, biases, indices, host_ids, group_size, bits):
+    return mt.expert_qmv(x, w, scales, biases, indices, group_size=group_size, bits=bits)
+
+
+def _expert_qmv_native(x, w, scales, biases, indices, host_ids, group_size, bits):
+    # What mlx-lm's SwitchLinear does: gather_qmm over device-resident ids.
+    xq = x[..., None, None, :] if x.ndim == indices.ndim else x[..., None, :]
+    y = mx.gather_qmm(xq, w, scales, biases, rhs_indices=indices, transpose=True,
+                      group_size=group_size, bits=bits)
+    return mx.squeeze(y, axis=-2)
+
+
+def _expert_qmv_host_loop(x, w, scales, biases, indices, host_ids, group_size, bits):
+    """One mx.quantized_matmul per (token, expert), with the ids already on the host."""
+    shared = x.ndim == indices.ndim
+    rows = []
+    for t, token_ids in enumerate(host_ids):
+        for j, e in enumerate(token_ids):
+            xt = x[t] if shared else x[t, j]
+            rows.append(mx.quantized_matmul(xt, w[e], scales[e], biases[e], transpose=True,
+                                            group_size=group_size, bits=bits))
+    return mx.stack(rows).reshape(*indices.shape, -1)
+
+
+_ORACLE_MEMO: dict = {}
+
+
+def _expert_qmv_exact(x, w, scales, biases, indices, host_ids, group_size, bits):
+    """(sum_k x W, sum_k |x W|) in float64, dequantizing the selected experts in row blocks."""
+    key = (id(x), id(w), id(indices))
+    hit = _ORACLE_MEMO.get("key")
+    if hit is not None and hit[0] == key:
+        return hit[2]
+    shifts = np.arange(32 // bits, dtype=np.uint64) * bits
+    xs = f64(x)
+    if xs.ndim == indices.ndim:
+        xs = xs[..., None, :]
+    n_out, n_in = w.shape[1], xs.shape[-1]
+    want = np.zeros((*indices.shape, n_out))
+    mag = np.zeros_like(want)
+    s_all, b_all = scales, biases
+    for t, token_ids in enumerate(host_ids):
+        for j, e in enumerate(token_ids):
+            xv = xs[t, 0 if xs.shape[1] == 1 else j]
+            words = np.array(w[e]).astype(np.uint64)
+            s = f64(s_all[e])
+            b = f64(b_all[e])
+            for r in range(0, n_out, 1024):
+                q = (words[r:r + 1024, :, None] >> shifts) & np.uint64((1 << bits) - 1)
+                q = q.reshape(q.shape[0], n_in).astype(np.float64)
+                wd = (np.repeat(s[r:r + 1024], group_size, axis=-1) * q
+                      + np.repeat(b[r:r + 1024], group_size, axis=-1))
+                want[t, j, r:r + 1024] = wd @ xv
+                mag[t, j, r:r + 1024] = np.abs(wd) @ np.abs(xv)
+    _ORACLE_MEMO["key"] = (key, (x, w, indices), (want, mag))  # arrays kept: ids stay unique
+    return want, mag
+
+
+def _expert_qmv_oracle(**inputs):
+    return _expert_qmv_exact(**inputs)[0]
+
+
+def _expert_qmv_magnitude(**inputs):
+    return _expert_qmv_exact(**inputs)[1]
+
+
+# Decode shapes (one token): (model, E, k, K, N, x shared by the k experts?)
+EXPERT_QMV_SHAPES = (
+    ("qwen3moe-up", 128, 8, 2048, 768, True),  # Qwen3-30B-A3B gate/up projection
+    ("qwen3moe-down", 128, 8, 768, 2048, False),
+    ("qwen3next-up", 512, 10, 2048, 512, True),  # Qwen3-Next-80B-A3B
+    ("qwen3next-down", 512, 10, 512, 2048, False),
+    ("mixtral-up", 8, 2, 4096, 14336, True),  # Mixtral-8x7B
+    ("mixtral-down", 8, 2, 14336, 4096, False),
+)
+
+
+def _expert_qmv_cases():
+    group_size = 64
+    for label, n_experts, k, n_in, n_out, shared in EXPERT_QMV_SHAPES:
+        for bits in (4, 8):
+            for dtype in (mx.bfloat16, mx.float16, mx.float32):
+                # 8-bit and float32 on one shape only
+                if (bits == 8 and dtype != mx.bfloat16) or (dtype == mx.float32 and bits != 4):
+                    continue
+                if (bits == 8 or dtype == mx.float32) and label != "qwen3moe-up":
+                    continue
+
+                def make(rng, e=n_experts, k=k, n_in=n_in, n_out=n_out, shared=shared,
+                         bits=bits, dtype=dtype):
+                    groups = (e, n_out, n_in // group_size)
+                    ids = np.stack([rng.choice(e, size=k, replace=False)])  # one token
+                    x_shape = (1, n_in) if shared else (1, k, n_in)
+                    return dict(
+                        x=mx.array(rng.standard_normal(x_shape, dtype=np.float32)).astype(dtype),
+                        w=mx.array(rng.integers(0, 2**32, size=(e, n_out, n_in * bits // 32),
+                                                dtype=np.uint32)),
+                        scales=mx.array(rng.standard_normal(groups, dtype=np.float32)
+                                        / (1 << bits)).astype(dtype),
+                        biases=mx.array(rng.standard_normal(groups, dtype=np.float32)
+                                        * 0.5).astype(dtype),
+                        indices=mx.array(ids.astype(np.uint32)),
+                        host_ids=ids.tolist(), group_size=group_size, bits=bits)
+
+                pairs, ds = k, dtype.size
+                nbytes = (pairs * n_out * (n_in * bits // 8 + 2 * (n_in // group_size) * ds)
+                          + (1 if shared else k) * n_in * ds + pairs * n_out * ds)
+                _CASES.append(BenchCase(
+                    op="expert_qmv", label=f"{label}-E{n_experts}k{k}-{bits}b", dtype=dtype,
+                    make=make, ours=_expert_qmv_ours, native=_expert_qmv_native,
+                    oracle=_expert_qmv_oracle, magnitude=_expert_qmv_magnitude, nbytes=nbytes,
+                    flops=2 * pairs * n_out * n_in,
+                    quick=label == "qwen3moe-up" and bits == 4 and dtype == mx.bfloat16))
+
+
+_expert_qmv_cases()
+
+# ---- sdpa_multi -----------------------------------------------------------------------
+
+def _sdpa_multi_oracle(q, k, v, scale, causal, kv_len):
+    q, k, v = f64(q), f64(k), f64(v)
+    L, G = q.shape[2], q.shape[1] // k.shape[1]
+    kk = np.repeat(k[:, :, :kv_len], G, axis=1)
+    s = scale * (q @ kk.swapaxes(-1, -2))
+    if causal:
+        visible = np.arange(kv_len)[None, :] <= (kv_len - L + np.arange(L))[:, None]
+        s = np.where(visible, s, -np.inf)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    return (p / p.sum(axis=-1, keepdims=True)) @ np.repeat(v[:, :, :kv_len], G, axis=1)
+
+
+def _sdpa_multi_native(q, k, v, scale, causal, kv_len):
+    return mx.fast.scaled_dot_product_attention(
+        q, k[:, :, :kv_len], v[:, :, :kv_len], scale=scale, mask="causal" if causal else None)
+
+
+def _sdpa_multi_cases():
+    # Decode (L=1) and verify/denoise blocks against a preallocated cache (256 rows of slack,
+    # as a step-allocated KV cache), Llama-style D=128 with GQA 32/8 and 32/4.
+    D, B, Hq, slack = 128, 1, 32, 256
+    for Hkv in (8, 4):
+        for kv_len in (1024, 4096, 16384):
+            for L in (1, 4, 8, 16, 32):
+                for causal in (True, False) if L == 16 else (True,):
+                    for dtype in DTYPES:
+                        def make(rng, L=L, kv_len=kv_len, Hkv=Hkv, dtype=dtype, causal=causal):
+                            def arr(shape):
+                                return mx.array(rng.standard_normal(shape, dtype=np.float32)
+                                                ).astype(dtype)
+                            S = kv_len + slack
+                            return dict(q=arr((B, Hq, L, D)), k=arr((B, Hkv, S, D)),
+                                        v=arr((B, Hkv, S, D)), scale=D ** -0.5,
+                                        causal=causal, kv_len=kv_len)
+                        visible = (L * kv_len - L * (L - 1) // 2) if causal else L * kv_len
+                        _CASES.append(BenchCase(
+                            op="sdpa_multi",
+                            label=f"h{Hq}/{Hkv}-L{L}-kv{kv_len // 1024}k"
+                                  + ("" if causal else "-full"),
+                            dtype=dtype, make=make, ours=mt.sdpa_multi,
+                            native=_sdpa_multi_native, oracle=_sdpa_multi_oracle,
+                            nbytes=(2 * B * Hq * L * D + 2 * B * Hkv * kv_len * D) * dtype.size,
+                            flops=4 * B * Hq * visible * D,
+                            quick=(dtype == mx.float16 and Hkv == 8 and kv_len == 4096
+                                   and L in (1, 8))))
+
+
+_sdpa_multi_cases()
+
 
 
 def cases(op: str | None = None, quick: bool = False) -> list[BenchCase]:

@@ -6,7 +6,9 @@ it, so a new kernel is covered by registering its record in its op module.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
+from typing import Any
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -49,6 +51,21 @@ class KernelSpec:
         return f"{self.op}_{self.variant}"
 
 
+@dataclass(frozen=True)
+class KernelInstance:
+    """One instantiation of a kernel variant, as its launcher makes it.
+
+    Enough to generate the kernel's source on any backend without running it (the CUDA
+    compile check uses it): template arguments, and the dtype and rank of every input and
+    output (rank 0 = a 0-d array, passed by reference in Metal).
+    """
+
+    template: tuple[tuple[str, Any], ...]  # (name, mx.Dtype | int | bool)
+    inputs: tuple[tuple[str, Any, int], ...]  # (name, mx.Dtype, ndim)
+    outputs: tuple[tuple[str, Any], ...]  # (name, mx.Dtype)
+    atomic_outputs: bool = False
+
+
 _REGISTRY: dict[str, KernelSpec] = {}
 
 
@@ -67,3 +84,18 @@ def kernels() -> tuple[KernelSpec, ...]:
 
 def get_spec(name: str) -> KernelSpec:
     return _REGISTRY[name]
+
+
+def instantiations(spec: KernelSpec) -> tuple[KernelInstance, ...]:
+    """The instantiations of ``spec`` its launcher can make.
+
+    Each op module (``mlx_metaltile.ops.<op>``) provides them through a module-level hook
+    ``instantiations(spec) -> Sequence[KernelInstance]`` covering every dtype in
+    ``spec.dtypes`` (and every other template argument that changes the code).
+    """
+    module = importlib.import_module(f"mlx_metaltile.ops.{spec.op}")
+    hook = getattr(module, "instantiations", None)
+    if hook is None:
+        raise LookupError(f"[{spec.op}] mlx_metaltile.ops.{spec.op} has no "
+                          "instantiations(spec) hook (see mlx_metaltile._registry)")
+    return tuple(hook(spec))

@@ -19,7 +19,9 @@
 //   get_multidimensional_index(i)[0] is the column (innermost), [1] the row, of the operand as
 //   stored: x block [16 rows m][32 k], weight block [16 rows n][32 k] (transpose_right),
 //   destination [16 rows m][16 columns n].
-// TEMPLATE: T, ST, GS (16, 32, 64, 128), SCALE_MODE (0 float, 1 E8M0, 2 E4M3).
+// TEMPLATE: T, ST (uint8 or float: the wrapper passes float16 / bfloat16 scales as float32),
+//   GS (16, 32, 64, 128: it decides how many matmuls a K block takes), SCALE_MODE (0 float,
+//   1 E8M0, 2 E4M3).
 //
 // DESIGN: a threadgroup of 128 threads (4 simdgroups) owns out[m_tile : +32, n_tile : +32] and
 //   walks K in blocks of 32. Per block, thread t decodes one uint32 word of w (row t / 4 of the

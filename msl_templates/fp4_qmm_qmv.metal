@@ -6,10 +6,12 @@
 //   scale(n, g)   = mt_fp4_scale<SCALE_MODE>(scales[n, g])  (E8M0, E4M3 or a float; common.h)
 //
 // LAYOUT (row-contiguous): x [M, K] T; w [N, K / 8] uint32 (8 codes per word, code j at bits
-//   [4j, 4j + 4)); scales [N, K / GS] ST; out [M, N] T. m_rows, n_cols, k_cols: 0-d uint32
-//   runtime inputs (M, N, K), so a decode loop at any M never builds a new kernel.
-// TEMPLATE: T (x / out dtype), ST (scale dtype), GS (group size: 16, 32, 64, 128),
-//   SCALE_MODE (0 float, 1 E8M0, 2 E4M3), MB (rows of x per threadgroup: 1, 2, 4 or 8).
+//   [4j, 4j + 4)); scales [N, K / GS] ST; out [M, N] T. m_rows, n_cols, k_cols, gs_shift:
+//   0-d uint32 runtime inputs (M, N, K, log2 GS), so a decode loop at any M never builds a
+//   new kernel, and the group size (16, 32, 64 or 128) is not a template argument either.
+// TEMPLATE: T (x / out dtype), ST (scale dtype: uint8 or float; the wrapper passes float16 /
+//   bfloat16 scales as float32), SCALE_MODE (0 float, 1 E8M0, 2 E4M3), MB (rows of x per
+//   threadgroup: 1, 2, 4 or 8).
 //
 // DESIGN: each simdgroup owns ROWS = 4 output columns n (rows of w) and MB rows of x; its 32
 //   lanes split K: per step a lane takes VPT consecutive k (VPT = 16 for MB <= 2, else 8, so
@@ -48,7 +50,7 @@ const uint lane = thread_index_in_simdgroup;
 const uint n0 = (threadgroup_position_in_grid.y * SIMDGROUPS + simdgroup_index_in_threadgroup) * ROWS;
 const uint m0 = threadgroup_position_in_grid.z * MB;
 const uint k_words = K / 8;
-const uint k_groups = K / GS;
+const uint k_groups = K >> gs_shift;
 
 float acc[MB][ROWS];
 for (uint m = 0; m < MB; ++m) {
@@ -74,7 +76,7 @@ for (uint k = lane * VPT; k < K; k += STEP) {
   for (uint r = 0; r < ROWS; ++r) {
     const uint n = n0 + r;
     const size_t wo = size_t(n) * k_words + k / 8;
-    const float s = mt_fp4_scale<SCALE_MODE>(scales[size_t(n) * k_groups + k / GS]);
+    const float s = mt_fp4_scale<SCALE_MODE>(scales[size_t(n) * k_groups + (k >> gs_shift)]);
     float part[MB];
     for (uint m = 0; m < MB; ++m) {
       part[m] = 0.0f;

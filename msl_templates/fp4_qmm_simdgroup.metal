@@ -13,8 +13,9 @@
 //
 // LAYOUT (row-contiguous): x [M, K] T; w [N, K / 8] uint32 (code j of a word at bits
 //   [4j, 4j + 4)); scales [N, K / GS] ST; out [parts, M, N] OT. m_rows, n_cols, k_cols,
-//   k_part: 0-d uint32 runtime inputs (M, N, K, Kp).
-// TEMPLATE: T, ST, GS (16, 32, 64, 128), SCALE_MODE (0 float, 1 E8M0, 2 E4M3), OT (T or float).
+//   gs_shift, k_part: 0-d uint32 runtime inputs (M, N, K, log2 GS with GS in 16 .. 128, Kp).
+// TEMPLATE: T, ST (uint8 or float: the wrapper passes float16 / bfloat16 scales as float32),
+//   SCALE_MODE (0 float, 1 E8M0, 2 E4M3), OT (T, or float for split-K partial sums).
 //
 // DESIGN: a threadgroup of 128 threads (4 simdgroups) owns out[m_tile : +32, n_tile : +32] and
 //   walks its part of K in steps of BK = 32. Per step, thread t stages row t / 4, columns (t % 4) * 8 .. +8
@@ -64,7 +65,7 @@ const uint lc = (tid % 4) * 8;
 const bool x_row_ok = m_tile + lr < M;
 const size_t x_off = size_t(min(m_tile + lr, M - 1)) * K + lc;
 const size_t w_off = size_t(n_tile + lr) * (K / 8) + lc / 8;
-const size_t s_off = size_t(n_tile + lr) * (K / GS);
+const size_t s_off = size_t(n_tile + lr) * (K >> gs_shift);
 
 // This simdgroup's 16x16 block of the tile.
 const uint sm = (sg / 2) * 16;
@@ -82,7 +83,7 @@ for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
     xv[j] = x_row_ok ? float(x[x_off + k0 + j]) : 0.0f;
   }
   const uint word = w[w_off + k0 / 8];
-  const float s = mt_fp4_scale<SCALE_MODE>(scales[s_off + (k0 + lc) / GS]);
+  const float s = mt_fp4_scale<SCALE_MODE>(scales[s_off + ((k0 + lc) >> gs_shift)]);
 
   threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous step's loads are done
   for (uint j = 0; j < 8; ++j) {

@@ -383,6 +383,40 @@ def test_empty_m_does_not_dispatch(kernel_backend, rng):
     assert backends.launch_count() == before
 
 
+def test_instantiations_match_the_launches(monkeypatch, rng):
+    """The instantiations hook (CUDA compile check) describes what the launcher passes:
+    every variant, scale format, dtype, M block and split (recorded, nothing runs)."""
+    from mlx_metaltile import _registry
+
+    seen = []
+
+    def recording_kernel(spec, backend, input_names, output_names, atomic_outputs=False):
+        def call(*, inputs, template, output_shapes, output_dtypes, **_):
+            seen.append((spec.name, tuple(template),
+                         tuple((n, x.dtype, min(x.ndim, 1))
+                               for n, x in zip(input_names, inputs, strict=True)),
+                         tuple(zip(output_names, output_dtypes, strict=True))))
+            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+        return call
+
+    monkeypatch.setattr(backends, "get_kernel", recording_kernel)
+    monkeypatch.setattr(backends, "resolve_backend", lambda name=None: "metal")
+    monkeypatch.setattr(op_module, "_metal_has_mpp", lambda: True)
+    for dtype in DTYPES:
+        for kind, gs in SCALE_KINDS:
+            x, w, s = make_case(rng, 40, 64, 128, dtype, kind, gs)
+            for variant in VARIANTS:
+                for m in (1, 2, 3, 8, 40):
+                    mt.fp4_qmm(x[:m], w, s, group_size=gs, variant=variant)
+    names = {name for name, *_ in seen}
+    assert names == {f"fp4_qmm_{v}" for v in (*VARIANTS, "splitk_sum")}
+    for name, template, inputs, outputs in seen:
+        declared = _registry.instantiations(_registry.get_spec(name))
+        assert any(inst.template == template and inst.outputs == outputs
+                   and tuple((n, d, min(nd, 1)) for n, d, nd in inst.inputs) == inputs
+                   for inst in declared), (name, template, inputs, outputs)
+
+
 def test_op_is_lazy_and_compiles(monkeypatch, rng):
     """No evaluation inside the op; it traces under mx.compile (reference backend here)."""
     x, w, s = make_case(rng, 6, 64, 64, mx.float32)

@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import backends
-from .._registry import FLOAT_DTYPES, KernelSpec, register
+from .._registry import FLOAT_DTYPES, KernelInstance, KernelSpec, register
 from ._common import FLOAT_TYPES, dtype_name, require_array, require_float, round_up, scalar
 
 OP = "fp4_qmm"
@@ -65,7 +65,8 @@ QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC = register(
 )
 VARIANTS = {spec.variant: spec for spec in (QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC)}
 _INPUTS = ("x", "w", "scales", "m_rows", "n_cols", "k_cols")
-_SPLIT_INPUTS = (*_INPUTS, "k_part")
+_QMV_INPUTS = (*_INPUTS, "gs_shift")
+_SPLIT_INPUTS = (*_INPUTS, "gs_shift", "k_part")
 # The emulator runs the mpp variant once it models MetalPerformancePrimitives (this header).
 _EMULATOR_MPP_HEADER = (Path(__file__).resolve().parent.parent / "emulator" / "include"
                         / "MetalPerformancePrimitives" / "MetalPerformancePrimitives.h")
@@ -238,6 +239,50 @@ def _qmv_rows(m: int) -> int:
     return 1 << (min(m, QMV_MAX_M) - 1).bit_length()
 
 
+def _scale_formats() -> list[tuple[mx.Dtype, int, int]]:
+    """(scale dtype as the kernels see it, group size, SCALE_MODE) of every accepted format
+    (float16 / bfloat16 scales reach the kernels as float32)."""
+    formats = [(mx.uint8, 32, SCALE_E8M0), (mx.uint8, 16, SCALE_E4M3)]
+    return formats + [(mx.float32, gs, SCALE_FLOAT) for gs in FLOAT_SCALE_GROUPS]
+
+
+def _template(spec: KernelSpec, t: mx.Dtype, st: mx.Dtype, gs: int, mode: int) -> list:
+    """Template arguments common to the matmul kernels (the group size is a runtime input of
+    qmv and simdgroup, a template argument of mpp, whose code depends on it)."""
+    if spec.variant.startswith("mpp"):
+        return [("T", t), ("ST", st), ("GS", gs), ("SCALE_MODE", mode)]
+    return [("T", t), ("ST", st), ("SCALE_MODE", mode)]
+
+
+def instantiations(spec: KernelSpec) -> tuple[KernelInstance, ...]:
+    """Every instantiation ``_launch`` can make (for compile checks of other backends)."""
+    out = {}
+    for t in FLOAT_TYPES:
+        if spec.variant == "splitk_sum":
+            out[t] = KernelInstance(
+                template=(("T", t),),
+                inputs=(("partial", mx.float32, 3), ("n_parts", mx.uint32, 0),
+                        ("n_out", mx.uint32, 0)),
+                outputs=(("out", t),))
+            continue
+        for st, gs, mode in _scale_formats():
+            base = tuple(_template(spec, t, st, gs, mode))
+            names = {"qmv": _QMV_INPUTS, "simdgroup": _SPLIT_INPUTS}.get(spec.variant, _INPUTS)
+            inputs = (("x", t, 2), ("w", mx.uint32, 2), ("scales", st, 2),
+                      *((name, mx.uint32, 0) for name in names[3:]))
+            if spec.variant == "qmv":
+                for mb in (1, 2, 4, 8):
+                    out[base, mb] = KernelInstance(template=(*base, ("MB", mb)), inputs=inputs,
+                                                   outputs=(("out", t),))
+            elif spec.variant == "simdgroup":
+                for ot in (t, mx.float32):
+                    out[base, ot] = KernelInstance(template=(*base, ("OT", ot)), inputs=inputs,
+                                                   outputs=(("out", ot),))
+            else:  # mpp
+                out[base] = KernelInstance(template=base, inputs=inputs, outputs=(("out", t),))
+    return tuple(out.values())
+
+
 def _split_parts(m: int, n: int, k: int, group_size: int) -> int:
     """K parts for the simdgroup kernel (as MLX's qmm_splitk): about SPLITK_TARGET_TGS
     threadgroups; each part a whole number of 32-wide K steps and of groups."""
@@ -250,13 +295,17 @@ def _split_parts(m: int, n: int, k: int, group_size: int) -> int:
 
 
 def _launch(spec: KernelSpec, x2, w, scales, m, n, k, mode, group_size, backend):
-    template = [("T", x2.dtype), ("ST", scales.dtype), ("GS", group_size),
-                ("SCALE_MODE", mode)]
+    if scales.dtype in (mx.float16, mx.bfloat16):
+        scales = scales.astype(mx.float32)  # exact; one kernel build serves all float scales
+    template = _template(spec, x2.dtype, scales.dtype, group_size, mode)
     inputs = [x2, w, scales, scalar(m, mx.uint32), scalar(n, mx.uint32), scalar(k, mx.uint32)]
     names, parts, out_dtype = _INPUTS, 1, x2.dtype
+    gs_shift = scalar(group_size.bit_length() - 1, mx.uint32)
     if spec.variant.startswith("qmv"):
         mb = _qmv_rows(m)
         template.append(("MB", mb))
+        inputs.append(gs_shift)
+        names = _QMV_INPUTS
         grid = (QMV_THREADS, n // QMV_ROWS_PER_TG, -(-m // mb))
         threadgroup, tg_mem = (QMV_THREADS, 1, 1), 0
     else:
@@ -265,7 +314,7 @@ def _launch(spec: KernelSpec, x2, w, scales, m, n, k, mode, group_size, backend)
             parts = _split_parts(m, n, k, group_size)
             out_dtype = x2.dtype if parts == 1 else mx.float32
             template.append(("OT", out_dtype))
-            inputs.append(scalar(k // parts, mx.uint32))
+            inputs += [gs_shift, scalar(k // parts, mx.uint32)]
             names = _SPLIT_INPUTS
             tg_mem = 2 * TILE * (TILE + 4) * 4  # x and w tiles, float, rows padded to 36
         else:

@@ -11,8 +11,9 @@ import math
 import mlx.core as mx
 
 from .. import backends
-from .._registry import FLOAT_DTYPES, KernelSpec, register
+from .._registry import FLOAT_DTYPES, KernelInstance, KernelSpec, register
 from ._common import (
+    FLOAT_TYPES,
     dtype_name,
     require_array,
     require_finite_scalar,
@@ -81,6 +82,25 @@ def gated_rms_norm_reference(y: mx.array, z: mx.array, weight: mx.array,
     return out.astype(z.dtype)
 
 
+def _template(z_dtype: mx.Dtype, y_dtype: mx.Dtype) -> tuple[tuple[str, mx.Dtype], ...]:
+    return (("T", z_dtype), ("YT", y_dtype))
+
+
+def instantiations(spec: KernelSpec) -> tuple[KernelInstance, ...]:
+    """Every instantiation ``_launch`` can make (both variants take the same arguments)."""
+    del spec
+    out = []
+    for t in FLOAT_TYPES:
+        for yt in dict.fromkeys((mx.float32, t)):
+            out.append(KernelInstance(
+                template=_template(t, yt),
+                inputs=(("y", yt, 2), ("z", t, 2), ("w", t, 1), ("n_cols", mx.uint32, 0),
+                        ("eps", mx.float32, 0)),
+                outputs=(("out", t),),
+            ))
+    return tuple(out)
+
+
 def _launch(y, z, weight, n: int, rows: int, eps: float, backend: str) -> mx.array:
     if n <= MAX_REGISTER_ROW:
         spec, tg = REGISTER_SPEC, max(32, round_up(-(-n // N_READS), 32))
@@ -90,7 +110,7 @@ def _launch(y, z, weight, n: int, rows: int, eps: float, backend: str) -> mx.arr
         spec, backend,
         inputs=(y, z, weight, scalar(n, mx.uint32), scalar(eps, mx.float32)),
         input_names=_INPUTS, output_names=_OUTPUTS,
-        template=(("T", z.dtype), ("YT", y.dtype)),
+        template=_template(z.dtype, y.dtype),
         grid=(tg, rows, 1), threadgroup=(tg, 1, 1), threadgroup_memory=32 * 4,
         output_shapes=(z.shape,), output_dtypes=(z.dtype,),
     )

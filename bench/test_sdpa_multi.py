@@ -1,0 +1,68 @@
+"""sdpa_multi: the kernel vs mx.fast.scaled_dot_product_attention on a cache slice vs the
+reference composite. Bytes moved = q + the visible K/V once + out; flops = 4 * visible
+(query, key) pairs * D.
+
+Run: python -m pytest bench/test_sdpa_multi.py --benchmark-only (-k "kv4k and L8" etc.).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import PROVIDERS, ROTATE, provider_fn
+
+from mlx_metaltile import _device
+from mlx_metaltile._bench_cases import cases, f64
+from mlx_metaltile._registry import TOLERANCES
+from mlx_metaltile.ops.sdpa_multi import sdpa_multi_reference
+
+CASES = cases("sdpa_multi")
+
+
+def _oracle_and_magnitude(q, k, v, scale, causal, kv_len):
+    """float64 out; the sum of |terms| behind each output (as in tests/test_sdpa_multi.py),
+    sum_j p_j |v_j| (1 + |scale| sum_d |q_d k_j,d|); and sum_j p_j |v_j|."""
+    q, k, v = f64(q), f64(k), f64(v)
+    L, G = q.shape[2], q.shape[1] // k.shape[1]
+    kk = np.repeat(k[:, :, :kv_len], G, axis=1)
+    vv = np.repeat(v[:, :, :kv_len], G, axis=1)
+    s = scale * (q @ kk.swapaxes(-1, -2))
+    if causal:
+        visible = np.arange(kv_len)[None, :] <= (kv_len - L + np.arange(L))[:, None]
+        s = np.where(visible, s, -np.inf)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    score_mag = abs(scale) * (np.abs(q) @ np.abs(kk).swapaxes(-1, -2))
+    return p @ vv, (p * (1.0 + score_mag)) @ np.abs(vv), p @ np.abs(vv)
+
+
+def _check(case, provider, got, inputs):
+    want, magnitude, p_magnitude = _oracle_and_magnitude(**inputs)
+    got = f64(got)
+    tol = TOLERANCES[case.dtype_name]
+    bound = tol.atol + tol.rtol * np.abs(want) + tol.accum * magnitude
+    if provider == "mlx_native":
+        # MLX's own attention may round scores or probabilities to the model dtype (its CPU
+        # path does): allow two more roundings of the dtype, relative to the magnitude.
+        bound = bound + 2 * tol.rtol * p_magnitude
+    err = np.abs(got - want)
+    assert np.all(err <= bound), (f"{provider} is wrong for {case.id}: max err "
+                                  f"{err.max():.3g}, max err/bound {(err / bound).max():.3g}")
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_sdpa_multi(benchmark, case, provider):
+    fn = provider_fn(case, provider, sdpa_multi_reference)
+    rng = np.random.default_rng(0)
+    inputs = [case.make(rng) for _ in range(ROTATE)]
+    _check(case, provider, fn(**inputs[0]), inputs[0])
+    cycle = itertools.cycle(inputs)
+    benchmark.extra_info.update(bytes=case.nbytes, flops=case.flops, op=case.op,
+                                shape=case.label, dtype=case.dtype_name, provider=provider,
+                                device=_device.device_name())
+    benchmark.pedantic(lambda: mx.eval(fn(**next(cycle))), rounds=20, iterations=1,
+                       warmup_rounds=3)

@@ -1,0 +1,353 @@
+"""MSL kernel source -> the header and body that ``mx.fast.cuda_kernel`` compiles.
+
+MLX's CUDA JIT (``mlx/backend/cuda/custom_kernel.cpp``) builds one translation unit per
+kernel: its device utils, our ``header``, then ``namespace mlx::core::cu { __global__ void
+custom_kernel_<name>(<params>) { <template lines> <body> } }`` where
+
+  * each input is ``const <ctype>* name`` (0-d arrays too), followed by
+    ``const __grid_constant__ Shape name_shape`` / ``Strides name_strides`` / ``int name_ndim``
+    when the body mentions them (and the input is not 0-d); each output is ``<ctype>* name``;
+  * template arguments become ``constexpr int N = ..;``, ``constexpr bool B = ..;`` and
+    ``using T = <ctype>;`` lines at the top of the body;
+  * no attribute parameters exist, and the launch is ``ceil(grid / threadgroup)`` blocks of
+    ``min(threadgroup, grid)`` threads (so threads past the grid exist when the grid is not a
+    multiple of the threadgroup).
+
+The MSL body expects Metal's signature instead: 0-d inputs as references, ``device atomic<T>*``
+outputs with ``atomic_outputs``, and the built-ins (``thread_position_in_grid`` ...) as
+parameters. The body prelude written here supplies those from CUDA's indices; the header
+(``msl_compat.cuh``) supplies the MSL library.
+
+Everything here is pure text processing: the same functions feed the runtime path and the
+nvcc compile check, which needs no GPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+from .._msl_source import rewrite_threadgroup_declarations
+
+SIMD_WIDTH = 32
+
+# The text MLX's cuda_kernel puts in front of every kernel's header.
+MLX_DEFAULT_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+
+# MLX dtype name -> the CUDA type MLX writes in the signature and in ``using`` lines.
+CUDA_TYPES = {
+    "bool": "bool",
+    "int8": "int8_t",
+    "int16": "int16_t",
+    "int32": "int32_t",
+    "int64": "int64_t",
+    "uint8": "uint8_t",
+    "uint16": "uint16_t",
+    "uint32": "uint32_t",
+    "uint64": "uint64_t",
+    "float16": "__half",
+    "bfloat16": "__nv_bfloat16",
+    "float32": "float",
+    "float64": "double",
+    "complex64": "mlx::core::cu::complex64_t",
+}
+# MLX dtype name -> the spelling MLX uses in kernel names (its get_type_string).
+_TYPE_STRINGS = {
+    "bool": "bool", "int8": "int8_t", "int16": "int16_t", "int32": "int32_t",
+    "int64": "int64_t", "uint8": "uint8_t", "uint16": "uint16_t", "uint32": "uint32_t",
+    "uint64": "uint64_t", "float16": "float16_t", "bfloat16": "bfloat16_t",
+    "float32": "float", "float64": "double", "complex64": "complex64_t",
+}
+
+GRID_INPUT = "mt_grid"  # uint32[3]: Metal's grid (threads), passed only when blocks overhang it
+
+
+def dtype_name(dtype) -> str:
+    """'float16' for mx.float16 (or for the string 'float16')."""
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def cuda_type(dtype) -> str:
+    name = dtype_name(dtype)
+    if name not in CUDA_TYPES:
+        raise TypeError(f"[cuda] no CUDA type for dtype {name}")
+    return CUDA_TYPES[name]
+
+
+@cache
+def compat_header() -> str:
+    """The text of msl_compat.cuh (package data)."""
+    return resources.files(__package__).joinpath("msl_compat.cuh").read_text(encoding="utf-8")
+
+
+@cache
+def compat_include() -> str:
+    """How a kernel's header pulls in msl_compat.cuh.
+
+    MLX hashes the whole kernel source on every launch (its JIT module key), so ~45 KB of
+    header text inlined in each kernel cost several microseconds per call. An #include of
+    the installed file by absolute path keeps the source small; its digest is written next to
+    it so that MLX's on-disk PTX cache (keyed by that hash) never outlives a changed header.
+    Inlined where the package is not a plain folder on disk.
+    """
+    path = Path(__file__).resolve().with_name("msl_compat.cuh")
+    text = compat_header()
+    if not path.is_file() or any(c in str(path) for c in '"\n\\'):
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return f'// msl_compat.cuh sha256:{digest}\n#include "{path}"\n'
+
+
+def stub_include_dir() -> Path:
+    """A folder holding a stand-in for MLX's ``mlx/backend/cuda/device/utils.cuh``.
+
+    MLX embeds its device headers in libmlx (they are not files of the wheel); for a
+    standalone nvcc check the stub declares what the generated signatures use.
+    """
+    return Path(str(resources.files(__package__).joinpath("stub")))
+
+
+# ---- source rewrites shared by header and body -------------------------------------------
+
+_METAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*<metal_\w+>[ \t]*$', re.M)
+_PRAGMA_ONCE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+once[ \t]*$", re.M)
+_CLANG_UNROLL = re.compile(r"#[ \t]*pragma[ \t]+clang[ \t]+loop[ \t]+unroll\(full\)")
+_CLANG_UNROLL_OP = re.compile(r'_Pragma\(\s*"clang loop unroll\(full\)"\s*\)')
+# 1.0h, 2h, .5h, 1e-3h: MSL half literals (no C++ equivalent).
+_HALF_LITERAL = re.compile(r"(?<![\w.])((?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?)[hH]\b")
+_COMMENT_LINE = re.compile(r"^[ \t]*//.*\n", re.M)
+# Program-scope `constant` declarations (at column 0) become CUDA constant memory.
+_PROGRAM_CONSTANT = re.compile(r"^((?:static[ \t]+)?)constant\b", re.M)
+
+
+# MSL address spaces on pointers and references: CUDA pointers are generic.
+_ADDRESS_SPACE = re.compile(r"\b(?:device|constant|thread|threadgroup|threadgroup_imageblock)\b[ \t]*")
+
+
+def _common_rewrites(text: str) -> str:
+    text = _METAL_INCLUDE.sub("", text)
+    text = _CLANG_UNROLL.sub("#pragma unroll", text)
+    text = _CLANG_UNROLL_OP.sub('_Pragma("unroll")', text)
+    return _HALF_LITERAL.sub(lambda m: f"half({m.group(1)}f)", text)
+
+
+def translate_header(msl_header: str) -> str:
+    """The ``header`` argument for cuda_kernel: the compat library plus the MSL helpers.
+
+    The helpers go inside ``namespace mlx::core::cu`` (where the kernel lives, so they see
+    the MSL names), and their ``inline`` functions are marked ``__device__``: NVRTC, which
+    MLX runs with --device-as-default-execution-space, needs nothing, while nvcc (the CI
+    check) has no such option.
+    """
+    helpers = _PRAGMA_ONCE.sub("", _common_rewrites(msl_header))
+    helpers = _ADDRESS_SPACE.sub("", _PROGRAM_CONSTANT.sub(r"\1__constant__", helpers))
+    helpers = _COMMENT_LINE.sub("", helpers)  # the template's documentation: not compiled
+    return (
+        compat_include()
+        + "\nnamespace mlx::core::cu {\n#define inline __device__ inline\n"
+        + "// ---- MSL helpers of the kernel template ----\n"
+        + helpers.strip("\n")
+        + "\n#undef inline\n}  // namespace mlx::core::cu\n\n"
+    )
+
+
+# ---- the body: built-ins, scalar inputs, atomic outputs, overhanging blocks ---------------
+
+_AXES = "xyz"
+
+
+def _uint3(parts: Iterable[str]) -> str:
+    return "uint3(" + ", ".join(parts) + ")"
+
+
+def _builtins(guarded: bool) -> dict[str, tuple[str, str]]:
+    """MSL attribute name -> (type, CUDA expression). ``guarded``: the grid is an input."""
+    pos = [f"(blockIdx.{a} * blockDim.{a} + threadIdx.{a})" for a in _AXES]
+    if guarded:
+        grid = [f"{GRID_INPUT}[{i}]" for i in range(3)]
+        # Edge threadgroups are partial in Metal: their size is what is left of the grid.
+        tptg = [f"min(blockDim.{a}, {GRID_INPUT}[{i}] - blockIdx.{a} * blockDim.{a})"
+                for i, a in enumerate(_AXES)]
+    else:
+        grid = [f"gridDim.{a} * blockDim.{a}" for a in _AXES]
+        tptg = [f"blockDim.{a}" for a in _AXES]
+    linear = "((threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x)"
+    size = "(" + " * ".join(f"({t})" for t in tptg) + ")"
+    dispatch_size = "(blockDim.x * blockDim.y * blockDim.z)"
+    return {
+        "thread_position_in_grid": ("uint3", _uint3(pos)),
+        "thread_position_in_threadgroup": ("uint3", _uint3(f"threadIdx.{a}" for a in _AXES)),
+        "threadgroup_position_in_grid": ("uint3", _uint3(f"blockIdx.{a}" for a in _AXES)),
+        "threadgroups_per_grid": ("uint3", _uint3(f"gridDim.{a}" for a in _AXES)),
+        "threads_per_grid": ("uint3", _uint3(grid)),
+        "grid_size": ("uint3", _uint3(grid)),
+        "grid_origin": ("uint3", "uint3(0u)"),
+        "threads_per_threadgroup": ("uint3", _uint3(tptg)),
+        "dispatch_threads_per_threadgroup": ("uint3", _uint3(f"blockDim.{a}" for a in _AXES)),
+        # Warps are cut from the linear thread index, so the lane is that index mod 32.
+        "thread_index_in_threadgroup": ("uint", linear),
+        "thread_index_in_simdgroup": ("uint", f"({linear} % {SIMD_WIDTH}u)"),
+        "simdgroup_index_in_threadgroup": ("uint", f"({linear} / {SIMD_WIDTH}u)"),
+        "simdgroups_per_threadgroup": ("uint", f"(({size} + {SIMD_WIDTH - 1}u) / {SIMD_WIDTH}u)"),
+        "dispatch_simdgroups_per_threadgroup":
+            ("uint", f"(({dispatch_size} + {SIMD_WIDTH - 1}u) / {SIMD_WIDTH}u)"),
+        "threads_per_simdgroup": ("uint", f"{SIMD_WIDTH}u"),
+        "thread_execution_width": ("uint", f"{SIMD_WIDTH}u"),
+        "thread_index_in_quadgroup": ("uint", f"({linear} % 4u)"),
+        "quadgroup_index_in_threadgroup": ("uint", f"({linear} / 4u)"),
+        "quadgroups_per_threadgroup": ("uint", f"(({size} + 3u) / 4u)"),
+        "dispatch_quadgroups_per_threadgroup": ("uint", f"(({dispatch_size} + 3u) / 4u)"),
+    }
+
+
+BUILTIN_NAMES = tuple(_builtins(False))
+
+
+def used_builtins(body: str) -> list[str]:
+    """The MSL built-in attributes the body refers to, in the table's order."""
+    return [name for name in BUILTIN_NAMES if re.search(rf"\b{name}\b", body)]
+
+
+def scalar_input_name(name: str) -> str:
+    return f"mt_scalar_{name}"
+
+
+def atomic_output_name(name: str) -> str:
+    return f"mt_atomic_{name}"
+
+
+@dataclass(frozen=True)
+class Body:
+    """What cuda_kernel is built from for one call signature."""
+
+    source: str
+    input_names: tuple[str, ...]  # as the CUDA signature names them (grid input last)
+    output_names: tuple[str, ...]
+
+
+def prepass_body(msl_body: str) -> str:
+    """The call-independent rewrites of an MSL body (done once per kernel)."""
+    return _ADDRESS_SPACE.sub("", _common_rewrites(rewrite_threadgroup_declarations(msl_body)))
+
+
+def translate_body(body: str, input_names: Sequence[str], output_names: Sequence[str], *,
+                   scalar_inputs: Sequence[bool], guarded: bool = False,
+                   atomic_outputs: bool = False) -> Body:
+    """Wrap a pre-passed MSL body (``prepass_body``) for cuda_kernel.
+
+    ``scalar_inputs[i]``: input i is 0-d (Metal passes it by reference). ``guarded``: the
+    grid is not a whole number of threadgroups, so the grid comes in as a uint32[3] input and
+    threads past it return before the body (see ``grid_is_whole``).
+    """
+    if len(scalar_inputs) != len(input_names):
+        raise ValueError("[cuda] scalar_inputs must have one entry per input")
+    prelude = []
+    builtins = _builtins(guarded)
+    if guarded:
+        outside = " || ".join(
+            f"blockIdx.{a} * blockDim.{a} + threadIdx.{a} >= {GRID_INPUT}[{i}]"
+            for i, a in enumerate(_AXES))
+        prelude.append(f"if ({outside}) return;  // past Metal's grid")
+    for name in used_builtins(body):
+        type_, expr = builtins[name]
+        prelude.append(f"const {type_} {name} = {expr};")
+
+    cuda_inputs = []
+    for name, is_scalar in zip(input_names, scalar_inputs, strict=True):
+        if is_scalar:
+            cuda_inputs.append(scalar_input_name(name))
+            prelude.append(f"const auto& {name} = *{scalar_input_name(name)};")
+        else:
+            cuda_inputs.append(name)
+    if guarded:
+        cuda_inputs.append(GRID_INPUT)
+
+    cuda_outputs = []
+    for name in output_names:
+        if atomic_outputs:
+            cuda_outputs.append(atomic_output_name(name))
+            prelude.append(f"auto* const {name} = mt_as_atomic({atomic_output_name(name)});")
+        else:
+            cuda_outputs.append(name)
+
+    source = "// ---- MSL built-ins and Metal-style arguments ----\n"
+    source += "\n".join(prelude) + "\n// ---- kernel body ----\n" + body
+    return Body(source, tuple(cuda_inputs), tuple(cuda_outputs))
+
+
+def grid_is_whole(grid: Sequence[int], threadgroup: Sequence[int]) -> bool:
+    """True if MLX's CUDA launch covers exactly Metal's grid (no thread past it).
+
+    MLX launches ceil(g / t) blocks of min(t, g) threads per axis.
+    """
+    return all(g <= t or g % t == 0 for g, t in zip(grid, threadgroup, strict=True))
+
+
+# ---- the translation unit as MLX builds it ----------------------------------------------
+
+def _template_hash(template: Sequence[tuple[str, object]]) -> str:
+    parts = []
+    for _, value in template:
+        if isinstance(value, bool):
+            parts.append("_t" if value else "_f")
+        elif isinstance(value, int):
+            parts.append(f"_{value}")
+        else:
+            parts.append("_" + _TYPE_STRINGS[dtype_name(value)])
+    return "".join(parts)
+
+
+def mlx_kernel_name(name: str, template: Sequence[tuple[str, object]] = ()) -> str:
+    """The function name MLX gives a custom kernel (``custom_kernel_<name><template hash>``)."""
+    return f"custom_kernel_{name}{_template_hash(template)}"
+
+
+def _template_line(name: str, value) -> str:
+    if isinstance(value, bool):
+        return f"  constexpr bool {name} = {'true' if value else 'false'};\n"
+    if isinstance(value, int):
+        return f"  constexpr int {name} = {value};\n"
+    return f"  using {name} = {cuda_type(value)};\n"
+
+
+def kernel_definition(function_name: str, source: str,
+                      inputs: Sequence[tuple[str, object, int]],
+                      outputs: Sequence[tuple[str, object]],
+                      template: Sequence[tuple[str, object]] = ()) -> str:
+    """The ``namespace mlx::core::cu { __global__ ... }`` part MLX writes after the header.
+
+    ``inputs``: (CUDA parameter name, dtype, ndim); ``outputs``: (name, dtype).
+    """
+    if not outputs:
+        raise ValueError("[cuda] a kernel needs at least one output")
+    text = "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    text += f"__global__ void {function_name}(\n"
+    for name, dtype, ndim in inputs:
+        text += f"    const {cuda_type(dtype)}* {name},\n"
+        if ndim > 0:
+            if f"{name}_shape" in source:
+                text += f"    const __grid_constant__ Shape {name}_shape,\n"
+            if f"{name}_strides" in source:
+                text += f"    const __grid_constant__ Strides {name}_strides,\n"
+            if f"{name}_ndim" in source:
+                text += f"    const __grid_constant__ int {name}_ndim,\n"
+    for i, (name, dtype) in enumerate(outputs):
+        text += f"    {cuda_type(dtype)}* {name}"
+        text += ",\n" if i < len(outputs) - 1 else ") {\n"
+    if template:
+        text += "".join(_template_line(n, v) for n, v in template) + "\n"
+    return text + source + "\n}\n\n} // namespace mlx::core::cu\n"
+
+
+def translation_unit(header: str, definitions: Sequence[str]) -> str:
+    """MLX's whole program text: its default header, ``header``, then the kernels.
+
+    One definition gives exactly what MLX compiles for one kernel; several (instantiations
+    of one template, sharing its header) make one unit for a faster compile check.
+    """
+    return MLX_DEFAULT_HEADER + header + "".join(definitions)

@@ -1,0 +1,257 @@
+"""expert_qmv: MoE decode GEMV over the experts a GPU router chose, in one dispatch.
+
+A decode step's router picks ``k`` experts per token on the GPU. Fetching those ids to the
+host to loop over ``mx.quantized_matmul`` costs a sync per layer; this op reads them from a
+device array instead and computes every selected expert's quantized GEMV in one kernel.
+Experts nobody selected are never read.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from .. import backends
+from .._registry import FLOAT_DTYPES, KernelSpec, register
+from ._common import (
+    FLOAT_TYPES,
+    INDEX_TYPES,
+    dtype_name,
+    require_array,
+    require_float,
+    scalar,
+)
+
+OP = "expert_qmv"
+SUPPORTED_BITS = (4, 8)
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+SIMDGROUPS = 2  # SIMD-groups per threadgroup (matches the template)
+ROWS = 4  # output rows per SIMD-group (matches the template)
+ROWS_PER_THREADGROUP = SIMDGROUPS * ROWS
+
+(SPEC,) = register(
+    KernelSpec(
+        op=OP, variant="simd_rows", template="expert_qmv.metal", dtypes=FLOAT_DTYPES,
+        geometry="threadgroup (64, 1, 1): 2 SIMD-groups x 4 output rows; "
+                 "grid (64, ceil(N / 8), tokens * k): one threadgroup per (pair, 8-row tile)",
+        notes="bits 4/8, group_size 32/64/128; ids >= E (or < 0) give a NaN row",
+    ),
+)
+_INPUTS = ("x", "w", "scales", "biases", "indices", "n_experts", "n_out", "k_in", "x_share")
+_OUTPUTS = ("out",)
+
+
+def _check_int_choice(name: str, value, choices: tuple[int, ...]) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"[{OP}] {name} must be an int in {choices}, got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"[{OP}] {name} must be one of {choices}, got {value}")
+    return value
+
+
+def _broadcast_lead(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Same-rank broadcast of two leading shapes (sizes equal or 1), or None."""
+    out = []
+    for p, q in zip(a, b, strict=True):
+        if p != q and p != 1 and q != 1:
+            return None
+        out.append(q if p == 1 else p)
+    return tuple(out)
+
+
+def _check_expert_qmv(x, w, scales, biases, indices, group_size, bits) -> dict:
+    """Validate the inputs; return the derived sizes and the x layout."""
+    for name, arr in (("x", x), ("w", w), ("scales", scales), ("biases", biases),
+                      ("indices", indices)):
+        require_array(OP, name, arr)
+    bits = _check_int_choice("bits", bits, SUPPORTED_BITS)
+    group_size = _check_int_choice("group_size", group_size, SUPPORTED_GROUP_SIZES)
+
+    # dtypes
+    if w.dtype != mx.uint32:
+        raise TypeError(f"[{OP}] w must be uint32 (packed as mx.quantize returns it), "
+                        f"got {dtype_name(w.dtype)}")
+    require_float(OP, "x", x)
+    for name, arr in (("scales", scales), ("biases", biases)):
+        if arr.dtype != x.dtype:
+            raise TypeError(f"[{OP}] {name} must have x's dtype {dtype_name(x.dtype)}, "
+                            f"got {dtype_name(arr.dtype)}")
+    if indices.dtype not in INDEX_TYPES:
+        raise TypeError(f"[{OP}] indices must be uint32 or int32, got "
+                        f"{dtype_name(indices.dtype)}")
+
+    # weights: w [E, N, K*bits/32], scales/biases [E, N, K/group_size]
+    for name, arr in (("w", w), ("scales", scales), ("biases", biases)):
+        if arr.ndim != 3:
+            raise ValueError(f"[{OP}] {name} must have 3 dimensions [E, N, ...], got "
+                             f"{arr.ndim} (shape {tuple(arr.shape)})")
+    n_experts, n_out, words = w.shape
+    for name, arr in (("scales", scales), ("biases", biases)):
+        if tuple(arr.shape[:2]) != (n_experts, n_out):
+            raise ValueError(f"[{OP}] {name} must have shape ({n_experts}, {n_out}, K/group_size) "
+                             f"to match w {tuple(w.shape)}, got {tuple(arr.shape)}")
+    if tuple(biases.shape) != tuple(scales.shape):
+        raise ValueError(f"[{OP}] biases must have scales' shape {tuple(scales.shape)}, "
+                         f"got {tuple(biases.shape)}")
+    if n_experts < 1:
+        raise ValueError(f"[{OP}] w must hold at least one expert, got E = 0")
+    in_features = words * 32 // bits
+    if in_features < 1:
+        raise ValueError(f"[{OP}] K must be >= 1, got w with {words} packed words per row")
+    if in_features % group_size:
+        raise ValueError(f"[{OP}] K = {in_features} (w's {words} words x {32 // bits} values "
+                         f"of {bits} bits) must be a multiple of group_size {group_size}")
+    n_groups = scales.shape[2]
+    if n_groups * group_size != in_features:
+        raise ValueError(f"[{OP}] scales must have K/group_size = {in_features}/{group_size} = "
+                         f"{in_features // group_size} groups per row, got {n_groups} "
+                         f"(w packs K = {in_features} at bits={bits}; are bits and group_size "
+                         "the ones used to quantize?)")
+
+    # ids and activations
+    if indices.ndim < 1:
+        raise ValueError(f"[{OP}] indices must have at least 1 dimension [..., k], got 0")
+    k = indices.shape[-1]
+    idx_lead = tuple(indices.shape[:-1])
+    if x.ndim < 1 or x.shape[-1] != in_features:
+        got = x.shape[-1] if x.ndim else "a 0-d array"
+        raise ValueError(f"[{OP}] x's last axis must be K = {in_features} (from w and bits="
+                         f"{bits}), got {got} (x shape {tuple(x.shape)})")
+    if x.ndim == indices.ndim:
+        shared = True
+        x_lead = tuple(x.shape[:-1])
+    elif x.ndim == indices.ndim + 1:
+        shared = False
+        if x.shape[-2] != k:
+            raise ValueError(f"[{OP}] x [..., k, K] (one input per expert) must have "
+                             f"x.shape[-2] = k = {k} (indices' last axis), got {x.shape[-2]}")
+        x_lead = tuple(x.shape[:-2])
+    else:
+        raise ValueError(f"[{OP}] x must have indices.ndim = {indices.ndim} dimensions "
+                         f"([..., K], shared by the k experts) or {indices.ndim + 1} "
+                         f"([..., k, K], one input per expert), got {x.ndim} "
+                         f"(x {tuple(x.shape)}, indices {tuple(indices.shape)})")
+    lead = _broadcast_lead(x_lead, idx_lead)
+    if lead is None:
+        raise ValueError(f"[{OP}] the leading dimensions of x {x_lead} and indices {idx_lead} "
+                         "must broadcast (equal or 1)")
+    tokens = math.prod(lead)
+    if tokens * k >= 2**32:
+        raise ValueError(f"[{OP}] too many (token, expert) pairs: {tokens * k} >= 2^32")
+    return dict(n_experts=n_experts, n_out=n_out, in_features=in_features, k=k, lead=lead,
+                tokens=tokens, shared=shared, group_size=group_size, bits=bits)
+
+
+def _out_shape(info: dict) -> tuple[int, ...]:
+    return (*info["lead"], info["k"], info["n_out"])
+
+
+def expert_qmv_reference(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
+                         indices: mx.array, *, group_size: int = 64, bits: int = 4) -> mx.array:
+    """Pure-MLX composite (``mx.gather_qmm``) with the same contract, NaN rows included.
+
+    Like the kernel it accumulates in float32 and rounds once: float16/bfloat16 inputs are
+    widened first (only the selected experts' scales and biases when there are fewer
+    (token, expert) pairs than experts, as in decode; all of them otherwise).
+    """
+    info = _check_expert_qmv(x, w, scales, biases, indices, group_size, bits)
+    out_shape = _out_shape(info)
+    if 0 in out_shape:
+        return mx.zeros(out_shape, dtype=x.dtype)
+    valid = indices < info["n_experts"]
+    if indices.dtype == mx.int32:
+        valid = valid & (indices >= 0)
+    safe = mx.where(valid, indices, 0).astype(mx.uint32)
+    xq = x[..., None, None, :] if info["shared"] else x[..., None, :]
+    if x.dtype != mx.float32:
+        pairs = info["tokens"] * info["k"]
+        if pairs < info["n_experts"]:
+            ids_shape = (*info["lead"], info["k"])
+            selected = mx.broadcast_to(safe, ids_shape).reshape(pairs)
+            w, scales, biases = w[selected], scales[selected], biases[selected]
+            safe = mx.arange(pairs, dtype=mx.uint32).reshape(ids_shape)
+        xq, scales, biases = (a.astype(mx.float32) for a in (xq, scales, biases))
+    y = mx.gather_qmm(xq, w, scales, biases, rhs_indices=safe, transpose=True,
+                      group_size=info["group_size"], bits=info["bits"])
+    y = mx.squeeze(y, axis=-2)
+    y = mx.where(valid[..., None], y, mx.array(float("nan"), dtype=y.dtype))
+    return mx.broadcast_to(y, out_shape).astype(x.dtype)
+
+
+def _template(dtype: mx.Dtype, bits: int, group_size: int) -> tuple[tuple[str, object], ...]:
+    return (("T", dtype), ("BITS", bits), ("GROUP_SIZE", group_size))
+
+
+def instantiations(spec: KernelSpec) -> tuple:
+    """Every instantiation ``_launch`` can make (for compile checks of other backends)."""
+    from .._registry import KernelInstance  # defined by the registry of the CUDA layer
+
+    del spec
+    out = []
+    for t in FLOAT_TYPES:
+        for bits in SUPPORTED_BITS:
+            for group_size in SUPPORTED_GROUP_SIZES:
+                for idx in INDEX_TYPES:
+                    out.append(KernelInstance(
+                        template=_template(t, bits, group_size),
+                        inputs=(("x", t, 2), ("w", mx.uint32, 3), ("scales", t, 3),
+                                ("biases", t, 3), ("indices", idx, 1),
+                                *((name, mx.uint32, 0) for name in _INPUTS[5:])),
+                        outputs=(("out", t),),
+                    ))
+    return tuple(out)
+
+
+def _launch(x, w, scales, biases, indices, info: dict, backend: str) -> mx.array:
+    lead, k, n_out, n_in = info["lead"], info["k"], info["n_out"], info["in_features"]
+    tokens = info["tokens"]
+    pairs = tokens * k
+    idx = mx.broadcast_to(indices, (*lead, k)).reshape(pairs)
+    if info["shared"]:
+        xs = mx.broadcast_to(x, (*lead, n_in)).reshape(tokens, n_in)
+        x_share = k
+    else:
+        xs = mx.broadcast_to(x, (*lead, k, n_in)).reshape(pairs, n_in)
+        x_share = 1
+    tg = backends.SIMD_WIDTH * SIMDGROUPS
+    (out,) = backends.launch(
+        SPEC, backend,
+        inputs=(xs, w, scales, biases, idx, scalar(info["n_experts"], mx.uint32),
+                scalar(n_out, mx.uint32), scalar(n_in, mx.uint32), scalar(x_share, mx.uint32)),
+        input_names=_INPUTS, output_names=_OUTPUTS,
+        template=_template(x.dtype, info["bits"], info["group_size"]),
+        grid=(tg, -(-n_out // ROWS_PER_THREADGROUP), pairs), threadgroup=(tg, 1, 1),
+        output_shapes=((pairs, n_out),), output_dtypes=(x.dtype,),
+    )
+    return out.reshape(_out_shape(info))
+
+
+def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
+               indices: mx.array, *, group_size: int = 64, bits: int = 4) -> mx.array:
+    """Quantized GEMVs of the experts named by device-resident ``indices``, one dispatch.
+
+    Args:
+      x: ``[..., K]`` (one activation per token, shared by its k experts: gate/up
+        projections) or ``[..., k, K]`` (one input per selected expert: the down
+        projection); float32/float16/bfloat16; sets the output dtype. The layout is read
+        from the rank: ``x.ndim == indices.ndim`` is shared, ``indices.ndim + 1`` per expert.
+      w: ``[E, N, K * bits / 32]`` uint32, as ``mx.quantize`` returns it for ``W [E, N, K]``.
+      scales, biases: ``[E, N, K / group_size]`` in x's dtype; ``W ~ scale * q + bias``.
+      indices: ``[..., k]`` uint32 or int32 expert ids, left on the device. The leading
+        dimensions of x and indices broadcast (same rank, sizes equal or 1), as
+        ``mx.gather_qmm`` does.
+      group_size: 32, 64 or 128. bits: 4 or 8.
+
+    Returns: ``[..., k, N]`` in x's dtype, accumulated in float32. An id outside ``[0, E)``
+    gives a NaN output row (no out-of-bounds read; nothing is synced to check it).
+    """
+    info = _check_expert_qmv(x, w, scales, biases, indices, group_size, bits)
+    out_shape = _out_shape(info)
+    if 0 in out_shape:
+        return mx.zeros(out_shape, dtype=x.dtype)
+    backend = backends.resolve_backend()
+    if backend == "reference":
+        return expert_qmv_reference(x, w, scales, biases, indices,
+                                    group_size=group_size, bits=bits)
+    return _launch(x, w, scales, biases, indices, info, backend)

@@ -1,0 +1,135 @@
+// expert_qmv.metal: MoE decode GEMV, affine 4/8-bit experts chosen by GPU-resident ids.
+//
+// MATH (pair p = (token t, slot j), e = indices[t, j], n in [0, N)):
+//   out[p, n] = sum_{k < K} x_p[k] * (scale[e, n, g] * q[e, n, k] + bias[e, n, g]),  g = k / GS
+//   q[e, n, k] = (w[e, n, k / PACK] >> (BITS * (k % PACK))) & (2^BITS - 1),  PACK = 32 / BITS
+//   Evaluated per lane chunk of VALS values (one group holds GS / VALS chunks) as
+//     scale * sum_i q_i * x_i + bias * sum_i x_i
+//   in float32, then reduced over the SIMD-group and rounded once to T.
+//   REDUCTION ORDER: lane l accumulates chunks l, l + 32, l + 64, ... in order; the 32 lane
+//   partials are then combined by simd_sum (hardware order).
+//   OUT-OF-RANGE IDS: the id is read as uint (a negative int32 id becomes >= 2^31), and an id
+//   >= E makes the whole output row out[p, :] NaN; no byte of w/scales/biases is read for p.
+//
+// LAYOUT (row-contiguous, ensure_row_contiguous):
+//   x       [X_ROWS, K] T      pair p reads row p / x_share (x_share = k: one activation per
+//                              token shared by its k experts; x_share = 1: one row per pair)
+//   w       [E, N, K / PACK]   uint32, element i of a word at bits [i*BITS, (i+1)*BITS)
+//   scales  [E, N, K / GS] T,  biases [E, N, K / GS] T   (scales may be negative)
+//   indices [P] uint32 or int32, P = tokens * k pairs, token-major
+//   out     [P, N] T
+//   n_experts (E), n_out (N), k_in (K), x_share: 0-d uint runtime inputs, so changing any
+//   of them never builds a new kernel. Template: T, BITS in {4, 8}, GS in {32, 64, 128}.
+//
+// DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
+//   threadgroup = (32 * SIMDGROUPS, 1, 1) = (64, 1, 1)
+//   grid        = (64, ceil(N / (SIMDGROUPS * ROWS)), P)
+//   threadgroup_position_in_grid.z is the pair; SIMD-group s of row-tile y owns output rows
+//   [(y * SIMDGROUPS + s) * ROWS, + ROWS) clipped to N: each (pair, row) is written by exactly
+//   one lane, and each word/scale/bias of the selected expert's rows is read by exactly one
+//   lane (the group's scale/bias by its first lane, passed to the others by simd_shuffle).
+//   K % GS == 0 and K % 32 == 0 (so a lane chunk never straddles a group or the row end).
+//   No threadgroup memory, no threadgroup barrier; every early return is uniform over a
+//   SIMD-group, so simd_sum / simd_shuffle always see a full SIMD-group.
+//
+// CHECKED ONLY ON A MAC: that Apple's compiler accepts this body and the performance (GB/s
+//   vs mx.gather_qmm); the emulator checks the arithmetic, the bounds and the read counts.
+#include "common.h"
+
+// q * x summed over the VALS values a lane holds: WORDS packed uint32 words of BITS-bit
+// unsigned integers against VALS float activations. `words` points to device or constant
+// memory (MLX passes inputs of fewer than 8 elements in the constant address space).
+template <int BITS, int WORDS, typename WordPtr>
+inline float mt_expert_qdot(WordPtr words, thread const float* xv) {
+  constexpr int PACK = 32 / BITS;
+  constexpr uint MASK = (1u << BITS) - 1u;
+  float dot = 0.0f;
+  for (int wi = 0; wi < WORDS; ++wi) {
+    const uint word = words[wi];
+    for (int i = 0; i < PACK; ++i) {
+      dot += float((word >> (BITS * i)) & MASK) * xv[wi * PACK + i];
+    }
+  }
+  return dot;
+}
+// ---- kernel body ----
+constexpr uint SIMDGROUPS = 2;         // SIMD-groups per threadgroup
+constexpr uint ROWS = 4;               // output rows per SIMD-group
+constexpr uint PACK = 32 / BITS;       // values per uint32 word
+constexpr int WORDS = 2;               // words per lane per step
+constexpr uint VALS = WORDS * PACK;    // values per lane per step: 16 (4-bit), 8 (8-bit)
+constexpr uint LANES_PER_GROUP = GROUP_SIZE / VALS;  // 2..16, divides 32
+
+const uint lane = thread_index_in_simdgroup;
+const uint pair = threadgroup_position_in_grid.z;
+const uint row0 = (threadgroup_position_in_grid.y * SIMDGROUPS + simdgroup_index_in_threadgroup)
+                  * ROWS;
+const uint n_rows_total = n_out;
+if (row0 >= n_rows_total) {
+  return;  // uniform over the SIMD-group: a row tile past N
+}
+const uint rows = metal::min(ROWS, n_rows_total - row0);
+device T* out_rows = out + size_t(pair) * n_rows_total + row0;
+
+const uint expert = uint(indices[pair]);
+if (expert >= n_experts) {
+  // Out-of-range id (uniform over the threadgroup): NaN row, nothing of the expert is read.
+  if (lane < rows) {
+    out_rows[lane] = T(metal::numeric_limits<float>::quiet_NaN());
+  }
+  return;
+}
+
+const uint K = k_in;
+const uint words_per_row = K / PACK;
+const uint groups_per_row = K / GROUP_SIZE;
+const uint n_chunks = K / VALS;
+const size_t first_row = size_t(expert) * n_rows_total + row0;
+// auto: an input of fewer than 8 elements arrives in the constant address space.
+const auto w_rows = w + first_row * words_per_row;
+const auto s_rows = scales + first_row * groups_per_row;
+const auto b_rows = biases + first_row * groups_per_row;
+const auto x_row = x + size_t(pair / x_share) * K;
+const ushort group_leader = ushort(lane & ~(LANES_PER_GROUP - 1));
+const bool loads_group = (lane % LANES_PER_GROUP) == 0;
+
+float acc[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
+for (uint base = 0; base < n_chunks; base += 32) {  // trip count uniform over the SIMD-group
+  const uint chunk = base + lane;
+  const bool active = chunk < n_chunks;
+  float xv[VALS];
+  float x_sum = 0.0f;
+  for (uint i = 0; i < VALS; ++i) {
+    xv[i] = active ? float(x_row[chunk * VALS + i]) : 0.0f;
+    x_sum += xv[i];
+  }
+  const uint group = chunk / LANES_PER_GROUP;
+  for (uint r = 0; r < ROWS; ++r) {
+    if (r >= rows) {
+      break;  // uniform over the SIMD-group
+    }
+    float s = 0.0f;
+    float b = 0.0f;
+    if (active && loads_group) {
+      s = float(s_rows[r * groups_per_row + group]);
+      b = float(b_rows[r * groups_per_row + group]);
+    }
+    s = simd_shuffle(s, group_leader);
+    b = simd_shuffle(b, group_leader);
+    if (active) {
+      const float dot =
+          mt_expert_qdot<BITS, WORDS>(w_rows + size_t(r) * words_per_row + chunk * WORDS, xv);
+      acc[r] += s * dot + b * x_sum;
+    }
+  }
+}
+
+for (uint r = 0; r < ROWS; ++r) {
+  if (r >= rows) {
+    break;  // uniform over the SIMD-group
+  }
+  const float total = simd_sum(acc[r]);
+  if (lane == 0) {
+    out_rows[r] = T(total);
+  }
+}

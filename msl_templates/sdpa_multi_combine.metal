@@ -1,0 +1,59 @@
+// sdpa_multi_combine.metal: pass 2 of sdpa_multi. Merges the per-slice partial softmax
+// results of sdpa_multi.metal into the output rows.
+//
+// MATH (per output row, float32, base-2 exponentials, rounded once to T):
+//   M = max_s m_s;  w_s = 2^(m_s - M);  out[d] = (sum_s w_s * o_s[d]) / (sum_s w_s * lsum_s)
+//   A slice that saw no key of the row has m_s = -1e30, lsum_s = 0, o_s = 0, so w_s = 0 once
+//   any slice saw a key; a row with sum_s w_s * lsum_s == 0 (never produced by the wrapper,
+//   since every row sees key 0) is written as 0, not NaN.
+//
+// LAYOUT: o_part [n_rows, n_splits, D] float32, ml_part [n_rows, n_splits, 2] float32
+//   (m, lsum), out [n_rows, D] T (n_rows = B*Hq*L: the rows of q [B, Hq, L, D]), all
+//   row-contiguous.
+//   0-d runtime inputs: n_rows, n_splits (uint). Template: T, D (multiple of 32).
+//
+// DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
+//   threadgroup = (32 * RPT, 1, 1), RPT rows per threadgroup, one simdgroup per row;
+//   grid = (32 * RPT * ceil(n_rows / RPT), 1, 1); simdgroups past n_rows return at once
+//   (there is no barrier). Lane i owns columns i + 32*c.
+//   No threadgroup memory.
+//
+// REDUCTION ORDER: slices are merged in increasing slice order.
+// TRAFFIC: every lane reads each (m, lsum) of its row at the same address (the emulator's
+//   counters see 32 reads of it); o_part is read once, out written once.
+// Checked only on a Mac: that Apple's compiler accepts the body, and the speed.
+// ---- kernel body ----
+constexpr int DPL = D / 32;
+static_assert(D % 32 == 0, "head dim tiling");
+
+const uint rows_per_tg = threads_per_threadgroup.x / 32u;
+const uint row = threadgroup_position_in_grid.x * rows_per_tg + simdgroup_index_in_threadgroup;
+const uint lane = thread_index_in_simdgroup;
+if (row >= n_rows) {
+  return;
+}
+const uint ns = n_splits;
+const size_t first = size_t(row) * ns;
+
+float m_max = ml_part[first * 2u];
+for (uint s = 1; s < ns; ++s) {
+  m_max = max(m_max, ml_part[(first + s) * 2u]);
+}
+
+float acc[DPL];
+for (int c = 0; c < DPL; ++c) {
+  acc[c] = 0.0f;
+}
+float l_sum = 0.0f;
+for (uint s = 0; s < ns; ++s) {
+  const size_t entry = first + s;
+  const float w = exp2(ml_part[entry * 2u] - m_max);
+  l_sum += w * ml_part[entry * 2u + 1u];
+  for (int c = 0; c < DPL; ++c) {
+    acc[c] += w * o_part[entry * D + lane + 32u * uint(c)];
+  }
+}
+const float inv = l_sum > 0.0f ? 1.0f / l_sum : 0.0f;
+for (int c = 0; c < DPL; ++c) {
+  out[size_t(row) * D + lane + 32u * uint(c)] = T(acc[c] * inv);
+}

@@ -1,0 +1,237 @@
+"""Small MSL kernels exercising each feature of the CUDA compatibility header.
+
+tests/test_cuda_layer.py compiles them with nvcc (no GPU); tests/test_cuda_gpu.py runs them
+through mlx_metaltile.cuda on a GPU and checks the results against NumPy.
+Each body is portable MSL (it would run under mx.fast.metal_kernel unchanged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str
+    source: str
+    inputs: tuple[tuple[str, object, int], ...]  # (name, dtype, ndim); dtype may be "T"
+    outputs: tuple[tuple[str, object], ...]  # (name, dtype); dtype may be "T"
+    templates: tuple[tuple[tuple[str, object], ...], ...] = ((),)
+    header: str = ""
+    atomic_outputs: bool = False
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def resolve(self, template) -> tuple[list, list]:
+        """Inputs and outputs with "T" replaced by the template's T."""
+        t = dict(template).get("T")
+        ins = [(n, t if d == "T" else d, nd) for n, d, nd in self.inputs]
+        outs = [(n, t if d == "T" else d) for n, d in self.outputs]
+        return ins, outs
+
+
+FLOATS = tuple((("T", t),) for t in (mx.float32, mx.float16, mx.bfloat16))
+
+# SIMD-group functions on full and partial lane sets; one thread per element.
+SIMD = Feature(
+    name="simd",
+    source="""
+const uint i = thread_position_in_grid.x;
+const uint lane = thread_index_in_simdgroup;
+const T v = x[i];
+sum[i] = float(simd_sum(v));
+mx[i] = float(simd_max(v));
+mn[i] = float(simd_min(v));
+incl[i] = float(simd_prefix_inclusive_sum(v));
+excl[i] = float(simd_prefix_exclusive_sum(v));
+down[i] = float(simd_shuffle_down(v, ushort(3)));
+up[i] = float(simd_shuffle_up(v, ushort(2)));
+xr[i] = float(simd_shuffle_xor(v, ushort(5)));
+bc[i] = float(simd_broadcast(v, ushort(7)));
+shf[i] = float(simd_shuffle(v, ushort((lane * 3) % 32)));
+qsum[i] = float(quad_sum(v));
+qshf[i] = float(quad_shuffle_xor(v, ushort(1)));
+// Only the first `active` lanes of each SIMD-group take part.
+float part = -1.0f;
+float part_first = -1.0f;
+if (lane < active) {
+  part = float(simd_sum(v));
+  part_first = float(simd_broadcast_first(v));
+}
+partial[i] = part;
+first[i] = part_first;
+ballot[i] = uint(ulong(simd_ballot(v > T(0))) & 0xffffffffu);
+anyall[i] = (simd_any(v > T(100)) ? 1u : 0u) | (simd_all(v > T(-100)) ? 2u : 0u);
+""",
+    inputs=(("x", "T", 1), ("active", mx.uint32, 0)),
+    outputs=tuple((n, mx.float32) for n in
+                  ("sum", "mx", "mn", "incl", "excl", "down", "up", "xr", "bc", "shf", "qsum",
+                   "qshf", "partial", "first")) + (("ballot", mx.uint32), ("anyall", mx.uint32)),
+    templates=FLOATS,
+)
+
+# simdgroup_matrix<T, 8, 8>: loads (plain, transposed, with an origin, from threadgroup
+# memory), multiply(-accumulate) and Apple's per-lane layout of thread_elements().
+MATRIX = Feature(
+    name="simdgroup_matrix",
+    source="""
+const uint lane = thread_index_in_simdgroup;
+threadgroup T tile[16 * 16];
+for (uint k = lane; k < 256; k += 32) {
+  tile[k] = big[k];
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+simdgroup_matrix<T, 8, 8> a;
+simdgroup_matrix<T, 8, 8> b;
+simdgroup_matrix<T, 8, 8> at;
+simdgroup_matrix<T, 8, 8> blk;
+simdgroup_float8x8 c;
+simdgroup_float8x8 d;
+simdgroup_float8x8 e;
+simdgroup_load(a, A, 8);
+simdgroup_load(b, B, 8);
+simdgroup_load(c, C, 8);
+simdgroup_load(at, A, 8, ulong2(0, 0), true);
+simdgroup_load(blk, tile, 16, ulong2(8, 4));
+simdgroup_multiply_accumulate(d, a, b, c);
+simdgroup_multiply(e, at, b);
+simdgroup_store(d, D, 8);
+simdgroup_store(e, E, 8);
+simdgroup_store(blk, F, 8);
+simdgroup_store(d, DT, 8, ulong2(0, 0), true);
+L[2 * lane] = float(a.thread_elements()[0]);
+L[2 * lane + 1] = float(a.thread_elements()[1]);
+""",
+    inputs=(("A", "T", 2), ("B", "T", 2), ("C", mx.float32, 2), ("big", "T", 2)),
+    outputs=(("D", mx.float32), ("E", mx.float32), ("F", "T"), ("DT", mx.float32),
+             ("L", mx.float32)),
+    templates=FLOATS,
+)
+
+# half / bfloat arithmetic with MSL's promotions, vectors, as_type, select, math.
+SCALARS = Feature(
+    name="scalars_vectors_math",
+    source="""
+const uint i = thread_position_in_grid.x;
+if (i >= n) {
+  return;
+}
+const T h = x[i];
+const float f = h * 2.0f;        // T op float -> float
+const T h2 = h * 2;              // T op int -> T
+const T h3 = h + h;              // T op T -> T
+float4 v = float4(f, float(h2), float(h3), 1.0f);
+v = v * 0.5f + float4(1.0f);
+v += float4(float2(1.0f, 2.0f), float2(3.0f));
+const vec<T, 4> tv = vec<T, 4>(v);
+const float4 back4 = float4(tv);
+const uint bits = as_type<uint>(f);
+const ushort hbits = as_type<ushort>(half(f));
+const uint2 pair = as_type<uint2>(float2(f, 1.0f));
+device float* row = out + i * 12;
+row[0] = f;
+row[1] = float(h2);
+row[2] = dot(v, float4(1.0f));
+row[3] = as_type<float>(bits);
+row[4] = select(0.0f, 1.0f, h > 0.0f);
+row[5] = clamp(f, -1.0f, 1.0f);
+row[6] = metal::exp(min(f, 10.0f)) + metal::precise::rsqrt(abs(f) + 1.0f)
+       + metal::fast::exp(-abs(f));
+row[7] = float(hbits);
+row[8] = back4.x + back4.w;
+row[9] = float(pair.y == as_type<uint>(1.0f)) + (all(v > float4(-1000.0f)) ? 2.0f : 0.0f);
+row[10] = float(max(h, T(0)) + min(h, T(0)));
+row[11] = float(T(f)) + float(numeric_limits<T>::max() > T(1)) + (isnan(f) ? 100.0f : 0.0f);
+""",
+    inputs=(("x", "T", 1), ("n", mx.uint32, 0)),
+    outputs=(("out", mx.float32),),
+    templates=FLOATS,
+)
+
+# Device atomics through atomic_outputs (float add, uint max).
+ATOMIC_OUT = Feature(
+    name="atomic_outputs",
+    source="""
+const uint i = thread_position_in_grid.x;
+atomic_fetch_add_explicit(&total[0], x[i], memory_order_relaxed);
+atomic_fetch_max_explicit(&biggest[0], as_type<uint>(abs(x[i])), memory_order_relaxed);
+atomic_fetch_min_explicit(&smallest[0], x[i], memory_order_relaxed);
+""",
+    inputs=(("x", mx.float32, 1),),
+    outputs=(("total", mx.float32), ("biggest", mx.uint32), ("smallest", mx.float32)),
+    atomic_outputs=True,
+)
+
+# Threadgroup atomics, threadgroup arrays, barriers, and partial edge threadgroups: run with a
+# grid that is not a multiple of the threadgroup.
+EDGE = Feature(
+    name="edge_threadgroups",
+    source="""
+threadgroup atomic_uint count;
+threadgroup float partials[32];
+const uint i = thread_position_in_grid.x;
+const uint lid = thread_index_in_threadgroup;
+if (lid == 0) {
+  atomic_store_explicit(&count, 0u, memory_order_relaxed);
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+atomic_fetch_add_explicit(&count, 1u, memory_order_relaxed);
+const float s = simd_sum(x[i]);
+if (thread_index_in_simdgroup == 0) {
+  partials[simdgroup_index_in_threadgroup] = s;
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+float group_total = 0.0f;
+for (uint g = 0; g < simdgroups_per_threadgroup; ++g) {
+  group_total += partials[g];
+}
+tptg[i] = threads_per_threadgroup.x;
+tpg[i] = threads_per_grid.x;
+seen[i] = atomic_load_explicit(&count, memory_order_relaxed);
+gsum[i] = group_total;
+""",
+    inputs=(("x", mx.float32, 1),),
+    outputs=(("tptg", mx.uint32), ("tpg", mx.uint32), ("seen", mx.uint32),
+             ("gsum", mx.float32)),
+)
+
+# A helper in the header (MSL `inline` function taking a threadgroup pointer) and template
+# int/bool arguments.
+HEADER = Feature(
+    name="header_helpers",
+    header="""
+#include <metal_stdlib>
+using namespace metal;
+
+constant float kScale[2] = {0.5f, 2.0f};
+
+template <typename U>
+inline U twice(U v) {
+  return v + v;
+}
+
+inline float sum_tile(const threadgroup float* t, uint n) {
+  float s = 0.0f;
+  for (uint k = 0; k < n; ++k) {
+    s += t[k];
+  }
+  return s;
+}
+""",
+    source="""
+threadgroup float t[WIDTH];
+const uint lid = thread_position_in_threadgroup.x;
+t[lid] = float(x[lid]);
+threadgroup_barrier(mem_flags::mem_threadgroup);
+const float s = sum_tile(t, WIDTH);
+out[lid] = twice(FLAG ? s * kScale[1] : s * kScale[0]) + 1.0h;
+""",
+    inputs=(("x", "T", 1),),
+    outputs=(("out", mx.float32),),
+    templates=((("T", mx.float16), ("WIDTH", 32), ("FLAG", True)),
+               (("T", mx.bfloat16), ("WIDTH", 64), ("FLAG", False))),
+)
+
+FEATURES = (SIMD, MATRIX, SCALARS, ATOMIC_OUT, EDGE, HEADER)

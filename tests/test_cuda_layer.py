@@ -1,0 +1,236 @@
+"""The CUDA compatibility layer without a GPU: source translation and nvcc compile checks."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from cuda_features import FEATURES, Feature
+
+from mlx_metaltile import backends, cuda
+from mlx_metaltile.cuda import _nvcc
+from mlx_metaltile.cuda import _translate as tr
+
+BODY = """
+threadgroup float tile[8][33];
+threadgroup uint counter;
+const uint r = threadgroup_position_in_grid.y;
+threadgroup float* p = &tile[0][0];
+out[r] = x[r] * scale + 0.5h;
+"""
+
+
+def _translate(body=BODY, scalar=(False, True), guarded=False, atomic=False):
+    return tr.translate_body(tr.prepass_body(body), ["x", "scale"], ["out"],
+                             scalar_inputs=scalar, guarded=guarded, atomic_outputs=atomic)
+
+
+# ---- translation ---------------------------------------------------------------------------
+
+def test_builtins_are_declared_only_when_used():
+    src = _translate().source
+    assert "const uint3 threadgroup_position_in_grid = uint3(blockIdx.x, blockIdx.y, blockIdx.z);" in src
+    for name in tr.BUILTIN_NAMES:
+        if name != "threadgroup_position_in_grid":
+            assert f" {name} =" not in src, name
+
+
+def test_builtins_map_to_cuda_indices():
+    body = "\n".join(f"use({name});" for name in tr.BUILTIN_NAMES)
+    src = tr.translate_body(body, [], ["out"], scalar_inputs=[]).source
+    decl = dict(re.findall(r"const \w+ (\w+) = (.+);", src))
+    assert set(decl) == set(tr.BUILTIN_NAMES)
+    assert decl["thread_position_in_grid"] == (
+        "uint3((blockIdx.x * blockDim.x + threadIdx.x), (blockIdx.y * blockDim.y + threadIdx.y), "
+        "(blockIdx.z * blockDim.z + threadIdx.z))")
+    assert decl["threads_per_threadgroup"] == "uint3(blockDim.x, blockDim.y, blockDim.z)"
+    assert decl["threads_per_grid"] == (
+        "uint3(gridDim.x * blockDim.x, gridDim.y * blockDim.y, gridDim.z * blockDim.z)")
+    assert decl["thread_index_in_simdgroup"].endswith("% 32u)")
+    assert decl["threads_per_simdgroup"] == "32u"
+
+
+def test_guarded_grid_comes_in_as_an_input_and_trims_edge_threadgroups():
+    body = "use(threads_per_threadgroup); use(threads_per_grid);"
+    wrapped = tr.translate_body(body, ["x"], ["out"], scalar_inputs=[False], guarded=True)
+    assert wrapped.input_names == ("x", tr.GRID_INPUT)
+    lines = wrapped.source.splitlines()
+    guard = next(i for i, ln in enumerate(lines) if ln.startswith("if ("))
+    assert "blockIdx.x * blockDim.x + threadIdx.x >= mt_grid[0]" in lines[guard]
+    assert lines[guard].rstrip().endswith("return;  // past Metal's grid")
+    assert "min(blockDim.x, mt_grid[0] - blockIdx.x * blockDim.x)" in wrapped.source
+    assert "uint3(mt_grid[0], mt_grid[1], mt_grid[2])" in wrapped.source
+    assert guard < next(i for i, ln in enumerate(lines) if "kernel body" in ln)
+
+
+def test_threadgroup_arrays_become_shared_and_pointers_lose_address_spaces():
+    src = _translate().source
+    assert "MT_THREADGROUP_ARRAY(tile, [8][33], float);" in src
+    assert "MT_THREADGROUP_ARRAY(counter, , uint);" in src
+    assert "float* p = &tile[0][0];" in src
+    assert not re.search(r"\bthreadgroup\b", src)
+    assert "__shared__ __VA_ARGS__ name dims" in cuda.compat_header()
+
+
+def test_scalar_inputs_are_references_to_the_first_element():
+    wrapped = _translate()
+    assert wrapped.input_names == ("x", "mt_scalar_scale")
+    assert "const auto& scale = *mt_scalar_scale;" in wrapped.source
+    assert _translate(scalar=(False, False)).input_names == ("x", "scale")
+
+
+def test_atomic_outputs_are_views_of_the_output_buffers():
+    wrapped = _translate(atomic=True)
+    assert wrapped.output_names == ("mt_atomic_out",)
+    assert "auto* const out = mt_as_atomic(mt_atomic_out);" in wrapped.source
+
+
+def test_msl_spellings_without_cuda_equivalent_are_rewritten():
+    src = _translate().source
+    assert "half(0.5f)" in src and "0.5h" not in src
+    header = tr.translate_header(
+        "#include <metal_stdlib>\n#pragma once\nconstant float k[2] = {1, 2};\n"
+        "inline float f(const device float* p, thread float& acc) {\n"
+        "#pragma clang loop unroll(full)\n  for (int i = 0; i < 2; ++i) acc += p[i];\n"
+        "  return acc;\n}\n")
+    helpers = header[header.index("namespace mlx::core::cu {"):]
+    assert "<metal_stdlib>" not in helpers and "#pragma once" not in helpers
+    assert "__constant__ float k[2]" in helpers
+    assert "inline float f(const float* p, float& acc)" in helpers
+    assert "#pragma unroll\n" in helpers
+    assert helpers.index("#define inline __device__ inline") < helpers.index("inline float f")
+    assert "#undef inline" in helpers
+
+
+def test_compat_header_is_included_by_path_with_its_digest():
+    """Small kernel sources (MLX hashes them per launch); the digest tracks header edits."""
+    include = tr.compat_include()
+    path = re.search(r'#include "(.+)"', include).group(1)
+    assert Path(path).read_text(encoding="utf-8") == cuda.compat_header()
+    digest = hashlib.sha256(cuda.compat_header().encode()).hexdigest()[:16]
+    assert f"sha256:{digest}" in include
+    assert tr.translate_header("").startswith(include)
+    assert len(tr.translate_header("")) < 1000
+
+
+def test_translation_unit_matches_mlx_layout():
+    wrapped = tr.translate_body("out[0] = x_shape[0] + x_strides[0] + x_ndim + s;",
+                                ["x", "s"], ["out"], scalar_inputs=[False, True])
+    template = [("T", mx.bfloat16), ("N", 4), ("B", False)]
+    name = tr.mlx_kernel_name("k", template)
+    assert name == "custom_kernel_k_bfloat16_t_4_f"
+    text = tr.kernel_definition(name, wrapped.source, [("x", mx.float16, 2),
+                                ("mt_scalar_s", mx.int32, 0)], [("out", mx.float32)], template)
+    expected_head = (
+        "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+        "__global__ void custom_kernel_k_bfloat16_t_4_f(\n"
+        "    const __half* x,\n"
+        "    const __grid_constant__ Shape x_shape,\n"
+        "    const __grid_constant__ Strides x_strides,\n"
+        "    const __grid_constant__ int x_ndim,\n"
+        "    const int32_t* mt_scalar_s,\n"
+        "    float* out) {\n"
+        "  using T = __nv_bfloat16;\n"
+        "  constexpr int N = 4;\n"
+        "  constexpr bool B = false;\n\n")
+    assert text.startswith(expected_head)
+    assert text.endswith("\n}\n\n} // namespace mlx::core::cu\n")
+    unit = tr.translation_unit("// header\n", [text])
+    assert unit.startswith('\n#include "mlx/backend/cuda/device/utils.cuh"\n\n'
+                           "#include <cooperative_groups.h>\n\n// header\nnamespace mlx")
+
+
+@pytest.mark.parametrize("grid, tg, whole", [
+    ((64, 3, 1), (32, 1, 1), True),
+    ((16, 1, 1), (32, 1, 1), True),  # MLX shrinks the block to the grid
+    ((100, 1, 1), (32, 1, 1), False),
+    ((64, 5, 1), (32, 2, 1), False),
+    ((1024, 4096, 1), (1024, 1, 1), True),
+])
+def test_grid_is_whole(grid, tg, whole):
+    assert tr.grid_is_whole(grid, tg) is whole
+
+
+def test_kernel_objects_build_without_a_gpu():
+    k = cuda.metal_kernel("k", ["x", "scale"], ["out"], BODY)
+    assert k.translate((False, True)).input_names == ("x", "mt_scalar_scale")
+    with pytest.raises(ValueError, match=r"^\[cuda\]"):
+        cuda.metal_kernel("k", ["x"], [], BODY)
+
+
+def test_backend_availability():
+    reason = cuda.unavailable_reason()
+    assert reason == backends.unavailable_reason("cuda")
+    if reason is not None:
+        assert "cuda" in reason.lower()
+        with pytest.raises(backends.BackendUnavailableError, match="cuda"):
+            with backends.use_backend("cuda"):
+                pass
+        assert backends.resolve_backend("auto") in ("metal", "reference")
+    else:
+        assert backends.resolve_backend("auto") in ("metal", "cuda")
+
+
+# ---- compile checks ------------------------------------------------------------------------
+
+def feature_unit(feature: Feature, guarded: bool = False) -> str:
+    kernel = cuda.metal_kernel(f"mt_test_{feature.name}", [n for n, _, _ in feature.inputs],
+                               [n for n, _ in feature.outputs], feature.source, feature.header,
+                               atomic_outputs=feature.atomic_outputs)
+    definitions = []
+    for template in feature.templates:
+        ins, outs = feature.resolve(template)
+        wrapped = kernel.translate([nd == 0 for _, _, nd in ins], guarded=guarded)
+        params = [(cn, d, nd) for cn, (_, d, nd) in zip(wrapped.input_names[:len(ins)], ins, strict=True)]
+        if guarded:
+            params.append((tr.GRID_INPUT, mx.uint32, 1))
+        outputs = [(cn, d) for cn, (_, d) in zip(wrapped.output_names, outs, strict=True)]
+        name = tr.mlx_kernel_name(kernel.name + ("_g" if guarded else ""), template)
+        definitions.append(tr.kernel_definition(name, wrapped.source, params, outputs, template))
+    return tr.translation_unit(kernel.header, definitions)
+
+
+COMPILERS = (
+    pytest.param("nvcc", id="nvcc", marks=pytest.mark.skipif(
+        _nvcc.find_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME)")),
+    pytest.param("nvrtc", id="nvrtc", marks=pytest.mark.skipif(
+        _nvcc.load_nvrtc() is None, reason=f"libnvrtc not found (set {_nvcc.NVRTC_ENV})")),
+)
+
+
+def compile_units(compiler: str, units: dict[str, str]) -> dict:
+    if compiler == "nvcc":
+        return _nvcc.compile_units(units)
+    return _nvcc.nvrtc_compile_units(units)
+
+
+_compiled: dict[str, dict] = {}
+
+
+def compiled_features(compiler: str) -> dict:
+    if compiler not in _compiled:
+        units = {f.name: feature_unit(f) for f in FEATURES}
+        units["edge_threadgroups_guarded"] = feature_unit(
+            next(f for f in FEATURES if f.name == "edge_threadgroups"), guarded=True)
+        _compiled[compiler] = compile_units(compiler, units)
+    return _compiled[compiler]
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("unit", [f.name for f in FEATURES] + ["edge_threadgroups_guarded"])
+def test_header_feature_compiles(compiler, unit):
+    result = compiled_features(compiler)[unit]
+    assert result.ok, f"{compiler} failed on {unit}:\n{result.log[-8000:]}"
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_negative_control_compile_errors_are_reported(compiler):
+    """A body using something the header lacks must fail the check (never a silent pass)."""
+    broken = Feature(name="broken", source="out[0] = simd_no_such_function(x[0]);",
+                     inputs=(("x", mx.float32, 1),), outputs=(("out", mx.float32),))
+    result = compile_units(compiler, {"broken": feature_unit(broken)})["broken"]
+    assert not result.ok
+    assert "simd_no_such_function" in result.log

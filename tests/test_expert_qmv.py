@@ -1,0 +1,465 @@
+"""expert_qmv against a float64 NumPy oracle, on every backend available here."""
+
+from __future__ import annotations
+
+import importlib
+import zlib
+from dataclasses import replace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tolerances import assert_close, to_f64
+
+import mlx_metaltile as mt
+from mlx_metaltile import _templates, backends
+
+DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+op_module = importlib.import_module("mlx_metaltile.ops.expert_qmv")
+
+
+def _dname(d):
+    return str(d).rsplit(".", 1)[-1]
+
+
+# ---- oracle (from the math: dequantize, then matmul, in float64) --------------------------
+
+def dequantize_f64(w, scales, biases, group_size, bits):
+    """W[..., n, k] = scale[..., n, k // gs] * q[..., n, k] + bias[..., n, k // gs], float64."""
+    words = np.asarray(w).astype(np.uint64)
+    pack = 32 // bits
+    shifts = (np.arange(pack, dtype=np.uint64) * bits)
+    q = (words[..., None] >> shifts) & np.uint64((1 << bits) - 1)  # [..., K/pack, pack]
+    q = q.reshape(*words.shape[:-1], -1).astype(np.float64)
+    s = np.repeat(np.asarray(scales), group_size, axis=-1)
+    b = np.repeat(np.asarray(biases), group_size, axis=-1)
+    return s * q + b
+
+
+def oracle(x, w, scales, biases, indices, group_size, bits):
+    """(expected [..., k, N] with NaN rows for ids outside [0, E), magnitude sum |x * W|)."""
+    n_experts = w.shape[0]
+    ids = np.array(indices).astype(np.int64)
+    xs = to_f64(x)
+    k = ids.shape[-1]
+    n_in = xs.shape[-1]
+    if xs.ndim == ids.ndim:  # shared: one activation per token
+        xs = xs[..., None, :]
+    lead = np.broadcast_shapes(xs.shape[:-2], ids.shape[:-1])
+    xs = np.broadcast_to(xs, (*lead, xs.shape[-2], n_in))
+    xs = np.broadcast_to(xs, (*lead, k, n_in))
+    ids = np.broadcast_to(ids, (*lead, k))
+    valid = (ids >= 0) & (ids < n_experts)
+    # Dequantize only the experts that are used (the stacks can be large).
+    used, pos = np.unique(np.where(valid, ids, 0), return_inverse=True)
+    wd = dequantize_f64(np.array(w)[used], to_f64(scales)[used], to_f64(biases)[used],
+                        group_size, bits)
+    we = wd[pos.reshape(ids.shape)]  # [..., k, N, K]
+    want = np.einsum("...k,...nk->...n", xs, we)
+    mag = np.einsum("...k,...nk->...n", np.abs(xs), np.abs(we))
+    want[~valid] = np.nan
+    return want, mag, valid
+
+
+def make_weights(rng, n_experts, n_out, n_in, dtype, group_size, bits, scale=1.0):
+    wf = rng.standard_normal((n_experts, n_out, n_in)).astype(np.float32) * scale
+    w, s, b = mx.quantize(mx.array(wf).astype(dtype), group_size=group_size, bits=bits)
+    return w, s, b
+
+
+def make_packed(rng, n_experts, n_out, n_in, dtype, group_size, bits):
+    """Random packed words (every q value equally likely) and signed scales and biases."""
+    w = rng.integers(0, 2**32, size=(n_experts, n_out, n_in * bits // 32), dtype=np.uint32)
+    g = (n_experts, n_out, n_in // group_size)
+    s = rng.standard_normal(g).astype(np.float32) / (1 << bits)
+    b = rng.standard_normal(g).astype(np.float32) * 0.5
+    return mx.array(w), mx.array(s).astype(dtype), mx.array(b).astype(dtype)
+
+
+def make_x(rng, shape, dtype, scale=1.0):
+    return mx.array((rng.standard_normal(shape) * scale).astype(np.float32)).astype(dtype)
+
+
+def run_and_check(x, w, s, b, ids, group_size, bits, backend, *, launches=1):
+    dtype = x.dtype
+    before = backends.launch_count(backend=backend)
+    out = mt.expert_qmv(x, w, s, b, ids, group_size=group_size, bits=bits)
+    mx.eval(out)
+    if backend != "reference":  # prove a kernel ran (never the reference compared with itself)
+        assert backends.launch_count(backend=backend) == before + launches
+    want, mag, valid = oracle(x, w, s, b, ids, group_size, bits)
+    assert out.dtype == dtype and tuple(out.shape) == want.shape
+    got = to_f64(out)
+    assert np.isnan(got[~valid]).all(), "an out-of-range id must give a NaN row"
+    assert_close(got[valid], want[valid], dtype, magnitude=mag[valid],
+                 what=f"expert_qmv[{backend}]")
+    return out
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Kernel outputs start as NaN, so an element the kernel never writes fails the oracle."""
+    real_launch = backends.launch
+
+    def launch(spec, backend, **kwargs):
+        if spec.op == op_module.OP:
+            kwargs["init_value"] = float("nan")
+        return real_launch(spec, backend, **kwargs)
+
+    monkeypatch.setattr(backends, "launch", launch)
+
+
+# ---- correctness ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("shared", (True, False), ids=("x_shared", "x_per_expert"))
+@pytest.mark.parametrize("group_size", (32, 64, 128))
+@pytest.mark.parametrize("bits", (4, 8))
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dname)
+def test_matches_oracle(any_backend, poisoned, rng, dtype, bits, group_size, shared):
+    """N = 13 (a ragged 8-row tile), K = 3 groups (a partial 32-lane step), ids 0 / E-1 / repeats."""
+    n_experts, n_out, n_in = 6, 13, 3 * group_size
+    w, s, b = make_weights(rng, n_experts, n_out, n_in, dtype, group_size, bits)
+    assert (to_f64(s) < 0).any() and (to_f64(s) > 0).any()  # negative scales are exercised
+    ids = mx.array([[0, 5], [3, 3], [5, 0]], dtype=mx.uint32)
+    x = make_x(rng, (3, n_in) if shared else (3, 2, n_in), dtype)
+    run_and_check(x, w, s, b, ids, group_size, bits, any_backend)
+
+
+@pytest.mark.parametrize("k", (1, 2, 8))
+@pytest.mark.parametrize("shared", (True, False), ids=("x_shared", "x_per_expert"))
+def test_top_k(any_backend, poisoned, rng, k, shared):
+    n_experts, n_out, n_in = 9, 40, 256
+    w, s, b = make_weights(rng, n_experts, n_out, n_in, mx.float16, 64, 4)
+    ids = np.stack([rng.permutation(n_experts)[:k] for _ in range(4)])
+    ids[0, 0], ids[-1, -1] = 0, n_experts - 1
+    ids = mx.array(ids.astype(np.int32))
+    x = make_x(rng, (4, n_in) if shared else (4, k, n_in), mx.float16)
+    run_and_check(x, w, s, b, ids, 64, 4, any_backend)
+
+
+@pytest.mark.parametrize("x_lead, idx_lead", [
+    ((), ()),  # one token, unbatched
+    ((2, 3), (2, 3)),  # [batch, tokens]
+    ((1, 3), (2, 1)),  # both broadcast
+    ((2, 1), (2, 3)),  # x broadcast over tokens
+], ids=str)
+@pytest.mark.parametrize("shared", (True, False), ids=("x_shared", "x_per_expert"))
+def test_leading_dims_broadcast(any_backend, poisoned, rng, x_lead, idx_lead, shared):
+    n_experts, k, n_out, n_in = 5, 2, 16, 128
+    w, s, b = make_weights(rng, n_experts, n_out, n_in, mx.bfloat16, 32, 8)
+    ids = mx.array(rng.integers(0, n_experts, size=(*idx_lead, k)).astype(np.uint32))
+    x = make_x(rng, (*x_lead, n_in) if shared else (*x_lead, k, n_in), mx.bfloat16)
+    out = run_and_check(x, w, s, b, ids, 32, 8, any_backend)
+    lead = np.broadcast_shapes(x_lead, idx_lead)
+    assert tuple(out.shape) == (*lead, k, n_out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dname)
+def test_out_of_range_ids_give_nan_rows(any_backend, poisoned, rng, dtype):
+    """ids E, 2^31 - 1 and -1 (int32): NaN rows, the valid rows exact, no hazard reported."""
+    n_experts, n_out, n_in = 4, 24, 128
+    w, s, b = make_weights(rng, n_experts, n_out, n_in, dtype, 64, 4)
+    ids = mx.array([[0, n_experts], [2**31 - 1, 3], [-1, -1]], dtype=mx.int32)
+    x = make_x(rng, (3, n_in), dtype)
+    out = run_and_check(x, w, s, b, ids, 64, 4, any_backend)
+    nan_rows = np.isnan(to_f64(out)).all(axis=-1)
+    assert nan_rows.tolist() == [[False, True], [True, False], [True, True]]
+    big = mx.array([[n_experts, 2**32 - 1]], dtype=mx.uint32)
+    out = run_and_check(x[:1], w, s, b, big, 64, 4, any_backend)
+    assert np.isnan(to_f64(out)).all()
+
+
+@pytest.mark.parametrize("n_out", (1, 3))
+def test_tiny_buffers(any_backend, poisoned, rng, n_out):
+    """E = 1, K = 32: w and scales hold < 8 elements (MLX passes those as `constant`)."""
+    w, s, b = make_packed(rng, 1, n_out, 32, mx.float16, 32, 4)
+    ids = mx.array([[0]], dtype=mx.uint32)
+    run_and_check(make_x(rng, (1, 32), mx.float16), w, s, b, ids, 32, 4, any_backend)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dname)
+def test_large_magnitudes(any_backend, poisoned, rng, dtype):
+    """Weights and activations ~1e2 (~10 in float16, whose range ends at 65504), K = 1024."""
+    scale = 10.0 if dtype == mx.float16 else 1e2
+    w, s, b = make_weights(rng, 3, 16, 1024, dtype, 128, 8, scale=scale)
+    ids = mx.array([[2, 0]], dtype=mx.uint32)
+    run_and_check(make_x(rng, (1, 1024), dtype, scale=scale), w, s, b, ids, 128, 8, any_backend)
+
+
+def test_non_contiguous_inputs(any_backend, poisoned, rng):
+    w, s, b = make_weights(rng, 4, 16, 256, mx.float32, 64, 4)
+    x = make_x(rng, (256, 3), mx.float32).T  # [3, 256], transposed view
+    ids = mx.array(np.array([[1, 3], [0, 2], [3, 3]], dtype=np.uint32).T.copy()).T  # [3, 2]
+    run_and_check(x, w, s, b, ids, 64, 4, any_backend)
+
+
+@pytest.mark.parametrize("shared, n_out, n_in", [
+    (True, 768, 2048),  # gate/up projection
+    (False, 2048, 768),  # down projection
+], ids=("gate_up", "down"))
+def test_qwen3_moe_decode_shape(any_backend, poisoned, rng, shared, n_out, n_in):
+    """Qwen3-30B-A3B decode: E = 128, k = 8, 4-bit, group 64, bfloat16."""
+    n_experts, k = 128, 8
+    w, s, b = make_packed(rng, n_experts, n_out, n_in, mx.bfloat16, 64, 4)
+    ids = mx.array(rng.permutation(n_experts)[:k].reshape(1, k).astype(np.uint32))
+    x = make_x(rng, (1, n_in) if shared else (1, k, n_in), mx.bfloat16)
+    run_and_check(x, w, s, b, ids, 64, 4, any_backend)
+
+
+# ---- what the kernel reads (emulator counters) ------------------------------------------
+
+def _emulator_stats():
+    emulator = pytest.importorskip("mlx_metaltile.emulator")
+    return emulator.last_launch_stats()
+
+
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 128), (8, 64)])
+def test_reads_only_selected_experts(poisoned, rng, bits, group_size):
+    """Bytes read from w / scales / biases = the selected (token, expert) pairs' rows, once each."""
+    backends_ok = backends.unavailable_reason("emulator")
+    if backends_ok is not None:
+        pytest.skip(f"backend emulator unavailable: {backends_ok}")
+    n_experts, n_out, n_in = 16, 20, 4 * group_size
+    w, s, b = make_weights(rng, n_experts, n_out, n_in, mx.float16, group_size, bits)
+    ids = mx.array([[3, 3, 0], [15, 7, 99]], dtype=mx.uint32)  # repeated, 0, E-1, out of range
+    x = make_x(rng, (2, n_in), mx.float16)
+    with backends.use_backend("emulator"):
+        run_and_check(x, w, s, b, ids, group_size, bits, "emulator")
+    stats = _emulator_stats()
+    pairs = 5  # valid (token, expert) pairs; the out-of-range one reads nothing
+    assert stats.bytes_read["w"] == pairs * n_out * (n_in * bits // 32) * 4
+    assert stats.bytes_read["scales"] == pairs * n_out * (n_in // group_size) * 2
+    assert stats.bytes_read["biases"] == pairs * n_out * (n_in // group_size) * 2
+    assert stats.bytes_written["out"] == 6 * n_out * 2  # every row once, the NaN row included
+    assert stats.bytes_read["out"] == 0
+    # x: each SIMD-group (4 output rows) of a valid pair loads its K activations once
+    # (from cache on a GPU; DRAM sees x once per token).
+    assert stats.bytes_read["x"] == pairs * -(-n_out // 4) * n_in * 2
+
+
+# ---- build once, stay lazy ---------------------------------------------------------------
+
+def test_sizes_do_not_rebuild(kernel_backend, rng):
+    """E, N, K, k and the x layout are runtime inputs: one kernel object for all of them."""
+    w, s, b = make_weights(rng, 4, 8, 128, mx.float16, 64, 4)
+    run_and_check(make_x(rng, (2, 128), mx.float16), w, s, b,
+                  mx.array([[0, 1], [2, 3]], dtype=mx.uint32), 64, 4, kernel_backend)
+    built = backends.built_kernels()
+    w, s, b = make_weights(rng, 7, 17, 192, mx.float16, 64, 4)
+    run_and_check(make_x(rng, (3, 192), mx.float16), w, s, b,
+                  mx.array([[6], [0], [3]], dtype=mx.int32), 64, 4, kernel_backend)
+    run_and_check(make_x(rng, (1, 3, 192), mx.float16), w, s, b,
+                  mx.array([[6, 1, 1]], dtype=mx.uint32), 64, 4, kernel_backend)
+    assert backends.built_kernels() == built
+
+
+def test_router_indices_stay_on_device(monkeypatch, rng):
+    """Ids from an argpartition router feed the op with no evaluation inside it."""
+    n_experts, k, n_in = 8, 2, 128
+    w, s, b = make_weights(rng, n_experts, 32, n_in, mx.float32, 64, 4)
+    x = make_x(rng, (3, n_in), mx.float32)
+    gate = make_x(rng, (n_in, n_experts), mx.float32)
+
+    def route(x):
+        logits = x @ gate
+        return mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k].astype(mx.uint32)
+
+    def no_eval(*args, **kwargs):
+        raise AssertionError("the op evaluated its graph")
+
+    with monkeypatch.context() as m:
+        m.setattr(mx, "eval", no_eval)
+        m.setattr(mx, "async_eval", no_eval)
+        m.setattr(mx.array, "item", no_eval)
+        m.setattr(mx.array, "tolist", no_eval)
+        m.setattr(mx.array, "__array__", no_eval, raising=False)
+        ids = route(x)
+        out = mt.expert_qmv(x, w, s, b, ids, group_size=64, bits=4)
+    want, mag, _ = oracle(x, w, s, b, ids, 64, 4)
+    assert_close(out, want, mx.float32, magnitude=mag)
+    compiled = mx.compile(lambda x: mt.expert_qmv(x, w, s, b, route(x), group_size=64, bits=4))
+    assert_close(compiled(x), want, mx.float32, magnitude=mag)
+
+
+def test_kernel_path_is_lazy(monkeypatch, rng):
+    """The launcher (broadcasts, runtime scalars, geometry, launch) syncs nothing either:
+    the kernel is replaced by a stand-in that returns lazy outputs, as on a Mac."""
+    seen = {}
+
+    def fake_kernel(*, inputs, output_shapes, output_dtypes, grid, threadgroup, template,
+                    init_value=None):
+        seen.update(inputs=inputs, grid=grid, threadgroup=threadgroup, template=template)
+        return [mx.zeros(shape, dtype=dtype) for shape, dtype
+                in zip(output_shapes, output_dtypes, strict=True)]
+
+    def no_eval(*args, **kwargs):
+        raise AssertionError("the op evaluated its graph")
+
+    w, s, b = make_weights(rng, 8, 40, 128, mx.bfloat16, 64, 4)
+    x = make_x(rng, (2, 3, 128), mx.bfloat16)
+    logits = make_x(rng, (2, 3, 8), mx.float32)
+    with monkeypatch.context() as m:
+        m.setattr(backends, "resolve_backend", lambda name=None: "metal")
+        m.setattr(backends, "get_kernel", lambda *a, **k: fake_kernel)
+        m.setattr(mx, "eval", no_eval)
+        m.setattr(mx, "async_eval", no_eval)
+        m.setattr(mx.array, "item", no_eval)
+        m.setattr(mx.array, "tolist", no_eval)
+        ids = mx.argpartition(-logits, kth=1, axis=-1)[..., :2]
+        out = mt.expert_qmv(x, w, s, b, ids, group_size=64, bits=4)
+    assert out.shape == (2, 3, 2, 40) and out.dtype == mx.bfloat16
+    assert seen["grid"] == (64, 5, 12) and seen["threadgroup"] == (64, 1, 1)
+    assert seen["template"] == [("T", mx.bfloat16), ("BITS", 4), ("GROUP_SIZE", 64)]
+
+
+def test_empty_does_not_dispatch(kernel_backend, rng):
+    w, s, b = make_weights(rng, 4, 8, 64, mx.float16, 64, 4)
+    before = backends.launch_count()
+    out = mt.expert_qmv(make_x(rng, (0, 64), mx.float16), w, s, b,
+                        mx.zeros((0, 2), dtype=mx.uint32))
+    assert out.shape == (0, 2, 8) and out.dtype == mx.float16
+    out = mt.expert_qmv(make_x(rng, (3, 64), mx.float16), w, s, b,
+                        mx.zeros((3, 0), dtype=mx.uint32))
+    assert out.shape == (3, 0, 8)
+    assert backends.launch_count() == before
+
+
+# ---- negative controls: a deliberately wrong variant must fail the harness ----------------
+
+def _broken_spec(monkeypatch, old: str, new: str):
+    """Make the op launch a copy of its kernel with ``old`` replaced by ``new``."""
+    spec = op_module.SPEC
+    text = _templates.read_text(spec.template)
+    assert old in text
+    # A name of its own per patch: kernels are cached per (backend, variant name).
+    tag = f"broken{zlib.crc32((old + new).encode()):08x}"
+    fake_name = spec.template.replace(".metal", f"_{tag}.metal")
+    real_read = _templates.read_text
+
+    def read_text(name):
+        return text.replace(old, new) if name == fake_name else real_read(name)
+
+    monkeypatch.setattr(_templates, "read_text", read_text)
+    _templates.render.cache_clear()
+    broken = replace(spec, variant=f"{spec.variant}_{tag}", template=fake_name)
+    monkeypatch.setattr(op_module, "SPEC", broken)
+
+
+@pytest.mark.parametrize("old, new", [
+    ("acc[r] += s * dot + b * x_sum;", "acc[r] += s * dot;"),  # forgets the biases
+    ("const uint group = chunk / LANES_PER_GROUP;",
+     "const uint group = chunk / LANES_PER_GROUP / 2;"),  # wrong scale group
+    ("const ushort group_leader = ushort(lane & ~(LANES_PER_GROUP - 1));",
+     "const ushort group_leader = ushort(0);"),  # every lane takes lane 0's scale
+    ("const uint rows = metal::min(ROWS, n_rows_total - row0);",
+     "const uint rows = metal::min(ROWS - 1, n_rows_total - row0);"),  # leaves rows unwritten
+], ids=("no_bias", "wrong_group", "wrong_shuffle", "unwritten_rows"))
+def test_negative_control_broken_kernel(kernel_backend, poisoned, monkeypatch, rng, old, new):
+    _broken_spec(monkeypatch, old, new)
+    w, s, b = make_weights(rng, 4, 16, 256, mx.float32, 32, 4)
+    ids = mx.array([[1, 3]], dtype=mx.uint32)
+    try:
+        with pytest.raises(AssertionError, match="out of tolerance"):
+            run_and_check(make_x(rng, (1, 256), mx.float32), w, s, b, ids, 32, 4, kernel_backend)
+    finally:
+        _templates.render.cache_clear()
+
+
+def test_negative_control_unguarded_id_is_a_hazard(monkeypatch, rng):
+    """Without the in-kernel id guard, an out-of-range id reads out of bounds: the emulator
+    must report it (so the guarded kernel's clean runs above mean something)."""
+    emulator = pytest.importorskip("mlx_metaltile.emulator")
+    if backends.unavailable_reason("emulator") is not None:
+        pytest.skip("emulator unavailable")
+    _broken_spec(monkeypatch, "if (expert >= n_experts) {", "if (false) {")
+    w, s, b = make_weights(rng, 4, 16, 128, mx.float32, 64, 4)
+    ids = mx.array([[1, 4000]], dtype=mx.uint32)
+    try:
+        with backends.use_backend("emulator"), pytest.raises(emulator.OutOfBoundsAccess):
+            mx.eval(mt.expert_qmv(make_x(rng, (1, 128), mx.float32), w, s, b, ids))
+    finally:
+        _templates.render.cache_clear()
+
+
+def test_negative_control_reference_wrong_expert(monkeypatch, rng):
+    """The oracle harness rejects a composite that applies the wrong experts."""
+    real = op_module.expert_qmv_reference
+
+    def shifted(x, w, scales, biases, indices, **kw):
+        return real(x, w, scales, biases, (indices + 1) % w.shape[0], **kw)
+
+    monkeypatch.setattr(op_module, "expert_qmv_reference", shifted)
+    w, s, b = make_weights(rng, 4, 16, 128, mx.float32, 64, 4)
+    ids = mx.array([[0, 2]], dtype=mx.uint32)
+    with backends.use_backend("reference"), pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check(make_x(rng, (1, 128), mx.float32), w, s, b, ids, 64, 4, "reference")
+
+
+# ---- bad input ------------------------------------------------------------------------
+
+def _ok(dtype=mx.float16, bits=4, group_size=64, n_experts=4, n_out=8, n_in=128):
+    w = mx.zeros((n_experts, n_out, n_in * bits // 32), dtype=mx.uint32)
+    s = mx.ones((n_experts, n_out, n_in // group_size), dtype=dtype)
+    x = mx.zeros((2, n_in), dtype=dtype)
+    return x, w, s, s, mx.zeros((2, 3), dtype=mx.uint32)
+
+
+@pytest.mark.parametrize("mutate, exc, match", [
+    (lambda x, w, s, b, i: (x, w[0], s, b, i), ValueError, r"w must have 3 dimensions \[E, N, \.\.\.\], got 2"),
+    (lambda x, w, s, b, i: (x, w, s[0], b, i), ValueError, "scales must have 3 dimensions"),
+    (lambda x, w, s, b, i: (x, w, s, b[..., None], i), ValueError, "biases must have 3 dimensions"),
+    (lambda x, w, s, b, i: (x, w, s[:3], b, i), ValueError, r"scales must have shape \(4, 8, K/group_size\)"),
+    (lambda x, w, s, b, i: (x, w, s, b[:, :5], i), ValueError, r"biases must have shape \(4, 8, K/group_size\)"),
+    (lambda x, w, s, b, i: (x, w, s, b[..., :1], i), ValueError, r"biases must have scales' shape"),
+    (lambda x, w, s, b, i: (x, w, s[..., :1], b[..., :1], i), ValueError,
+     r"scales must have K/group_size = 128/64 = 2 groups per row, got 1"),
+    (lambda x, w, s, b, i: (x, w[..., :3], s, b, i), ValueError,
+     "K = 24 .* must be a multiple of group_size 64"),
+    (lambda x, w, s, b, i: (x, w[..., :0], s[..., :0], b[..., :0], i), ValueError, "K must be >= 1"),
+    (lambda x, w, s, b, i: (x, w[:0], s[:0], b[:0], i), ValueError, "w must hold at least one expert, got E = 0"),
+    (lambda x, w, s, b, i: (x[:, :64], w, s, b, i), ValueError, "x's last axis must be K = 128 .*got 64"),
+    (lambda x, w, s, b, i: (mx.zeros((2, 3, 128), mx.float16), w, s, b, i[:, :2]), ValueError,
+     r"x \[\.\.\., k, K\] \(one input per expert\) must have x.shape\[-2\] = k = 2 .*got 3"),
+    (lambda x, w, s, b, i: (x[None, None], w, s, b, i), ValueError, "x must have indices.ndim = 2"),
+    (lambda x, w, s, b, i: (x, w, s, b, i[0, 0]), ValueError, "indices must have at least 1 dim"),
+    (lambda x, w, s, b, i: (mx.zeros((3, 128), mx.float16), w, s, b, i), ValueError,
+     r"the leading dimensions of x \(3,\) and indices \(2,\) must broadcast"),
+    (lambda x, w, s, b, i: (x, w, s, b, i.astype(mx.float32)), TypeError, "indices must be uint32 or int32, got float32"),
+    (lambda x, w, s, b, i: (x, w, s, b, i.astype(mx.int64)), TypeError, "indices must be uint32 or int32, got int64"),
+    (lambda x, w, s, b, i: (x, w.astype(mx.int32), s, b, i), TypeError, "w must be uint32"),
+    (lambda x, w, s, b, i: (x.astype(mx.int32), w, s, b, i), TypeError, "x must be float32"),
+    (lambda x, w, s, b, i: (x, w, s.astype(mx.float32), b, i), TypeError, "scales must have x's dtype float16, got float32"),
+    (lambda x, w, s, b, i: (x, w, s, b.astype(mx.bfloat16), i), TypeError, "biases must have x's dtype"),
+    (lambda x, w, s, b, i: (x, w, s, b, i.tolist()), TypeError, "indices must be an mx.array"),
+])
+def test_bad_input(mutate, exc, match):
+    args = mutate(*_ok())
+    with pytest.raises(exc, match=r"^\[expert_qmv\] " + match):
+        mt.expert_qmv(*args)
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(bits=3), ValueError, r"bits must be one of \(4, 8\), got 3"),
+    (dict(bits=2), ValueError, "bits must be one of"),
+    (dict(bits=4.0), TypeError, "bits must be an int"),
+    (dict(group_size=16), ValueError, r"group_size must be one of \(32, 64, 128\), got 16"),
+    (dict(group_size=True), TypeError, "group_size must be an int"),
+])
+def test_bad_bits_and_group_size(kwargs, exc, match):
+    with pytest.raises(exc, match=r"^\[expert_qmv\] " + match):
+        mt.expert_qmv(*_ok(), **kwargs)
+
+
+def test_bits_inconsistent_with_packing():
+    """w packed at 4 bits (K = 128) read with bits=8 (K = 64): the group count disagrees."""
+    x, w, s, b, i = _ok(bits=4)
+    with pytest.raises(ValueError, match=r"^\[expert_qmv\] scales must have K/group_size = "
+                                         r"64/64 = 1 groups per row, got 2 \(w packs K = 64"):
+        mt.expert_qmv(x, w, s, b, i, bits=8)
+
+
+def test_bad_input_names_expected_shape_sizes():
+    x, w, s, b, i = _ok()
+    with pytest.raises(ValueError) as err:
+        mt.expert_qmv(x[:, :100], w, s, b, i)
+    assert "K = 128" in str(err.value) and "got 100" in str(err.value)

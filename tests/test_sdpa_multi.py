@@ -1,0 +1,429 @@
+"""sdpa_multi against a float64 NumPy oracle, on every backend available here."""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import replace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tolerances import assert_close, to_f64
+
+import mlx_metaltile as mt
+from mlx_metaltile import _templates, backends
+
+DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+op_module = importlib.import_module("mlx_metaltile.ops.sdpa_multi")
+
+
+def dtype_id(d):
+    return str(d).split(".")[-1]
+
+
+def oracle(q, k, v, scale, causal, kv_len):
+    """(out, magnitude) in float64 from the definition.
+
+    out[b, h, l] = softmax_j(scale * q[b, h, l] . k[b, h // G, j]) @ v[b, h // G, j] over the
+    visible keys j (j < kv_len; j <= kv_len - L + l when causal). ``magnitude`` is the sum
+    of |terms| behind each output for the float32 accumulation bound:
+    sum_j p_j * |v_j[d]| * (1 + |scale| * sum_d' |q_d' * k_j,d'|) (the second factor covers
+    the rounding of the score, which moves p_j).
+    """
+    q, k, v = to_f64(q), to_f64(k), to_f64(v)
+    L, G = q.shape[2], q.shape[1] // k.shape[1]
+    kk = np.repeat(k[:, :, :kv_len], G, axis=1)
+    vv = np.repeat(v[:, :, :kv_len], G, axis=1)
+    s = scale * (q @ kk.swapaxes(-1, -2))
+    if causal:
+        visible = np.arange(kv_len)[None, :] <= (kv_len - L + np.arange(L))[:, None]
+        s = np.where(visible, s, -np.inf)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    out = p @ vv
+    score_mag = abs(scale) * (np.abs(q) @ np.abs(kk).swapaxes(-1, -2))
+    magnitude = (p * (1.0 + score_mag)) @ np.abs(vv)
+    return out, magnitude
+
+
+def make_inputs(rng, B, Hq, Hkv, L, S, D, dtype, qk_scale=1.0):
+    def arr(shape, s=1.0):
+        return mx.array((rng.standard_normal(shape) * s).astype(np.float32)).astype(dtype)
+
+    return arr((B, Hq, L, D), qk_scale), arr((B, Hkv, S, D), qk_scale), arr((B, Hkv, S, D))
+
+
+def _counts(backend):
+    return (backends.launch_count(op_module.SPLIT_SPEC.name, backend),
+            backends.launch_count(op_module.COMBINE_SPEC.name, backend))
+
+
+def run_and_check(q, k, v, *, scale, causal, kv_len, backend, what=""):
+    before = _counts(backend)
+    out = mt.sdpa_multi(q, k, v, scale=scale, causal=causal, kv_len=kv_len)
+    mx.eval(out)
+    if backend != "reference":  # prove both kernels ran (never the reference vs itself)
+        assert _counts(backend) == (before[0] + 1, before[1] + 1)
+    assert out.dtype == q.dtype and tuple(out.shape) == tuple(q.shape)
+    want, magnitude = oracle(q, k, v, scale, causal, kv_len)
+    assert_close(out, want, q.dtype, magnitude, what=f"sdpa_multi[{backend}]{what}")
+    return out
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every kernel output starts as NaN, so an element left unwritten fails the check."""
+    monkeypatch.setattr(op_module, "_OUTPUT_INIT", float("nan"))
+
+
+# (B, Hq, Hkv, L, kv_len, S, D, causal): L in {1, 8, 16, 33}, GQA 1/2/4/8, with and
+# without slack (S > kv_len), D 64/96/128/256, row tiles that are ragged or several, KV
+# ranges split over several threadgroups, causal blocks whose first query sees one key.
+CASES = [
+    (1, 4, 4, 1, 37, 37, 64, False),     # GQA 1 decode, one ragged key block
+    (1, 4, 2, 1, 300, 320, 128, True),   # GQA 2 decode, slack, split KV
+    (2, 8, 2, 8, 70, 96, 64, True),      # GQA 4 block, batch 2, slack
+    (1, 8, 1, 8, 65, 65, 128, False),    # GQA 8: 64 rows -> two row tiles
+    (1, 2, 2, 16, 16, 40, 64, True),     # kv_len == L: the first query sees a single key
+    (1, 4, 1, 33, 50, 50, 64, True),     # 132 rows -> 5 row tiles, the last ragged
+    (1, 2, 1, 33, 33, 33, 256, True),    # D 256, kv_len == L, two row tiles
+    (1, 4, 4, 16, 300, 320, 256, False),  # D 256, split KV, slack
+    (1, 6, 3, 8, 129, 200, 96, True),    # D 96, GQA 2
+    (1, 16, 2, 1, 520, 520, 128, False),  # GQA 8 decode, split KV
+    (1, 2, 2, 8, 700, 768, 128, True),   # causal block over 5 KV slices, slack
+]
+
+
+def case_id(c):
+    B, Hq, Hkv, L, kv_len, S, D, causal = c
+    return f"B{B}-h{Hq}x{Hkv}-L{L}-kv{kv_len}of{S}-D{D}-{'causal' if causal else 'full'}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_matches_oracle(any_backend, poisoned, rng, case, dtype):
+    B, Hq, Hkv, L, kv_len, S, D, causal = case
+    q, k, v = make_inputs(rng, B, Hq, Hkv, L, S, D, dtype)
+    run_and_check(q, k, v, scale=1.0 / math.sqrt(D), causal=causal, kv_len=kv_len,
+                  backend=any_backend)
+
+
+def test_cases_cover_split_kv_and_tiles():
+    """The case list exercises several slices and several row tiles (guards the plan)."""
+    plans = [op_module.plan(B, Hq, Hkv, L, D, kv, mx.float16)
+             for B, Hq, Hkv, L, kv, S, D, causal in CASES]
+    assert any(p["n_splits"] > 1 for p in plans)
+    assert any(p["n_splits"] > 1 and c[3] > 1 and c[-1]  # a causal block, several slices
+               for p, c in zip(plans, CASES, strict=True))
+    assert any(p["n_tiles"] > 1 for p in plans)
+    assert any(p["rows"] % op_module.ROW_TILE for p in plans if p["n_tiles"] > 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_one_block_slices(any_backend, poisoned, monkeypatch, rng, dtype):
+    """Slices of 32 keys: with kv_len close to L, early causal queries see no key at all in
+    the later slices (empty partials), and the last slice holds a single key."""
+    monkeypatch.setattr(op_module, "MIN_SPLIT_BLOCKS", 1)
+    monkeypatch.setattr(op_module, "MIN_KEYS_PER_ROW", 0)
+    monkeypatch.setattr(op_module, "TARGET_THREADS", 1 << 30)
+    for L, kv_len in ((33, 33), (40, 97)):
+        plan = op_module.plan(1, 4, 2, L, 64, kv_len, dtype)
+        assert plan["chunk"] == 32 and plan["n_splits"] == -(-kv_len // 32)
+        q, k, v = make_inputs(rng, 1, 4, 2, L, kv_len + 8, 64, dtype)
+        run_and_check(q, k, v, scale=0.125, causal=True, kv_len=kv_len, backend=any_backend)
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("kv_len", (28, 4104))
+def test_real_model_shape(any_backend, poisoned, rng, kv_len, causal):
+    """A Llama-3-8B-style layer: B=1, Hq=32, Hkv=8, D=128, a block of L=8 queries."""
+    q, k, v = make_inputs(rng, 1, 32, 8, 8, kv_len + 24, 128, mx.bfloat16)
+    run_and_check(q, k, v, scale=128 ** -0.5, causal=causal, kv_len=kv_len,
+                  backend=any_backend)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_first_causal_query_sees_one_key(any_backend, poisoned, rng, dtype):
+    """kv_len == L: query 0 attends key 0 alone, so its output is v[0] (its weight is 1)."""
+    q, k, v = make_inputs(rng, 1, 4, 2, 8, 8, 64, dtype)
+    out = run_and_check(q, k, v, scale=0.125, causal=True, kv_len=8, backend=any_backend)
+    want = np.repeat(to_f64(v)[:, :, 0], 2, axis=1)
+    assert_close(to_f64(out)[:, :, 0], want, dtype, what="first causal query")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_large_scores(any_backend, poisoned, rng, dtype, causal):
+    """Scores in the thousands (q, k ~ 30): softmax must subtract its running max."""
+    q, k, v = make_inputs(rng, 1, 4, 2, 8, 96, 64, dtype, qk_scale=30.0)
+    out = run_and_check(q, k, v, scale=1.0, causal=causal, kv_len=90, backend=any_backend)
+    assert not np.isnan(to_f64(out)).any()
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_slack_rows_are_never_read(any_backend, poisoned, rng, causal):
+    """Cache rows past kv_len hold NaN/inf: the result must not see them."""
+    q, k, v = make_inputs(rng, 1, 8, 2, 8, 160, 64, mx.float16)
+    kv_len = 77
+    k_np, v_np = np.array(k), np.array(v)
+    k_np[:, :, kv_len:] = np.nan
+    v_np[:, :, kv_len:] = np.inf
+    run_and_check(q, mx.array(k_np), mx.array(v_np), scale=0.125, causal=causal,
+                  kv_len=kv_len, backend=any_backend, what=" (NaN/inf in the slack)")
+
+
+def test_non_contiguous_inputs(any_backend, rng):
+    """q transposed from [B, L, H, D]; k, v sliced out of a larger preallocated cache."""
+    B, Hq, L, D = 2, 8, 8, 64  # 4 KV heads
+    q = mx.array(rng.standard_normal((B, L, Hq, D)).astype(np.float32)).transpose(0, 2, 1, 3)
+    big = mx.array(rng.standard_normal((2, B, 6, 256, D)).astype(np.float32))
+    k, v = big[0, :, 1:5, :100], big[1, :, 2:6, :100]
+    run_and_check(q, k, v, scale=0.125, causal=True, kv_len=90, backend=any_backend)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Records each sdpa_multi launch: (kernel name, template args, emulator stats or None)."""
+    records = []
+    real_launch = backends.launch
+
+    def spy(spec, backend, **kwargs):
+        outs = real_launch(spec, backend, **kwargs)
+        stats = None
+        if backend == "emulator":  # eager: the launch has run
+            stats = importlib.import_module("mlx_metaltile.emulator").last_launch_stats()
+        records.append((spec.name, tuple(kwargs["template"]), stats))
+        return outs
+
+    monkeypatch.setattr(backends, "launch", spy)
+    return records
+
+
+def _emulator_instantiations():
+    """Distinct instantiations the emulator compiled for the two sdpa_multi kernel objects."""
+    total = 0
+    for spec, ins, outs in ((op_module.SPLIT_SPEC, op_module._SPLIT_INPUTS,
+                             op_module._SPLIT_OUTPUTS),
+                            (op_module.COMBINE_SPEC, op_module._COMBINE_INPUTS,
+                             op_module._COMBINE_OUTPUTS)):
+        kernel = backends.get_kernel(spec, "emulator", ins, outs)
+        total += len(kernel._modules)  # one compiled module per generated source
+    return total
+
+
+def test_kv_len_l_and_batch_do_not_rebuild(kernel_backend, launches, rng):
+    """A decode/verify loop (growing kv_len, then other L and B) builds no new kernel."""
+    S = 700
+    q, k, v = make_inputs(rng, 1, 8, 2, 4, S, 64, mx.float16)
+    run_and_check(q, k, v, scale=0.125, causal=True, kv_len=4, backend=kernel_backend)
+    built = backends.built_kernels()
+    inst = _emulator_instantiations() if kernel_backend == "emulator" else None
+    for kv_len in (5, 31, 32, 33, 64, 97, 300, 650):  # 1 to several KV slices
+        run_and_check(q, k, v, scale=0.125, causal=True, kv_len=kv_len, backend=kernel_backend)
+    for B, L in ((1, 1), (2, 8), (3, 16)):
+        q2, k2, v2 = make_inputs(rng, B, 8, 2, L, S, 64, mx.float16)
+        run_and_check(q2, k2, v2, scale=0.3, causal=False, kv_len=120, backend=kernel_backend)
+    assert backends.built_kernels() == built
+    assert len({(name, template) for name, template, _ in launches}) == 2
+    assert len({op_module.plan(1, 8, 2, 4, 64, n, mx.float16)["n_splits"]
+                for n in (4, 650)}) == 2  # the loop did change the launch geometry
+    if kernel_backend == "emulator":
+        assert _emulator_instantiations() == inst
+
+
+# ---- device traffic (emulator counters) -------------------------------------------------
+
+TRAFFIC_CASES = [
+    # (B, Hq, Hkv, L, kv_len, S, D, causal, one_block_slices)
+    (2, 8, 2, 4, 150, 200, 64, False, True),    # 16 rows: K/V once, over 5 slices
+    (1, 32, 8, 8, 300, 320, 128, True, False),  # 32 rows (real-model GQA 4 x L 8), causal
+    (1, 8, 1, 1, 1000, 1024, 128, False, False),  # decode, GQA 8, planner's own slices
+    (1, 4, 4, 16, 90, 96, 256, False, False),   # D 256 (staged in one or two chunks)
+    (1, 8, 1, 8, 100, 128, 64, False, False),   # 64 rows: two row tiles -> twice
+    (1, 4, 1, 33, 200, 200, 64, True, True),    # 132 rows: 5 tiles, causal, 7 slices
+]
+
+
+@pytest.mark.parametrize("dtype", (mx.float16, mx.float32), ids=dtype_id)
+@pytest.mark.parametrize("case", TRAFFIC_CASES, ids=lambda c: case_id(c[:-1]))
+def test_cache_is_read_once_per_row_tile(launches, monkeypatch, rng, case, dtype):
+    """Bytes the split kernel reads from k and v, against kv_len * Hkv * D * itemsize * B:
+    exactly once per row tile of 32 query rows for full attention (once in all when
+    L * Hq/Hkv <= 32), at most that for causal; q once per KV slice; partials written once."""
+    require_backend_here("emulator")
+    B, Hq, Hkv, L, kv_len, S, D, causal, one_block = case
+    if one_block:
+        monkeypatch.setattr(op_module, "MIN_SPLIT_BLOCKS", 1)
+        monkeypatch.setattr(op_module, "MIN_KEYS_PER_ROW", 0)
+        monkeypatch.setattr(op_module, "TARGET_THREADS", 1 << 30)
+    plan = op_module.plan(B, Hq, Hkv, L, D, kv_len, dtype)
+    q, k, v = make_inputs(rng, B, Hq, Hkv, L, S, D, dtype)
+    with backends.use_backend("emulator"):
+        run_and_check(q, k, v, scale=D ** -0.5, causal=causal, kv_len=kv_len,
+                      backend="emulator")
+    (name1, _, split), (name2, _, combine) = launches
+    assert (name1, name2) == (op_module.SPLIT_SPEC.name, op_module.COMBINE_SPEC.name)
+    ideal = B * Hkv * kv_len * D * dtype.size  # the visible cache of k (or v), once
+    tiles = -(-(L * Hq // Hkv) // op_module.ROW_TILE)
+    assert tiles == plan["n_tiles"]
+    for name in ("k", "v"):
+        if causal:
+            # a tile holding the block's last query reads the whole visible cache
+            assert ideal <= split.bytes_read[name] <= tiles * ideal
+        else:
+            assert split.bytes_read[name] == tiles * ideal
+    assert split.bytes_read["q"] == plan["n_splits"] * q.nbytes
+    rows = B * Hq * L
+    assert split.bytes_written["o_part"] == rows * plan["n_splits"] * D * 4
+    assert split.bytes_written["ml_part"] == rows * plan["n_splits"] * 2 * 4
+    assert split.grid == plan["grid"] and split.threadgroup == plan["threadgroup"]
+    assert split.threadgroup_memory <= plan["threadgroup_memory"] <= 32 * 1024
+    assert combine.bytes_read["o_part"] == rows * plan["n_splits"] * D * 4
+    assert combine.bytes_written["out"] == q.nbytes
+
+
+def require_backend_here(name):
+    reason = backends.unavailable_reason(name)
+    if reason is not None:
+        pytest.skip(f"backend {name} unavailable: {reason}")
+
+
+def test_empty_does_not_dispatch(kernel_backend):
+    before = backends.launch_count()
+    for B, L in ((0, 4), (2, 0)):
+        q = mx.zeros((B, 4, L, 64), dtype=mx.float16)
+        k = mx.zeros((B, 2, 8, 64), dtype=mx.float16)
+        out = mt.sdpa_multi(q, k, k, scale=1.0)
+        assert out.shape == q.shape and out.dtype == mx.float16
+    assert backends.launch_count() == before
+
+
+def test_op_is_lazy_and_compiles(monkeypatch, rng):
+    """No evaluation inside the op; it traces under mx.compile (reference backend here)."""
+    q, k, v = make_inputs(rng, 1, 4, 2, 8, 40, 64, mx.float32)
+
+    def no_eval(*args, **kwargs):
+        raise AssertionError("the op evaluated its graph")
+
+    with monkeypatch.context() as m:
+        m.setattr(mx, "eval", no_eval)
+        m.setattr(mx.array, "item", no_eval)
+        out = mt.sdpa_multi(q, k, v, scale=0.125, causal=True, kv_len=30)
+    want, magnitude = oracle(q, k, v, 0.125, True, 30)
+    assert_close(out, want, mx.float32, magnitude)
+    compiled = mx.compile(lambda a, b, c: mt.sdpa_multi(a, b, c, scale=0.125, causal=True,
+                                                        kv_len=30))
+    assert_close(compiled(q, k, v), want, mx.float32, magnitude)
+
+
+# ---- negative controls: a deliberately wrong variant must fail the harness ----------------
+
+def _broken_template(monkeypatch, spec, old: str, new: str):
+    """A copy of ``spec`` whose template has ``old`` replaced by ``new``."""
+    text = _templates.read_text(spec.template)
+    assert old in text
+    fake_name = spec.template.replace(".metal", "_broken.metal")
+    real_read = _templates.read_text
+
+    def read_text(name):
+        return text.replace(old, new) if name == fake_name else real_read(name)
+
+    monkeypatch.setattr(_templates, "read_text", read_text)
+    _templates.render.cache_clear()
+    return replace(spec, variant=spec.variant + "_broken", template=fake_name)
+
+
+def test_negative_control_causal_off_by_one(kernel_backend, monkeypatch, rng):
+    """Letting each causal query see one key too many must fail the oracle check."""
+    broken = _broken_template(monkeypatch, op_module.SPLIT_SPEC,
+                              "kvn - L + r % L + 1u", "kvn - L + r % L + 2u")
+    monkeypatch.setattr(op_module, "SPLIT_SPEC", broken)
+    q, k, v = make_inputs(rng, 1, 4, 2, 8, 40, 64, mx.float32)
+    try:
+        with pytest.raises(AssertionError, match="out of tolerance"):
+            run_and_check(q, k, v, scale=0.125, causal=True, kv_len=30, backend=kernel_backend)
+    finally:
+        _templates.render.cache_clear()
+
+
+def test_negative_control_combine_without_rescale(kernel_backend, monkeypatch, rng):
+    """Merging KV slices without rescaling by 2^(m_s - M) must fail the oracle check."""
+    broken = _broken_template(monkeypatch, op_module.COMBINE_SPEC,
+                              "exp2(ml_part[entry * 2u] - m_max)", "1.0f")
+    monkeypatch.setattr(op_module, "COMBINE_SPEC", broken)
+    q, k, v = make_inputs(rng, 1, 4, 2, 1, 600, 64, mx.float32)
+    assert op_module.plan(1, 4, 2, 1, 64, 600, mx.float32)["n_splits"] > 1
+    try:
+        with pytest.raises(AssertionError, match="out of tolerance"):
+            run_and_check(q, k, v, scale=0.125, causal=False, kv_len=600,
+                          backend=kernel_backend)
+    finally:
+        _templates.render.cache_clear()
+
+
+def test_negative_control_reference_off_by_one(monkeypatch, rng):
+    """The oracle harness rejects a composite whose causal bound is off by one."""
+    real = op_module.sdpa_multi_reference
+
+    def shifted(q, k, v, *, scale, causal=False, kv_len=None):
+        # each query sees one key fewer at the end: the block is treated as one step earlier
+        return real(q, k, v, scale=scale, causal=causal, kv_len=kv_len - 1)
+
+    monkeypatch.setattr(op_module, "sdpa_multi_reference", shifted)
+    q, k, v = make_inputs(rng, 1, 4, 2, 8, 40, 64, mx.float32)
+    with backends.use_backend("reference"), pytest.raises(AssertionError, match="out of tol"):
+        run_and_check(q, k, v, scale=0.125, causal=True, kv_len=30, backend="reference")
+
+
+# ---- bad input ------------------------------------------------------------------------
+
+def _ok(dtype=mx.float16):
+    return (mx.zeros((1, 8, 4, 64), dtype=dtype), mx.zeros((1, 2, 16, 64), dtype=dtype),
+            mx.zeros((1, 2, 16, 64), dtype=dtype))
+
+
+@pytest.mark.parametrize("mutate, exc, match", [
+    (lambda q, k, v: (q[0], k, v), ValueError, "q must have 4 dimensions"),
+    (lambda q, k, v: (q, k[0], v), ValueError, "k must have 4 dimensions"),
+    (lambda q, k, v: (q, k, v[..., None]), ValueError, "v must have 4 dimensions"),
+    (lambda q, k, v: (q, k, v[:, :, :8]), ValueError, "k and v must have the same shape"),
+    (lambda q, k, v: (q, k[:, :1], v), ValueError, "k and v must have the same shape"),
+    (lambda q, k, v: (mx.concatenate([q, q]), k, v), ValueError, "k and v must have q's batch size 2, got 1"),
+    (lambda q, k, v: (q[:, :7], k, v), ValueError, r"q's heads \(7\) must be a multiple"),
+    (lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]), ValueError,
+     r"head dim must be one of \(64, 96, 128, 256\), got 32"),
+    (lambda q, k, v: (q[..., :32], k, v), ValueError, "k and v must have q's head dim 32, got 64"),
+    (lambda q, k, v: (q[:, :0], k[:, :0], v[:, :0]), ValueError, "k and v must have at least 1 head"),
+    (lambda q, k, v: (q, k.astype(mx.float32), v), TypeError, "k must have q's dtype float16"),
+    (lambda q, k, v: (q, k, v.astype(mx.bfloat16)), TypeError, "v must have q's dtype"),
+    (lambda q, k, v: (q.astype(mx.int32), k, v), TypeError, "q must be float32"),
+    (lambda q, k, v: (np.zeros((1, 8, 4, 64)), k, v), TypeError, "q must be an mx.array"),
+])
+def test_bad_input(mutate, exc, match):
+    q, k, v = mutate(*_ok())
+    with pytest.raises(exc, match=r"^\[sdpa_multi\] " + match):
+        mt.sdpa_multi(q, k, v, scale=1.0)
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    ({"kv_len": 3}, ValueError, r"kv_len must satisfy L <= kv_len <= S, i.e. 4 <= kv_len <= 16, got 3"),
+    ({"kv_len": 17}, ValueError, r"kv_len must satisfy .* got 17"),
+    ({"kv_len": -1}, ValueError, "kv_len"),
+    ({"kv_len": 8.0}, TypeError, "kv_len must be a Python int"),
+    ({"kv_len": True}, TypeError, "kv_len must be a Python int"),
+    ({"kv_len": mx.array(8)}, TypeError, "kv_len must be a Python int"),
+    ({"scale": float("nan")}, ValueError, "scale must be finite"),
+    ({"scale": float("inf")}, ValueError, "scale must be finite"),
+    ({"scale": "0.1"}, TypeError, "scale must be a Python float"),
+    ({"causal": 1}, TypeError, "causal must be a bool"),
+])
+def test_bad_arguments(kwargs, exc, match):
+    args = {"scale": 0.125, **kwargs}
+    with pytest.raises(exc, match=r"^\[sdpa_multi\] " + match):
+        mt.sdpa_multi(*_ok(), **args)
+
+
+def test_scale_is_required():
+    with pytest.raises(TypeError):
+        mt.sdpa_multi(*_ok())  # keyword-only, no default
