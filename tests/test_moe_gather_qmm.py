@@ -74,8 +74,7 @@ def oracle(x, w, scales, biases, indices, group_size, bits, dtype):
 
 def make_weights(rng, E, N, K, group_size, bits, dtype):
     """Random codes and per-group scales/biases in mx.quantize's layout (scales of both signs)."""
-    words = rng.integers(0, 2**32, size=(E, N, K * bits // 32), dtype=np.uint64)
-    w = mx.array(words.astype(np.uint32))
+    w = mx.array(rng.integers(0, 2**32, size=(E, N, K * bits // 32), dtype=np.uint32))
     scales = rng.standard_normal((E, N, K // group_size)) * 0.05
     biases = rng.standard_normal((E, N, K // group_size)) * 0.5
     return (w, mx.array(scales.astype(np.float32)).astype(dtype),
@@ -156,12 +155,13 @@ def test_matches_oracle(backend, variant, rng, dtype, bits, shape):
 
 
 @pytest.mark.parametrize("bits", (4, 8))
-def test_decode_block_eight_experts(backend, variant, rng, bits):
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_decode_block_eight_experts(backend, variant, rng, dtype, bits):
     """A real decode block: one token's top-8 of 128 experts, 8 runs in one tile."""
     E, M, N, K, gs = 128, 8, 512, 2048, 64
     ids = np.sort(rng.choice(E, size=8, replace=False))
-    case = make_case(rng, E, M, N, K, gs, bits, mx.bfloat16, ids)
-    run_and_check(case, gs, bits, mx.bfloat16, backend, variant, what=" decode block")
+    case = make_case(rng, E, M, N, K, gs, bits, dtype, ids)
+    run_and_check(case, gs, bits, dtype, backend, variant, what=" decode block")
 
 
 def test_int32_indices_and_negative_id(backend, variant, rng):

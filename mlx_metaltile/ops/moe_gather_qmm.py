@@ -19,8 +19,9 @@ import platform
 import mlx.core as mx
 
 from .. import backends
-from .._registry import FLOAT_DTYPES, KernelSpec, register
+from .._registry import FLOAT_DTYPES, KernelInstance, KernelSpec, register
 from ._common import (
+    FLOAT_TYPES,
     INDEX_TYPES,
     dtype_name,
     require_array,
@@ -230,6 +231,28 @@ def _select_variant(variant: str | None, backend: str) -> str:
     return variant or "simdgroup"
 
 
+def _template(dtype: mx.Dtype, bits: int, group_size: int) -> tuple:
+    return (("T", dtype), ("BITS", bits), ("GROUP_SIZE", group_size))
+
+
+def instantiations(spec: KernelSpec) -> tuple[KernelInstance, ...]:
+    """Every instantiation ``_launch`` can make (for compile checks of other backends)."""
+    del spec  # both variants take the same arguments
+    out = []
+    for dtype in FLOAT_TYPES:
+        for bits in BITS:
+            for group_size in GROUP_SIZES:
+                for index_dtype in INDEX_TYPES:
+                    out.append(KernelInstance(
+                        template=_template(dtype, bits, group_size),
+                        inputs=(("x", dtype, 2), ("w", mx.uint32, 3), ("scales", dtype, 3),
+                                ("biases", dtype, 3), ("indices", index_dtype, 1),
+                                *((name, mx.uint32, 0) for name in _INPUTS[5:])),
+                        outputs=(("out", dtype),),
+                    ))
+    return tuple(out)
+
+
 def _launch(x, w, scales, biases, indices, M, N, K, E, group_size, bits, backend,
             variant) -> mx.array:
     spec = _SPECS[variant]
@@ -244,7 +267,7 @@ def _launch(x, w, scales, biases, indices, M, N, K, E, group_size, bits, backend
         inputs=(x, w, scales, biases, indices, scalar(M, mx.uint32), scalar(E, mx.uint32),
                 scalar(N, mx.uint32), scalar(K, mx.uint32)),
         input_names=_INPUTS, output_names=_OUTPUTS,
-        template=(("T", x.dtype), ("BITS", bits), ("GROUP_SIZE", group_size)),
+        template=_template(x.dtype, bits, group_size),
         grid=(threads * (N // BN), SLOTS, n_tiles), threadgroup=(threads, 1, 1),
         threadgroup_memory=tg_memory,
         output_shapes=((M, N),), output_dtypes=(x.dtype,),
@@ -266,7 +289,9 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
         (equal ids adjacent) is fast. An id outside ``[0, E)`` yields a NaN row and reads
         nothing out of bounds.
       group_size: 32, 64 or 128. bits: 4 or 8.
-      variant: None (choose from the device), ``"simdgroup"`` or ``"mpp"``.
+      variant: None (choose from the device), ``"simdgroup"`` or ``"mpp"``. The ``mpp``
+        path stages float16/bfloat16 operands as half: bfloat16 activations beyond half's
+        range (|x| > 65504) overflow there; ``simdgroup`` has no such limit.
 
     Requires N % 32 == 0 and K % 32 == 0. Each weight is dequantised as
     ``T(scale * q + bias)`` (rounded once to x's dtype, as MLX's quantized kernels see it)
