@@ -40,7 +40,7 @@ QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC = register(
         op=OP, variant="qmv", template="fp4_qmm_qmv.metal", dtypes=FLOAT_DTYPES,
         geometry="auto for M <= 8: threadgroup (64, 1, 1) = 2 simdgroups x 4 rows of w; "
                  "grid (64, N/8, ceil(M/MB)), MB = next power of two >= min(M, 8)",
-        notes="x / scale template: T, ST, GS, SCALE_MODE, MB",
+        notes="template: T, ST, SCALE_MODE, MB (rows of x per threadgroup); group size runtime",
     ),
     KernelSpec(
         op=OP, variant="simdgroup", template="fp4_qmm_simdgroup.metal", dtypes=FLOAT_DTYPES,
@@ -350,6 +350,9 @@ def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int = 32,
         (nvfp4, group_size 16), or float32 / float16 / bfloat16 (a plain per-group scale;
         group_size 16, 32, 64 or 128).
       group_size: codes per scale.
+        Decoding follows MLX's Metal kernels bit for bit: E8M0 s -> 2^(s - 127) (0 -> 2^-127,
+        255 -> inf); E4M3 without NaN (0x7F / 0xFF read as +-480, which mx.quantize never
+        writes); nvfp4's optional global scale is not taken.
       variant: None (auto) or "qmv", "simdgroup", "mpp" to force a kernel; a variant that
         cannot run on the current backend raises ValueError. Kernel backends only.
 
