@@ -8,9 +8,10 @@
 //   runtime inputs, so changing n or eps never builds a new kernel.
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
-//   threadgroup = (TG, 1, 1), TG = max(32, round_up(ceil(n / 4), 32)) <= 1024, i.e. n <= 4096
+//   threadgroup = (TG, 1, 1), TG = round_up(ceil(n / 4), 32) <= 1024, i.e. 128 < n <= 4096
 //   grid        = (TG, rows, 1): threadgroup_position_in_grid.y is the row
-//   Thread t holds elements [4t, 4t + 4) of its row; elements past n read as 0.
+//   Thread t holds elements [4t, 4t + 4) of its row (y, z and w); past n they read as 0.
+//   (Rows of n <= 128 go to gated_rms_norm_simd_rows.metal instead.)
 //   threadgroup memory: 32 floats. Every thread reaches the one barrier (no early return).
 #include "common.h"
 // ---- kernel body ----
@@ -22,11 +23,17 @@ const uint lid = thread_position_in_threadgroup.x;
 const uint n = n_cols;
 const size_t base = size_t(row) * n;
 
+// All loads first, so they are in flight together before the barrier of the reduction.
 float y_reg[N_READS];
+float z_reg[N_READS];
+float w_reg[N_READS];
 float sum_sq = 0.0f;
 for (uint j = 0; j < N_READS; ++j) {
   const uint col = lid * N_READS + j;
-  y_reg[j] = col < n ? float(y[base + col]) : 0.0f;
+  const bool inside = col < n;
+  y_reg[j] = inside ? float(y[base + col]) : 0.0f;
+  z_reg[j] = inside ? float(z[base + col]) : 0.0f;
+  w_reg[j] = inside ? float(w[col]) : 0.0f;
   sum_sq += y_reg[j] * y_reg[j];
 }
 const float total = mt_threadgroup_sum(sum_sq, simd_partials, thread_index_in_simdgroup,
@@ -37,7 +44,6 @@ const float inv_rms = metal::precise::rsqrt(total / float(n) + eps);
 for (uint j = 0; j < N_READS; ++j) {
   const uint col = lid * N_READS + j;
   if (col < n) {
-    const float gate = mt_silu(float(z[base + col]));
-    out[base + col] = T(float(w[col]) * y_reg[j] * inv_rms * gate);
+    out[base + col] = T(w_reg[j] * y_reg[j] * inv_rms * mt_silu(z_reg[j]));
   }
 }

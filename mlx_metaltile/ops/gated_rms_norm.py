@@ -25,11 +25,19 @@ from ._common import (
 OP = "gated_rms_norm"
 N_READS = 4  # elements of a row held by each thread (matches the templates)
 MAX_REGISTER_ROW = 1024 * N_READS  # longest row held in registers in one pass
+MAX_SIMD_ROW = 32 * N_READS  # longest row one SIMD-group holds
+SIMD_ROWS_PER_GROUP = 8
 
-REGISTER_SPEC, LOOPED_SPEC = register(
+SIMD_ROWS_SPEC, REGISTER_SPEC, LOOPED_SPEC = register(
+    KernelSpec(
+        op=OP, variant="simd_rows", template="gated_rms_norm_simd_rows.metal",
+        dtypes=FLOAT_DTYPES,
+        geometry="n <= 128: one SIMD-group per row, 8 rows per threadgroup of (32, 8, 1); "
+                 "grid (32, round_up(rows, 8), 1)",
+    ),
     KernelSpec(
         op=OP, variant="row", template="gated_rms_norm.metal", dtypes=FLOAT_DTYPES,
-        geometry="n <= 4096: one threadgroup per row, TG = max(32, round_up(ceil(n/4), 32)); "
+        geometry="128 < n <= 4096: one threadgroup per row, TG = round_up(ceil(n/4), 32); "
                  "grid (TG, rows, 1)",
     ),
     KernelSpec(
@@ -39,6 +47,7 @@ REGISTER_SPEC, LOOPED_SPEC = register(
     ),
 )
 _INPUTS = ("y", "z", "w", "n_cols", "eps")
+_SIMD_ROWS_INPUTS = ("y", "z", "w", "n_cols", "n_rows", "eps")
 _OUTPUTS = ("out",)
 
 
@@ -87,32 +96,37 @@ def _template(z_dtype: mx.Dtype, y_dtype: mx.Dtype) -> tuple[tuple[str, mx.Dtype
 
 
 def instantiations(spec: KernelSpec) -> tuple[KernelInstance, ...]:
-    """Every instantiation ``_launch`` can make (both variants take the same arguments)."""
-    del spec
+    """Every instantiation ``_launch`` can make (all variants take the same template)."""
+    scalars = (("n_cols", mx.uint32, 0), ("n_rows", mx.uint32, 0), ("eps", mx.float32, 0))
+    if spec is not SIMD_ROWS_SPEC:
+        scalars = (scalars[0], scalars[2])
     out = []
     for t in FLOAT_TYPES:
         for yt in dict.fromkeys((mx.float32, t)):
             out.append(KernelInstance(
                 template=_template(t, yt),
-                inputs=(("y", yt, 2), ("z", t, 2), ("w", t, 1), ("n_cols", mx.uint32, 0),
-                        ("eps", mx.float32, 0)),
+                inputs=(("y", yt, 2), ("z", t, 2), ("w", t, 1), *scalars),
                 outputs=(("out", t),),
             ))
     return tuple(out)
 
 
 def _launch(y, z, weight, n: int, rows: int, eps: float, backend: str) -> mx.array:
-    if n <= MAX_REGISTER_ROW:
-        spec, tg = REGISTER_SPEC, max(32, round_up(-(-n // N_READS), 32))
+    n_arr, eps_arr = scalar(n, mx.uint32), scalar(eps, mx.float32)
+    if n <= MAX_SIMD_ROW:
+        spec, names = SIMD_ROWS_SPEC, _SIMD_ROWS_INPUTS
+        inputs = (y, z, weight, n_arr, scalar(rows, mx.uint32), eps_arr)
+        grid = (32, round_up(rows, SIMD_ROWS_PER_GROUP), 1)
+        threadgroup, tg_memory = (32, SIMD_ROWS_PER_GROUP, 1), 0
     else:
-        spec, tg = LOOPED_SPEC, 1024
+        tg = round_up(-(-n // N_READS), 32) if n <= MAX_REGISTER_ROW else 1024
+        spec = REGISTER_SPEC if n <= MAX_REGISTER_ROW else LOOPED_SPEC
+        names, inputs = _INPUTS, (y, z, weight, n_arr, eps_arr)
+        grid, threadgroup, tg_memory = (tg, rows, 1), (tg, 1, 1), 32 * 4
     (out,) = backends.launch(
-        spec, backend,
-        inputs=(y, z, weight, scalar(n, mx.uint32), scalar(eps, mx.float32)),
-        input_names=_INPUTS, output_names=_OUTPUTS,
-        template=_template(z.dtype, y.dtype),
-        grid=(tg, rows, 1), threadgroup=(tg, 1, 1), threadgroup_memory=32 * 4,
-        output_shapes=(z.shape,), output_dtypes=(z.dtype,),
+        spec, backend, inputs=inputs, input_names=names, output_names=_OUTPUTS,
+        template=_template(z.dtype, y.dtype), grid=grid, threadgroup=threadgroup,
+        threadgroup_memory=tg_memory, output_shapes=(z.shape,), output_dtypes=(z.dtype,),
     )
     return out
 
