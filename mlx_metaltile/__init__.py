@@ -2,7 +2,7 @@
 
 from ._registry import KernelSpec, kernels
 from .backends import available_backends, get_backend, set_backend, use_backend
-from .ops import expert_qmv, gated_rms_norm, moe_gather_qmm, sdpa_multi
+from .ops import expert_qmv, fp4_qmm, gated_rms_norm, moe_gather_qmm, sdpa_multi
 
 __version__ = "0.1.0"
 
@@ -10,6 +10,7 @@ __all__ = [
     "KernelSpec",
     "available_backends",
     "expert_qmv",
+    "fp4_qmm",
     "gated_rms_norm",
     "get_backend",
     "kernels",

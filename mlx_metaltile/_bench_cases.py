@@ -90,6 +90,142 @@ def _gated_rms_norm_cases():
 _gated_rms_norm_cases()
 
 
+# ---- fp4_qmm -------------------------------------------------------------------------
+
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                  -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
+
+
+def _mxfp4_weights64(w, scales) -> np.ndarray:
+    """[N, K] float64: E2M1 code * 2^(s - 127), from the mxfp4 definition."""
+    words = np.array(w)
+    n = words.shape[0]
+    codes = (words[:, :, None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF
+    values = _E2M1[codes.reshape(n, -1)].reshape(n, -1, 32)
+    s = np.exp2(np.array(scales).astype(np.float32) - 127.0)
+    return (values * s[:, :, None]).reshape(n, -1).astype(np.float64)
+
+
+def _fp4_qmm_oracle(x, w, scales):
+    return f64(x) @ _mxfp4_weights64(w, scales).T
+
+
+def _fp4_qmm_magnitude(x, w, scales):
+    return np.abs(f64(x)) @ np.abs(_mxfp4_weights64(w, scales)).T
+
+
+def _fp4_qmm_native(x, w, scales):
+    return mx.quantized_matmul(x, w, scales, transpose=True, group_size=32, bits=4,
+                               mode="mxfp4")
+
+
+def _fp4_qmm_cases():
+    for n, k in ((4096, 4096), (14336, 4096)):
+        for m in (1, 8, 32, 512):
+            for dtype in DTYPES:
+                def make(rng, m=m, n=n, k=k, dtype=dtype):
+                    wf = mx.array(rng.standard_normal((n, k), dtype=np.float32) * 0.02)
+                    w, scales = mx.quantize(wf, mode="mxfp4")[:2]
+                    x = mx.array(rng.standard_normal((m, k), dtype=np.float32)).astype(dtype)
+                    return dict(x=x, w=w, scales=scales)
+                nbytes = m * k * dtype.size + n * k // 2 + n * k // 32 + m * n * dtype.size
+                _CASES.append(BenchCase(
+                    op="fp4_qmm", label=f"M{m}-N{n}-K{k}", dtype=dtype, make=make,
+                    ours=mt.fp4_qmm, native=_fp4_qmm_native, oracle=_fp4_qmm_oracle,
+                    nbytes=nbytes, flops=2 * m * n * k, magnitude=_fp4_qmm_magnitude,
+                    quick=n == k and m in (1, 32) and dtype == mx.bfloat16))
+
+
+_fp4_qmm_cases()
+
+
+# ---- moe_gather_qmm -----------------------------------------------------------------
+
+def _moe_unpack(w: np.ndarray, bits: int) -> np.ndarray:
+    per_word = 32 // bits
+    shifts = np.arange(per_word, dtype=np.uint64) * bits
+    codes = (w.astype(np.uint64)[..., None] >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*w.shape[:-1], w.shape[-1] * per_word).astype(np.float64)
+
+
+def _moe_round(values: np.ndarray, dtype) -> np.ndarray:
+    if dtype == mx.float32:
+        return values.astype(np.float32).astype(np.float64)
+    if dtype == mx.float16:
+        return values.astype(np.float16).astype(np.float64)
+    mant, expo = np.frexp(values)  # bfloat16: 8 significant bits, ties to even
+    return np.ldexp(np.rint(mant * 256.0) / 256.0, expo)
+
+
+def _moe_oracle(x, w, scales, biases, indices, *, group_size, bits):
+    """out[m] = T(scale * q + bias)[e_m] @ x[m] in float64 (T = x's dtype)."""
+    xf, ids, wn = f64(x), np.array(indices).astype(np.int64), np.array(w)
+    s, b = f64(scales), f64(biases)
+    out = np.full((xf.shape[0], wn.shape[1]), np.nan)
+    for e in np.unique(ids):
+        if 0 <= e < wn.shape[0]:
+            wd = (_moe_unpack(wn[e], bits) * np.repeat(s[e], group_size, axis=-1)
+                  + np.repeat(b[e], group_size, axis=-1))
+            rows = ids == e
+            out[rows] = xf[rows] @ _moe_round(wd, x.dtype).T
+    return out
+
+
+def _moe_native(x, w, scales, biases, indices, *, group_size, bits):
+    # MLX's own call for sorted MoE rows (x as [M, 1, K]): per-pair matvecs unless every
+    # expert has >= 4 rows on average, then its tiled kernel.
+    out = mx.gather_qmm(x[:, None, :], w, scales, biases, rhs_indices=indices, transpose=True,
+                        group_size=group_size, bits=bits, sorted_indices=True)
+    return out.reshape(x.shape[0], w.shape[1])
+
+
+def _moe_routing(tokens: int, n_experts: int, top_k: int, seed: int) -> np.ndarray:
+    """Sorted expert ids of ``tokens`` tokens, each routed to ``top_k`` distinct experts."""
+    rng = np.random.default_rng(seed)
+    ids = [rng.choice(n_experts, size=top_k, replace=False) for _ in range(tokens)]
+    return np.sort(np.concatenate(ids)).astype(np.uint32)
+
+
+def _moe_gather_qmm_cases():
+    import itertools
+    from functools import partial
+
+    E, top_k, group_size = 128, 8, 64
+    for n, k in ((768, 2048), (2048, 768)):
+        for rows in (8, 32, 128, 1024):
+            for bits, dtype in itertools.product((4, 8), (mx.bfloat16, mx.float32)):
+                if dtype == mx.float32 and not (bits == 4 and n == 768 and rows in (8, 128)):
+                    continue  # float32: a few cases (MLX's CPU gather_qmm is exact only there)
+                ids = _moe_routing(rows // top_k, E, top_k, seed=rows * 7 + n)
+
+                def make(rng, n=n, k=k, bits=bits, ids=ids, dtype=dtype):
+                    # Positive data: no cancellation, so the relative check of the suite holds.
+                    m = ids.shape[0]
+                    words = rng.integers(0, 2**32, size=(E, n, k * bits // 32), dtype=np.uint64)
+                    shape = (E, n, k // group_size)
+                    return dict(
+                        x=mx.array(rng.uniform(0.5, 1.0, (m, k)).astype(np.float32)).astype(dtype),
+                        w=mx.array(words.astype(np.uint32)),
+                        scales=mx.array(rng.uniform(0.5, 1.0, shape).astype(np.float32)
+                                        / (1 << bits)).astype(dtype),
+                        biases=mx.array(rng.uniform(0.0, 0.5, shape).astype(np.float32)).astype(dtype),
+                        indices=mx.array(ids))
+
+                touched = len(np.unique(ids))
+                w_bytes = touched * n * (k * bits // 8 + 2 * (k // group_size) * dtype.size)
+                nbytes = rows * k * dtype.size + w_bytes + rows * 4 + rows * n * dtype.size
+                kw = dict(group_size=group_size, bits=bits)
+                _CASES.append(BenchCase(
+                    op="moe_gather_qmm", label=f"M{rows}-N{n}-K{k}-E{E}-b{bits}", dtype=dtype,
+                    make=make, ours=partial(mt.moe_gather_qmm, **kw),
+                    native=partial(_moe_native, **kw), oracle=partial(_moe_oracle, **kw),
+                    nbytes=nbytes, flops=2 * rows * n * k,
+                    quick=rows in (8, 128) and n == 768 and bits == 4 and dtype == mx.bfloat16))
+
+
+_moe_gather_qmm_cases()
+
+
 # ---- expert_qmv ------------------------------------------------------------------------
 
 def _expert_qmv_ours(x, w, scales, biases, indices, host_ids, group_size, bits):
@@ -260,93 +396,6 @@ def _sdpa_multi_cases():
 
 _sdpa_multi_cases()
 
-
-
-# ---- moe_gather_qmm -----------------------------------------------------------------
-
-def _moe_unpack(w: np.ndarray, bits: int) -> np.ndarray:
-    per_word = 32 // bits
-    shifts = np.arange(per_word, dtype=np.uint64) * bits
-    codes = (w.astype(np.uint64)[..., None] >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(*w.shape[:-1], w.shape[-1] * per_word).astype(np.float64)
-
-
-def _moe_round(values: np.ndarray, dtype) -> np.ndarray:
-    if dtype == mx.float32:
-        return values.astype(np.float32).astype(np.float64)
-    if dtype == mx.float16:
-        return values.astype(np.float16).astype(np.float64)
-    mant, expo = np.frexp(values)  # bfloat16: 8 significant bits, ties to even
-    return np.ldexp(np.rint(mant * 256.0) / 256.0, expo)
-
-
-def _moe_oracle(x, w, scales, biases, indices, *, group_size, bits):
-    """out[m] = T(scale * q + bias)[e_m] @ x[m] in float64 (T = x's dtype)."""
-    xf, ids, wn = f64(x), np.array(indices).astype(np.int64), np.array(w)
-    s, b = f64(scales), f64(biases)
-    out = np.full((xf.shape[0], wn.shape[1]), np.nan)
-    for e in np.unique(ids):
-        if 0 <= e < wn.shape[0]:
-            wd = (_moe_unpack(wn[e], bits) * np.repeat(s[e], group_size, axis=-1)
-                  + np.repeat(b[e], group_size, axis=-1))
-            rows = ids == e
-            out[rows] = xf[rows] @ _moe_round(wd, x.dtype).T
-    return out
-
-
-def _moe_native(x, w, scales, biases, indices, *, group_size, bits):
-    # MLX's own call for sorted MoE rows (x as [M, 1, K]): per-pair matvecs unless every
-    # expert has >= 4 rows on average, then its tiled kernel.
-    out = mx.gather_qmm(x[:, None, :], w, scales, biases, rhs_indices=indices, transpose=True,
-                        group_size=group_size, bits=bits, sorted_indices=True)
-    return out.reshape(x.shape[0], w.shape[1])
-
-
-def _moe_routing(tokens: int, n_experts: int, top_k: int, seed: int) -> np.ndarray:
-    """Sorted expert ids of ``tokens`` tokens, each routed to ``top_k`` distinct experts."""
-    rng = np.random.default_rng(seed)
-    ids = [rng.choice(n_experts, size=top_k, replace=False) for _ in range(tokens)]
-    return np.sort(np.concatenate(ids)).astype(np.uint32)
-
-
-def _moe_gather_qmm_cases():
-    import itertools
-    from functools import partial
-
-    E, top_k, group_size = 128, 8, 64
-    for n, k in ((768, 2048), (2048, 768)):
-        for rows in (8, 32, 128, 1024):
-            for bits, dtype in itertools.product((4, 8), (mx.bfloat16, mx.float32)):
-                if dtype == mx.float32 and not (bits == 4 and n == 768 and rows in (8, 128)):
-                    continue  # float32: a few cases (MLX's CPU gather_qmm is exact only there)
-                ids = _moe_routing(rows // top_k, E, top_k, seed=rows * 7 + n)
-
-                def make(rng, n=n, k=k, bits=bits, ids=ids, dtype=dtype):
-                    # Positive data: no cancellation, so the relative check of the suite holds.
-                    m = ids.shape[0]
-                    words = rng.integers(0, 2**32, size=(E, n, k * bits // 32), dtype=np.uint64)
-                    shape = (E, n, k // group_size)
-                    return dict(
-                        x=mx.array(rng.uniform(0.5, 1.0, (m, k)).astype(np.float32)).astype(dtype),
-                        w=mx.array(words.astype(np.uint32)),
-                        scales=mx.array(rng.uniform(0.5, 1.0, shape).astype(np.float32)
-                                        / (1 << bits)).astype(dtype),
-                        biases=mx.array(rng.uniform(0.0, 0.5, shape).astype(np.float32)).astype(dtype),
-                        indices=mx.array(ids))
-
-                touched = len(np.unique(ids))
-                w_bytes = touched * n * (k * bits // 8 + 2 * (k // group_size) * dtype.size)
-                nbytes = rows * k * dtype.size + w_bytes + rows * 4 + rows * n * dtype.size
-                kw = dict(group_size=group_size, bits=bits)
-                _CASES.append(BenchCase(
-                    op="moe_gather_qmm", label=f"M{rows}-N{n}-K{k}-E{E}-b{bits}", dtype=dtype,
-                    make=make, ours=partial(mt.moe_gather_qmm, **kw),
-                    native=partial(_moe_native, **kw), oracle=partial(_moe_oracle, **kw),
-                    nbytes=nbytes, flops=2 * rows * n * k,
-                    quick=rows in (8, 128) and n == 768 and bits == 4 and dtype == mx.bfloat16))
-
-
-_moe_gather_qmm_cases()
 
 
 def cases(op: str | None = None, quick: bool = False) -> list[BenchCase]:

@@ -26,3 +26,43 @@ inline float mt_threadgroup_sum(float value, threadgroup float* scratch, uint si
 inline float mt_silu(float z) {
   return z / (1.0f + metal::exp(-z));
 }
+
+// ---- fp4 (E2M1) weights and their block scales (MLX's mxfp4 / nvfp4 layouts) ----------
+//
+// E2M1 code (4 bits): bit 3 sign, bits 2-1 exponent, bit 0 mantissa; magnitudes
+// {0, 0.5, 1, 1.5, 2, 3, 4, 6} (exponent 0 is subnormal: 0 or 0.5). Eight codes per
+// uint32, code j at bits [4j, 4j + 4).
+//
+// Decoded with integer arithmetic, no table: the 3 magnitude bits are placed at the top of a
+// binary16 mantissa/exponent (bits 9-11), the sign at bit 15; the half then holds
+// magnitude * 2^-14 exactly (exponent 0 lands on a half subnormal), and one multiply by
+// 2^14 restores it. Two codes 16 bits apart are decoded at once as a half2, so a uint32 word
+// costs four of these (5 integer ops + 1 half2 multiply each) and no memory access; a table
+// lookup would cost one indexed load per code.
+//
+// mt_e2m1x2(bits): .x = code at bits [0, 4), .y = code at bits [16, 20) (exact; -0 for 0x8).
+inline half2 mt_e2m1x2(uint bits) {
+  const uint mag = (bits & 0x00070007u) << 9;
+  const uint sgn = (bits & 0x00080008u) << 12;
+  return as_type<half2>(mag | sgn) * half2(16384.0h);
+}
+
+// Block scale -> float32. SCALE_MODE: 0 a plain float scale (float, half or bfloat),
+// 1 E8M0 (uint8, value 2^(s - 127); s = 0 gives 2^-127 and s = 255 gives inf, as MLX),
+// 2 E4M3 (uint8, nvfp4; 1 sign, 4 exponent bits with bias 7, 3 mantissa bits; 0x7F reads as
+// 480 like MLX's decoder, no NaN). Every result is exact in float32.
+template <int SCALE_MODE, typename ST>
+inline float mt_fp4_scale(ST s) {
+  if constexpr (SCALE_MODE == 1) {
+    const uint b = uint(s) & 0xFFu;
+    return as_type<float>(b == 0u ? 0x00400000u : (b << 23));
+  } else if constexpr (SCALE_MODE == 2) {
+    const uint b = uint(s) & 0xFFu;
+    const uint mag = b & 0x7Fu;
+    const float v = (mag >> 3) == 0u ? float(mag) * 0.001953125f  // subnormal: m * 2^-9
+                                     : as_type<float>((mag << 20) + (120u << 23));
+    return (b & 0x80u) != 0u ? -v : v;
+  } else {
+    return float(s);
+  }
+}

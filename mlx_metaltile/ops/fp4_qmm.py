@@ -1,0 +1,373 @@
+"""fp4_qmm: ``x @ dequantize(w, scales).T`` against fp4 (E2M1) weights, in one kernel.
+
+Takes MLX's layouts as they are: ``w, scales = mx.quantize(W, mode="mxfp4")`` (uint8 E8M0
+scales, group 32), ``mode="nvfp4"`` (uint8 E4M3 scales, group 16, no global scale), or a plain
+floating-point scale per group (float32 / float16 / bfloat16; groups of 16, 32, 64 or 128).
+
+Kernels (``variant=``):
+  qmv        GEMV-shaped, for small M (decode); auto for M <= 8
+  simdgroup  32x32 output tiles on simdgroup matrices; every Apple GPU; auto for M > 8
+  mpp        32x32 tiles on MetalPerformancePrimitives matmul2d (16, 16, 32); auto for M > 8
+             on Metal when macOS >= 26.2 and the GPU generation is >= 17 (as MLX's NAX)
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .. import backends
+from .._registry import FLOAT_DTYPES, KernelInstance, KernelSpec, register
+from ._common import FLOAT_TYPES, dtype_name, require_array, require_float, round_up, scalar
+
+OP = "fp4_qmm"
+QMV_MAX_M = 8  # auto picks the GEMV-shaped kernel up to this many rows of x
+QMV_THREADS, QMV_ROWS_PER_TG = 64, 8
+TILE = 32  # BM = BN = BK of the tile kernels
+TILE_THREADS = 128
+SPLITK_TARGET_TGS = 512  # split K (simdgroup kernel) until about this many threadgroups run
+SUM_THREADS = 256
+FLOAT_SCALE_GROUPS = (16, 32, 64, 128)
+SCALE_FLOAT, SCALE_E8M0, SCALE_E4M3 = 0, 1, 2
+_MAX_DIM = 2**31
+
+QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC = register(
+    KernelSpec(
+        op=OP, variant="qmv", template="fp4_qmm_qmv.metal", dtypes=FLOAT_DTYPES,
+        geometry="auto for M <= 8: threadgroup (64, 1, 1) = 2 simdgroups x 4 rows of w; "
+                 "grid (64, N/8, ceil(M/MB)), MB = next power of two >= min(M, 8)",
+        notes="template: T, ST, SCALE_MODE, MB (rows of x per threadgroup); group size runtime",
+    ),
+    KernelSpec(
+        op=OP, variant="simdgroup", template="fp4_qmm_simdgroup.metal", dtypes=FLOAT_DTYPES,
+        geometry="32x32 output tile per threadgroup of 128 (4 simdgroups x 16x16 on "
+                 "simdgroup_float8x8), BK = 32; grid (128 * N/32, ceil(M/32), parts): K split "
+                 "in parts (float32 partials + fp4_qmm_splitk_sum) until ~512 threadgroups",
+    ),
+    KernelSpec(
+        op=OP, variant="mpp", template="fp4_qmm_mpp.metal", dtypes=FLOAT_DTYPES,
+        backends=("metal", "emulator"),
+        geometry="32x32 output tile per threadgroup of 128 (4 simdgroups, each a "
+                 "matmul2d(16, 16, 32) on cooperative tensors), BK = 32; "
+                 "grid (128 * N/32, ceil(M/32), 1); macOS >= 26.2, GPU generation >= 17",
+    ),
+)
+(SPLITK_SUM_SPEC,) = register(
+    KernelSpec(
+        op=OP, variant="splitk_sum", template="fp4_qmm_splitk_sum.metal", dtypes=FLOAT_DTYPES,
+        geometry="second pass of a split-K simdgroup call: threadgroup (256, 1, 1), 4 outputs "
+                 "per thread; grid (round_up(M*N/4, 256), 1, 1)",
+    ),
+)
+VARIANTS = {spec.variant: spec for spec in (QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC)}
+_INPUTS = ("x", "w", "scales", "m_rows", "n_cols", "k_cols")
+_QMV_INPUTS = (*_INPUTS, "gs_shift")
+_SPLIT_INPUTS = (*_INPUTS, "gs_shift", "k_part")
+# The emulator runs the mpp variant once it models MetalPerformancePrimitives (this header).
+_EMULATOR_MPP_HEADER = (Path(__file__).resolve().parent.parent / "emulator" / "include"
+                        / "MetalPerformancePrimitives" / "MetalPerformancePrimitives.h")
+_OUTPUTS = ("out",)
+
+
+# ---- checks ---------------------------------------------------------------------------
+
+def _scale_mode(scales: mx.array, group_size: int) -> int:
+    """The scale format, from the scale dtype and the group size (validated here)."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"[{OP}] group_size must be an int, got {type(group_size).__name__}")
+    if scales.dtype == mx.uint8:
+        if group_size == 32:
+            return SCALE_E8M0
+        if group_size == 16:
+            return SCALE_E4M3
+        raise ValueError(f"[{OP}] uint8 scales are E8M0 (mxfp4, group_size 32) or E4M3 "
+                         f"(nvfp4, group_size 16); got group_size {group_size}")
+    if scales.dtype in FLOAT_TYPES:
+        if group_size not in FLOAT_SCALE_GROUPS:
+            raise ValueError(f"[{OP}] group_size must be one of {FLOAT_SCALE_GROUPS} for "
+                             f"floating-point scales, got {group_size}")
+        return SCALE_FLOAT
+    raise TypeError(f"[{OP}] scales must be uint8 (E8M0 / E4M3) or float32, float16, "
+                    f"bfloat16, got {dtype_name(scales.dtype)}")
+
+
+def _check_fp4_qmm(x, w, scales, group_size) -> tuple[int, int, int, int]:
+    """Validate the inputs; return (M, N, K, scale_mode)."""
+    for name, arr in (("x", x), ("w", w), ("scales", scales)):
+        require_array(OP, name, arr)
+    require_float(OP, "x", x)
+    if w.dtype != mx.uint32:
+        raise TypeError(f"[{OP}] w must be uint32 (8 E2M1 codes per word), "
+                        f"got {dtype_name(w.dtype)}")
+    mode = _scale_mode(scales, group_size)
+    if w.ndim != 2:
+        raise ValueError(f"[{OP}] w must have 2 dimensions [N, K/8], got {w.ndim} "
+                         f"(shape {tuple(w.shape)})")
+    if x.ndim < 1:
+        raise ValueError(f"[{OP}] x must have at least 1 dimension [..., K], got 0")
+    n, k = w.shape[0], w.shape[1] * 8
+    if x.shape[-1] != k:
+        raise ValueError(f"[{OP}] x's last axis must be K = 8 * w.shape[1] = {k}, "
+                         f"got {x.shape[-1]} (x {tuple(x.shape)}, w {tuple(w.shape)})")
+    if n % 32 or n == 0:
+        raise ValueError(f"[{OP}] N (w.shape[0]) must be a positive multiple of 32, got {n}")
+    if k % 32 or k == 0:
+        raise ValueError(f"[{OP}] K (x.shape[-1] = 8 * w.shape[1]) must be a positive "
+                         f"multiple of 32, got {k}")
+    if k % group_size:
+        raise ValueError(f"[{OP}] K = {k} must be a multiple of group_size {group_size}")
+    want = (n, k // group_size)
+    if tuple(scales.shape) != want:
+        raise ValueError(f"[{OP}] scales must have shape [N, K/group_size] = {want}, "
+                         f"got {tuple(scales.shape)}")
+    m = math.prod(x.shape[:-1])
+    if max(m * k, n * k, m * n) >= _MAX_DIM:
+        raise ValueError(f"[{OP}] problem too large for 32-bit indexing: M={m}, N={n}, K={k}")
+    return m, n, k, mode
+
+
+# ---- reference ------------------------------------------------------------------------
+
+# E2M1 code -> value (bit 3 sign, bits 2-1 exponent, bit 0 mantissa).
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                  -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
+
+
+def _e8m0_table() -> np.ndarray:
+    """2^(s - 127) for s in 0..255 in float32 (s = 0 -> 2^-127, s = 255 -> inf; as MLX)."""
+    bits = np.arange(256, dtype=np.uint32) << 23
+    bits[0] = 0x00400000
+    return bits.view(np.float32)
+
+
+def _e4m3_table() -> np.ndarray:
+    """E4M3 byte -> float32 following MLX's decoder (0x7F / 0xFF read as +-480, no NaN)."""
+    b = np.arange(256, dtype=np.uint32)
+    mag, e, mant = b & 0x7F, (b >> 3) & 0xF, b & 0x7
+    normal = ((mag << 20) + (120 << 23)).astype(np.uint32).view(np.float32)
+    value = np.where(e == 0, mant.astype(np.float32) * np.float32(2.0**-9), normal)
+    return np.where(b & 0x80, -value, value).astype(np.float32)
+
+
+_TABLES: dict[str, mx.array] = {}
+
+
+def _table(name: str) -> mx.array:
+    if name not in _TABLES:
+        _TABLES[name] = mx.array({"e2m1": _E2M1, "e8m0": _e8m0_table(),
+                                  "e4m3": _e4m3_table()}[name])
+    return _TABLES[name]
+
+
+def fp4_dequantize_reference(w: mx.array, scales: mx.array, group_size: int = 32) -> mx.array:
+    """The float32 weights [N, K] that ``fp4_qmm`` multiplies by (pure MLX)."""
+    mode = _scale_mode(scales, group_size)
+    n, kw = w.shape
+    shifts = mx.arange(0, 32, 4, dtype=mx.uint32)
+    codes = ((w[:, :, None] >> shifts) & 0xF).reshape(n, kw * 8)
+    values = mx.take(_table("e2m1"), codes)
+    if mode == SCALE_FLOAT:
+        s = scales.astype(mx.float32)
+    else:
+        s = mx.take(_table("e8m0" if mode == SCALE_E8M0 else "e4m3"), scales.astype(mx.uint32))
+    values = values.reshape(n, -1, group_size) * s[:, :, None]
+    return values.reshape(n, kw * 8)
+
+
+def fp4_qmm_reference(x: mx.array, w: mx.array, scales: mx.array, *,
+                      group_size: int = 32) -> mx.array:
+    """Pure-MLX composite of the same math (float32 products and sums, rounded once)."""
+    _check_fp4_qmm(x, w, scales, group_size)
+    wdq = fp4_dequantize_reference(w, scales, group_size)
+    out = mx.matmul(x.astype(mx.float32), wdq.T)
+    return out.astype(x.dtype)
+
+
+# ---- variant choice and launch --------------------------------------------------------
+
+def _metal_has_mpp() -> bool:
+    """macOS >= 26.2 and GPU generation >= 17 (18 for phone GPUs), as MLX decides for NAX."""
+    if not backends._metal_available():
+        return False
+    try:
+        release = tuple(int(p) for p in platform.mac_ver()[0].split(".")[:2])
+        arch = str(mx.metal.device_info().get("architecture", ""))
+        gen = int(arch[-3:-1])
+    except (ValueError, TypeError, AttributeError):
+        return False
+    if len(release) < 2:
+        release = (*release, 0)
+    return release >= (26, 2) and gen >= (18 if arch.endswith("p") else 17)
+
+
+def mpp_unavailable_reason(backend: str) -> str | None:
+    """None if the mpp variant can run on ``backend`` here, else why not."""
+    if backend == "metal":
+        return None if _metal_has_mpp() else ("needs macOS >= 26.2 and an Apple GPU of "
+                                              "generation >= 17 (M5 class)")
+    if backend == "emulator":
+        if not _EMULATOR_MPP_HEADER.is_file():
+            return "this build of the emulator has no MetalPerformancePrimitives model"
+        return None
+    return f"the {backend} backend has no MetalPerformancePrimitives"
+
+
+def _choose(backend: str, m: int, variant: str | None) -> KernelSpec:
+    if variant is None:
+        if m <= QMV_MAX_M:
+            return QMV_SPEC
+        if backend == "metal" and _metal_has_mpp():
+            return MPP_SPEC
+        return SIMDGROUP_SPEC
+    if not isinstance(variant, str) or variant not in VARIANTS:
+        raise ValueError(f"[{OP}] variant must be None or one of {tuple(VARIANTS)}, "
+                         f"got {variant!r}")
+    if variant == "mpp":
+        reason = mpp_unavailable_reason(backend)
+        if reason is not None:
+            raise ValueError(f"[{OP}] variant 'mpp' is unavailable on the {backend} backend: "
+                             f"{reason}")
+    return VARIANTS[variant]
+
+
+def _qmv_rows(m: int) -> int:
+    """Rows of x per threadgroup of the qmv kernel: next power of two >= min(M, 8)."""
+    return 1 << (min(m, QMV_MAX_M) - 1).bit_length()
+
+
+def _scale_formats() -> list[tuple[mx.Dtype, int, int]]:
+    """(scale dtype as the kernels see it, group size, SCALE_MODE) of every accepted format
+    (float16 / bfloat16 scales reach the kernels as float32)."""
+    formats = [(mx.uint8, 32, SCALE_E8M0), (mx.uint8, 16, SCALE_E4M3)]
+    return formats + [(mx.float32, gs, SCALE_FLOAT) for gs in FLOAT_SCALE_GROUPS]
+
+
+def _template(spec: KernelSpec, t: mx.Dtype, st: mx.Dtype, gs: int, mode: int) -> list:
+    """Template arguments common to the matmul kernels (the group size is a runtime input of
+    qmv and simdgroup, a template argument of mpp, whose code depends on it)."""
+    if spec.variant.startswith("mpp"):
+        return [("T", t), ("ST", st), ("GS", gs), ("SCALE_MODE", mode)]
+    return [("T", t), ("ST", st), ("SCALE_MODE", mode)]
+
+
+def instantiations(spec: KernelSpec) -> tuple[KernelInstance, ...]:
+    """Every instantiation ``_launch`` can make (for compile checks of other backends)."""
+    out = {}
+    for t in FLOAT_TYPES:
+        if spec.variant == "splitk_sum":
+            out[t] = KernelInstance(
+                template=(("T", t),),
+                inputs=(("partial", mx.float32, 3), ("n_parts", mx.uint32, 0),
+                        ("n_out", mx.uint32, 0)),
+                outputs=(("out", t),))
+            continue
+        for st, gs, mode in _scale_formats():
+            base = tuple(_template(spec, t, st, gs, mode))
+            names = {"qmv": _QMV_INPUTS, "simdgroup": _SPLIT_INPUTS}.get(spec.variant, _INPUTS)
+            inputs = (("x", t, 2), ("w", mx.uint32, 2), ("scales", st, 2),
+                      *((name, mx.uint32, 0) for name in names[3:]))
+            if spec.variant == "qmv":
+                for mb in (1, 2, 4, 8):
+                    out[base, mb] = KernelInstance(template=(*base, ("MB", mb)), inputs=inputs,
+                                                   outputs=(("out", t),))
+            elif spec.variant == "simdgroup":
+                for ot in (t, mx.float32):
+                    out[base, ot] = KernelInstance(template=(*base, ("OT", ot)), inputs=inputs,
+                                                   outputs=(("out", ot),))
+            else:  # mpp
+                out[base] = KernelInstance(template=base, inputs=inputs, outputs=(("out", t),))
+    return tuple(out.values())
+
+
+def _split_parts(m: int, n: int, k: int, group_size: int) -> int:
+    """K parts for the simdgroup kernel (as MLX's qmm_splitk): about SPLITK_TARGET_TGS
+    threadgroups; each part a whole number of 32-wide K steps and of groups."""
+    tiles = (n // TILE) * -(-m // TILE)
+    align = max(TILE, group_size)
+    parts = min(max(1, SPLITK_TARGET_TGS // tiles), k // align)
+    while parts > 1 and k % (parts * align):
+        parts -= 1
+    return parts
+
+
+def _launch(spec: KernelSpec, x2, w, scales, m, n, k, mode, group_size, backend):
+    if scales.dtype in (mx.float16, mx.bfloat16):
+        scales = scales.astype(mx.float32)  # exact; one kernel build serves all float scales
+    template = _template(spec, x2.dtype, scales.dtype, group_size, mode)
+    inputs = [x2, w, scales, scalar(m, mx.uint32), scalar(n, mx.uint32), scalar(k, mx.uint32)]
+    names, parts, out_dtype = _INPUTS, 1, x2.dtype
+    gs_shift = scalar(group_size.bit_length() - 1, mx.uint32)
+    if spec.variant.startswith("qmv"):
+        mb = _qmv_rows(m)
+        template.append(("MB", mb))
+        inputs.append(gs_shift)
+        names = _QMV_INPUTS
+        grid = (QMV_THREADS, n // QMV_ROWS_PER_TG, -(-m // mb))
+        threadgroup, tg_mem = (QMV_THREADS, 1, 1), 0
+    else:
+        threadgroup = (TILE_THREADS, 1, 1)
+        if spec.variant.startswith("simdgroup"):
+            parts = _split_parts(m, n, k, group_size)
+            out_dtype = x2.dtype if parts == 1 else mx.float32
+            template.append(("OT", out_dtype))
+            inputs += [gs_shift, scalar(k // parts, mx.uint32)]
+            names = _SPLIT_INPUTS
+            tg_mem = 2 * TILE * (TILE + 4) * 4  # x and w tiles, float, rows padded to 36
+        else:
+            tg_mem = TILE * (TILE + 8) * 2 + 2 * TILE * 4  # half w tile + 2 x 32 scales
+        grid = (TILE_THREADS * (n // TILE), -(-m // TILE), parts)
+    (out,) = backends.launch(
+        spec, backend, inputs=inputs, input_names=names, output_names=_OUTPUTS,
+        template=template, grid=grid, threadgroup=threadgroup, threadgroup_memory=tg_mem,
+        output_shapes=((parts, m, n) if parts > 1 else (m, n),), output_dtypes=(out_dtype,),
+    )
+    if parts == 1:
+        return out
+    total = m * n
+    (out,) = backends.launch(
+        SPLITK_SUM_SPEC, backend,
+        inputs=(out, scalar(parts, mx.uint32), scalar(total, mx.uint32)),
+        input_names=("partial", "n_parts", "n_out"), output_names=_OUTPUTS,
+        template=(("T", x2.dtype),), grid=(round_up(-(-total // 4), SUM_THREADS), 1, 1),
+        threadgroup=(SUM_THREADS, 1, 1), output_shapes=((m, n),), output_dtypes=(x2.dtype,),
+    )
+    return out
+
+
+def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int = 32,
+            variant: str | None = None) -> mx.array:
+    """``x @ dequantize(w, scales).T`` with fp4 (E2M1) weights, float32 accumulation.
+
+    Args:
+      x: ``[..., K]`` float32 / float16 / bfloat16; sets the output dtype.
+      w: ``[N, K/8]`` uint32, 8 E2M1 codes per word (code j at bits [4j, 4j+4)), exactly as
+        ``mx.quantize(W, mode="mxfp4")`` (or ``"nvfp4"``) returns it.
+      scales: ``[N, K/group_size]``: uint8 E8M0 exponents (mxfp4, group_size 32), uint8 E4M3
+        (nvfp4, group_size 16), or float32 / float16 / bfloat16 (a plain per-group scale;
+        group_size 16, 32, 64 or 128).
+      group_size: codes per scale.
+        Decoding follows MLX's Metal kernels bit for bit: E8M0 s -> 2^(s - 127) (0 -> 2^-127,
+        255 -> inf); E4M3 without NaN (0x7F / 0xFF read as +-480, which mx.quantize never
+        writes); nvfp4's optional global scale is not taken.
+      variant: None (auto) or "qmv", "simdgroup", "mpp" to force a kernel; a variant that
+        cannot run on the current backend raises ValueError. Kernel backends only.
+
+    Returns: ``[..., N]`` in x's dtype. N and K must be multiples of 32.
+    """
+    m, n, k, mode = _check_fp4_qmm(x, w, scales, group_size)
+    out_shape = (*x.shape[:-1], n)
+    backend = backends.resolve_backend()
+    if backend == "reference":
+        if variant is not None:
+            raise ValueError(f"[{OP}] variant={variant!r} needs a kernel backend (metal, cuda, "
+                             "emulator); the reference backend runs the pure-MLX composite")
+        return fp4_qmm_reference(x, w, scales, group_size=group_size)
+    spec = _choose(backend, m, variant)
+    if m == 0:
+        return mx.zeros(out_shape, dtype=x.dtype)
+    out = _launch(spec, x.reshape(m, k), w, scales, m, n, k, mode, group_size, backend)
+    return out.reshape(out_shape)

@@ -1,0 +1,126 @@
+// fp4_qmm_simdgroup.metal: fp4 (E2M1) quantized matmul, 32x32 output tiles on simdgroup
+// matrices (every Apple GPU), optionally split along K.
+//
+// MATH (float32 accumulation, rounded once to OT):
+//   out[p, m, n] = sum_{k in part p} float(x[m, k]) * wdq[n, k],  part p = [p Kp, (p + 1) Kp)
+//   With one part (Kp = K), OT = T and out is the result [M, N]. With several, OT = float and
+//   out holds float32 partial sums [parts, M, N] that fp4_qmm_splitk_sum.metal adds up.
+//   wdq[n, k] = e2m1(code (w[n, k / 8] >> 4 (k % 8)) & 0xF) * scale(n, k / GS)   (float32)
+//   e2m1 -> {+-0, 0.5, 1, 1.5, 2, 3, 4, 6}; scale = mt_fp4_scale<SCALE_MODE>(scales[n, g])
+//   wdq is exact in float32 for E8M0 / E4M3 scales (a code times a power of two or a 4-bit
+//   mantissa) and one float32 rounding for float scales; nothing is rounded to T before the
+//   products, so no scale exponent can overflow a half staging buffer.
+//
+// LAYOUT (row-contiguous): x [M, K] T; w [N, K / 8] uint32 (code j of a word at bits
+//   [4j, 4j + 4)); scales [N, K / GS] ST; out [parts, M, N] OT. m_rows, n_cols, k_cols,
+//   gs_shift, k_part: 0-d uint32 runtime inputs (M, N, K, log2 GS with GS in 16 .. 128, Kp).
+// TEMPLATE: T, ST (uint8 or float: the wrapper passes float16 / bfloat16 scales as float32),
+//   SCALE_MODE (0 float, 1 E8M0, 2 E4M3), OT (T, or float for split-K partial sums).
+//
+// DESIGN: a threadgroup of 128 threads (4 simdgroups) owns out[m_tile : +32, n_tile : +32] and
+//   walks its part of K in steps of BK = 32. Per step, thread t stages row t / 4, columns (t % 4) * 8 .. +8
+//   of both operands into threadgroup float: 8 values of x (zeros for rows past M) and one
+//   uint32 word of w (8 codes, decoded with mt_e2m1x2 and multiplied by the row's group scale:
+//   the dequantisation of each weight happens once per threadgroup). Simdgroup s computes the
+//   16x16 block (rows 16 (s / 2), columns 16 (s % 2)) as 2x2 simdgroup_float8x8 accumulators,
+//   4 k-slices of 8 per step (B is loaded transposed: B[k][n] = ws[n][k]). The accumulators
+//   go through threadgroup memory (xs reused) so that the store to out can be guarded per row.
+//   Traffic (device loads, counted by the emulator): w ceil(M / 32) times, a scale once per
+//   word (the 4 threads of a row load the same one for GS >= 32), x N / 32 times, out once
+//   (parts times in float32 when split, then read once by the sum). Split-K (as MLX's qmm_splitk) gives small-M problems
+//   enough threadgroups: the wrapper targets about 512.
+//
+// DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
+//   threadgroup = (128, 1, 1); grid = (128 * N / 32, ceil(M / 32), parts):
+//   threadgroup_position_in_grid.x is the n tile, .y the m tile, .z the K part.
+//   N % 32 == 0, K % 32 == 0, GS | K (checked): no column or K tail; 8 | GS, so the 8 codes of
+//   a word share one scale. Kp = K / parts is a multiple of 32 and of GS (parts > 1 only
+//   then), so the parts tile K exactly. Rows of x past M are not read (their pointer is clamped to row
+//   M - 1 and the value replaced by 0) and rows of out past M are not written.
+//   threadgroup memory: 2 x 32 x 36 floats = 9216 bytes. Every thread reaches every barrier.
+// ONLY CHECKABLE ON A MAC: simdgroup_load with transpose from a padded threadgroup float
+//   array, the compiler's register allocation for 4 accumulators, speed.
+#include "common.h"
+// ---- kernel body ----
+constexpr uint BM = 32;
+constexpr uint BN = 32;
+constexpr uint BK = 32;
+constexpr uint LD = BK + 4;  // padded row stride of the staging tiles (floats)
+threadgroup float xs[BM * LD];
+threadgroup float ws[BN * LD];
+
+const uint M = m_rows;
+const uint N = n_cols;
+const uint K = k_cols;
+const uint k_begin = threadgroup_position_in_grid.z * k_part;
+const uint k_end = k_begin + k_part;
+const uint tid = thread_index_in_threadgroup;
+const uint sg = simdgroup_index_in_threadgroup;
+const uint n_tile = threadgroup_position_in_grid.x * BN;
+const uint m_tile = threadgroup_position_in_grid.y * BM;
+
+// Staging role of this thread: row lr of both tiles, columns lc .. lc + 7.
+const uint lr = tid / 4;
+const uint lc = (tid % 4) * 8;
+const bool x_row_ok = m_tile + lr < M;
+const size_t x_off = size_t(min(m_tile + lr, M - 1)) * K + lc;
+const size_t w_off = size_t(n_tile + lr) * (K / 8) + lc / 8;
+const size_t s_off = size_t(n_tile + lr) * (K >> gs_shift);
+
+// This simdgroup's 16x16 block of the tile.
+const uint sm = (sg / 2) * 16;
+const uint sn = (sg % 2) * 16;
+simdgroup_float8x8 acc[2][2];
+for (uint i = 0; i < 2; ++i) {
+  for (uint j = 0; j < 2; ++j) {
+    acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+}
+
+for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
+  float xv[8];
+  for (uint j = 0; j < 8; ++j) {
+    xv[j] = x_row_ok ? float(x[x_off + k0 + j]) : 0.0f;
+  }
+  const uint word = w[w_off + k0 / 8];
+  const float s = mt_fp4_scale<SCALE_MODE>(scales[s_off + ((k0 + lc) >> gs_shift)]);
+
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous step's loads are done
+  for (uint j = 0; j < 8; ++j) {
+    xs[lr * LD + lc + j] = xv[j];
+  }
+  for (uint j = 0; j < 4; ++j) {
+    const float2 v = float2(mt_e2m1x2(word >> (4 * j))) * s;
+    ws[lr * LD + lc + j] = v.x;
+    ws[lr * LD + lc + j + 4] = v.y;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  for (uint kk = 0; kk < BK; kk += 8) {
+    simdgroup_float8x8 a[2];
+    simdgroup_float8x8 b[2];
+    for (uint i = 0; i < 2; ++i) {
+      simdgroup_load(a[i], xs + (sm + 8 * i) * LD + kk, LD);
+      simdgroup_load(b[i], ws + (sn + 8 * i) * LD + kk, LD, ulong2(0, 0), true);
+    }
+    for (uint i = 0; i < 2; ++i) {
+      for (uint j = 0; j < 2; ++j) {
+        simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
+      }
+    }
+  }
+}
+
+threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done reading xs
+for (uint i = 0; i < 2; ++i) {
+  for (uint j = 0; j < 2; ++j) {
+    simdgroup_store(acc[i][j], xs + (sm + 8 * i) * LD + sn + 8 * j, LD);
+  }
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+if (x_row_ok) {
+  const size_t o_off = (size_t(threadgroup_position_in_grid.z) * M + m_tile + lr) * N + n_tile + lc;
+  for (uint j = 0; j < 8; ++j) {
+    out[o_off + j] = OT(xs[lr * LD + lc + j]);
+  }
+}

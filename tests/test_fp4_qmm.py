@@ -1,0 +1,592 @@
+"""fp4_qmm against a float64 NumPy oracle, on every backend available here."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import replace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import require_backend
+from tolerances import assert_close, to_f64
+
+import mlx_metaltile as mt
+from mlx_metaltile import _templates, backends
+
+op_module = importlib.import_module("mlx_metaltile.ops.fp4_qmm")
+DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+VARIANTS = ("qmv", "simdgroup", "mpp")
+SPEC_ATTR = {"qmv": "QMV_SPEC", "simdgroup": "SIMDGROUP_SPEC", "mpp": "MPP_SPEC"}
+# (scale kind, group size): the scale formats fp4_qmm accepts.
+SCALE_KINDS = (("e8m0", 32), ("e4m3", 16), ("float32", 32), ("float16", 64),
+               ("bfloat16", 128), ("float32", 16))
+dtype_id = lambda d: str(d).rsplit(".", 1)[-1]  # noqa: E731
+
+
+# ---- the oracle, from the format's definition ------------------------------------------
+
+def e2m1_value(code: np.ndarray) -> np.ndarray:
+    """E2M1: bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa; exponent 0 subnormal."""
+    code = code.astype(np.int64)
+    sign = np.where(code & 8, -1.0, 1.0)
+    e, m = (code >> 1) & 3, code & 1
+    mag = np.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * np.exp2(e - 1.0))
+    return sign * mag
+
+
+def scale_value(scales: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "e8m0":  # 2^(s - 127)
+        return np.exp2(scales.astype(np.float64) - 127.0)
+    if kind == "e4m3":  # 1 sign, 4 exponent bits (bias 7), 3 mantissa bits; 0x7F/0xFF as 480
+        b = scales.astype(np.int64)
+        e, m = (b >> 3) & 0xF, b & 7
+        mag = np.where(e == 0, m * 2.0**-9, (1.0 + m / 8.0) * np.exp2(e - 7.0))
+        return np.where(b & 0x80, -mag, mag)
+    return to_f64(scales)
+
+
+def dequantize64(w, scales, kind: str, group_size: int) -> np.ndarray:
+    words = np.array(w).astype(np.uint64)
+    n = words.shape[0]
+    codes = (words[:, :, None] >> (4 * np.arange(8, dtype=np.uint64))) & 0xF
+    values = e2m1_value(codes.reshape(n, -1))
+    s = np.repeat(scale_value(np.array(scales) if kind in ("e8m0", "e4m3") else scales, kind),
+                  group_size, axis=1)
+    return values * s
+
+
+def oracle(x, w, scales, kind, group_size):
+    """(out, magnitude): x @ W^T in float64 and the sum of |terms| behind each output."""
+    wdq = dequantize64(w, scales, kind, group_size)
+    xf = to_f64(x).reshape(-1, wdq.shape[1])
+    out = (xf @ wdq.T).reshape(*x.shape[:-1], wdq.shape[0])
+    mag = (np.abs(xf) @ np.abs(wdq).T).reshape(out.shape)
+    return out, mag
+
+
+# ---- inputs ---------------------------------------------------------------------------
+
+ALL_CODES = (0x76543210, 0xFEDCBA98)  # the 16 codes, -0 (0x8) included
+
+
+def make_w(rng, n, k) -> mx.array:
+    words = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint64).astype(np.uint32)
+    words[0, :2] = ALL_CODES
+    words[-1, -2:] = ALL_CODES[::-1]
+    return mx.array(words)
+
+
+def make_scales(rng, n, k, kind, group_size, spread=12) -> mx.array:
+    shape = (n, k // group_size)
+    if kind == "e8m0":  # exponents over [-spread, spread/2]: many binades in one matrix
+        return mx.array((127 + rng.integers(-spread, spread // 2 + 1, size=shape)).astype(np.uint8))
+    if kind == "e4m3":  # any finite E4M3 byte, both signs, subnormals included
+        b = rng.integers(0, 0x7F, size=shape)
+        return mx.array((b | (rng.integers(0, 2, size=shape) << 7)).astype(np.uint8))
+    # plain float scales over several binades, both signs
+    s = rng.choice((-1.0, 1.0), size=shape) * np.exp2(rng.uniform(-spread, spread / 2, shape))
+    return mx.array(s.astype(np.float32)).astype(getattr(mx, kind))
+
+
+def make_x(rng, lead, k, dtype, scale=1.0) -> mx.array:
+    return mx.array((rng.standard_normal((*lead, k)) * scale).astype(np.float32)).astype(dtype)
+
+
+def make_case(rng, m, n, k, dtype, kind="e8m0", group_size=32, lead=None):
+    lead = (m,) if lead is None else lead
+    return (make_x(rng, lead, k, dtype), make_w(rng, n, k),
+            make_scales(rng, n, k, kind, group_size))
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Kernel outputs start as NaN, so an output the kernel never writes fails the oracle."""
+    real = backends.launch
+
+    def launch(*args, **kwargs):
+        kwargs["init_value"] = float("nan")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backends, "launch", launch)
+
+
+def run_and_check(x, w, scales, kind, group_size, backend, variant=None, expect=None):
+    """Run fp4_qmm, prove the expected kernel(s) ran, compare with the float64 oracle."""
+    dtype = x.dtype
+    n, k = w.shape[0], w.shape[1] * 8
+    m = x.size // k
+    spec = None if backend == "reference" else op_module._choose(backend, m, variant)
+    launches = 1
+    if spec is not None and spec.variant.startswith("simdgroup") and \
+            op_module._split_parts(m, n, k, group_size) > 1:
+        launches = 2  # the tile kernel's float32 partial sums, then fp4_qmm_splitk_sum
+    names = [] if expect is None else [f"fp4_qmm_{expect}"] + (
+        ["fp4_qmm_splitk_sum"] if launches == 2 else [])
+    before = backends.launch_count(backend=backend)
+    before_named = [backends.launch_count(name, backend) for name in names]
+    out = mt.fp4_qmm(x, w, scales, group_size=group_size, variant=variant)
+    mx.eval(out)
+    if backend != "reference":  # prove a kernel ran (never the reference against itself)
+        assert backends.launch_count(backend=backend) == before + launches
+        for name, count in zip(names, before_named, strict=True):
+            assert backends.launch_count(name, backend) == count + 1, name
+    assert out.dtype == dtype and tuple(out.shape) == (*x.shape[:-1], w.shape[0])
+    want, mag = oracle(x, w, scales, kind, group_size)
+    assert_close(out, want, dtype, magnitude=mag,
+                 what=f"fp4_qmm[{backend}, {variant or 'auto'}, {kind}/{group_size}]")
+    return out
+
+
+@pytest.fixture
+def no_split(monkeypatch):
+    """The simdgroup kernel in one pass (no split-K), whatever the shape."""
+    monkeypatch.setattr(op_module, "SPLITK_TARGET_TGS", 1)
+
+
+def kernel_variant(backend: str, variant: str) -> None:
+    """Skip a variant the backend cannot run here (mpp needs an M5-class Mac or emulator MPP)."""
+    if variant == "mpp":
+        reason = op_module.mpp_unavailable_reason(backend)
+        if reason is not None:
+            pytest.skip(f"mpp on {backend}: {reason}")
+
+
+# ---- the kernels against the oracle ---------------------------------------------------
+
+M_SHAPES = ((1, 64), (3, 128), (8, 256), (32, 128), (33, 64), (100, 256))  # (M, N = K)
+
+
+@pytest.mark.parametrize("m, nk", M_SHAPES, ids=[f"M{m}-NK{nk}" for m, nk in M_SHAPES])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variants_match_oracle(kernel_backend, poisoned_outputs, rng, variant, dtype, m, nk):
+    kernel_variant(kernel_backend, variant)
+    x, w, s = make_case(rng, m, nk, nk, dtype)
+    run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant, expect=variant)
+
+
+@pytest.mark.parametrize("nk", (64, 128, 256))
+@pytest.mark.parametrize("m", (1, 3, 8, 32, 33, 100))
+def test_auto_matches_oracle(any_backend, poisoned_outputs, rng, m, nk):
+    """Every M x N=K of the issue, through the automatic choice (bfloat16)."""
+    x, w, s = make_case(rng, m, nk, nk, mx.bfloat16)
+    expect = None
+    if any_backend in ("emulator", "cuda"):
+        expect = "qmv" if m <= 8 else "simdgroup"
+    run_and_check(x, w, s, "e8m0", 32, any_backend, expect=expect)
+
+
+@pytest.mark.parametrize("kind, group_size", SCALE_KINDS, ids=[f"{k}-g{g}" for k, g in SCALE_KINDS])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_scale_formats(kernel_backend, poisoned_outputs, rng, variant, kind, group_size):
+    kernel_variant(kernel_backend, variant)
+    m = 5 if variant == "qmv" else 37
+    x, w, s = make_case(rng, m, 64, 128, mx.float32, kind, group_size)
+    run_and_check(x, w, s, kind, group_size, kernel_backend, variant=variant, expect=variant)
+
+
+@pytest.mark.parametrize("m, nk", ((9, 64), (33, 128), (100, 256)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_simdgroup_without_split(kernel_backend, poisoned_outputs, no_split, rng, dtype, m, nk):
+    """The one-pass path (what large problems take): rows and columns of several tiles."""
+    assert op_module._split_parts(m, nk, nk, 32) == 1
+    x, w, s = make_case(rng, m, nk, nk, dtype)
+    run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant="simdgroup", expect="simdgroup")
+
+
+@pytest.mark.parametrize("m, n, k, gs, parts", [
+    (1, 64, 256, 32, 8), (33, 4096, 4096, 32, 2), (32, 4096, 4096, 32, 4),
+    (32, 4096, 4096, 128, 4), (40, 64, 96, 32, 3), (40, 64, 96, 16, 3), (1, 32, 128, 64, 2),
+    (512, 4096, 4096, 32, 1), (32, 14336, 4096, 32, 1),
+])
+def test_split_parts(m, n, k, gs, parts):
+    """About 512 threadgroups, parts of whole 32-steps and groups (as MLX's qmm_splitk)."""
+    assert op_module._split_parts(m, n, k, gs) == parts
+
+
+@pytest.mark.parametrize("kind, group_size", SCALE_KINDS, ids=[f"{k}-g{g}" for k, g in SCALE_KINDS])
+def test_reference_scale_formats(rng, kind, group_size):
+    x, w, s = make_case(rng, 7, 64, 128, mx.bfloat16, kind, group_size, lead=(7,))
+    with backends.use_backend("reference"):
+        run_and_check(x, w, s, kind, group_size, "reference")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_float16_large_scales_do_not_overflow(kernel_backend, poisoned_outputs, rng, variant):
+    """W up to 6 * 2^16 (past half's range) against small half activations: results O(100).
+
+    A kernel that staged scaled weights in half would produce inf here."""
+    kernel_variant(kernel_backend, variant)
+    x = make_x(rng, (9,), 128, mx.float16, scale=2.0**-12)
+    w = make_w(rng, 64, 128)
+    s = mx.array((127 + rng.integers(12, 17, size=(64, 4))).astype(np.uint8))
+    run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant, expect=variant)
+
+
+@pytest.mark.parametrize("dtype", (mx.float32, mx.bfloat16), ids=dtype_id)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_scales_over_ninety_binades(kernel_backend, poisoned_outputs, rng, variant, dtype):
+    """E8M0 exponents from 2^-60 to 2^30 in one matrix (float and bfloat16 ranges)."""
+    kernel_variant(kernel_backend, variant)
+    x, w = make_x(rng, (11,), 128, dtype), make_w(rng, 64, 128)
+    s = make_scales(rng, 64, 128, "e8m0", 32, spread=60)
+    assert np.ptp(np.array(s).astype(int)) > 60
+    run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant, expect=variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_leading_dims_and_non_contiguous_x(kernel_backend, poisoned_outputs, rng, variant):
+    kernel_variant(kernel_backend, variant)
+    base = make_x(rng, (2, 64, 5), 1, mx.float16).reshape(2, 64, 5)
+    x = mx.swapaxes(mx.concatenate([base, base], axis=-1), 1, 2)  # [2, 10, 64], strided
+    w, s = make_w(rng, 96, 64), make_scales(rng, 96, 64, "e8m0", 32)
+    run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant, expect=variant)
+
+
+def test_vector_x(any_backend, rng):
+    x, w, s = make_x(rng, (), 64, mx.float32), make_w(rng, 32, 64), make_scales(rng, 32, 64,
+                                                                                "e8m0", 32)
+    out = run_and_check(x, w, s, "e8m0", 32, any_backend)
+    assert out.shape == (32,)
+
+
+# ---- decode: bit-exact against MLX's own dequantize -------------------------------------
+
+def _decode_case(rng, kind):
+    n, k, gs = 64, 64, (32 if kind == "e8m0" else 16)
+    w = make_w(rng, n, k)
+    if kind == "e8m0":  # every exponent whose products stay normal floats: 2^-125 .. 2^123
+        s = rng.permutation(np.arange(2, 251))[: n * k // gs].reshape(n, k // gs)
+    else:  # every finite E4M3 byte (0x7F / 0xFF are NaN encodings, decoded apart below)
+        s = rng.choice(np.setdiff1d(np.arange(256), (0x7F, 0xFF)), size=(n, k // gs))
+    return w, mx.array(s.astype(np.uint8)), gs
+
+
+@pytest.mark.parametrize("kind", ("e8m0", "e4m3"))
+def test_reference_decode_bit_exact_with_mlx(rng, kind):
+    w, s, gs = _decode_case(rng, kind)
+    mode = "mxfp4" if kind == "e8m0" else "nvfp4"
+    ours = np.array(op_module.fp4_dequantize_reference(w, s, gs))
+    theirs = np.array(mx.dequantize(w, s, group_size=gs, mode=mode, dtype=mx.float32))
+    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))  # -0 included
+    assert np.array_equal(ours, dequantize64(w, s, kind, gs))  # and the oracle, exactly
+
+
+@pytest.mark.parametrize("kind", ("e8m0", "e4m3"))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kernel_decode_equals_mlx_dequantize(kernel_backend, poisoned_outputs, rng, variant,
+                                             kind):
+    """x = I makes out = W^T: each output is one product 1 * w (+ exact zeros), so the
+    kernel's decoded weights must equal mx.dequantize's exactly (the sum cannot carry -0)."""
+    kernel_variant(kernel_backend, variant)
+    w, s, gs = _decode_case(rng, kind)
+    x = mx.eye(64, dtype=mx.float32)
+    out = mt.fp4_qmm(x, w, s, group_size=gs, variant=variant)
+    mode = "mxfp4" if kind == "e8m0" else "nvfp4"
+    theirs = np.array(mx.dequantize(w, s, group_size=gs, mode=mode, dtype=mx.float32))
+    got = np.array(out)
+    assert np.array_equal(got.T, theirs), np.argwhere(got.T != theirs)[:4]
+
+
+def test_e4m3_nan_encodings_follow_mlx_metal():
+    """0x7F / 0xFF (E4M3 NaN) read as +-480 like MLX's Metal decoder (MLX's CPU gives NaN);
+    mx.quantize never produces them."""
+    table = op_module._e4m3_table()
+    assert table[0x7F] == 480.0 and table[0xFF] == -480.0 and table[0x7E] == 448.0
+    assert table[0x01] == 2.0**-9 and table[0x08] == 2.0**-6 and table[0x38] == 1.0
+
+
+def test_mxfp4_from_mx_quantize(any_backend, rng):
+    """The real pipeline: W -> mx.quantize(mode="mxfp4") -> fp4_qmm."""
+    wf = mx.array(rng.standard_normal((128, 256)).astype(np.float32))
+    w, s = mx.quantize(wf, mode="mxfp4")[:2]
+    x = make_x(rng, (2, 3), 256, mx.bfloat16)
+    run_and_check(x, w, s, "e8m0", 32, any_backend)
+
+
+def test_nvfp4_from_mx_quantize(any_backend, rng):
+    wf = mx.array(rng.standard_normal((64, 128)).astype(np.float32))
+    w, s = mx.quantize(wf, mode="nvfp4")[:2]
+    x = make_x(rng, (12,), 128, mx.float16)
+    run_and_check(x, w, s, "e4m3", 16, any_backend)
+
+
+# ---- path choice, laziness, no rebuilds ------------------------------------------------
+
+def test_auto_choice_by_backend_and_m(monkeypatch):
+    choose = op_module._choose
+    assert choose("emulator", 1, None) is op_module.QMV_SPEC
+    assert choose("emulator", 8, None) is op_module.QMV_SPEC
+    assert choose("emulator", 9, None) is op_module.SIMDGROUP_SPEC
+    assert choose("cuda", 512, None) is op_module.SIMDGROUP_SPEC
+    monkeypatch.setattr(op_module, "_metal_has_mpp", lambda: True)
+    assert choose("metal", 8, None) is op_module.QMV_SPEC
+    assert choose("metal", 9, None) is op_module.MPP_SPEC
+    assert choose("metal", 9, "simdgroup") is op_module.SIMDGROUP_SPEC
+    monkeypatch.setattr(op_module, "_metal_has_mpp", lambda: False)
+    assert choose("metal", 512, None) is op_module.SIMDGROUP_SPEC
+    with pytest.raises(ValueError, match=r"^\[fp4_qmm\] variant 'mpp' is unavailable on the "
+                                         r"metal backend: needs macOS >= 26.2"):
+        choose("metal", 512, "mpp")
+    with pytest.raises(ValueError, match=r"^\[fp4_qmm\] variant 'mpp' is unavailable on the "
+                                         r"cuda backend"):
+        choose("cuda", 64, "mpp")
+    assert choose("metal", 100, "qmv") is op_module.QMV_SPEC
+
+
+@pytest.mark.parametrize("release, arch, expected", [
+    ("26.2", "applegpu_g17s", True), ("26.3.1", "applegpu_g17g", True),
+    ("26.1", "applegpu_g17s", False), ("15.6", "applegpu_g17s", False),
+    ("26.2", "applegpu_g16s", False), ("26.2", "applegpu_g17p", False),
+    ("26.2", "applegpu_g18p", True), ("27.0", "applegpu_g15g", False),
+])
+def test_mpp_detection(monkeypatch, release, arch, expected):
+    monkeypatch.setattr(backends, "_metal_available", lambda: True)
+    monkeypatch.setattr(op_module.platform, "mac_ver", lambda: (release, ("", "", ""), "arm64"))
+    monkeypatch.setattr(mx.metal, "device_info", lambda: {"architecture": arch})
+    assert op_module._metal_has_mpp() is expected
+
+
+def test_variant_requests_on_the_reference_backend(rng):
+    x, w, s = make_case(rng, 4, 32, 32, mx.float32)
+    with backends.use_backend("reference"):
+        with pytest.raises(ValueError, match=r"^\[fp4_qmm\] variant='qmv' needs a kernel"):
+            mt.fp4_qmm(x, w, s, variant="qmv")
+
+
+@pytest.mark.parametrize("variant", ("gemv", "", 3, "MPP"))
+def test_unknown_variant(kernel_backend, rng, variant):
+    x, w, s = make_case(rng, 4, 32, 32, mx.float32)
+    with pytest.raises(ValueError, match=r"^\[fp4_qmm\] variant must be None or one of"):
+        mt.fp4_qmm(x, w, s, variant=variant)
+
+
+def test_m_changes_do_not_rebuild(kernel_backend, rng):
+    x, w, s = make_case(rng, 1, 32, 64, mx.float16)
+    run_and_check(x, w, s, "e8m0", 32, kernel_backend)
+    x, w, s = make_case(rng, 40, 32, 64, mx.float16)
+    run_and_check(x, w, s, "e8m0", 32, kernel_backend)
+    built = backends.built_kernels()
+    for m in (1, 2, 7, 41, 64):  # new M, N, K: runtime inputs, same kernel objects
+        x, w, s = make_case(rng, m, 64, 96, mx.float16)
+        run_and_check(x, w, s, "e8m0", 32, kernel_backend)
+    assert backends.built_kernels() == built
+
+
+def test_empty_m_does_not_dispatch(kernel_backend, rng):
+    before = backends.launch_count()
+    x = mx.zeros((0, 64), dtype=mx.float16)
+    w, s = make_w(rng, 32, 64), make_scales(rng, 32, 64, "e8m0", 32)
+    out = mt.fp4_qmm(x, w, s)
+    assert out.shape == (0, 32) and out.dtype == mx.float16
+    assert backends.launch_count() == before
+
+
+def test_instantiations_match_the_launches(monkeypatch, rng):
+    """The instantiations hook (CUDA compile check) describes what the launcher passes:
+    every variant, scale format, dtype, M block and split (recorded, nothing runs)."""
+    from mlx_metaltile import _registry
+
+    seen = []
+
+    def recording_kernel(spec, backend, input_names, output_names, atomic_outputs=False):
+        def call(*, inputs, template, output_shapes, output_dtypes, **_):
+            seen.append((spec.name, tuple(template),
+                         tuple((n, x.dtype, min(x.ndim, 1))
+                               for n, x in zip(input_names, inputs, strict=True)),
+                         tuple(zip(output_names, output_dtypes, strict=True))))
+            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+        return call
+
+    monkeypatch.setattr(backends, "get_kernel", recording_kernel)
+    monkeypatch.setattr(backends, "resolve_backend", lambda name=None: "metal")
+    monkeypatch.setattr(op_module, "_metal_has_mpp", lambda: True)
+    for dtype in DTYPES:
+        for kind, gs in SCALE_KINDS:
+            x, w, s = make_case(rng, 40, 64, 128, dtype, kind, gs)
+            for variant in VARIANTS:
+                for m in (1, 2, 3, 8, 40):
+                    mt.fp4_qmm(x[:m], w, s, group_size=gs, variant=variant)
+    names = {name for name, *_ in seen}
+    assert names == {f"fp4_qmm_{v}" for v in (*VARIANTS, "splitk_sum")}
+    for name, template, inputs, outputs in seen:
+        declared = _registry.instantiations(_registry.get_spec(name))
+        assert any(inst.template == template and inst.outputs == outputs
+                   and tuple((n, d, min(nd, 1)) for n, d, nd in inst.inputs) == inputs
+                   for inst in declared), (name, template, inputs, outputs)
+
+
+def test_op_is_lazy_and_compiles(monkeypatch, rng):
+    """No evaluation inside the op; it traces under mx.compile (reference backend here)."""
+    x, w, s = make_case(rng, 6, 64, 64, mx.float32)
+
+    def no_eval(*args, **kwargs):
+        raise AssertionError("the op evaluated its graph")
+
+    with monkeypatch.context() as m:
+        m.setattr(mx, "eval", no_eval)
+        m.setattr(mx.array, "item", no_eval)
+        out = mt.fp4_qmm(x, w, s)
+    want, mag = oracle(x, w, s, "e8m0", 32)
+    assert_close(out, want, mx.float32, magnitude=mag)
+    compiled = mx.compile(lambda a, b, c: mt.fp4_qmm(a, b, c))
+    assert_close(compiled(x, w, s), want, mx.float32, magnitude=mag)
+
+
+# ---- negative controls: a deliberately wrong kernel must fail the harness ----------------
+
+def _broken_spec(monkeypatch, spec, old: str, new: str, tag: str = "broken"):
+    """A copy of ``spec`` whose template has ``old`` replaced by ``new`` (variant and template
+    names carry ``tag``: kernels are cached by name, so each break needs its own)."""
+    text = _templates.read_text(spec.template)
+    assert old in text, f"{old!r} not in {spec.template}"
+    fake_name = spec.template.replace(".metal", f"_{tag}.metal")
+    real_read = _templates.read_text
+
+    def read_text(name):
+        return text.replace(old, new) if name == fake_name else real_read(name)
+
+    monkeypatch.setattr(_templates, "read_text", read_text)
+    _templates.render.cache_clear()
+    return replace(spec, variant=f"{spec.variant}_{tag}", template=fake_name)
+
+
+# Each breaks one thing a weaker harness could miss: the decode's pair order (qmv), the
+# scale (simdgroup), the last k-slice of each step (mpp).
+BREAKS = {
+    "qmv": ("xr[m][8 * q + j] * v.x + xr[m][8 * q + j + 4] * v.y",
+            "xr[m][8 * q + j] * v.y + xr[m][8 * q + j + 4] * v.x"),
+    "simdgroup": ("float2(mt_e2m1x2(word >> (4 * j))) * s", "float2(mt_e2m1x2(word >> (4 * j)))"),
+    "mpp": ("mt_e2m1x2(word >> (4 * j))", "mt_e2m1x2(word >> (4 * (j & 2)))"),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_negative_control_broken_kernel(kernel_backend, monkeypatch, rng, variant):
+    kernel_variant(kernel_backend, variant)
+    attr = SPEC_ATTR[variant]
+    broken = _broken_spec(monkeypatch, getattr(op_module, attr), *BREAKS[variant])
+    monkeypatch.setattr(op_module, attr, broken)
+    monkeypatch.setitem(op_module.VARIANTS, variant, broken)
+    x, w, s = make_case(rng, 5 if variant == "qmv" else 33, 64, 64, mx.float32)
+    try:
+        with pytest.raises(AssertionError, match="out of tolerance"):
+            run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant)
+    finally:
+        _templates.render.cache_clear()
+
+
+def test_negative_control_unguarded_rows_fault_on_the_emulator(monkeypatch, rng):
+    """Without the row guard on the store, a ragged M writes past out: the emulator says so."""
+    require_backend("emulator")
+    from mlx_metaltile import emulator
+
+    broken = _broken_spec(monkeypatch, op_module.SIMDGROUP_SPEC, "if (x_row_ok) {\n  const",
+                          "if (true) {\n  const", tag="unguarded")
+    monkeypatch.setitem(op_module.VARIANTS, "simdgroup", broken)
+    x, w, s = make_case(rng, 33, 32, 64, mx.float32)
+    try:
+        with backends.use_backend("emulator"), pytest.raises(emulator.OutOfBoundsAccess):
+            mx.eval(mt.fp4_qmm(x, w, s, variant="simdgroup"))
+    finally:
+        _templates.render.cache_clear()
+
+
+def test_negative_control_reference_decode(monkeypatch, rng):
+    """The oracle harness rejects a decoder that drops the sign bit."""
+    real = op_module._E2M1.copy()
+    monkeypatch.setattr(op_module, "_E2M1", np.abs(real))
+    monkeypatch.setattr(op_module, "_TABLES", {})
+    x, w, s = make_case(rng, 4, 32, 64, mx.float32)
+    with backends.use_backend("reference"), pytest.raises(AssertionError, match="out of tol"):
+        run_and_check(x, w, s, "e8m0", 32, "reference")
+
+
+# ---- bad input ------------------------------------------------------------------------
+
+def _ok():
+    return (mx.zeros((3, 64), dtype=mx.float16), mx.zeros((32, 8), dtype=mx.uint32),
+            mx.full((32, 2), 127, dtype=mx.uint8))
+
+
+@pytest.mark.parametrize("mutate, kwargs, exc, match", [
+    (lambda x, w, s: (x.astype(mx.int32), w, s), {}, TypeError, "x must be float32"),
+    (lambda x, w, s: (x, w.astype(mx.int32), s), {}, TypeError, "w must be uint32"),
+    (lambda x, w, s: (x, w.view(mx.uint8), s), {}, TypeError, "w must be uint32"),
+    (lambda x, w, s: (x, w, s.astype(mx.int32)), {}, TypeError, "scales must be uint8"),
+    (lambda x, w, s: (x, w, s), {"group_size": 64}, ValueError,
+     r"uint8 scales are E8M0 \(mxfp4, group_size 32\) or E4M3"),
+    (lambda x, w, s: (x, w, s.astype(mx.float32)), {"group_size": 8}, ValueError,
+     r"group_size must be one of \(16, 32, 64, 128\)"),
+    (lambda x, w, s: (x, w, s), {"group_size": 32.0}, TypeError, "group_size must be an int"),
+    (lambda x, w, s: (x[:, :32], w, s), {}, ValueError, "x's last axis must be K = 8 \\* w"),
+    (lambda x, w, s: (x, w.reshape(1, 32, 8), s), {}, ValueError, "w must have 2 dimensions"),
+    (lambda x, w, s: (x, w[:16], s[:16]), {}, ValueError, "N .* must be a positive multiple"),
+    (lambda x, w, s: (x[:, :48], w[:, :6], s[:, :3]), {"group_size": 16}, ValueError,
+     r"K \(x.shape\[-1\] = 8 \* w.shape\[1\]\) must be a positive multiple of 32, got 48"),
+    (lambda x, w, s: (x, w, s[:, :1]), {}, ValueError,
+     r"scales must have shape \[N, K/group_size\] = \(32, 2\), got \(32, 1\)"),
+    (lambda x, w, s: (x, w, s.astype(mx.float32)), {"group_size": 64}, ValueError,
+     r"scales must have shape \[N, K/group_size\] = \(32, 1\)"),
+    (lambda x, w, s: (x, w, s.astype(mx.float32)), {"group_size": 128}, ValueError,
+     "K = 64 must be a multiple of group_size 128"),
+    (lambda x, w, s: (x[0, 0], w, s), {}, ValueError, "x must have at least 1 dimension"),
+    (lambda x, w, s: (x, np.zeros((32, 8), np.uint32), s), {}, TypeError,
+     "w must be an mx.array"),
+])
+def test_bad_input(mutate, kwargs, exc, match):
+    x, w, s = mutate(*_ok())
+    with pytest.raises(exc, match=r"^\[fp4_qmm\] " + match):
+        mt.fp4_qmm(x, w, s, **kwargs)
+
+
+# ---- traffic, from the emulator's per-buffer counters ----------------------------------
+
+@pytest.mark.parametrize("variant, m", [("qmv", 1), ("qmv", 5), ("simdgroup", 33), ("mpp", 33)])
+def test_emulator_traffic(poisoned_outputs, no_split, rng, variant, m):
+    """Device bytes per buffer, against the ideal (each input once, the output once).
+
+    w is read exactly once per block of M rows, out written exactly once. The excess is by
+    design and hits the cache: x is read by each simdgroup of qmv (N / 4 times), each
+    threadgroup of simdgroup (N / 32 times), the two simdgroups of an mpp threadgroup that
+    share rows (N / 16 times), and
+    the scale of a group is loaded once per VPT codes (qmv, VPT = 16 for MB <= 2, else 8)
+    or per uint32 word (simdgroup) instead of once per group."""
+    require_backend("emulator")
+    kernel_variant("emulator", variant)
+    from mlx_metaltile import emulator
+
+    n, k = 64, 256
+    x, w, s = make_case(rng, m, n, k, mx.bfloat16)
+    with backends.use_backend("emulator"):
+        run_and_check(x, w, s, "e8m0", 32, "emulator", variant=variant, expect=variant)
+    stats = emulator.last_launch_stats()
+    read = {name: stats.bytes_read[name] for name in ("x", "w", "scales")}
+    if variant == "qmv":
+        m_blocks, x_reads = 1, n // 4  # each simdgroup (4 rows of w) reads its x rows
+        scale_loads = n * k // (16 if op_module._qmv_rows(m) <= 2 else 8)
+    else:
+        m_blocks, x_reads = -(-m // 32), (n // 32 if variant == "simdgroup" else n // 16)
+        scale_loads = n * k // 8
+    assert read["w"] == m_blocks * n * k // 2  # ideal: n * k / 2
+    assert read["scales"] == m_blocks * scale_loads  # ideal: n * k / 32
+    assert read["x"] == x_reads * m * k * 2  # ideal: m * k * 2
+    assert stats.bytes_written["out"] == m * n * 2  # ideal
+
+
+def test_emulator_traffic_split_k(poisoned_outputs, rng):
+    """Split-K: the second pass reads the float32 partials once and writes out once."""
+    require_backend("emulator")
+    from mlx_metaltile import emulator
+
+    m, n, k = 3, 64, 256
+    parts = op_module._split_parts(m, n, k, 32)
+    assert parts == 8
+    x, w, s = make_case(rng, m, n, k, mx.float16)
+    with backends.use_backend("emulator"):
+        run_and_check(x, w, s, "e8m0", 32, "emulator", variant="simdgroup", expect="simdgroup")
+    stats = emulator.last_launch_stats()
+    assert stats.kernel.endswith("fp4_qmm_splitk_sum")
+    assert stats.bytes_read["partial"] == parts * m * n * 4
+    assert stats.bytes_written["out"] == m * n * 2
