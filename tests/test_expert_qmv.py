@@ -543,6 +543,15 @@ def test_bad_bits_and_group_size(kwargs, exc, match):
         mt.expert_qmv(*_ok(), **kwargs)
 
 
+def test_numpy_integer_settings(rng):
+    """bits / group_size given as NumPy integers (e.g. read from a model config) work."""
+    w, s, b = make_weights(rng, 3, 8, 128, mx.float32, 32, 8)
+    x, ids = make_x(rng, (2, 128), mx.float32), mx.array([[2, 0], [1, 1]], dtype=mx.uint32)
+    got = mt.expert_qmv(x, w, s, b, ids, group_size=np.int64(32), bits=np.int32(8))
+    want = mt.expert_qmv(x, w, s, b, ids, group_size=32, bits=8)
+    assert mx.array_equal(got, want).item()
+
+
 def test_bits_inconsistent_with_packing():
     """w packed at 4 bits (K = 128) read with bits=8 (K = 64): the group count disagrees."""
     x, w, s, b, i = _ok(bits=4)

@@ -9,6 +9,7 @@ Experts nobody selected are never read.
 from __future__ import annotations
 
 import math
+import numbers
 
 import mlx.core as mx
 
@@ -43,8 +44,9 @@ _OUTPUTS = ("out",)
 
 
 def _check_int_choice(name: str, value, choices: tuple[int, ...]) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"[{OP}] {name} must be an int in {choices}, got {type(value).__name__}")
+    value = int(value)  # NumPy integers too; a plain int keys the template
     if value not in choices:
         raise ValueError(f"[{OP}] {name} must be one of {choices}, got {value}")
     return value
