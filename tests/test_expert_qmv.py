@@ -264,6 +264,26 @@ def test_reads_only_selected_experts(poisoned, rng, bits, group_size):
     assert stats.bytes_read["x"] == pairs * -(-n_out // 4) * n_in * 2
 
 
+@pytest.mark.parametrize("seed", (1, 2))
+def test_emulator_strict_shuffled(poisoned, rng, seed):
+    """Strict mode (a shuffle may not read a lane that is not at it) with the threads and
+    threadgroups run in a permuted order: ragged N, a partial 32-lane step, both layouts."""
+    if backends.unavailable_reason("emulator") is not None:
+        pytest.skip("emulator unavailable")
+    from mlx_metaltile import emulator
+
+    w, s, b = make_weights(rng, 5, 13, 96, mx.bfloat16, 32, 4)
+    ids = mx.array([[4, 0, 7], [2, 2, 1]], dtype=mx.int32)
+    previous = emulator.configure(strict=True, shuffle_seed=seed)
+    try:
+        with backends.use_backend("emulator"):
+            for x_shape in ((2, 96), (2, 3, 96)):
+                run_and_check(make_x(rng, x_shape, mx.bfloat16), w, s, b, ids, 32, 4,
+                              "emulator")
+    finally:
+        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
+
+
 # ---- build once, stay lazy ---------------------------------------------------------------
 
 def _emulator_instantiations() -> int:
