@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import replace
 
 import mlx.core as mx
@@ -305,20 +306,37 @@ def test_empty_rows_do_not_dispatch(backend, rng):
 
 
 def test_op_is_lazy_and_compiles(monkeypatch, rng):
-    """No evaluation inside the op; it traces under mx.compile (reference backend here)."""
+    """No evaluation inside the op; it traces under mx.compile (reference backend)."""
     case = make_case(rng, 4, 8, 64, 64, 32, 4, mx.float32)
 
     def no_eval(*args, **kwargs):
         raise AssertionError("the op evaluated its graph")
 
-    with monkeypatch.context() as m:
-        m.setattr(mx, "eval", no_eval)
-        m.setattr(mx.array, "item", no_eval)
-        out = mt.moe_gather_qmm(*case, group_size=32, bits=4)
-    want, mag = oracle(*case, 32, 4, mx.float32)
-    assert_close(out, want, mx.float32, magnitude=mag)
-    compiled = mx.compile(lambda *a: mt.moe_gather_qmm(*a, group_size=32, bits=4))
-    assert_close(compiled(*case), want, mx.float32, magnitude=mag)
+    with backends.use_backend("reference"):
+        with monkeypatch.context() as m:
+            m.setattr(mx, "eval", no_eval)
+            m.setattr(mx, "async_eval", no_eval)
+            m.setattr(mx.array, "item", no_eval)
+            m.setattr(mx.array, "tolist", no_eval)
+            out = mt.moe_gather_qmm(*case, group_size=32, bits=4)
+        want, mag = oracle(*case, 32, 4, mx.float32)
+        assert_close(out, want, mx.float32, magnitude=mag)
+        compiled = mx.compile(lambda *a: mt.moe_gather_qmm(*a, group_size=32, bits=4))
+        assert_close(compiled(*case), want, mx.float32, magnitude=mag)
+        case2 = make_case(rng, 4, 5, 64, 64, 32, 4, mx.float32, [3, 3, 0, 7, 1])
+        want2, mag2 = oracle(*case2, 32, 4, mx.float32)
+        got2 = to_f64(compiled(*case2))
+        assert np.isnan(got2[3]).all()
+        assert_close(np.delete(got2, 3, 0), np.delete(want2, 3, 0), mx.float32,
+                     magnitude=np.delete(mag2, 3, 0))
+
+
+def test_no_host_sync_in_the_op_module():
+    """The op module never pulls data to the host (it stays lazy on every backend)."""
+    source = inspect.getsource(op_module)
+    for needle in (".item(", ".tolist(", "np.array(", "np.asarray(", "mx.eval(",
+                   "mx.async_eval(", "import numpy"):
+        assert needle not in source, needle
 
 
 # ---- path selection ------------------------------------------------------------------
@@ -500,6 +518,18 @@ def _call(args, **kw):
     (lambda x, w, s, b, i: (x, w[:0], s[:0], b[:0], i), ValueError,
      "w must have at least one expert"),
     (lambda x, w, s, b, i: (x.tolist(), w, s, b, i), TypeError, "x must be an mx.array"),
+    (lambda x, w, s, b, i: (x, w.astype(mx.float16), s, b, i), TypeError,
+     r"w must be uint32 \(packed as mx.quantize returns it\), got float16"),
+    (lambda x, w, s, b, i: (x, w, s, b, i.astype(mx.int64)), TypeError,
+     "indices must be uint32 or int32, got int64"),
+    (lambda x, w, s, b, i: (x, w, s.astype(mx.int32), b, i), TypeError,
+     "scales must have x's dtype float16, got int32"),
+    (lambda x, w, s, b, i: (x[:, :0], w, s, b, i), ValueError,
+     "K \\(x.shape\\[1\\]\\) must be a positive multiple of the tile depth 32, got 0"),
+    (lambda x, w, s, b, i: (x, w[:, :0], s[:, :0], b[:, :0], i), ValueError,
+     r"w must have at least one expert and one row, got shape \(2, 0, 16\)"),
+    (lambda x, w, s, b, i: (x, w[:1], s, b, i), ValueError,
+     r"scales must have shape \(1, 32, 2\)"),
 ])
 def test_bad_input(mutate, exc, match):
     args = mutate(*_ok())
