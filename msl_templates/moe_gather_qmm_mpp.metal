@@ -38,6 +38,8 @@
 // TRAFFIC per call: for each (tile, distinct expert in the tile): N * K * BITS / 8 bytes of
 //   codes and 2 * N * K / GROUP_SIZE scale/bias elements, each loaded once; x rows read
 //   N / 32 times (once per column block); out written once (M * N elements).
+//   Each thread also reads its slot's id and the tile's <= 8 ids (36 bytes, cache hits);
+//   the slots of a tile that lead no run exit after those reads.
 //
 // ONLY CHECKED ON A MAC: that Apple's compiler accepts the tensor views and the (8, 32, 16)
 //   descriptor with half / float operands on threadgroup memory (MLX's NAX kernels use
