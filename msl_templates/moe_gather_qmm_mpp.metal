@@ -38,11 +38,19 @@
 // TRAFFIC per call: for each (tile, distinct expert in the tile): N * K * BITS / 8 bytes of
 //   codes and 2 * N * K / GROUP_SIZE scale/bias elements, each loaded once; x rows read
 //   N / 32 times (once per column block); out written once (M * N elements).
+//   Each thread also reads its slot's id and the tile's <= 8 ids (36 bytes, cache hits);
+//   the slots of a tile that lead no run exit after those reads.
 //
 // ONLY CHECKED ON A MAC: that Apple's compiler accepts the tensor views and the (8, 32, 16)
-//   descriptor with half / float operands on threadgroup memory, the cooperative-tensor
-//   layout Apple's implementation picks (the kernel only uses the documented accessors:
+//   descriptor with half / float operands on threadgroup memory (MLX's NAX kernels use
+//   (16, 32, 16) with cooperative-tensor operands and relaxed precision; M = 8 rows and
+//   threadgroup-memory operands are this kernel's design, and Apple's published headers do
+//   not say whether the matrix units run them at full rate), the cooperative-tensor layout
+//   Apple's implementation picks (the kernel only uses the documented accessors:
 //   get_capacity, is_valid_element, get_multidimensional_index, operator[]), and its speed.
+//   MLX compiles custom kernels with the newest language version the OS offers (4.0 from
+//   macOS 26), so the wrapper's rule (macOS >= 26.2) implies __METAL_VERSION__ >= 400; an
+//   MLX that still picked 3.x would hit the #error below, never build an empty kernel.
 //   The emulator runs the same body against its MetalPerformancePrimitives model.
 #include "common.h"
 #if defined(__METAL_VERSION__) && __METAL_VERSION__ >= 400
@@ -134,7 +142,8 @@ a_view a0(xs[0], metal::dextents<int32_t, 2>(MK, BM));
 a_view a1(xs[1], metal::dextents<int32_t, 2>(MK, BM));
 a_view b0(ws[0], metal::dextents<int32_t, 2>(MK, BN));
 a_view b1(ws[1], metal::dextents<int32_t, 2>(MK, BN));
-auto acc = op.template get_destination_cooperative_tensor<decltype(a0), decltype(b0), float>();
+auto acc = op.template get_destination_cooperative_tensor<
+    metal::remove_addrspace_t<decltype(a0)>, metal::remove_addrspace_t<decltype(b0)>, float>();
 for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
   acc[i] = 0.0f;
 }

@@ -42,6 +42,8 @@
 //   codes and 2 * N * K / GROUP_SIZE scale/bias elements (a group cut by a K-split boundary
 //   is loaded by both simdgroups: at most 3 extra per weight row); x rows are read N / 32
 //   times (once per column block; the other reads hit cache); out written once (M * N).
+//   Each thread also reads its slot's id and the tile's <= 8 ids (36 bytes, cache hits);
+//   the slots of a tile that lead no run exit after those reads.
 //
 // ONLY CHECKED ON A MAC: that Apple's compiler accepts this body as written (float
 //   simdgroup_matrix loads from threadgroup memory, make_filled_simdgroup_matrix), and its

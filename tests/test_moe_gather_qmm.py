@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import replace
 
 import mlx.core as mx
@@ -91,14 +92,18 @@ def make_case(rng, E, M, N, K, group_size, bits, dtype, ids=None, index_dtype=mx
 
 def run_and_check(case, group_size, bits, dtype, backend, variant=None, what=""):
     x, w, scales, biases, indices = case
+    name = op_module._SPECS[variant or "simdgroup"].name  # the kernel that must run
     before = backends.launch_count(backend=backend)
+    before_all = backends.launch_count()
+    before_name = backends.launch_count(name, backend)
     out = mt.moe_gather_qmm(x, w, scales, biases, indices, group_size=group_size, bits=bits,
                             variant=variant)
     mx.eval(out)
-    if backend != "reference":  # prove a kernel ran (never the reference against itself)
-        name = f"moe_gather_qmm_{variant or 'simdgroup'}"
-        assert backends.launch_count(name, backend) >= 1
+    if backend != "reference":  # prove the kernel ran (never the reference against itself)
+        assert backends.launch_count(name, backend) == before_name + 1, name
         assert backends.launch_count(backend=backend) == before + 1
+    else:  # the composite of native ops dispatches no kernel of ours
+        assert backends.launch_count() == before_all
     assert out.dtype == dtype and tuple(out.shape) == (x.shape[0], w.shape[1])
     want, mag = oracle(x, w, scales, biases, indices, group_size, bits, dtype)
     valid = ~np.isnan(want[:, 0])
@@ -106,6 +111,16 @@ def run_and_check(case, group_size, bits, dtype, backend, variant=None, what="")
     assert np.isnan(got[~valid]).all(), f"{what}: rows with an out-of-range expert must be NaN"
     assert_close(got[valid], want[valid], dtype, magnitude=mag[valid],
                  what=f"moe_gather_qmm[{backend}/{variant}]{what}")
+    if backend == "emulator":
+        # The emulator poisons outputs with NaN, the value of an out-of-range row: the byte
+        # counter proves every output element was written, and exactly once.
+        from mlx_metaltile import emulator
+
+        stats = emulator.last_launch_stats()
+        assert stats.kernel.startswith(f"mt_{name}"), stats.kernel
+        assert stats.bytes_written["out"] == out.size * dtype.size, (
+            f"{what}: {stats.bytes_written['out']} bytes written to out, "
+            f"expected each of the {out.size} elements once")
     return out
 
 
@@ -191,6 +206,45 @@ def test_large_magnitudes_bf16(backend, variant, rng):
     run_and_check((x, w, scales, biases, ids), gs, bits, mx.bfloat16, backend, variant)
 
 
+def test_non_contiguous_inputs(backend, variant, rng):
+    """Transposed and column-sliced x, strided indices, every other expert of a weight stack:
+    the wrapper hands the kernel row-contiguous copies, the results are those of the math."""
+    E, M, N, K, gs, bits, dtype = 8, 12, 64, 128, 32, 4, mx.bfloat16
+    x, w, scales, biases, ids = make_case(rng, E, M, N, K, gs, bits, dtype)
+    x_t = mx.array(np.array(x.astype(mx.float32)).T.copy()).astype(dtype).T  # strides (1, M)
+    x_cols = mx.concatenate([x, x * 3.0], axis=1)[:, K:] / 3.0  # a column slice
+    half_ids = mx.array(rng.integers(0, E // 2, size=M), dtype=mx.uint32)
+    ids_strided = mx.stack([half_ids, half_ids + 7], axis=1).reshape(-1)[::2]
+    cases = {
+        "transposed x": (x_t, w, scales, biases, ids),
+        "column-sliced x": (x_cols, w, scales, biases, ids),
+        "strided indices, every other expert": (x, w[::2], scales[::2], biases[::2],
+                                                ids_strided),
+    }
+    for what, case in cases.items():
+        run_and_check(case, gs, bits, dtype, backend, variant, what=f" {what}")
+
+
+@pytest.mark.parametrize("variant_name", VARIANTS)
+def test_sizes_do_not_rebuild(rng, variant_name):
+    """M, E, N and K are runtime inputs: new sizes build no kernel object and no new
+    instantiation (one per dtype, bits, group size; MLX also passes an input of fewer than 8
+    elements in the constant address space, so M < 8 and M >= 8 are two sources)."""
+    require_backend("emulator")
+    spec = op_module._SPECS[variant_name]
+    with backends.use_backend("emulator"):
+        run_and_check(make_case(rng, 4, 8, 64, 64, 32, 8, mx.float16), 32, 8, mx.float16,
+                      "emulator", variant_name)
+        built = backends.built_kernels()
+        kernel = backends.get_kernel(spec, "emulator", op_module._INPUTS, op_module._OUTPUTS)
+        sources = set(kernel._modules)  # one compiled module per generated source
+        for E, M, N, K in ((7, 13, 32, 96), (3, 24, 96, 64), (16, 9, 64, 160)):
+            run_and_check(make_case(rng, E, M, N, K, 32, 8, mx.float16), 32, 8, mx.float16,
+                          "emulator", variant_name)
+        assert backends.built_kernels() == built
+        assert set(kernel._modules) == sources
+
+
 @pytest.mark.parametrize("variant_name", VARIANTS)
 @pytest.mark.parametrize("bits", (4, 8))
 def test_emulator_traffic_is_ideal(rng, variant_name, bits):
@@ -252,20 +306,37 @@ def test_empty_rows_do_not_dispatch(backend, rng):
 
 
 def test_op_is_lazy_and_compiles(monkeypatch, rng):
-    """No evaluation inside the op; it traces under mx.compile (reference backend here)."""
+    """No evaluation inside the op; it traces under mx.compile (reference backend)."""
     case = make_case(rng, 4, 8, 64, 64, 32, 4, mx.float32)
 
     def no_eval(*args, **kwargs):
         raise AssertionError("the op evaluated its graph")
 
-    with monkeypatch.context() as m:
-        m.setattr(mx, "eval", no_eval)
-        m.setattr(mx.array, "item", no_eval)
-        out = mt.moe_gather_qmm(*case, group_size=32, bits=4)
-    want, mag = oracle(*case, 32, 4, mx.float32)
-    assert_close(out, want, mx.float32, magnitude=mag)
-    compiled = mx.compile(lambda *a: mt.moe_gather_qmm(*a, group_size=32, bits=4))
-    assert_close(compiled(*case), want, mx.float32, magnitude=mag)
+    with backends.use_backend("reference"):
+        with monkeypatch.context() as m:
+            m.setattr(mx, "eval", no_eval)
+            m.setattr(mx, "async_eval", no_eval)
+            m.setattr(mx.array, "item", no_eval)
+            m.setattr(mx.array, "tolist", no_eval)
+            out = mt.moe_gather_qmm(*case, group_size=32, bits=4)
+        want, mag = oracle(*case, 32, 4, mx.float32)
+        assert_close(out, want, mx.float32, magnitude=mag)
+        compiled = mx.compile(lambda *a: mt.moe_gather_qmm(*a, group_size=32, bits=4))
+        assert_close(compiled(*case), want, mx.float32, magnitude=mag)
+        case2 = make_case(rng, 4, 5, 64, 64, 32, 4, mx.float32, [3, 3, 0, 7, 1])
+        want2, mag2 = oracle(*case2, 32, 4, mx.float32)
+        got2 = to_f64(compiled(*case2))
+        assert np.isnan(got2[3]).all()
+        assert_close(np.delete(got2, 3, 0), np.delete(want2, 3, 0), mx.float32,
+                     magnitude=np.delete(mag2, 3, 0))
+
+
+def test_no_host_sync_in_the_op_module():
+    """The op module never pulls data to the host (it stays lazy on every backend)."""
+    source = inspect.getsource(op_module)
+    for needle in (".item(", ".tolist(", "np.array(", "np.asarray(", "mx.eval(",
+                   "mx.async_eval(", "import numpy"):
+        assert needle not in source, needle
 
 
 # ---- path selection ------------------------------------------------------------------
@@ -335,11 +406,12 @@ def test_architecture_generation():
 
 # ---- negative controls: a deliberately wrong variant must fail the harness -------------
 
-def _broken_spec(monkeypatch, spec, old: str, new: str):
-    """A copy of ``spec`` whose template has ``old`` replaced by ``new``."""
+def _broken_spec(monkeypatch, spec, old: str, new: str, tag: str):
+    """A copy of ``spec`` whose template has ``old`` replaced by ``new`` (its own kernel
+    name ``..._broken_<tag>``: kernel objects are cached by name)."""
     text = _templates.read_text(spec.template)
-    assert old in text
-    fake_name = spec.template.replace(".metal", "_broken.metal")
+    assert text.count(old) == 1, old
+    fake_name = spec.template.replace(".metal", f"_broken_{tag}.metal")
     real_read = _templates.read_text
 
     def read_text(name):
@@ -347,25 +419,48 @@ def _broken_spec(monkeypatch, spec, old: str, new: str):
 
     monkeypatch.setattr(_templates, "read_text", read_text)
     _templates.render.cache_clear()
-    return replace(spec, variant=spec.variant + "_broken", template=fake_name)
+    return replace(spec, variant=f"{spec.variant}_broken_{tag}", template=fake_name)
+
+
+# (what breaks, text replaced, replacement, ids of the case, what the harness must raise)
+BREAKAGES = {
+    "runs_share_one_expert": ("const bool same = uint(indices[row0 + r]) == e;",
+                              "const bool same = true;", [0, 0, 1, 1, 1, 2, 3, 3],
+                              "out of tolerance"),
+    "rows_of_other_runs_stored": ("if (((run >> r) & 1u) != 0u) {", "if (true) {",
+                                  [0, 0, 1, 1, 1, 2, 3, 3], None),
+    # The poison of the emulator's outputs is NaN: only the write count sees this one.
+    "nan_row_not_stored": ("= T(NAN);", ";", [0, 1, 9, 1, 2], "bytes written to out"),
+    "no_expert_id_guard": ("if (e >= E) {", "if (false) {", [0, 1, 9, 1, 2], "OutOfBounds"),
+    "no_ragged_row_mask": ("const uint rows_here = min(BM, M - row0);",
+                           "const uint rows_here = BM;", [0, 0, 1, 1, 2], "OutOfBounds"),
+}
 
 
 @pytest.mark.parametrize("variant_name", VARIANTS)
-def test_negative_control_runs_share_one_expert(monkeypatch, rng, variant_name):
-    """A kernel that treats every row of a tile as the slot's run must fail."""
+@pytest.mark.parametrize("breakage", list(BREAKAGES))
+def test_negative_control(monkeypatch, rng, variant_name, breakage):
+    """A deliberately broken kernel must fail the harness: wrong values, an output row
+    written twice or a stray read (the emulator's bounds checks)."""
     backend = "emulator"
     require_backend(backend)
+    from mlx_metaltile import emulator
+
+    old, new, ids, expect = BREAKAGES[breakage]
     spec = op_module._SPECS[variant_name]
-    broken = _broken_spec(monkeypatch, spec, "const bool same = uint(indices[row0 + r]) == e;",
-                          "const bool same = true;")
+    broken = _broken_spec(monkeypatch, spec, old, new, breakage)
     monkeypatch.setitem(op_module._SPECS, variant_name, broken)
-    case = make_case(rng, 4, 8, 64, 64, 32, 8, mx.float32, [0, 0, 1, 1, 1, 2, 3, 3])
+    case = make_case(rng, 4, len(ids), 64, 64, 32, 8, mx.float32, ids)
+    errors = (AssertionError, emulator.KernelHazard)
     try:
-        with backends.use_backend(backend), pytest.raises(AssertionError,
-                                                          match="out of tolerance"):
+        with backends.use_backend(backend), pytest.raises(errors) as caught:
             run_and_check(case, 32, 8, mx.float32, backend, variant_name)
     finally:
         _templates.render.cache_clear()
+    if expect == "OutOfBounds":
+        assert isinstance(caught.value, emulator.OutOfBoundsAccess), caught.value
+    elif expect is not None:
+        assert expect in str(caught.value), caught.value
 
 
 def test_negative_control_reference_without_bias(monkeypatch, rng):
@@ -423,6 +518,18 @@ def _call(args, **kw):
     (lambda x, w, s, b, i: (x, w[:0], s[:0], b[:0], i), ValueError,
      "w must have at least one expert"),
     (lambda x, w, s, b, i: (x.tolist(), w, s, b, i), TypeError, "x must be an mx.array"),
+    (lambda x, w, s, b, i: (x, w.astype(mx.float16), s, b, i), TypeError,
+     r"w must be uint32 \(packed as mx.quantize returns it\), got float16"),
+    (lambda x, w, s, b, i: (x, w, s, b, i.astype(mx.int64)), TypeError,
+     "indices must be uint32 or int32, got int64"),
+    (lambda x, w, s, b, i: (x, w, s.astype(mx.int32), b, i), TypeError,
+     "scales must have x's dtype float16, got int32"),
+    (lambda x, w, s, b, i: (x[:, :0], w, s, b, i), ValueError,
+     "K \\(x.shape\\[1\\]\\) must be a positive multiple of the tile depth 32, got 0"),
+    (lambda x, w, s, b, i: (x, w[:, :0], s[:, :0], b[:, :0], i), ValueError,
+     r"w must have at least one expert and one row, got shape \(2, 0, 16\)"),
+    (lambda x, w, s, b, i: (x, w[:1], s, b, i), ValueError,
+     r"scales must have shape \(1, 32, 2\)"),
 ])
 def test_bad_input(mutate, exc, match):
     args = mutate(*_ok())

@@ -194,7 +194,9 @@ def _macos_version() -> tuple[int, ...]:
     return version
 
 
+@functools.cache
 def _device_architecture() -> str:
+    """The Metal device's architecture name, e.g. 'applegpu_g17s' (read once per process)."""
     info_fn = getattr(mx, "device_info", None) or mx.metal.device_info
     try:
         arch = info_fn().get("architecture", "")
