@@ -320,11 +320,12 @@ def test_auto_choice_by_backend_and_m(monkeypatch):
     assert choose("emulator", 8, None) is op_module.QMV_SPEC
     assert choose("emulator", 9, None) is op_module.SIMDGROUP_SPEC
     assert choose("cuda", 512, None) is op_module.SIMDGROUP_SPEC
-    monkeypatch.setattr(op_module, "_metal_has_mpp", lambda: True)
+    monkeypatch.setattr(op_module, "_metal_mpp_reason", lambda: None)
     assert choose("metal", 8, None) is op_module.QMV_SPEC
     assert choose("metal", 9, None) is op_module.MPP_SPEC
     assert choose("metal", 9, "simdgroup") is op_module.SIMDGROUP_SPEC
-    monkeypatch.setattr(op_module, "_metal_has_mpp", lambda: False)
+    monkeypatch.setattr(op_module, "_metal_mpp_reason",
+                        lambda: "needs macOS >= 26.2 (MetalPerformancePrimitives), got 15.6")
     assert choose("metal", 512, None) is op_module.SIMDGROUP_SPEC
     with pytest.raises(ValueError, match=r"^\[fp4_qmm\] variant 'mpp' is unavailable on the "
                                          r"metal backend: needs macOS >= 26.2"):
@@ -335,17 +336,32 @@ def test_auto_choice_by_backend_and_m(monkeypatch):
     assert choose("metal", 100, "qmv") is op_module.QMV_SPEC
 
 
-@pytest.mark.parametrize("release, arch, expected", [
-    ("26.2", "applegpu_g17s", True), ("26.3.1", "applegpu_g17g", True),
-    ("26.1", "applegpu_g17s", False), ("15.6", "applegpu_g17s", False),
-    ("26.2", "applegpu_g16s", False), ("26.2", "applegpu_g17p", False),
-    ("26.2", "applegpu_g18p", True), ("27.0", "applegpu_g15g", False),
+@pytest.mark.parametrize("release, sysctl, arch, expected", [
+    ("26.2", "", "applegpu_g17s", True), ("26.3.1", "", "applegpu_g17g", True),
+    ("26.1", "", "applegpu_g17s", False), ("15.6", "", "applegpu_g17s", False),
+    ("26.2", "", "applegpu_g16s", False), ("26.2", "", "applegpu_g17p", False),
+    ("26.2", "", "applegpu_g18p", True), ("27.0", "", "applegpu_g15g", False),
+    # Python built against an older SDK reports macOS 26 as 16.x: the real version decides
+    ("16.0", "26.2\n", "applegpu_g17s", True), ("16.0", "26.1\n", "applegpu_g17s", False),
 ])
-def test_mpp_detection(monkeypatch, release, arch, expected):
+def test_mpp_detection(monkeypatch, release, sysctl, arch, expected):
+    """The device rule of MLX's NAX kernels, read as moe_gather_qmm reads it (shared)."""
+    moe = importlib.import_module("mlx_metaltile.ops.moe_gather_qmm")
     monkeypatch.setattr(backends, "_metal_available", lambda: True)
-    monkeypatch.setattr(op_module.platform, "mac_ver", lambda: (release, ("", "", ""), "arm64"))
-    monkeypatch.setattr(mx.metal, "device_info", lambda: {"architecture": arch})
-    assert op_module._metal_has_mpp() is expected
+    monkeypatch.setattr(moe.platform, "mac_ver", lambda: (release, ("", "", ""), "arm64"))
+    monkeypatch.setattr(moe, "_sysctl", lambda name: sysctl)
+    monkeypatch.setattr(moe, "_device_architecture", lambda: arch)
+    moe._macos_version.cache_clear()
+    try:
+        reason = op_module.mpp_unavailable_reason("metal")
+        assert (reason is None) is expected, reason
+        assert (op_module._choose("metal", 64, None) is op_module.MPP_SPEC) is expected
+        if not expected:
+            with pytest.raises(ValueError, match=r"^\[fp4_qmm\] variant 'mpp' is unavailable "
+                                                 r"on the metal backend: needs "):
+                op_module._choose("metal", 64, "mpp")
+    finally:
+        moe._macos_version.cache_clear()
 
 
 def test_variant_requests_on_the_reference_backend(rng):
@@ -401,7 +417,7 @@ def test_instantiations_match_the_launches(monkeypatch, rng):
 
     monkeypatch.setattr(backends, "get_kernel", recording_kernel)
     monkeypatch.setattr(backends, "resolve_backend", lambda name=None: "metal")
-    monkeypatch.setattr(op_module, "_metal_has_mpp", lambda: True)
+    monkeypatch.setattr(op_module, "_metal_mpp_reason", lambda: None)
     for dtype in DTYPES:
         for kind, gs in SCALE_KINDS:
             x, w, s = make_case(rng, 40, 64, 128, dtype, kind, gs)

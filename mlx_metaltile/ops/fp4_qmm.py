@@ -14,7 +14,6 @@ Kernels (``variant=``):
 from __future__ import annotations
 
 import math
-import platform
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,6 +21,7 @@ import numpy as np
 
 from .. import backends
 from .._registry import FLOAT_DTYPES, KernelInstance, KernelSpec, register
+from . import moe_gather_qmm
 from ._common import FLOAT_TYPES, dtype_name, require_array, require_float, round_up, scalar
 
 OP = "fp4_qmm"
@@ -189,26 +189,17 @@ def fp4_qmm_reference(x: mx.array, w: mx.array, scales: mx.array, *,
 
 # ---- variant choice and launch --------------------------------------------------------
 
-def _metal_has_mpp() -> bool:
-    """macOS >= 26.2 and GPU generation >= 17 (18 for phone GPUs), as MLX decides for NAX."""
-    if not backends._metal_available():
-        return False
-    try:
-        release = tuple(int(p) for p in platform.mac_ver()[0].split(".")[:2])
-        arch = str(mx.metal.device_info().get("architecture", ""))
-        gen = int(arch[-3:-1])
-    except (ValueError, TypeError, AttributeError):
-        return False
-    if len(release) < 2:
-        release = (*release, 0)
-    return release >= (26, 2) and gen >= (18 if arch.endswith("p") else 17)
+def _metal_mpp_reason() -> str | None:
+    """None if this Metal device has MetalPerformancePrimitives' matrix units, else why not:
+    the rule of MLX's NAX kernels (macOS >= 26.2, GPU generation >= 17, >= 18 for phone GPUs),
+    as moe_gather_qmm reads it (the real macOS version also where Python reports 16.x)."""
+    return moe_gather_qmm.mpp_unavailable_reason()
 
 
 def mpp_unavailable_reason(backend: str) -> str | None:
     """None if the mpp variant can run on ``backend`` here, else why not."""
     if backend == "metal":
-        return None if _metal_has_mpp() else ("needs macOS >= 26.2 and an Apple GPU of "
-                                              "generation >= 17 (M5 class)")
+        return _metal_mpp_reason()
     if backend == "emulator":
         if not _EMULATOR_MPP_HEADER.is_file():
             return "this build of the emulator has no MetalPerformancePrimitives model"
@@ -220,7 +211,7 @@ def _choose(backend: str, m: int, variant: str | None) -> KernelSpec:
     if variant is None:
         if m <= QMV_MAX_M:
             return QMV_SPEC
-        if backend == "metal" and _metal_has_mpp():
+        if backend == "metal" and _metal_mpp_reason() is None:
             return MPP_SPEC
         return SIMDGROUP_SPEC
     if not isinstance(variant, str) or variant not in VARIANTS:
