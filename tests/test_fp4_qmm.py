@@ -119,7 +119,7 @@ def run_and_check(x, w, scales, kind, group_size, backend, variant=None, expect=
     spec = None if backend == "reference" else op_module._choose(backend, m, variant)
     launches = 1
     if spec is not None and spec.variant.startswith("simdgroup") and \
-            op_module._split_parts(m, n, k, group_size) > 1:
+            op_module._split_k(m, n, k)[0] > 1:
         launches = 2  # the tile kernel's float32 partial sums, then fp4_qmm_splitk_sum
     names = [] if expect is None else [f"fp4_qmm_{expect}"] + (
         ["fp4_qmm_splitk_sum"] if launches == 2 else [])
@@ -190,19 +190,63 @@ def test_scale_formats(kernel_backend, poisoned_outputs, rng, variant, kind, gro
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_simdgroup_without_split(kernel_backend, poisoned_outputs, no_split, rng, dtype, m, nk):
     """The one-pass path (what large problems take): rows and columns of several tiles."""
-    assert op_module._split_parts(m, nk, nk, 32) == 1
+    assert op_module._split_k(m, nk, nk) == (1, nk)
     x, w, s = make_case(rng, m, nk, nk, dtype)
     run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant="simdgroup", expect="simdgroup")
 
 
-@pytest.mark.parametrize("m, n, k, gs, parts", [
-    (1, 64, 256, 32, 8), (33, 4096, 4096, 32, 2), (32, 4096, 4096, 32, 4),
-    (32, 4096, 4096, 128, 4), (40, 64, 96, 32, 3), (40, 64, 96, 16, 3), (1, 32, 128, 64, 2),
-    (512, 4096, 4096, 32, 1), (32, 14336, 4096, 32, 1),
+@pytest.mark.parametrize("m, n, k, parts, k_part", [
+    (1, 64, 256, 8, 32), (33, 4096, 4096, 2, 2048), (32, 4096, 4096, 4, 1024),
+    (40, 64, 96, 3, 32), (1, 32, 128, 4, 32), (512, 4096, 4096, 1, 4096),
+    (32, 14336, 4096, 1, 4096),
+    # ragged: the last part is shorter (K = 32 * 7, 32 * 5, 32 * 127)
+    (9, 4096, 224, 4, 64), (9, 4096, 160, 3, 64), (33, 4096, 4064, 2, 2048),
 ])
-def test_split_parts(m, n, k, gs, parts):
-    """About 512 threadgroups, parts of whole 32-steps and groups (as MLX's qmm_splitk)."""
-    assert op_module._split_parts(m, n, k, gs) == parts
+def test_split_k(m, n, k, parts, k_part):
+    """About 512 threadgroups (as MLX's qmm_splitk), parts of whole 32-steps, the last one
+    possibly shorter, none empty."""
+    assert op_module._split_k(m, n, k) == (parts, k_part)
+
+
+def test_split_k_invariants():
+    """For every shape: Kp a multiple of 32, the parts cover K, no part is empty, and no more
+    threadgroups than the target once K is split (unless one part per tile already is)."""
+    for m in (1, 9, 33, 100, 512):
+        for n in (32, 64, 4096, 14336):
+            for k in range(32, 4097, 32):
+                parts, kp = op_module._split_k(m, n, k)
+                tiles = (n // 32) * -(-m // 32)
+                assert kp % 32 == 0 and parts * kp >= k > (parts - 1) * kp, (m, n, k)
+                assert parts == 1 or tiles * parts <= op_module.SPLITK_TARGET_TGS, (m, n, k)
+
+
+# (K, group size, scale kind, split target) -> ragged parts, some not aligned with the groups
+RAGGED = [
+    (160, 32, "e8m0", 6, 3, 64),       # 5 steps: 2 + 2 + 1
+    (160, 16, "e4m3", 6, 3, 64),       # nvfp4 groups of 16
+    (224, 32, "float32", 8, 4, 64),    # 7 steps: 2 + 2 + 2 + 1
+    (448, 64, "float16", 10, 5, 96),   # 14 steps: 3 x 4 + 2; parts end inside groups of 64
+    (640, 128, "bfloat16", 14, 7, 96),  # 20 steps: 3 x 6 + 2; inside groups of 128
+]
+
+
+@pytest.mark.parametrize("k, gs, kind, target, parts, k_part", RAGGED,
+                         ids=[f"K{r[0]}-{r[2]}-g{r[1]}-p{r[4]}" for r in RAGGED])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_ragged_split_k(kernel_backend, poisoned_outputs, monkeypatch, rng, dtype, k, gs, kind,
+                        target, parts, k_part):
+    """Split-K with a shorter last part, through the tile kernel and the sum kernel."""
+    monkeypatch.setattr(op_module, "SPLITK_TARGET_TGS", target)
+    m, n = 9, 64
+    assert op_module._split_k(m, n, k) == (parts, k_part) and k % k_part
+    x, w, s = make_case(rng, m, n, k, dtype, kind, gs)
+    run_and_check(x, w, s, kind, gs, kernel_backend, variant="simdgroup", expect="simdgroup")
+    if kernel_backend == "emulator":
+        from mlx_metaltile import emulator
+
+        stats = emulator.last_launch_stats()  # the sum kernel read every part once
+        assert stats.kernel.endswith("fp4_qmm_splitk_sum")
+        assert stats.bytes_read["partial"] == parts * m * n * 4
 
 
 @pytest.mark.parametrize("kind, group_size", SCALE_KINDS, ids=[f"{k}-g{g}" for k, g in SCALE_KINDS])
@@ -493,6 +537,39 @@ def test_negative_control_broken_kernel(kernel_backend, monkeypatch, rng, varian
         _templates.render.cache_clear()
 
 
+# Split-K breaks: the sum drops the last part; the tile kernel drops the last K step of a
+# ragged last part (or reads past K with no clamp: a fault on the emulator).
+SPLIT_BREAKS = {
+    "sum_drops_a_part": ("SPLITK_SUM_SPEC", "p < n_parts", "p + 1 < n_parts", AssertionError),
+    "last_part_short": ("SIMDGROUP_SPEC", "min(k_begin + k_part, K)",
+                        "min(k_begin + k_part, K - BK)", AssertionError),
+    "last_part_unclamped": ("SIMDGROUP_SPEC", "min(k_begin + k_part, K)", "(k_begin + k_part)",
+                            "OutOfBoundsAccess"),
+}
+
+
+@pytest.mark.parametrize("brk", SPLIT_BREAKS)
+def test_negative_control_broken_split_k(kernel_backend, monkeypatch, rng, brk):
+    attr, old, new, exc = SPLIT_BREAKS[brk]
+    if isinstance(exc, str):  # a fault only the emulator reports
+        if kernel_backend != "emulator":
+            pytest.skip("out-of-bounds reads are reported by the emulator")
+        from mlx_metaltile import emulator
+        exc = getattr(emulator, exc)
+    broken = _broken_spec(monkeypatch, getattr(op_module, attr), old, new, tag=brk)
+    monkeypatch.setattr(op_module, attr, broken)
+    if attr == "SIMDGROUP_SPEC":
+        monkeypatch.setitem(op_module.VARIANTS, "simdgroup", broken)
+    monkeypatch.setattr(op_module, "SPLITK_TARGET_TGS", 6)
+    x, w, s = make_case(rng, 9, 64, 160, mx.float32)  # 3 parts of 64, 64, 32
+    assert op_module._split_k(9, 64, 160) == (3, 64)
+    try:
+        with pytest.raises(exc, match="out of tolerance" if exc is AssertionError else None):
+            run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant="simdgroup")
+    finally:
+        _templates.render.cache_clear()
+
+
 def test_negative_control_unguarded_rows_fault_on_the_emulator(monkeypatch, rng):
     """Without the row guard on the store, a ragged M writes past out: the emulator says so."""
     require_backend("emulator")
@@ -597,7 +674,7 @@ def test_emulator_traffic_split_k(poisoned_outputs, rng):
     from mlx_metaltile import emulator
 
     m, n, k = 3, 64, 256
-    parts = op_module._split_parts(m, n, k, 32)
+    parts, _ = op_module._split_k(m, n, k)
     assert parts == 8
     x, w, s = make_case(rng, m, n, k, mx.float16)
     with backends.use_backend("emulator"):

@@ -46,7 +46,8 @@ QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC = register(
         op=OP, variant="simdgroup", template="fp4_qmm_simdgroup.metal", dtypes=FLOAT_DTYPES,
         geometry="32x32 output tile per threadgroup of 128 (4 simdgroups x 16x16 on "
                  "simdgroup_float8x8), BK = 32; grid (128 * N/32, ceil(M/32), parts): K split "
-                 "in parts (float32 partials + fp4_qmm_splitk_sum) until ~512 threadgroups",
+                 "in parts of whole 32-steps, the last one possibly shorter (float32 partials "
+                 "+ fp4_qmm_splitk_sum) until ~512 threadgroups",
     ),
     KernelSpec(
         op=OP, variant="mpp", template="fp4_qmm_mpp.metal", dtypes=FLOAT_DTYPES,
@@ -274,15 +275,17 @@ def instantiations(spec: KernelSpec) -> tuple[KernelInstance, ...]:
     return tuple(out.values())
 
 
-def _split_parts(m: int, n: int, k: int, group_size: int) -> int:
-    """K parts for the simdgroup kernel (as MLX's qmm_splitk): about SPLITK_TARGET_TGS
-    threadgroups; each part a whole number of 32-wide K steps and of groups."""
+def _split_k(m: int, n: int, k: int) -> tuple[int, int]:
+    """(parts, Kp): how the simdgroup kernel splits K. As MLX's qmm_splitk, about
+    SPLITK_TARGET_TGS threadgroups; each part is Kp = a whole number of 32-wide K steps, the
+    last one shorter when the steps do not divide evenly (K = 32 * a prime still splits).
+    No part is empty: parts = ceil(K / Kp). Parts need not align with groups: the kernel
+    reads the scale of each word it decodes."""
     tiles = (n // TILE) * -(-m // TILE)
-    align = max(TILE, group_size)
-    parts = min(max(1, SPLITK_TARGET_TGS // tiles), k // align)
-    while parts > 1 and k % (parts * align):
-        parts -= 1
-    return parts
+    steps = k // TILE
+    parts = min(max(1, SPLITK_TARGET_TGS // tiles), steps)
+    per_part = -(-steps // parts)
+    return -(-steps // per_part), per_part * TILE
 
 
 def _launch(spec: KernelSpec, x2, w, scales, m, n, k, mode, group_size, backend):
@@ -302,10 +305,10 @@ def _launch(spec: KernelSpec, x2, w, scales, m, n, k, mode, group_size, backend)
     else:
         threadgroup = (TILE_THREADS, 1, 1)
         if spec.variant.startswith("simdgroup"):
-            parts = _split_parts(m, n, k, group_size)
+            parts, k_part = _split_k(m, n, k)
             out_dtype = x2.dtype if parts == 1 else mx.float32
             template.append(("OT", out_dtype))
-            inputs += [gs_shift, scalar(k // parts, mx.uint32)]
+            inputs += [gs_shift, scalar(k_part, mx.uint32)]
             names = _SPLIT_INPUTS
             tg_mem = 2 * TILE * (TILE + 4) * 4  # x and w tiles, float, rows padded to 36
         else:
