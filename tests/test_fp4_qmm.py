@@ -154,10 +154,8 @@ def kernel_variant(backend: str, variant: str) -> None:
 
 # ---- the kernels against the oracle ---------------------------------------------------
 
-M_SHAPES = ((1, 64), (3, 128), (8, 256), (32, 128), (33, 64), (100, 256))  # (M, N = K)
-
-
-@pytest.mark.parametrize("m, nk", M_SHAPES, ids=[f"M{m}-NK{nk}" for m, nk in M_SHAPES])
+@pytest.mark.parametrize("nk", (64, 128, 256), ids=lambda v: f"NK{v}")
+@pytest.mark.parametrize("m", (1, 3, 8, 32, 33, 100), ids=lambda v: f"M{v}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_variants_match_oracle(kernel_backend, poisoned_outputs, rng, variant, dtype, m, nk):
@@ -178,11 +176,12 @@ def test_auto_matches_oracle(any_backend, poisoned_outputs, rng, m, nk):
 
 
 @pytest.mark.parametrize("kind, group_size", SCALE_KINDS, ids=[f"{k}-g{g}" for k, g in SCALE_KINDS])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_scale_formats(kernel_backend, poisoned_outputs, rng, variant, kind, group_size):
+def test_scale_formats(kernel_backend, poisoned_outputs, rng, variant, dtype, kind, group_size):
     kernel_variant(kernel_backend, variant)
     m = 5 if variant == "qmv" else 37
-    x, w, s = make_case(rng, m, 64, 128, mx.float32, kind, group_size)
+    x, w, s = make_case(rng, m, 64, 128, dtype, kind, group_size)
     run_and_check(x, w, s, kind, group_size, kernel_backend, variant=variant, expect=variant)
 
 
@@ -286,6 +285,62 @@ def test_leading_dims_and_non_contiguous_x(kernel_backend, poisoned_outputs, rng
     x = mx.swapaxes(mx.concatenate([base, base], axis=-1), 1, 2)  # [2, 10, 64], strided
     w, s = make_w(rng, 96, 64), make_scales(rng, 96, 64, "e8m0", 32)
     run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant, expect=variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_non_contiguous_w_and_scales(kernel_backend, poisoned_outputs, rng, variant):
+    """Strided views of w and scales (every other row of a bigger matrix; a transposed copy
+    transposed back) give the same results as their contiguous copies would."""
+    kernel_variant(kernel_backend, variant)
+    m = 3 if variant == "qmv" else 35
+    w_big, s_big = make_w(rng, 128, 128), make_scales(rng, 128, 128, "float16", 32)
+    w, s = w_big[::2], mx.swapaxes(mx.swapaxes(s_big, 0, 1)[:, 1::2], 0, 1)  # [64, 16], [64, 4]
+    x = make_x(rng, (m,), 128, mx.float32)
+    run_and_check(x, w, s, "float16", 32, kernel_backend, variant=variant, expect=variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_bfloat16_large_activations(kernel_backend, poisoned_outputs, rng, variant):
+    """bfloat16 x far outside half's range (|x| up to ~2^40) and tiny (~2^-40): the matmul
+    takes x in its own dtype, nothing rounds or overflows it through half."""
+    kernel_variant(kernel_backend, variant)
+    m = 6 if variant == "qmv" else 40
+    mag = np.exp2(rng.integers(-40, 41, size=(m, 1))).astype(np.float32)
+    x = mx.array(rng.standard_normal((m, 128)).astype(np.float32) * mag).astype(mx.bfloat16)
+    w, s = make_w(rng, 64, 128), make_scales(rng, 64, 128, "e8m0", 32)
+    run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant, expect=variant)
+
+
+@pytest.mark.parametrize("lead", ((0,), (2, 0), (0, 3)), ids=str)
+def test_empty_x_returns_empty_without_dispatch(any_backend, rng, lead):
+    w, s = make_w(rng, 32, 64), make_scales(rng, 32, 64, "e8m0", 32)
+    before = backends.launch_count()
+    for variant in (None, *((VARIANTS[:2]) if any_backend != "reference" else ())):
+        out = mt.fp4_qmm(mx.zeros((*lead, 64), dtype=mx.bfloat16), w, s, variant=variant)
+        assert out.shape == (*lead, 32) and out.dtype == mx.bfloat16
+        mx.eval(out)
+    assert backends.launch_count() == before
+
+
+@pytest.mark.parametrize("variant, m, target", [("qmv", 5, None), ("simdgroup", 33, None),
+                                               ("simdgroup", 9, 6), ("mpp", 33, None)])
+@pytest.mark.parametrize("seed", (1, 2))
+def test_emulator_strict_shuffled(poisoned_outputs, monkeypatch, rng, variant, m, target, seed):
+    """Strict mode (reads of threadgroup memory nobody wrote, races between barriers) with
+    threads and threadgroups run in a permuted order: the result must not depend on it."""
+    require_backend("emulator")
+    kernel_variant("emulator", variant)
+    from mlx_metaltile import emulator
+
+    if target is not None:  # ragged split-K: 3 parts, then the sum kernel
+        monkeypatch.setattr(op_module, "SPLITK_TARGET_TGS", target)
+    x, w, s = make_case(rng, m, 64, 160, mx.float16, "e4m3", 16)
+    previous = emulator.configure(strict=True, shuffle_seed=seed)
+    try:
+        with backends.use_backend("emulator"):
+            run_and_check(x, w, s, "e4m3", 16, "emulator", variant=variant, expect=variant)
+    finally:
+        emulator.configure(**vars(previous))
 
 
 def test_vector_x(any_backend, rng):
@@ -422,25 +477,32 @@ def test_unknown_variant(kernel_backend, rng, variant):
         mt.fp4_qmm(x, w, s, variant=variant)
 
 
-def test_m_changes_do_not_rebuild(kernel_backend, rng):
-    x, w, s = make_case(rng, 1, 32, 64, mx.float16)
-    run_and_check(x, w, s, "e8m0", 32, kernel_backend)
-    x, w, s = make_case(rng, 40, 32, 64, mx.float16)
-    run_and_check(x, w, s, "e8m0", 32, kernel_backend)
+def _emulator_instantiations() -> dict[str, int]:
+    """Kernel sources the emulator compiled so far, per fp4_qmm kernel (one per distinct
+    generated source: what Metal would compile as a new pipeline)."""
+    return {name: len(kernel._modules) for (backend, name), kernel in
+            backends._kernel_cache.items() if backend == "emulator" and "fp4_qmm" in name}
+
+
+@pytest.mark.parametrize("variant", (None, *VARIANTS))
+def test_sizes_do_not_rebuild(kernel_backend, rng, variant):
+    """M, N, K (and the split) are runtime inputs: once each template class has run, calls at
+    new sizes build no kernel object and (on the emulator) compile no new source."""
+    kernel_variant(kernel_backend, variant)
+    # warm-up: every template class this variant can take (qmv: MB = 1, 2, 4, 8;
+    # simdgroup: one pass (OT = T) and split (OT = float))
+    warm = [(1, 32, 64), (2, 32, 64), (3, 32, 64), (5, 32, 64), (40, 64, 32), (9, 64, 64)]
+    for m, n, k in warm:
+        x, w, s = make_case(rng, m, n, k, mx.float16)
+        run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant)
     built = backends.built_kernels()
-    for m in (1, 2, 7, 41, 64):  # new M, N, K: runtime inputs, same kernel objects
-        x, w, s = make_case(rng, m, 64, 96, mx.float16)
-        run_and_check(x, w, s, "e8m0", 32, kernel_backend)
+    compiled = _emulator_instantiations()
+    for m, n, k in [(1, 96, 160), (2, 64, 96), (4, 32, 128), (7, 96, 64), (8, 64, 224),
+                    (33, 96, 160), (41, 32, 96), (64, 64, 128), (100, 96, 32)]:
+        x, w, s = make_case(rng, m, n, k, mx.float16)
+        run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant)
     assert backends.built_kernels() == built
-
-
-def test_empty_m_does_not_dispatch(kernel_backend, rng):
-    before = backends.launch_count()
-    x = mx.zeros((0, 64), dtype=mx.float16)
-    w, s = make_w(rng, 32, 64), make_scales(rng, 32, 64, "e8m0", 32)
-    out = mt.fp4_qmm(x, w, s)
-    assert out.shape == (0, 32) and out.dtype == mx.float16
-    assert backends.launch_count() == before
+    assert _emulator_instantiations() == compiled
 
 
 def test_instantiations_match_the_launches(monkeypatch, rng):
@@ -627,6 +689,31 @@ def _ok():
     (lambda x, w, s: (x[0, 0], w, s), {}, ValueError, "x must have at least 1 dimension"),
     (lambda x, w, s: (x, np.zeros((32, 8), np.uint32), s), {}, TypeError,
      "w must be an mx.array"),
+    (lambda x, w, s: (x.astype(mx.uint32), w, s), {}, TypeError,
+     "x must be float32, float16 or bfloat16, got uint32"),
+    (lambda x, w, s: (x.astype(mx.bool_), w, s), {}, TypeError, "x must be float32"),
+    (lambda x, w, s: (x, w.astype(mx.float32), s), {}, TypeError,
+     r"w must be uint32 \(8 E2M1 codes per word\), got float32"),
+    (lambda x, w, s: (x, w, s.astype(mx.uint32)), {}, TypeError,
+     "scales must be uint8 .* got uint32"),
+    (lambda x, w, s: (x, w, s.astype(mx.float32)), {"group_size": 0}, ValueError,
+     "group_size must be one of"),
+    (lambda x, w, s: (x, w, s.astype(mx.float32)), {"group_size": -32}, ValueError,
+     "group_size must be one of"),
+    (lambda x, w, s: (x, w, s), {"group_size": None}, TypeError, "group_size must be an int"),
+    (lambda x, w, s: (x, w.reshape(-1), s), {}, ValueError,
+     r"w must have 2 dimensions \[N, K/8\], got 1"),
+    (lambda x, w, s: (x, w, s.reshape(-1)), {}, ValueError,
+     r"scales must have shape \[N, K/group_size\] = \(32, 2\), got \(64,\)"),
+    (lambda x, w, s: (x, w, s[None]), {}, ValueError, r"scales must have shape .* \(1, 32, 2\)"),
+    (lambda x, w, s: (x, w, s[:16]), {}, ValueError,
+     r"scales must have shape \[N, K/group_size\] = \(32, 2\), got \(16, 2\)"),
+    (lambda x, w, s: (x, w[:0], s[:0]), {}, ValueError,
+     "N .* must be a positive multiple of 32, got 0"),
+    (lambda x, w, s: (x[:, :0], w[:, :0], s[:, :0]), {}, ValueError,
+     r"K \(x.shape\[-1\] = 8 \* w.shape\[1\]\) must be a positive multiple of 32, got 0"),
+    (lambda x, w, s: (x, mx.zeros((48, 8), dtype=mx.uint32), mx.full((48, 2), 127, mx.uint8)),
+     {}, ValueError, "N .* must be a positive multiple of 32, got 48"),
 ])
 def test_bad_input(mutate, kwargs, exc, match):
     x, w, s = mutate(*_ok())
