@@ -539,21 +539,29 @@ def test_instantiations_match_the_launches(monkeypatch, rng):
                    for inst in declared), (name, template, inputs, outputs)
 
 
-def test_op_is_lazy_and_compiles(monkeypatch, rng):
-    """No evaluation inside the op; it traces under mx.compile (reference backend here)."""
-    x, w, s = make_case(rng, 6, 64, 64, mx.float32)
+@pytest.mark.parametrize("kind, group_size", (("e8m0", 32), ("e4m3", 16), ("bfloat16", 64)))
+def test_op_is_lazy_and_compiles(monkeypatch, rng, kind, group_size):
+    """On the reference backend: no evaluation inside the op (the result stays a lazy graph
+    node inside a bigger graph), and it traces under mx.compile, at two sizes of M."""
+    x, w, s = make_case(rng, 6, 64, 64, mx.float32, kind, group_size)
 
     def no_eval(*args, **kwargs):
         raise AssertionError("the op evaluated its graph")
 
-    with monkeypatch.context() as m:
-        m.setattr(mx, "eval", no_eval)
-        m.setattr(mx.array, "item", no_eval)
-        out = mt.fp4_qmm(x, w, s)
-    want, mag = oracle(x, w, s, "e8m0", 32)
-    assert_close(out, want, mx.float32, magnitude=mag)
-    compiled = mx.compile(lambda a, b, c: mt.fp4_qmm(a, b, c))
-    assert_close(compiled(x, w, s), want, mx.float32, magnitude=mag)
+    with backends.use_backend("reference"):
+        with monkeypatch.context() as m:
+            m.setattr(mx, "eval", no_eval)
+            m.setattr(mx, "async_eval", no_eval)
+            m.setattr(mx.array, "item", no_eval)
+            m.setattr(mx.array, "tolist", no_eval)
+            out = mt.fp4_qmm(x * 2.0, w, s, group_size=group_size) * 0.5  # exact scalings
+        want, mag = oracle(x, w, s, kind, group_size)
+        assert_close(out, want, mx.float32, magnitude=mag)
+        compiled = mx.compile(lambda a, b, c: mt.fp4_qmm(a, b, c, group_size=group_size))
+        for rows in (6, 11):
+            xr = make_x(rng, (rows,), 64, mx.float32)
+            want, mag = oracle(xr, w, s, kind, group_size)
+            assert_close(compiled(xr, w, s), want, mx.float32, magnitude=mag)
 
 
 # ---- negative controls: a deliberately wrong kernel must fail the harness ----------------
