@@ -566,16 +566,20 @@ def test_op_is_lazy_and_compiles(monkeypatch, rng, kind, group_size):
 
 # ---- negative controls: a deliberately wrong kernel must fail the harness ----------------
 
-def _broken_spec(monkeypatch, spec, old: str, new: str, tag: str = "broken"):
-    """A copy of ``spec`` whose template has ``old`` replaced by ``new`` (variant and template
-    names carry ``tag``: kernels are cached by name, so each break needs its own)."""
+def _broken_spec(monkeypatch, spec, old, new, tag: str = "broken"):
+    """A copy of ``spec`` whose template has ``old`` replaced by ``new`` (strings, or tuples of
+    strings replaced pairwise; variant and template names carry ``tag``: kernels are cached
+    by name, so each break needs its own)."""
     text = _templates.read_text(spec.template)
-    assert old in text, f"{old!r} not in {spec.template}"
+    olds, news = (old, new) if isinstance(old, tuple) else ((old,), (new,))
+    for o, n in zip(olds, news, strict=True):
+        assert o in text, f"{o!r} not in {spec.template}"
+        text = text.replace(o, n)
     fake_name = spec.template.replace(".metal", f"_{tag}.metal")
     real_read = _templates.read_text
 
     def read_text(name):
-        return text.replace(old, new) if name == fake_name else real_read(name)
+        return text if name == fake_name else real_read(name)
 
     monkeypatch.setattr(_templates, "read_text", read_text)
     _templates.render.cache_clear()
@@ -640,18 +644,34 @@ def test_negative_control_broken_split_k(kernel_backend, monkeypatch, rng, brk):
         _templates.render.cache_clear()
 
 
-def test_negative_control_unguarded_rows_fault_on_the_emulator(monkeypatch, rng):
-    """Without the row guard on the store, a ragged M writes past out: the emulator says so."""
+# The row guards of a ragged M, removed one at a time: each must fault on the emulator.
+UNGUARDED = {
+    "qmv-load": ("qmv", "    if (m0 + m < M) {\n      const size_t xo", "    if (true) {\n      const size_t xo"),
+    "qmv-store": ("qmv", "    if (m0 + m < M) {\n      const size_t oo", "    if (true) {\n      const size_t oo"),
+    "simdgroup-store": ("simdgroup", "if (x_row_ok) {\n  const", "if (true) {\n  const"),
+    # two guards, each enough: the clamped row pointer and the select of 0
+    "simdgroup-load": ("simdgroup", ("min(m_tile + lr, M - 1)", "x_row_ok ? float(x["),
+                       ("(m_tile + lr)", "true ? float(x[")),
+    "mpp-load": ("mpp", "a[i] = row < M ? x[", "a[i] = true ? x["),
+    "mpp-store": ("mpp", "    if (row < M) {\n      out", "    if (true) {\n      out"),
+}
+
+
+@pytest.mark.parametrize("brk", UNGUARDED)
+def test_negative_control_unguarded_rows_fault_on_the_emulator(monkeypatch, rng, brk):
+    """Without a row guard, a ragged M reads past x or writes past out: the emulator says so."""
     require_backend("emulator")
+    variant, old, new = UNGUARDED[brk]
+    kernel_variant("emulator", variant)
     from mlx_metaltile import emulator
 
-    broken = _broken_spec(monkeypatch, op_module.SIMDGROUP_SPEC, "if (x_row_ok) {\n  const",
-                          "if (true) {\n  const", tag="unguarded")
-    monkeypatch.setitem(op_module.VARIANTS, "simdgroup", broken)
-    x, w, s = make_case(rng, 33, 32, 64, mx.float32)
+    broken = _broken_spec(monkeypatch, getattr(op_module, SPEC_ATTR[variant]), old, new,
+                          tag=brk.replace("-", "_"))
+    monkeypatch.setitem(op_module.VARIANTS, variant, broken)
+    x, w, s = make_case(rng, 5 if variant == "qmv" else 33, 32, 64, mx.float32)
     try:
         with backends.use_backend("emulator"), pytest.raises(emulator.OutOfBoundsAccess):
-            mx.eval(mt.fp4_qmm(x, w, s, variant="simdgroup"))
+            mx.eval(mt.fp4_qmm(x, w, s, variant=variant))
     finally:
         _templates.render.cache_clear()
 
