@@ -11,7 +11,9 @@
 //   6 significant bits, magnitudes 2^-10 .. 2688). E8M0 and float scales are applied in
 //   float32 to each K block's partial product, so no scale exponent can overflow a half.
 //   x feeds the matmul in its own dtype (half, bfloat or float against half weights, float
-//   destination: combinations MetalPerformancePrimitives lists), so nothing rounds x.
+//   destination: combinations MetalPerformancePrimitives lists), so nothing rounds x: a
+//   bfloat16 call meets its weights staged through half, while its activations keep
+//   bfloat16's range (rounding them to half would overflow past 65504).
 //
 // LAYOUT (row-contiguous): x [M, K] T; w [N, K / 8] uint32 (code j of a word at bits
 //   [4j, 4j + 4)); scales [N, K / GS] ST; out [M, N] T. m_rows, n_cols, k_cols: 0-d uint32
@@ -25,7 +27,8 @@
 //
 // DESIGN: a threadgroup of 128 threads (4 simdgroups) owns out[m_tile : +32, n_tile : +32] and
 //   walks K in blocks of 32. Per block, thread t decodes one uint32 word of w (row t / 4 of the
-//   tile, k (t % 4) * 8 .. +8) into the half tile wq and stages the row's scale(s) in float;
+//   tile, k (t % 4) * 8 .. +8; mt_e2m1x2 in common.h: integer bit placement, no table, which
+//   costs no memory access) into the half tile wq and stages the row's scale(s) in float;
 //   simdgroup s owns the 16x16 output block (rows 16 (s / 2), columns 16 (s % 2)) and runs one
 //   matmul2d(16, 16, 32) per K block (two when GS == 16 without folding: one per group, the
 //   other group's codes read as 0) on cooperative inputs: the left one read from x in device

@@ -47,7 +47,8 @@ const uint M = m_rows;
 const uint N = n_cols;
 const uint K = k_cols;
 const uint lane = thread_index_in_simdgroup;
-const uint n0 = (threadgroup_position_in_grid.y * SIMDGROUPS + simdgroup_index_in_threadgroup) * ROWS;
+const uint n0 =
+    (threadgroup_position_in_grid.y * SIMDGROUPS + simdgroup_index_in_threadgroup) * ROWS;
 const uint m0 = threadgroup_position_in_grid.z * MB;
 const uint k_words = K / 8;
 const uint k_groups = K >> gs_shift;

@@ -2,7 +2,8 @@
 // matrices (every Apple GPU), optionally split along K.
 //
 // MATH (float32 accumulation, rounded once to OT):
-//   out[p, m, n] = sum_{k in part p} float(x[m, k]) * wdq[n, k],  part p = [p Kp, (p + 1) Kp)
+//   out[p, m, n] = sum_{k in part p} float(x[m, k]) * wdq[n, k],
+//   part p = [p Kp, min((p + 1) Kp, K)) (the last part is shorter when the parts are ragged)
 //   With one part (Kp = K), OT = T and out is the result [M, N]. With several, OT = float and
 //   out holds float32 partial sums [parts, M, N] that fp4_qmm_splitk_sum.metal adds up.
 //   wdq[n, k] = e2m1(code (w[n, k / 8] >> 4 (k % 8)) & 0xF) * scale(n, k / GS)   (float32)
@@ -17,26 +18,32 @@
 // TEMPLATE: T, ST (uint8 or float: the wrapper passes float16 / bfloat16 scales as float32),
 //   SCALE_MODE (0 float, 1 E8M0, 2 E4M3), OT (T, or float for split-K partial sums).
 //
-// DESIGN: a threadgroup of 128 threads (4 simdgroups) owns out[m_tile : +32, n_tile : +32] and
-//   walks its part of K in steps of BK = 32. Per step, thread t stages row t / 4, columns (t % 4) * 8 .. +8
-//   of both operands into threadgroup float: 8 values of x (zeros for rows past M) and one
-//   uint32 word of w (8 codes, decoded with mt_e2m1x2 and multiplied by the row's group scale:
-//   the dequantisation of each weight happens once per threadgroup). Simdgroup s computes the
+// DESIGN: a threadgroup of 128 threads (4 simdgroups) owns out[m_tile : +32, n_tile : +32]
+//   and walks its part of K in steps of BK = 32. Per step, thread t stages row t / 4, columns
+//   (t % 4) * 8 .. +8 of both operands into threadgroup float: 8 values of x (zeros for rows
+//   past M) and one uint32 word of w (8 codes, decoded with mt_e2m1x2 -- integer bit
+//   placement, no table (common.h) -- and multiplied by the row's group scale: each weight
+//   is dequantised once per threadgroup). Both are loaded into registers before the first
+//   barrier of the step. Simdgroup s computes the
 //   16x16 block (rows 16 (s / 2), columns 16 (s % 2)) as 2x2 simdgroup_float8x8 accumulators,
 //   4 k-slices of 8 per step (B is loaded transposed: B[k][n] = ws[n][k]). The accumulators
 //   go through threadgroup memory (xs reused) so that the store to out can be guarded per row.
+//   Staging in float, not T, keeps scaled weights exact (code * 2^e overflows half for
+//   e >= 14). Split-K (as MLX's qmm_splitk) gives small-M problems enough threadgroups: the
+//   wrapper targets about 512, in parts of whole 32-steps.
 //   Traffic (device loads, counted by the emulator): w ceil(M / 32) times, a scale once per
 //   word (the 4 threads of a row load the same one for GS >= 32), x N / 32 times, out once
-//   (parts times in float32 when split, then read once by the sum). Split-K (as MLX's qmm_splitk) gives small-M problems
-//   enough threadgroups: the wrapper targets about 512.
+//   (parts times in float32 when split, then read once by the sum).
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
 //   threadgroup = (128, 1, 1); grid = (128 * N / 32, ceil(M / 32), parts):
 //   threadgroup_position_in_grid.x is the n tile, .y the m tile, .z the K part.
-//   N % 32 == 0, K % 32 == 0, GS | K (checked): no column or K tail; 8 | GS, so the 8 codes of
-//   a word share one scale. Kp = K / parts is a multiple of 32 and of GS (parts > 1 only
-//   then), so the parts tile K exactly. Rows of x past M are not read (their pointer is clamped to row
-//   M - 1 and the value replaced by 0) and rows of out past M are not written.
+//   N % 32 == 0, K % 32 == 0, GS | K (checked): no column or K tail; 8 | GS, so the 8 codes
+//   of a word share one scale. Kp is a multiple of 32 and parts = ceil(K / Kp): every part
+//   has at least one 32-step and the last one ends at K (ragged parts: no step crosses K;
+//   parts need not align with the groups, each word's scale is read with it).
+//   Rows of x past M are not read (their pointer is clamped to row M - 1 and the value
+//   replaced by 0) and rows of out past M are not written.
 //   threadgroup memory: 2 x 32 x 36 floats = 9216 bytes. Every thread reaches every barrier.
 // ONLY CHECKABLE ON A MAC: simdgroup_load with transpose from a padded threadgroup float
 //   array, the compiler's register allocation for 4 accumulators, speed.
@@ -53,7 +60,7 @@ const uint M = m_rows;
 const uint N = n_cols;
 const uint K = k_cols;
 const uint k_begin = threadgroup_position_in_grid.z * k_part;
-const uint k_end = k_begin + k_part;
+const uint k_end = min(k_begin + k_part, K);  // the last part may be shorter
 const uint tid = thread_index_in_threadgroup;
 const uint sg = simdgroup_index_in_threadgroup;
 const uint n_tile = threadgroup_position_in_grid.x * BN;

@@ -10,6 +10,10 @@
 //   threadgroup = (256, 1, 1); grid = (round_up(ceil(M * N / 4), 256), 1, 1): thread t owns
 //   outputs [4t, 4t + 4); M * N % 32 == 0 (N % 32 == 0), so a thread's 4 outputs are all in
 //   range or all out of range (then it returns: no barrier in this kernel).
+//   parts >= 2 (ragged K parts change nothing here: every part holds a full [M, N] partial).
+// TRAFFIC: partial read once (parts * M * N * 4 bytes), out written once.
+// ONLY CHECKABLE ON A MAC: whether the compiler turns the 4 scalar loads and stores into
+//   vector accesses (the emulator counts bytes, not instructions), speed.
 #include "common.h"
 // ---- kernel body ----
 const uint i0 = thread_position_in_grid.x * 4;

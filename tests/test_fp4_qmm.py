@@ -119,7 +119,7 @@ def run_and_check(x, w, scales, kind, group_size, backend, variant=None, expect=
     spec = None if backend == "reference" else op_module._choose(backend, m, variant)
     launches = 1
     if spec is not None and spec.variant.startswith("simdgroup") and \
-            op_module._split_parts(m, n, k, group_size) > 1:
+            op_module._split_k(m, n, k)[0] > 1:
         launches = 2  # the tile kernel's float32 partial sums, then fp4_qmm_splitk_sum
     names = [] if expect is None else [f"fp4_qmm_{expect}"] + (
         ["fp4_qmm_splitk_sum"] if launches == 2 else [])
@@ -154,10 +154,8 @@ def kernel_variant(backend: str, variant: str) -> None:
 
 # ---- the kernels against the oracle ---------------------------------------------------
 
-M_SHAPES = ((1, 64), (3, 128), (8, 256), (32, 128), (33, 64), (100, 256))  # (M, N = K)
-
-
-@pytest.mark.parametrize("m, nk", M_SHAPES, ids=[f"M{m}-NK{nk}" for m, nk in M_SHAPES])
+@pytest.mark.parametrize("nk", (64, 128, 256), ids=lambda v: f"NK{v}")
+@pytest.mark.parametrize("m", (1, 3, 8, 32, 33, 100), ids=lambda v: f"M{v}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_variants_match_oracle(kernel_backend, poisoned_outputs, rng, variant, dtype, m, nk):
@@ -178,11 +176,12 @@ def test_auto_matches_oracle(any_backend, poisoned_outputs, rng, m, nk):
 
 
 @pytest.mark.parametrize("kind, group_size", SCALE_KINDS, ids=[f"{k}-g{g}" for k, g in SCALE_KINDS])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_scale_formats(kernel_backend, poisoned_outputs, rng, variant, kind, group_size):
+def test_scale_formats(kernel_backend, poisoned_outputs, rng, variant, dtype, kind, group_size):
     kernel_variant(kernel_backend, variant)
     m = 5 if variant == "qmv" else 37
-    x, w, s = make_case(rng, m, 64, 128, mx.float32, kind, group_size)
+    x, w, s = make_case(rng, m, 64, 128, dtype, kind, group_size)
     run_and_check(x, w, s, kind, group_size, kernel_backend, variant=variant, expect=variant)
 
 
@@ -190,19 +189,63 @@ def test_scale_formats(kernel_backend, poisoned_outputs, rng, variant, kind, gro
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_simdgroup_without_split(kernel_backend, poisoned_outputs, no_split, rng, dtype, m, nk):
     """The one-pass path (what large problems take): rows and columns of several tiles."""
-    assert op_module._split_parts(m, nk, nk, 32) == 1
+    assert op_module._split_k(m, nk, nk) == (1, nk)
     x, w, s = make_case(rng, m, nk, nk, dtype)
     run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant="simdgroup", expect="simdgroup")
 
 
-@pytest.mark.parametrize("m, n, k, gs, parts", [
-    (1, 64, 256, 32, 8), (33, 4096, 4096, 32, 2), (32, 4096, 4096, 32, 4),
-    (32, 4096, 4096, 128, 4), (40, 64, 96, 32, 3), (40, 64, 96, 16, 3), (1, 32, 128, 64, 2),
-    (512, 4096, 4096, 32, 1), (32, 14336, 4096, 32, 1),
+@pytest.mark.parametrize("m, n, k, parts, k_part", [
+    (1, 64, 256, 8, 32), (33, 4096, 4096, 2, 2048), (32, 4096, 4096, 4, 1024),
+    (40, 64, 96, 3, 32), (1, 32, 128, 4, 32), (512, 4096, 4096, 1, 4096),
+    (32, 14336, 4096, 1, 4096),
+    # ragged: the last part is shorter (K = 32 * 7, 32 * 5, 32 * 127)
+    (9, 4096, 224, 4, 64), (9, 4096, 160, 3, 64), (33, 4096, 4064, 2, 2048),
 ])
-def test_split_parts(m, n, k, gs, parts):
-    """About 512 threadgroups, parts of whole 32-steps and groups (as MLX's qmm_splitk)."""
-    assert op_module._split_parts(m, n, k, gs) == parts
+def test_split_k(m, n, k, parts, k_part):
+    """About 512 threadgroups (as MLX's qmm_splitk), parts of whole 32-steps, the last one
+    possibly shorter, none empty."""
+    assert op_module._split_k(m, n, k) == (parts, k_part)
+
+
+def test_split_k_invariants():
+    """For every shape: Kp a multiple of 32, the parts cover K, no part is empty, and no more
+    threadgroups than the target once K is split (unless one part per tile already is)."""
+    for m in (1, 9, 33, 100, 512):
+        for n in (32, 64, 4096, 14336):
+            for k in range(32, 4097, 32):
+                parts, kp = op_module._split_k(m, n, k)
+                tiles = (n // 32) * -(-m // 32)
+                assert kp % 32 == 0 and parts * kp >= k > (parts - 1) * kp, (m, n, k)
+                assert parts == 1 or tiles * parts <= op_module.SPLITK_TARGET_TGS, (m, n, k)
+
+
+# (K, group size, scale kind, split target) -> ragged parts, some not aligned with the groups
+RAGGED = [
+    (160, 32, "e8m0", 6, 3, 64),       # 5 steps: 2 + 2 + 1
+    (160, 16, "e4m3", 6, 3, 64),       # nvfp4 groups of 16
+    (224, 32, "float32", 8, 4, 64),    # 7 steps: 2 + 2 + 2 + 1
+    (448, 64, "float16", 10, 5, 96),   # 14 steps: 3 x 4 + 2; parts end inside groups of 64
+    (640, 128, "bfloat16", 14, 7, 96),  # 20 steps: 3 x 6 + 2; inside groups of 128
+]
+
+
+@pytest.mark.parametrize("k, gs, kind, target, parts, k_part", RAGGED,
+                         ids=[f"K{r[0]}-{r[2]}-g{r[1]}-p{r[4]}" for r in RAGGED])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_ragged_split_k(kernel_backend, poisoned_outputs, monkeypatch, rng, dtype, k, gs, kind,
+                        target, parts, k_part):
+    """Split-K with a shorter last part, through the tile kernel and the sum kernel."""
+    monkeypatch.setattr(op_module, "SPLITK_TARGET_TGS", target)
+    m, n = 9, 64
+    assert op_module._split_k(m, n, k) == (parts, k_part) and k % k_part
+    x, w, s = make_case(rng, m, n, k, dtype, kind, gs)
+    run_and_check(x, w, s, kind, gs, kernel_backend, variant="simdgroup", expect="simdgroup")
+    if kernel_backend == "emulator":
+        from mlx_metaltile import emulator
+
+        stats = emulator.last_launch_stats()  # the sum kernel read every part once
+        assert stats.kernel.endswith("fp4_qmm_splitk_sum")
+        assert stats.bytes_read["partial"] == parts * m * n * 4
 
 
 @pytest.mark.parametrize("kind, group_size", SCALE_KINDS, ids=[f"{k}-g{g}" for k, g in SCALE_KINDS])
@@ -242,6 +285,62 @@ def test_leading_dims_and_non_contiguous_x(kernel_backend, poisoned_outputs, rng
     x = mx.swapaxes(mx.concatenate([base, base], axis=-1), 1, 2)  # [2, 10, 64], strided
     w, s = make_w(rng, 96, 64), make_scales(rng, 96, 64, "e8m0", 32)
     run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant, expect=variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_non_contiguous_w_and_scales(kernel_backend, poisoned_outputs, rng, variant):
+    """Strided views of w and scales (every other row of a bigger matrix; a transposed copy
+    transposed back) give the same results as their contiguous copies would."""
+    kernel_variant(kernel_backend, variant)
+    m = 3 if variant == "qmv" else 35
+    w_big, s_big = make_w(rng, 128, 128), make_scales(rng, 128, 128, "float16", 32)
+    w, s = w_big[::2], mx.swapaxes(mx.swapaxes(s_big, 0, 1)[:, 1::2], 0, 1)  # [64, 16], [64, 4]
+    x = make_x(rng, (m,), 128, mx.float32)
+    run_and_check(x, w, s, "float16", 32, kernel_backend, variant=variant, expect=variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_bfloat16_large_activations(kernel_backend, poisoned_outputs, rng, variant):
+    """bfloat16 x far outside half's range (|x| up to ~2^40) and tiny (~2^-40): the matmul
+    takes x in its own dtype, nothing rounds or overflows it through half."""
+    kernel_variant(kernel_backend, variant)
+    m = 6 if variant == "qmv" else 40
+    mag = np.exp2(rng.integers(-40, 41, size=(m, 1))).astype(np.float32)
+    x = mx.array(rng.standard_normal((m, 128)).astype(np.float32) * mag).astype(mx.bfloat16)
+    w, s = make_w(rng, 64, 128), make_scales(rng, 64, 128, "e8m0", 32)
+    run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant, expect=variant)
+
+
+@pytest.mark.parametrize("lead", ((0,), (2, 0), (0, 3)), ids=str)
+def test_empty_x_returns_empty_without_dispatch(any_backend, rng, lead):
+    w, s = make_w(rng, 32, 64), make_scales(rng, 32, 64, "e8m0", 32)
+    before = backends.launch_count()
+    for variant in (None, *((VARIANTS[:2]) if any_backend != "reference" else ())):
+        out = mt.fp4_qmm(mx.zeros((*lead, 64), dtype=mx.bfloat16), w, s, variant=variant)
+        assert out.shape == (*lead, 32) and out.dtype == mx.bfloat16
+        mx.eval(out)
+    assert backends.launch_count() == before
+
+
+@pytest.mark.parametrize("variant, m, target", [("qmv", 5, None), ("simdgroup", 33, None),
+                                               ("simdgroup", 9, 6), ("mpp", 33, None)])
+@pytest.mark.parametrize("seed", (1, 2))
+def test_emulator_strict_shuffled(poisoned_outputs, monkeypatch, rng, variant, m, target, seed):
+    """Strict mode (reads of threadgroup memory nobody wrote, races between barriers) with
+    threads and threadgroups run in a permuted order: the result must not depend on it."""
+    require_backend("emulator")
+    kernel_variant("emulator", variant)
+    from mlx_metaltile import emulator
+
+    if target is not None:  # ragged split-K: 3 parts, then the sum kernel
+        monkeypatch.setattr(op_module, "SPLITK_TARGET_TGS", target)
+    x, w, s = make_case(rng, m, 64, 160, mx.float16, "e4m3", 16)
+    previous = emulator.configure(strict=True, shuffle_seed=seed)
+    try:
+        with backends.use_backend("emulator"):
+            run_and_check(x, w, s, "e4m3", 16, "emulator", variant=variant, expect=variant)
+    finally:
+        emulator.configure(**vars(previous))
 
 
 def test_vector_x(any_backend, rng):
@@ -320,11 +419,12 @@ def test_auto_choice_by_backend_and_m(monkeypatch):
     assert choose("emulator", 8, None) is op_module.QMV_SPEC
     assert choose("emulator", 9, None) is op_module.SIMDGROUP_SPEC
     assert choose("cuda", 512, None) is op_module.SIMDGROUP_SPEC
-    monkeypatch.setattr(op_module, "_metal_has_mpp", lambda: True)
+    monkeypatch.setattr(op_module, "_metal_mpp_reason", lambda: None)
     assert choose("metal", 8, None) is op_module.QMV_SPEC
     assert choose("metal", 9, None) is op_module.MPP_SPEC
     assert choose("metal", 9, "simdgroup") is op_module.SIMDGROUP_SPEC
-    monkeypatch.setattr(op_module, "_metal_has_mpp", lambda: False)
+    monkeypatch.setattr(op_module, "_metal_mpp_reason",
+                        lambda: "needs macOS >= 26.2 (MetalPerformancePrimitives), got 15.6")
     assert choose("metal", 512, None) is op_module.SIMDGROUP_SPEC
     with pytest.raises(ValueError, match=r"^\[fp4_qmm\] variant 'mpp' is unavailable on the "
                                          r"metal backend: needs macOS >= 26.2"):
@@ -335,17 +435,32 @@ def test_auto_choice_by_backend_and_m(monkeypatch):
     assert choose("metal", 100, "qmv") is op_module.QMV_SPEC
 
 
-@pytest.mark.parametrize("release, arch, expected", [
-    ("26.2", "applegpu_g17s", True), ("26.3.1", "applegpu_g17g", True),
-    ("26.1", "applegpu_g17s", False), ("15.6", "applegpu_g17s", False),
-    ("26.2", "applegpu_g16s", False), ("26.2", "applegpu_g17p", False),
-    ("26.2", "applegpu_g18p", True), ("27.0", "applegpu_g15g", False),
+@pytest.mark.parametrize("release, sysctl, arch, expected", [
+    ("26.2", "", "applegpu_g17s", True), ("26.3.1", "", "applegpu_g17g", True),
+    ("26.1", "", "applegpu_g17s", False), ("15.6", "", "applegpu_g17s", False),
+    ("26.2", "", "applegpu_g16s", False), ("26.2", "", "applegpu_g17p", False),
+    ("26.2", "", "applegpu_g18p", True), ("27.0", "", "applegpu_g15g", False),
+    # Python built against an older SDK reports macOS 26 as 16.x: the real version decides
+    ("16.0", "26.2\n", "applegpu_g17s", True), ("16.0", "26.1\n", "applegpu_g17s", False),
 ])
-def test_mpp_detection(monkeypatch, release, arch, expected):
+def test_mpp_detection(monkeypatch, release, sysctl, arch, expected):
+    """The device rule of MLX's NAX kernels, read as moe_gather_qmm reads it (shared)."""
+    moe = importlib.import_module("mlx_metaltile.ops.moe_gather_qmm")
     monkeypatch.setattr(backends, "_metal_available", lambda: True)
-    monkeypatch.setattr(op_module.platform, "mac_ver", lambda: (release, ("", "", ""), "arm64"))
-    monkeypatch.setattr(mx.metal, "device_info", lambda: {"architecture": arch})
-    assert op_module._metal_has_mpp() is expected
+    monkeypatch.setattr(moe.platform, "mac_ver", lambda: (release, ("", "", ""), "arm64"))
+    monkeypatch.setattr(moe, "_sysctl", lambda name: sysctl)
+    monkeypatch.setattr(moe, "_device_architecture", lambda: arch)
+    moe._macos_version.cache_clear()
+    try:
+        reason = op_module.mpp_unavailable_reason("metal")
+        assert (reason is None) is expected, reason
+        assert (op_module._choose("metal", 64, None) is op_module.MPP_SPEC) is expected
+        if not expected:
+            with pytest.raises(ValueError, match=r"^\[fp4_qmm\] variant 'mpp' is unavailable "
+                                                 r"on the metal backend: needs "):
+                op_module._choose("metal", 64, "mpp")
+    finally:
+        moe._macos_version.cache_clear()
 
 
 def test_variant_requests_on_the_reference_backend(rng):
@@ -362,25 +477,32 @@ def test_unknown_variant(kernel_backend, rng, variant):
         mt.fp4_qmm(x, w, s, variant=variant)
 
 
-def test_m_changes_do_not_rebuild(kernel_backend, rng):
-    x, w, s = make_case(rng, 1, 32, 64, mx.float16)
-    run_and_check(x, w, s, "e8m0", 32, kernel_backend)
-    x, w, s = make_case(rng, 40, 32, 64, mx.float16)
-    run_and_check(x, w, s, "e8m0", 32, kernel_backend)
+def _emulator_instantiations() -> dict[str, int]:
+    """Kernel sources the emulator compiled so far, per fp4_qmm kernel (one per distinct
+    generated source: what Metal would compile as a new pipeline)."""
+    return {name: len(kernel._modules) for (backend, name), kernel in
+            backends._kernel_cache.items() if backend == "emulator" and "fp4_qmm" in name}
+
+
+@pytest.mark.parametrize("variant", (None, *VARIANTS))
+def test_sizes_do_not_rebuild(kernel_backend, rng, variant):
+    """M, N, K (and the split) are runtime inputs: once each template class has run, calls at
+    new sizes build no kernel object and (on the emulator) compile no new source."""
+    kernel_variant(kernel_backend, variant)
+    # warm-up: every template class this variant can take (qmv: MB = 1, 2, 4, 8;
+    # simdgroup: one pass (OT = T) and split (OT = float))
+    warm = [(1, 32, 64), (2, 32, 64), (3, 32, 64), (5, 32, 64), (40, 64, 32), (9, 64, 64)]
+    for m, n, k in warm:
+        x, w, s = make_case(rng, m, n, k, mx.float16)
+        run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant)
     built = backends.built_kernels()
-    for m in (1, 2, 7, 41, 64):  # new M, N, K: runtime inputs, same kernel objects
-        x, w, s = make_case(rng, m, 64, 96, mx.float16)
-        run_and_check(x, w, s, "e8m0", 32, kernel_backend)
+    compiled = _emulator_instantiations()
+    for m, n, k in [(1, 96, 160), (2, 64, 96), (4, 32, 128), (7, 96, 64), (8, 64, 224),
+                    (33, 96, 160), (41, 32, 96), (64, 64, 128), (100, 96, 32)]:
+        x, w, s = make_case(rng, m, n, k, mx.float16)
+        run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant)
     assert backends.built_kernels() == built
-
-
-def test_empty_m_does_not_dispatch(kernel_backend, rng):
-    before = backends.launch_count()
-    x = mx.zeros((0, 64), dtype=mx.float16)
-    w, s = make_w(rng, 32, 64), make_scales(rng, 32, 64, "e8m0", 32)
-    out = mt.fp4_qmm(x, w, s)
-    assert out.shape == (0, 32) and out.dtype == mx.float16
-    assert backends.launch_count() == before
+    assert _emulator_instantiations() == compiled
 
 
 def test_instantiations_match_the_launches(monkeypatch, rng):
@@ -401,7 +523,7 @@ def test_instantiations_match_the_launches(monkeypatch, rng):
 
     monkeypatch.setattr(backends, "get_kernel", recording_kernel)
     monkeypatch.setattr(backends, "resolve_backend", lambda name=None: "metal")
-    monkeypatch.setattr(op_module, "_metal_has_mpp", lambda: True)
+    monkeypatch.setattr(op_module, "_metal_mpp_reason", lambda: None)
     for dtype in DTYPES:
         for kind, gs in SCALE_KINDS:
             x, w, s = make_case(rng, 40, 64, 128, dtype, kind, gs)
@@ -417,35 +539,47 @@ def test_instantiations_match_the_launches(monkeypatch, rng):
                    for inst in declared), (name, template, inputs, outputs)
 
 
-def test_op_is_lazy_and_compiles(monkeypatch, rng):
-    """No evaluation inside the op; it traces under mx.compile (reference backend here)."""
-    x, w, s = make_case(rng, 6, 64, 64, mx.float32)
+@pytest.mark.parametrize("kind, group_size", (("e8m0", 32), ("e4m3", 16), ("bfloat16", 64)))
+def test_op_is_lazy_and_compiles(monkeypatch, rng, kind, group_size):
+    """On the reference backend: no evaluation inside the op (the result stays a lazy graph
+    node inside a bigger graph), and it traces under mx.compile, at two sizes of M."""
+    x, w, s = make_case(rng, 6, 64, 64, mx.float32, kind, group_size)
 
     def no_eval(*args, **kwargs):
         raise AssertionError("the op evaluated its graph")
 
-    with monkeypatch.context() as m:
-        m.setattr(mx, "eval", no_eval)
-        m.setattr(mx.array, "item", no_eval)
-        out = mt.fp4_qmm(x, w, s)
-    want, mag = oracle(x, w, s, "e8m0", 32)
-    assert_close(out, want, mx.float32, magnitude=mag)
-    compiled = mx.compile(lambda a, b, c: mt.fp4_qmm(a, b, c))
-    assert_close(compiled(x, w, s), want, mx.float32, magnitude=mag)
+    with backends.use_backend("reference"):
+        with monkeypatch.context() as m:
+            m.setattr(mx, "eval", no_eval)
+            m.setattr(mx, "async_eval", no_eval)
+            m.setattr(mx.array, "item", no_eval)
+            m.setattr(mx.array, "tolist", no_eval)
+            out = mt.fp4_qmm(x * 2.0, w, s, group_size=group_size) * 0.5  # exact scalings
+        want, mag = oracle(x, w, s, kind, group_size)
+        assert_close(out, want, mx.float32, magnitude=mag)
+        compiled = mx.compile(lambda a, b, c: mt.fp4_qmm(a, b, c, group_size=group_size))
+        for rows in (6, 11):
+            xr = make_x(rng, (rows,), 64, mx.float32)
+            want, mag = oracle(xr, w, s, kind, group_size)
+            assert_close(compiled(xr, w, s), want, mx.float32, magnitude=mag)
 
 
 # ---- negative controls: a deliberately wrong kernel must fail the harness ----------------
 
-def _broken_spec(monkeypatch, spec, old: str, new: str, tag: str = "broken"):
-    """A copy of ``spec`` whose template has ``old`` replaced by ``new`` (variant and template
-    names carry ``tag``: kernels are cached by name, so each break needs its own)."""
+def _broken_spec(monkeypatch, spec, old, new, tag: str = "broken"):
+    """A copy of ``spec`` whose template has ``old`` replaced by ``new`` (strings, or tuples of
+    strings replaced pairwise; variant and template names carry ``tag``: kernels are cached
+    by name, so each break needs its own)."""
     text = _templates.read_text(spec.template)
-    assert old in text, f"{old!r} not in {spec.template}"
+    olds, news = (old, new) if isinstance(old, tuple) else ((old,), (new,))
+    for o, n in zip(olds, news, strict=True):
+        assert o in text, f"{o!r} not in {spec.template}"
+        text = text.replace(o, n)
     fake_name = spec.template.replace(".metal", f"_{tag}.metal")
     real_read = _templates.read_text
 
     def read_text(name):
-        return text.replace(old, new) if name == fake_name else real_read(name)
+        return text if name == fake_name else real_read(name)
 
     monkeypatch.setattr(_templates, "read_text", read_text)
     _templates.render.cache_clear()
@@ -477,18 +611,67 @@ def test_negative_control_broken_kernel(kernel_backend, monkeypatch, rng, varian
         _templates.render.cache_clear()
 
 
-def test_negative_control_unguarded_rows_fault_on_the_emulator(monkeypatch, rng):
-    """Without the row guard on the store, a ragged M writes past out: the emulator says so."""
+# Split-K breaks: the sum drops the last part; the tile kernel drops the last K step of a
+# ragged last part (or reads past K with no clamp: a fault on the emulator).
+SPLIT_BREAKS = {
+    "sum_drops_a_part": ("SPLITK_SUM_SPEC", "p < n_parts", "p + 1 < n_parts", AssertionError),
+    "last_part_short": ("SIMDGROUP_SPEC", "min(k_begin + k_part, K)",
+                        "min(k_begin + k_part, K - BK)", AssertionError),
+    "last_part_unclamped": ("SIMDGROUP_SPEC", "min(k_begin + k_part, K)", "(k_begin + k_part)",
+                            "OutOfBoundsAccess"),
+}
+
+
+@pytest.mark.parametrize("brk", SPLIT_BREAKS)
+def test_negative_control_broken_split_k(kernel_backend, monkeypatch, rng, brk):
+    attr, old, new, exc = SPLIT_BREAKS[brk]
+    if isinstance(exc, str):  # a fault only the emulator reports
+        if kernel_backend != "emulator":
+            pytest.skip("out-of-bounds reads are reported by the emulator")
+        from mlx_metaltile import emulator
+        exc = getattr(emulator, exc)
+    broken = _broken_spec(monkeypatch, getattr(op_module, attr), old, new, tag=brk)
+    monkeypatch.setattr(op_module, attr, broken)
+    if attr == "SIMDGROUP_SPEC":
+        monkeypatch.setitem(op_module.VARIANTS, "simdgroup", broken)
+    monkeypatch.setattr(op_module, "SPLITK_TARGET_TGS", 6)
+    x, w, s = make_case(rng, 9, 64, 160, mx.float32)  # 3 parts of 64, 64, 32
+    assert op_module._split_k(9, 64, 160) == (3, 64)
+    try:
+        with pytest.raises(exc, match="out of tolerance" if exc is AssertionError else None):
+            run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant="simdgroup")
+    finally:
+        _templates.render.cache_clear()
+
+
+# The row guards of a ragged M, removed one at a time: each must fault on the emulator.
+UNGUARDED = {
+    "qmv-load": ("qmv", "    if (m0 + m < M) {\n      const size_t xo", "    if (true) {\n      const size_t xo"),
+    "qmv-store": ("qmv", "    if (m0 + m < M) {\n      const size_t oo", "    if (true) {\n      const size_t oo"),
+    "simdgroup-store": ("simdgroup", "if (x_row_ok) {\n  const", "if (true) {\n  const"),
+    # two guards, each enough: the clamped row pointer and the select of 0
+    "simdgroup-load": ("simdgroup", ("min(m_tile + lr, M - 1)", "x_row_ok ? float(x["),
+                       ("(m_tile + lr)", "true ? float(x[")),
+    "mpp-load": ("mpp", "a[i] = row < M ? x[", "a[i] = true ? x["),
+    "mpp-store": ("mpp", "    if (row < M) {\n      out", "    if (true) {\n      out"),
+}
+
+
+@pytest.mark.parametrize("brk", UNGUARDED)
+def test_negative_control_unguarded_rows_fault_on_the_emulator(monkeypatch, rng, brk):
+    """Without a row guard, a ragged M reads past x or writes past out: the emulator says so."""
     require_backend("emulator")
+    variant, old, new = UNGUARDED[brk]
+    kernel_variant("emulator", variant)
     from mlx_metaltile import emulator
 
-    broken = _broken_spec(monkeypatch, op_module.SIMDGROUP_SPEC, "if (x_row_ok) {\n  const",
-                          "if (true) {\n  const", tag="unguarded")
-    monkeypatch.setitem(op_module.VARIANTS, "simdgroup", broken)
-    x, w, s = make_case(rng, 33, 32, 64, mx.float32)
+    broken = _broken_spec(monkeypatch, getattr(op_module, SPEC_ATTR[variant]), old, new,
+                          tag=brk.replace("-", "_"))
+    monkeypatch.setitem(op_module.VARIANTS, variant, broken)
+    x, w, s = make_case(rng, 5 if variant == "qmv" else 33, 32, 64, mx.float32)
     try:
         with backends.use_backend("emulator"), pytest.raises(emulator.OutOfBoundsAccess):
-            mx.eval(mt.fp4_qmm(x, w, s, variant="simdgroup"))
+            mx.eval(mt.fp4_qmm(x, w, s, variant=variant))
     finally:
         _templates.render.cache_clear()
 
@@ -534,6 +717,31 @@ def _ok():
     (lambda x, w, s: (x[0, 0], w, s), {}, ValueError, "x must have at least 1 dimension"),
     (lambda x, w, s: (x, np.zeros((32, 8), np.uint32), s), {}, TypeError,
      "w must be an mx.array"),
+    (lambda x, w, s: (x.astype(mx.uint32), w, s), {}, TypeError,
+     "x must be float32, float16 or bfloat16, got uint32"),
+    (lambda x, w, s: (x.astype(mx.bool_), w, s), {}, TypeError, "x must be float32"),
+    (lambda x, w, s: (x, w.astype(mx.float32), s), {}, TypeError,
+     r"w must be uint32 \(8 E2M1 codes per word\), got float32"),
+    (lambda x, w, s: (x, w, s.astype(mx.uint32)), {}, TypeError,
+     "scales must be uint8 .* got uint32"),
+    (lambda x, w, s: (x, w, s.astype(mx.float32)), {"group_size": 0}, ValueError,
+     "group_size must be one of"),
+    (lambda x, w, s: (x, w, s.astype(mx.float32)), {"group_size": -32}, ValueError,
+     "group_size must be one of"),
+    (lambda x, w, s: (x, w, s), {"group_size": None}, TypeError, "group_size must be an int"),
+    (lambda x, w, s: (x, w.reshape(-1), s), {}, ValueError,
+     r"w must have 2 dimensions \[N, K/8\], got 1"),
+    (lambda x, w, s: (x, w, s.reshape(-1)), {}, ValueError,
+     r"scales must have shape \[N, K/group_size\] = \(32, 2\), got \(64,\)"),
+    (lambda x, w, s: (x, w, s[None]), {}, ValueError, r"scales must have shape .* \(1, 32, 2\)"),
+    (lambda x, w, s: (x, w, s[:16]), {}, ValueError,
+     r"scales must have shape \[N, K/group_size\] = \(32, 2\), got \(16, 2\)"),
+    (lambda x, w, s: (x, w[:0], s[:0]), {}, ValueError,
+     "N .* must be a positive multiple of 32, got 0"),
+    (lambda x, w, s: (x[:, :0], w[:, :0], s[:, :0]), {}, ValueError,
+     r"K \(x.shape\[-1\] = 8 \* w.shape\[1\]\) must be a positive multiple of 32, got 0"),
+    (lambda x, w, s: (x, mx.zeros((48, 8), dtype=mx.uint32), mx.full((48, 2), 127, mx.uint8)),
+     {}, ValueError, "N .* must be a positive multiple of 32, got 48"),
 ])
 def test_bad_input(mutate, kwargs, exc, match):
     x, w, s = mutate(*_ok())
@@ -581,7 +789,7 @@ def test_emulator_traffic_split_k(poisoned_outputs, rng):
     from mlx_metaltile import emulator
 
     m, n, k = 3, 64, 256
-    parts = op_module._split_parts(m, n, k, 32)
+    parts, _ = op_module._split_k(m, n, k)
     assert parts == 8
     x, w, s = make_case(rng, m, n, k, mx.float16)
     with backends.use_backend("emulator"):

@@ -14,7 +14,6 @@ Kernels (``variant=``):
 from __future__ import annotations
 
 import math
-import platform
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,6 +21,7 @@ import numpy as np
 
 from .. import backends
 from .._registry import FLOAT_DTYPES, KernelInstance, KernelSpec, register
+from . import moe_gather_qmm
 from ._common import FLOAT_TYPES, dtype_name, require_array, require_float, round_up, scalar
 
 OP = "fp4_qmm"
@@ -46,7 +46,8 @@ QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC = register(
         op=OP, variant="simdgroup", template="fp4_qmm_simdgroup.metal", dtypes=FLOAT_DTYPES,
         geometry="32x32 output tile per threadgroup of 128 (4 simdgroups x 16x16 on "
                  "simdgroup_float8x8), BK = 32; grid (128 * N/32, ceil(M/32), parts): K split "
-                 "in parts (float32 partials + fp4_qmm_splitk_sum) until ~512 threadgroups",
+                 "in parts of whole 32-steps, the last one possibly shorter (float32 partials "
+                 "+ fp4_qmm_splitk_sum) until ~512 threadgroups",
     ),
     KernelSpec(
         op=OP, variant="mpp", template="fp4_qmm_mpp.metal", dtypes=FLOAT_DTYPES,
@@ -189,26 +190,17 @@ def fp4_qmm_reference(x: mx.array, w: mx.array, scales: mx.array, *,
 
 # ---- variant choice and launch --------------------------------------------------------
 
-def _metal_has_mpp() -> bool:
-    """macOS >= 26.2 and GPU generation >= 17 (18 for phone GPUs), as MLX decides for NAX."""
-    if not backends._metal_available():
-        return False
-    try:
-        release = tuple(int(p) for p in platform.mac_ver()[0].split(".")[:2])
-        arch = str(mx.metal.device_info().get("architecture", ""))
-        gen = int(arch[-3:-1])
-    except (ValueError, TypeError, AttributeError):
-        return False
-    if len(release) < 2:
-        release = (*release, 0)
-    return release >= (26, 2) and gen >= (18 if arch.endswith("p") else 17)
+def _metal_mpp_reason() -> str | None:
+    """None if this Metal device has MetalPerformancePrimitives' matrix units, else why not:
+    the rule of MLX's NAX kernels (macOS >= 26.2, GPU generation >= 17, >= 18 for phone GPUs),
+    as moe_gather_qmm reads it (the real macOS version also where Python reports 16.x)."""
+    return moe_gather_qmm.mpp_unavailable_reason()
 
 
 def mpp_unavailable_reason(backend: str) -> str | None:
     """None if the mpp variant can run on ``backend`` here, else why not."""
     if backend == "metal":
-        return None if _metal_has_mpp() else ("needs macOS >= 26.2 and an Apple GPU of "
-                                              "generation >= 17 (M5 class)")
+        return _metal_mpp_reason()
     if backend == "emulator":
         if not _EMULATOR_MPP_HEADER.is_file():
             return "this build of the emulator has no MetalPerformancePrimitives model"
@@ -220,7 +212,7 @@ def _choose(backend: str, m: int, variant: str | None) -> KernelSpec:
     if variant is None:
         if m <= QMV_MAX_M:
             return QMV_SPEC
-        if backend == "metal" and _metal_has_mpp():
+        if backend == "metal" and _metal_mpp_reason() is None:
             return MPP_SPEC
         return SIMDGROUP_SPEC
     if not isinstance(variant, str) or variant not in VARIANTS:
@@ -283,15 +275,17 @@ def instantiations(spec: KernelSpec) -> tuple[KernelInstance, ...]:
     return tuple(out.values())
 
 
-def _split_parts(m: int, n: int, k: int, group_size: int) -> int:
-    """K parts for the simdgroup kernel (as MLX's qmm_splitk): about SPLITK_TARGET_TGS
-    threadgroups; each part a whole number of 32-wide K steps and of groups."""
+def _split_k(m: int, n: int, k: int) -> tuple[int, int]:
+    """(parts, Kp): how the simdgroup kernel splits K. As MLX's qmm_splitk, about
+    SPLITK_TARGET_TGS threadgroups; each part is Kp = a whole number of 32-wide K steps, the
+    last one shorter when the steps do not divide evenly (K = 32 * a prime still splits).
+    No part is empty: parts = ceil(K / Kp). Parts need not align with groups: the kernel
+    reads the scale of each word it decodes."""
     tiles = (n // TILE) * -(-m // TILE)
-    align = max(TILE, group_size)
-    parts = min(max(1, SPLITK_TARGET_TGS // tiles), k // align)
-    while parts > 1 and k % (parts * align):
-        parts -= 1
-    return parts
+    steps = k // TILE
+    parts = min(max(1, SPLITK_TARGET_TGS // tiles), steps)
+    per_part = -(-steps // parts)
+    return -(-steps // per_part), per_part * TILE
 
 
 def _launch(spec: KernelSpec, x2, w, scales, m, n, k, mode, group_size, backend):
@@ -311,10 +305,10 @@ def _launch(spec: KernelSpec, x2, w, scales, m, n, k, mode, group_size, backend)
     else:
         threadgroup = (TILE_THREADS, 1, 1)
         if spec.variant.startswith("simdgroup"):
-            parts = _split_parts(m, n, k, group_size)
+            parts, k_part = _split_k(m, n, k)
             out_dtype = x2.dtype if parts == 1 else mx.float32
             template.append(("OT", out_dtype))
-            inputs += [gs_shift, scalar(k // parts, mx.uint32)]
+            inputs += [gs_shift, scalar(k_part, mx.uint32)]
             names = _SPLIT_INPUTS
             tg_mem = 2 * TILE * (TILE + 4) * 4  # x and w tiles, float, rows padded to 36
         else:
