@@ -178,6 +178,8 @@ def test_argument_errors_mirror_mlx():
     with pytest.raises(ValueError, match="Invalid template argument"):
         kernel(inputs=[mx.zeros((2,)), mx.zeros((2,))], grid=(1, 1, 1), threadgroup=(1, 1, 1),
                output_shapes=[(1,)], output_dtypes=[mx.float32], template=[("T", 1.5)])
+    with pytest.raises(TypeError):  # keyword arguments only, as MLX's kernel objects
+        kernel([mx.zeros((2,)), mx.zeros((2,))], [(1,)], [mx.float32], (1, 1, 1), (1, 1, 1))
     with pytest.raises(ValueError, match="at least one output"):
         em.metal_kernel(name="k", input_names=[], output_names=[], source="")
 

@@ -119,6 +119,34 @@ def test_shuffle_and_fill():
     np.testing.assert_array_equal(up8, np.where(g >= 2, 100 + LANES - 2, 1100 + LANES + 6))
 
 
+def test_quad_shuffle_edges_and_fill_with_modulo():
+    """The quad_ shuffles keep or fill at the edges of each group of 4, as the simd_ ones do at
+    the edges of the SIMD-group; fill variants with a modulo wrap within each group."""
+    q = LANES % 4
+    base = LANES - q
+    np.testing.assert_array_equal(per_lane("quad_shuffle_up(v, 1)"),
+                                  100 + np.where(q >= 1, LANES - 1, LANES))
+    np.testing.assert_array_equal(per_lane("quad_shuffle_up(v, 3)"),
+                                  100 + np.where(q >= 3, LANES - 3, LANES))
+    np.testing.assert_array_equal(per_lane("quad_shuffle_down(v, 3)"),
+                                  100 + np.where(q + 3 < 4, LANES + 3, LANES))
+    np.testing.assert_array_equal(per_lane("quad_shuffle_rotate_up(v, 1)"),
+                                  100 + base + (q - 1) % 4)
+    np.testing.assert_array_equal(per_lane("quad_shuffle_rotate_down(v, 3)"),
+                                  100 + base + (q + 3) % 4)
+    np.testing.assert_array_equal(per_lane("quad_shuffle_and_fill_up(v, v + 1000.0f, 1)"),
+                                  np.where(q >= 1, 100 + LANES - 1, 1100 + base + q + 3))
+    np.testing.assert_array_equal(per_lane("quad_shuffle_and_fill_down(v, v + 1000.0f, 2)"),
+                                  np.where(q + 2 < 4, 102 + LANES, 1100 + base + q - 2))
+    np.testing.assert_array_equal(per_lane("quad_broadcast_first(v)"), 100 + base)
+    g = LANES % 8
+    down8 = per_lane("simd_shuffle_and_fill_down(v, v + 1000.0f, 2, 8)")
+    np.testing.assert_array_equal(down8, np.where(g + 2 < 8, 102 + LANES, 1100 + LANES + 2 - 8))
+    np.testing.assert_array_equal(per_lane("simd_shuffle_rotate_up(v, 0)"), 100 + LANES)
+    np.testing.assert_array_equal(per_lane("simd_shuffle_rotate_down(v, 31)"),
+                                  100 + (LANES + 31) % 32)
+
+
 def test_shuffle_of_vectors_and_64_bit():
     got = per_lane("simd_shuffle_down(float2(v, -v), 1).y")
     np.testing.assert_array_equal(got, -(100 + np.where(LANES < 31, LANES + 1, LANES)))

@@ -329,8 +329,9 @@ class EmulatedKernel:
                 self._modules[gen.source] = mod
             return mod
 
-    def __call__(self, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None,
-                 init_value=None, verbose=False, stream=None) -> list[mx.array]:
+    def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup,
+                 template=None, init_value=None, verbose=False, stream=None) -> list[mx.array]:
+        """Run the kernel (keyword arguments only, as MLX's); returns the outputs."""
         for what, got, want in (("inputs", len(inputs), len(self.input_names)),
                                 ("output_shapes", len(output_shapes), len(self.output_names)),
                                 ("output_dtypes", len(output_dtypes), len(self.output_names))):
