@@ -234,17 +234,37 @@ print("ok")
 """
 
 
-def test_concurrent_processes_share_the_cache(tmp_path):
-    """Two processes building the same new kernel at once both succeed (atomic installs)."""
+def _race(tmp_path, env, n):
     root = Path(__file__).resolve().parents[1]
     script = CONCURRENT % uuid.uuid4().hex
-    env = dict(os.environ, PYTHONPATH=str(root))
+    env = dict(os.environ, PYTHONPATH=str(root), **env)
     procs = [subprocess.Popen([sys.executable, "-c", script], env=env, cwd=tmp_path,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(3)]
+             for _ in range(n)]
     for p in procs:
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0 and out.strip() == "ok", err
+
+
+def test_concurrent_processes_share_the_cache(tmp_path):
+    """Three processes building the same new kernel at once all succeed (atomic installs)."""
+    _race(tmp_path, {}, 3)
+
+
+@pytest.mark.slow
+def test_concurrent_processes_build_a_cold_cache(tmp_path):
+    """Two processes starting on an empty cache race on the runtime library, the
+    precompiled header and the kernel: all succeed, and the cache holds one of each, with no
+    build directory left behind."""
+    cache = tmp_path / "cache"
+    _race(tmp_path, {"MLX_METALTILE_CACHE": str(cache)}, 2)
+    root = cache / "emulator"
+    assert len(list(root.glob("mt_runtime-*.so"))) == 1
+    pch = list(root.glob("pch-*"))
+    assert len(pch) == 1 and (pch[0] / "mt_pch.h.gch").is_file()
+    assert len(list((root / "kernels").glob("*.so"))) == 1
+    leftovers = [p.name for p in root.rglob("*build*")]
+    assert not leftovers, leftovers
 
 
 def test_all_twenty_attributes_compile_and_report():
