@@ -178,6 +178,9 @@ def test_argument_errors_mirror_mlx():
     with pytest.raises(ValueError, match="Invalid template argument"):
         kernel(inputs=[mx.zeros((2,)), mx.zeros((2,))], grid=(1, 1, 1), threadgroup=(1, 1, 1),
                output_shapes=[(1,)], output_dtypes=[mx.float32], template=[("T", 1.5)])
+    with pytest.raises(TypeError, match="32-bit int"):  # never truncated to a small grid
+        kernel(inputs=[mx.zeros((2,)), mx.zeros((2,))], grid=(2**32 + 1, 1, 1),
+               threadgroup=(1, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.float32])
     with pytest.raises(TypeError):  # keyword arguments only, as MLX's kernel objects
         kernel([mx.zeros((2,)), mx.zeros((2,))], [(1,)], [mx.float32], (1, 1, 1), (1, 1, 1))
     with pytest.raises(ValueError, match="at least one output"):
@@ -212,11 +215,19 @@ def test_counters_of_a_threadgroup_reduction():
 
 
 def test_use_backend_emulator_runs_the_kernel(rng):
+    from mlx_metaltile import backends
+
     y = mx.array(rng.standard_normal((3, 40)).astype(np.float32))
     w = mx.ones((40,))
+    run("out[0] = 1.0f;", {"d": mx.zeros((1,))}, {"out": ((1,), mx.float32)}, (1, 1, 1),
+        (1, 1, 1), name="not_the_op")  # no stale statistics from an earlier test
+    before = backends.launch_count(backend="emulator")
     with mt.use_backend("emulator"):
         out = mt.gated_rms_norm(y, y, w)
-    assert em.last_launch_stats().kernel.startswith("mt_gated_rms_norm")
+    assert backends.launch_count(backend="emulator") == before + 1
+    stats = em.last_launch_stats()
+    assert stats.kernel.startswith("mt_gated_rms_norm")
+    assert stats.bytes_read["y"] == y.nbytes and stats.bytes_written["out"] == y.nbytes
     ref = mt.ops.gated_rms_norm_reference(y, y, w)
     np.testing.assert_allclose(np.array(out), np.array(ref), rtol=1e-5, atol=1e-6)
 
