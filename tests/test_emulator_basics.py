@@ -178,6 +178,11 @@ def test_argument_errors_mirror_mlx():
     with pytest.raises(ValueError, match="Invalid template argument"):
         kernel(inputs=[mx.zeros((2,)), mx.zeros((2,))], grid=(1, 1, 1), threadgroup=(1, 1, 1),
                output_shapes=[(1,)], output_dtypes=[mx.float32], template=[("T", 1.5)])
+    with pytest.raises(TypeError, match="32-bit int"):  # never truncated to a small grid
+        kernel(inputs=[mx.zeros((2,)), mx.zeros((2,))], grid=(2**32 + 1, 1, 1),
+               threadgroup=(1, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.float32])
+    with pytest.raises(TypeError):  # keyword arguments only, as MLX's kernel objects
+        kernel([mx.zeros((2,)), mx.zeros((2,))], [(1,)], [mx.float32], (1, 1, 1), (1, 1, 1))
     with pytest.raises(ValueError, match="at least one output"):
         em.metal_kernel(name="k", input_names=[], output_names=[], source="")
 
@@ -210,11 +215,19 @@ def test_counters_of_a_threadgroup_reduction():
 
 
 def test_use_backend_emulator_runs_the_kernel(rng):
+    from mlx_metaltile import backends
+
     y = mx.array(rng.standard_normal((3, 40)).astype(np.float32))
     w = mx.ones((40,))
+    run("out[0] = 1.0f;", {"d": mx.zeros((1,))}, {"out": ((1,), mx.float32)}, (1, 1, 1),
+        (1, 1, 1), name="not_the_op")  # no stale statistics from an earlier test
+    before = backends.launch_count(backend="emulator")
     with mt.use_backend("emulator"):
         out = mt.gated_rms_norm(y, y, w)
-    assert em.last_launch_stats().kernel.startswith("mt_gated_rms_norm")
+    assert backends.launch_count(backend="emulator") == before + 1
+    stats = em.last_launch_stats()
+    assert stats.kernel.startswith("mt_gated_rms_norm")
+    assert stats.bytes_read["y"] == y.nbytes and stats.bytes_written["out"] == y.nbytes
     ref = mt.ops.gated_rms_norm_reference(y, y, w)
     np.testing.assert_allclose(np.array(out), np.array(ref), rtol=1e-5, atol=1e-6)
 
@@ -232,17 +245,37 @@ print("ok")
 """
 
 
-def test_concurrent_processes_share_the_cache(tmp_path):
-    """Two processes building the same new kernel at once both succeed (atomic installs)."""
+def _race(tmp_path, env, n):
     root = Path(__file__).resolve().parents[1]
     script = CONCURRENT % uuid.uuid4().hex
-    env = dict(os.environ, PYTHONPATH=str(root))
+    env = dict(os.environ, PYTHONPATH=str(root), **env)
     procs = [subprocess.Popen([sys.executable, "-c", script], env=env, cwd=tmp_path,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(3)]
+             for _ in range(n)]
     for p in procs:
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0 and out.strip() == "ok", err
+
+
+def test_concurrent_processes_share_the_cache(tmp_path):
+    """Three processes building the same new kernel at once all succeed (atomic installs)."""
+    _race(tmp_path, {}, 3)
+
+
+@pytest.mark.slow
+def test_concurrent_processes_build_a_cold_cache(tmp_path):
+    """Two processes starting on an empty cache race on the runtime library, the
+    precompiled header and the kernel: all succeed, and the cache holds one of each, with no
+    build directory left behind."""
+    cache = tmp_path / "cache"
+    _race(tmp_path, {"MLX_METALTILE_CACHE": str(cache)}, 2)
+    root = cache / "emulator"
+    assert len(list(root.glob("mt_runtime-*.so"))) == 1
+    pch = list(root.glob("pch-*"))
+    assert len(pch) == 1 and (pch[0] / "mt_pch.h.gch").is_file()
+    assert len(list((root / "kernels").glob("*.so"))) == 1
+    leftovers = [p.name for p in root.rglob("*build*")]
+    assert not leftovers, leftovers
 
 
 def test_all_twenty_attributes_compile_and_report():

@@ -17,11 +17,21 @@ D = {"d": mx.zeros((1,))}
 
 
 def hazard(exc, source, inputs=None, outputs=None, grid=(64, 1, 1), tg=(64, 1, 1), **kw):
+    """Run a broken kernel: it must raise `exc`, naming the kernel, the threadgroup, a thread
+    and the kernel's own source line (in the message and as attributes)."""
     with pytest.raises(exc) as info:
         run(source, inputs or D, outputs or {"out": ((64,), mx.float32)}, grid, tg,
             name="broken", **kw)
     err = info.value
-    assert str(err).startswith("[broken] ")
+    msg = str(err)
+    assert msg.startswith("[broken] ") and err.kernel == "broken"
+    assert err.threadgroup is not None and err.thread is not None, msg
+    assert f"of threadgroup {err.threadgroup}" in msg and f"thread {err.thread}" in msg
+    # a frame too large for the stack faults where the kernel sets up its locals
+    lines = ("body line", "header line") + (("the kernel's entry",) if exc is em.StackOverflow
+                                            else ())
+    assert err.location is not None and err.location.startswith(lines), msg
+    assert f"at {err.location}" in msg
     return err
 
 
@@ -103,18 +113,23 @@ def test_threads_at_different_barriers_deadlock():
         }
         out[i] = 1.0f;
     """)
-    assert "deadlock" in str(err)
+    assert "deadlock" in str(err) and err.threadgroup == (0, 0, 0)
     assert "Threads 0-31 wait at threadgroup_barrier (body line 4)" in str(err)
     assert "Threads 32-63 wait at threadgroup_barrier (body line 6)" in str(err)
 
 
 def test_simdgroup_barrier_after_a_lane_returned():
-    hazard(em.BarrierDivergence, """
+    err = hazard(em.BarrierDivergence, """
         uint i = thread_position_in_grid.x;
         if (i % 32 == 5) return;
         simdgroup_barrier(mem_flags::mem_none);
         out[i] = 1.0f;
     """)
+    msg = str(err)
+    assert "lanes of SIMD-group 0 can never all meet" in msg
+    assert "Threads 0-4, 6-31 wait at simdgroup_barrier (body line 4)" in msg
+    assert "Threads 5 have returned" in msg
+    assert "32" not in msg.split(";")[0]  # the other SIMD-group is not part of the report
 
 
 @pytest.mark.parametrize("call", ["simd_shuffle(v, 40)", "simd_shuffle_down(v, 32)",
@@ -223,6 +238,25 @@ def test_spin_wait_on_another_thread_times_out():
     finally:
         em.configure(**vars(previous))
     assert "spin-waiting" in str(err) and err.location == "body line 7"
+
+
+def test_endless_loop_without_memory_access_times_out():
+    """A loop on registers only (no load or store to check the clock at) is interrupted by the
+    watchdog's signal, in every worker, instead of hanging the process."""
+    previous = em.configure(timeout_s=0.5, workers=2)
+    try:
+        err = hazard(em.KernelTimeout, """
+            uint step = uint(inp[0]);  // 0: the loop never ends
+            float acc = 0.0f;
+            for (uint j = 0; j < 10; j += step) { acc = acc * 0.5f + 1.0f; }
+            out[thread_position_in_grid.x] = acc;
+        """, {"inp": np.zeros(8, np.float32)}, tg=(32, 1, 1))
+    finally:
+        em.configure(**vars(previous))
+    assert "ran for more than 0.5 s" in str(err) and err.location == "body line 4"
+    (out,) = run("out[thread_position_in_grid.x] = 3.0f;", D, {"out": ((64,), mx.float32)},
+                 (64, 1, 1), (32, 1, 1))
+    assert (out == 3).all()  # the next launch runs normally
 
 
 def test_stack_overflow_caught_after_faulthandler_reinstalls_its_handler():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from emulator_util import requires_emulator, run
+from emulator_util import bf16_round, requires_emulator, run
 
 from mlx_metaltile import emulator as em
 
@@ -119,6 +119,34 @@ def test_shuffle_and_fill():
     np.testing.assert_array_equal(up8, np.where(g >= 2, 100 + LANES - 2, 1100 + LANES + 6))
 
 
+def test_quad_shuffle_edges_and_fill_with_modulo():
+    """The quad_ shuffles keep or fill at the edges of each group of 4, as the simd_ ones do at
+    the edges of the SIMD-group; fill variants with a modulo wrap within each group."""
+    q = LANES % 4
+    base = LANES - q
+    np.testing.assert_array_equal(per_lane("quad_shuffle_up(v, 1)"),
+                                  100 + np.where(q >= 1, LANES - 1, LANES))
+    np.testing.assert_array_equal(per_lane("quad_shuffle_up(v, 3)"),
+                                  100 + np.where(q >= 3, LANES - 3, LANES))
+    np.testing.assert_array_equal(per_lane("quad_shuffle_down(v, 3)"),
+                                  100 + np.where(q + 3 < 4, LANES + 3, LANES))
+    np.testing.assert_array_equal(per_lane("quad_shuffle_rotate_up(v, 1)"),
+                                  100 + base + (q - 1) % 4)
+    np.testing.assert_array_equal(per_lane("quad_shuffle_rotate_down(v, 3)"),
+                                  100 + base + (q + 3) % 4)
+    np.testing.assert_array_equal(per_lane("quad_shuffle_and_fill_up(v, v + 1000.0f, 1)"),
+                                  np.where(q >= 1, 100 + LANES - 1, 1100 + base + q + 3))
+    np.testing.assert_array_equal(per_lane("quad_shuffle_and_fill_down(v, v + 1000.0f, 2)"),
+                                  np.where(q + 2 < 4, 102 + LANES, 1100 + base + q - 2))
+    np.testing.assert_array_equal(per_lane("quad_broadcast_first(v)"), 100 + base)
+    g = LANES % 8
+    down8 = per_lane("simd_shuffle_and_fill_down(v, v + 1000.0f, 2, 8)")
+    np.testing.assert_array_equal(down8, np.where(g + 2 < 8, 102 + LANES, 1100 + LANES + 2 - 8))
+    np.testing.assert_array_equal(per_lane("simd_shuffle_rotate_up(v, 0)"), 100 + LANES)
+    np.testing.assert_array_equal(per_lane("simd_shuffle_rotate_down(v, 31)"),
+                                  100 + (LANES + 31) % 32)
+
+
 def test_shuffle_of_vectors_and_64_bit():
     got = per_lane("simd_shuffle_down(float2(v, -v), 1).y")
     np.testing.assert_array_equal(got, -(100 + np.where(LANES < 31, LANES + 1, LANES)))
@@ -164,11 +192,28 @@ def test_quad_functions():
     np.testing.assert_array_equal(per_lane("thread_index_in_quadgroup + 0.0f"), q)
 
 
-def test_half_and_bfloat_simd_sum_round_in_their_type():
-    got = per_lane("float(simd_sum(half(v)))")
-    assert got[0] == (100.0 + LANES).sum()  # 3696 is exact in half
-    got = per_lane("float(simd_sum(bfloat16_t(v)))")
-    assert np.all(got == got[0]) and abs(got[0] - 3696) <= 16
+def _tree_sum(values, rnd):
+    """The documented simd_sum order: pairs (0,1), (2,3), ..., then (0,2), ..., each sum
+    rounded to the lane type."""
+    values = [rnd(x) for x in values]
+    while len(values) > 1:
+        values = [rnd(np.float32(values[i]) + np.float32(values[i + 1]))
+                  for i in range(0, len(values), 2)]
+    return float(values[0])
+
+
+@pytest.mark.parametrize("msl,small,rnd", [
+    ("half", 2.0**-12, lambda x: np.float32(np.float16(x))),
+    ("bfloat16_t", 2.0**-9, lambda x: np.float32(bf16_round(np.float32(x)))),
+], ids=["half", "bfloat16"])
+def test_half_and_bfloat_simd_sum_round_in_their_type(msl, small, rnd):
+    # lane 0 holds 1, the others a quarter of the type's spacing at 1: each partial sum that
+    # meets lane 0's value rounds back, so the result depends on rounding at every step
+    values = np.where(LANES == 0, 1.0, small)
+    got = per_lane(f"float(simd_sum({msl}(x)))", setup=f"float x = lane == 0 ? 1.0f : {small!r}f;")
+    want = _tree_sum(values, rnd)
+    assert want != float(rnd(values.sum()))  # the oracle tells the two apart
+    np.testing.assert_array_equal(got, want)
 
 
 def test_inactive_source_lane_gives_poison_or_strict_hazard():

@@ -293,6 +293,9 @@ def _check_dims(what: str, dims) -> tuple[int, int, int]:
         raise TypeError(f"[metal_kernel] {what} must be a tuple of 3 ints") from None
     if len(values) != 3:
         raise ValueError(f"[metal_kernel] {what} must have 3 entries, got {len(values)}")
+    if any(not -(2**31) <= v < 2**31 for v in values):
+        # MLX takes them as C ints (its binding refuses larger values); never truncate
+        raise TypeError(f"[metal_kernel] {what} entries must fit in a 32-bit int, got {values}")
     return values
 
 
@@ -329,8 +332,9 @@ class EmulatedKernel:
                 self._modules[gen.source] = mod
             return mod
 
-    def __call__(self, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None,
-                 init_value=None, verbose=False, stream=None) -> list[mx.array]:
+    def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup,
+                 template=None, init_value=None, verbose=False, stream=None) -> list[mx.array]:
+        """Run the kernel (keyword arguments only, as MLX's); returns the outputs."""
         for what, got, want in (("inputs", len(inputs), len(self.input_names)),
                                 ("output_shapes", len(output_shapes), len(self.output_names)),
                                 ("output_dtypes", len(output_dtypes), len(self.output_names))):

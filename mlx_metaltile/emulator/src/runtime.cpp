@@ -16,6 +16,7 @@
 #include "mt_emu/abi.h"
 
 #include <dlfcn.h>
+#include <link.h>
 #include <pthread.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -184,6 +185,12 @@ struct Launch {
   std::atomic<bool> abort{false};
   std::atomic<bool> need_fibers{false};
   std::atomic<bool> timed_out{false};  // set by the watchdog
+  // The kernel module's code (the watchdog's signal interrupts a thread looping there).
+  uintptr_t code_lo = 0, code_hi = 0;
+  // Worker threads still inside worker_main (the watchdog signals only those).
+  std::mutex alive_mu;
+  bool alive[kMaxWorkers] = {};
+  pthread_t handles[kMaxWorkers] = {};
   bool fibers = false;
   int strict = 0;
   std::mutex mu;
@@ -727,20 +734,26 @@ void site_text(const mt_site& s, char* out, size_t n) {
   else snprintf(out, n, "%s:%u", base, s.line);
 }
 
-// Everyone blocked or done: report who waits where.
-void deadlock(Worker* w, TgState& st) {
+// Everyone blocked or done: report who waits where. `sg` < 0: the whole threadgroup (threads
+// at different threadgroup barriers / SIMD functions); otherwise SIMD-group `sg`, whose lanes
+// can never all meet at one simdgroup_barrier. The hazard names the threadgroup and the first
+// waiting thread.
+void deadlock(Worker* w, TgState& st, int sg = -1) {
   std::vector<mt_site> sites;
   std::vector<const Fiber*> firsts;
   std::vector<uintptr_t> ras;
   std::vector<std::vector<uint32_t>> who;
   std::vector<int> kinds;
   std::vector<uint32_t> done;
-  for (uint32_t t = 0; t < st.n; ++t) {
+  const uint32_t t0 = sg < 0 ? 0 : uint32_t(sg) * kSimd;
+  const uint32_t t1 = sg < 0 ? st.n : t0 + st.sg[sg].size;
+  for (uint32_t t = t0; t < t1; ++t) {
     Fiber& f = w->fibers[t];
     if (f.state == DONE) {
       done.push_back(t);
       continue;
     }
+    if (f.state == RUNNABLE) continue;  // not at a barrier yet (cannot happen when called)
     size_t k = 0;
     while (k < sites.size() && !(same_site(*firsts[k], f) && kinds[k] == f.state)) ++k;
     if (k == sites.size()) {
@@ -753,9 +766,17 @@ void deadlock(Worker* w, TgState& st) {
     who[k].push_back(t);
   }
   char msg[3500];
-  size_t used = size_t(snprintf(msg, sizeof msg,
-                                "deadlock: the threads of this threadgroup can never all meet at "
-                                "one barrier (a Mac would hang).")); 
+  size_t used;
+  if (sg < 0) {
+    used = size_t(snprintf(msg, sizeof msg,
+                           "deadlock: the threads of this threadgroup can never all meet at "
+                           "one barrier (a Mac would hang)."));
+  } else {
+    used = size_t(snprintf(msg, sizeof msg,
+                           "deadlock: the lanes of SIMD-group %d can never all meet at one "
+                           "simdgroup_barrier (a Mac would hang).",
+                           sg));
+  }
   char list[512], where[300];
   for (size_t k = 0; k < sites.size() && used + 900 < sizeof msg; ++k) {
     describe_threads(who[k], list, sizeof list);
@@ -770,8 +791,9 @@ void deadlock(Worker* w, TgState& st) {
     describe_threads(done, list, sizeof list);
     snprintf(msg + used, sizeof msg - used, " Threads %s have returned.", list);
   }
-  w->cur_ids = nullptr;
+  w->cur_ids = firsts.empty() ? nullptr : &firsts[0]->ids;
   record_hazard(w, MT_HZ_BARRIER, ras.empty() ? 0 : ras[0], nullptr, 0, "%s", msg);
+  w->cur_ids = nullptr;
 }
 
 void release(Fiber& f) {
@@ -832,7 +854,7 @@ void try_resolve_sg(Worker* w, TgState& st, uint32_t g) {
     w->sgb += 1;
     w->sg_epoch[g] += 1;
   } else if (at_sgb && (sg.done || !same || at_sgb < sg.size)) {
-    deadlock(w, st);
+    deadlock(w, st, int(g));
   }
 }
 
@@ -970,8 +992,12 @@ void worker_main(Worker* w) {
     while (claim(L, &linear)) run_threadgroup_fibers(w, linear);
   }
   w->cur_ids = nullptr;
-  sigaltstack(&old_ss, nullptr);
   tl_w = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(L->alive_mu);
+    L->alive[w->index] = false;
+  }
+  sigaltstack(&old_ss, nullptr);
 }
 
 // ---- signals: stack overflow and other faults inside kernel code ----------------------------
@@ -1026,6 +1052,49 @@ void on_signal(int sig, siginfo_t* info, void* uctx) {
   sigaction(sig, &old, nullptr);  // default action on return: re-faults and terminates
 }
 
+// The watchdog's signal: a launch past its time limit whose thread loops in kernel code without
+// touching memory (an endless loop on registers) is interrupted there and reported. Anywhere
+// else (the runtime, libm) the handler returns: the runtime checks the limit at each memory
+// access, and the watchdog signals again.
+int g_timeout_sig = 0;
+struct sigaction g_old_timeout;
+
+void on_timeout_signal(int sig, siginfo_t* info, void* uctx) {
+  Worker* w = tl_w;
+  if (w && w->cur && w->L && w->L->timed_out.load(std::memory_order_relaxed)) {
+    uintptr_t pc = 0;
+#if defined(__x86_64__)
+    pc = uintptr_t(static_cast<ucontext_t*>(uctx)->uc_mcontext.gregs[REG_RIP]);
+#elif defined(__aarch64__)
+    pc = uintptr_t(static_cast<ucontext_t*>(uctx)->uc_mcontext.pc);
+#endif
+    if (pc >= w->L->code_lo && pc < w->L->code_hi) timeout_fault(w, pc + 1);  // does not return
+    return;
+  }
+  if (w) return;  // a worker outside kernel code, or a late signal: nothing to do
+  if ((g_old_timeout.sa_flags & SA_SIGINFO) && g_old_timeout.sa_sigaction)
+    g_old_timeout.sa_sigaction(sig, info, uctx);
+  else if (!(g_old_timeout.sa_flags & SA_SIGINFO) && g_old_timeout.sa_handler != SIG_DFL &&
+           g_old_timeout.sa_handler != SIG_IGN)
+    g_old_timeout.sa_handler(sig);
+}
+
+int find_code(struct dl_phdr_info* info, size_t, void* data) {
+  auto* L = static_cast<Launch*>(data);
+  Dl_info dl;
+  if (!dladdr(reinterpret_cast<void*>(L->d->fn), &dl)) return 1;
+  if (info->dlpi_addr != uintptr_t(dl.dli_fbase)) return 0;
+  for (int i = 0; i < info->dlpi_phnum; ++i) {
+    const auto& ph = info->dlpi_phdr[i];
+    if (ph.p_type == PT_LOAD && (ph.p_flags & PF_X)) {
+      uintptr_t lo = info->dlpi_addr + ph.p_vaddr;
+      if (!L->code_lo || lo < L->code_lo) L->code_lo = lo;
+      L->code_hi = std::max<uintptr_t>(L->code_hi, lo + ph.p_memsz);
+    }
+  }
+  return 1;
+}
+
 // Installed at each launch unless still in place (someone may have installed a handler since,
 // e.g. faulthandler.enable(); it becomes the one faults outside kernel code go to).
 void install_handlers() {
@@ -1038,6 +1107,16 @@ void install_handlers() {
     sigaction(sig, nullptr, &cur);
     if (g_handlers && (cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_signal) continue;
     sigaction(sig, &sa, &g_old[sig]);
+  }
+  if (!g_timeout_sig) g_timeout_sig = SIGRTMAX - 3;
+  struct sigaction cur;
+  sigaction(g_timeout_sig, nullptr, &cur);
+  if (!(g_handlers && (cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_timeout_signal)) {
+    struct sigaction ta = {};
+    ta.sa_sigaction = on_timeout_signal;
+    ta.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER | SA_RESTART;
+    sigemptyset(&ta.sa_mask);
+    sigaction(g_timeout_sig, &ta, &g_old_timeout);
   }
   g_handlers = true;
 }
@@ -1155,7 +1234,19 @@ int run_launch(Launch* L, char* err, size_t errn) {
     if (!prepare_worker(&g_workers[i], i, L, max_threads, err, errn)) return 2;
   L->next.store(0);
   L->abort.store(false);
-  // The watchdog: past the time limit, the next memory access of kernel code raises.
+  dl_iterate_phdr(find_code, L);
+  std::vector<std::thread> threads;
+  threads.reserve(size_t(nw));
+  {
+    std::lock_guard<std::mutex> lock(L->alive_mu);
+    for (int i = 0; i < nw; ++i) {
+      L->alive[i] = true;
+      threads.emplace_back(worker_main, &g_workers[i]);
+      L->handles[i] = threads.back().native_handle();
+    }
+  }
+  // The watchdog: past the time limit, the next memory access of kernel code raises, and
+  // threads looping in kernel code without one are interrupted by a signal (every 20 ms).
   std::mutex wd_mu;
   std::condition_variable wd_cv;
   bool finished = false;
@@ -1163,14 +1254,17 @@ int run_launch(Launch* L, char* err, size_t errn) {
   if (d->timeout_s > 0) {
     watchdog = std::thread([&] {
       std::unique_lock<std::mutex> lock(wd_mu);
-      if (!wd_cv.wait_for(lock, std::chrono::duration<double>(d->timeout_s),
-                          [&] { return finished; }))
-        L->timed_out.store(true);
+      if (wd_cv.wait_for(lock, std::chrono::duration<double>(d->timeout_s),
+                         [&] { return finished; }))
+        return;
+      L->timed_out.store(true);
+      while (!wd_cv.wait_for(lock, std::chrono::milliseconds(20), [&] { return finished; })) {
+        std::lock_guard<std::mutex> alive_lock(L->alive_mu);
+        for (int i = 0; i < nw; ++i)
+          if (L->alive[i]) pthread_kill(L->handles[i], g_timeout_sig);
+      }
     });
   }
-  std::vector<std::thread> threads;
-  threads.reserve(size_t(nw));
-  for (int i = 0; i < nw; ++i) threads.emplace_back(worker_main, &g_workers[i]);
   for (auto& t : threads) t.join();
   if (watchdog.joinable()) {
     {
