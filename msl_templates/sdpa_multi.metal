@@ -16,7 +16,8 @@
 // LAYOUT (row-contiguous, ensure_row_contiguous):
 //   q [B, Hq, L, D] T: the G*L rows of KV head (b, kvh) are contiguous, row r at
 //     ((b*Hkv + kvh) * G*L + r) * D
-//   k, v [B, Hkv, S, D] T (S = kv_rows >= kv_len; rows >= kv_len are never read)
+//   k, v [B, Hkv, S, D] T (S = kv_rows >= kv_len; rows >= kv_len are never read, and no
+//     row >= S even if a launcher passed kv_len > S: the kernel clamps it)
 //   o_part [B*Hq*L, n_splits, D] float32, ml_part [B*Hq*L, n_splits, 2] float32 (m, lsum)
 //   0-d runtime inputs: n_q (L), group (G), kv_len, kv_rows (S), chunk (keys per slice,
 //   a multiple of 32), causal (0/1) as uint, scale (float, times log2(e)).
@@ -89,7 +90,7 @@ const uint sg = simdgroup_index_in_threadgroup;
 
 const uint L = n_q;
 const uint n_rows = group * L;                // query rows that share this KV head
-const uint kvn = kv_len;
+const uint kvn = min(kv_len, kv_rows);     // the wrapper ensures kv_len <= S; never read past S
 const uint chunk_keys = chunk;
 const bool is_causal = causal != 0u;
 const float q_scale = scale;
