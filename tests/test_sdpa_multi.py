@@ -272,6 +272,54 @@ TRAFFIC_CASES = [
 ]
 
 
+@pytest.mark.parametrize("seed", (1, 2))
+@pytest.mark.parametrize("case, dtype", [
+    ((1, 4, 1, 33, 70, 80, 64, True), mx.float16),     # 5 row tiles, causal, 3 slices
+    ((1, 4, 4, 16, 100, 128, 256, False), mx.float32),  # D 256 staged in two column halves
+], ids=("tiles-causal", "D256-halves"))
+def test_emulator_strict_shuffled(monkeypatch, rng, case, dtype, seed):
+    """Strict mode (no read of threadgroup memory before it is written, no race on it) with
+    the threads and threadgroups run in a permuted order: the result must not change."""
+    require_backend_here("emulator")
+    from mlx_metaltile import emulator
+
+    monkeypatch.setattr(op_module, "MIN_SPLIT_BLOCKS", 1)
+    monkeypatch.setattr(op_module, "MIN_KEYS_PER_ROW", 0)
+    B, Hq, Hkv, L, kv_len, S, D, causal = case
+    assert op_module.plan(B, Hq, Hkv, L, D, kv_len, dtype)["n_splits"] > 1
+    q, k, v = make_inputs(rng, B, Hq, Hkv, L, S, D, dtype)
+    previous = emulator.configure(strict=True, shuffle_seed=seed)
+    try:
+        with backends.use_backend("emulator"):
+            run_and_check(q, k, v, scale=D ** -0.5, causal=causal, kv_len=kv_len,
+                          backend="emulator")
+    finally:
+        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
+
+
+def test_negative_control_missing_barrier(monkeypatch, rng):
+    """Reading the staged keys without waiting for the whole block to be staged must be
+    caught by strict mode (the harness above can fail)."""
+    require_backend_here("emulator")
+    from mlx_metaltile import emulator
+
+    staged = ("tid, n_threads);\n    threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+              "    if (nr > 0u) {\n      for (int i = 0; i < LPC")
+    broken = _broken_template(monkeypatch, op_module.SPLIT_SPEC, staged,
+                              staged.replace("threadgroup_barrier(mem_flags::mem_threadgroup);",
+                                             ""))
+    monkeypatch.setattr(op_module, "SPLIT_SPEC", broken)
+    q, k, v = make_inputs(rng, 1, 4, 1, 33, 80, 64, mx.float16)
+    previous = emulator.configure(strict=True, shuffle_seed=1)
+    try:
+        with backends.use_backend("emulator"), pytest.raises((emulator.ThreadgroupRace,
+                                                           emulator.UninitializedThreadgroupRead)):
+            mx.eval(mt.sdpa_multi(q, k, v, scale=0.125, causal=True, kv_len=70))
+    finally:
+        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
+        _templates.render.cache_clear()
+
+
 def cache_bytes_read(B, Hq, Hkv, L, kv_len, D, causal, itemsize):
     """Bytes of k (or of v) a tiling into row tiles of 32 must read, from the math: row tile
     t holds query rows r = g * L + l (32 t <= r < 32 (t + 1)); it needs the union of their
