@@ -99,6 +99,9 @@ CASES = [
     (1, 6, 3, 8, 129, 200, 96, True),    # D 96, GQA 2
     (1, 16, 2, 1, 520, 520, 128, False),  # GQA 8 decode, split KV
     (1, 2, 2, 8, 700, 768, 128, True),   # causal block over 5 KV slices, slack
+    (1, 8, 2, 16, 200, 256, 128, False),  # GQA 4 x L 16: two row tiles, full, slack
+    (2, 8, 2, 16, 100, 100, 64, True),   # GQA 4 x L 16 causal: tiles mix two query heads
+    (1, 8, 1, 33, 90, 100, 64, False),   # GQA 8 x L 33: 264 rows -> 9 tiles, full, slack
 ]
 
 
