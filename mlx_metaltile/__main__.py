@@ -16,18 +16,42 @@ import mlx_metaltile as mt
 from mlx_metaltile import _device, backends
 from mlx_metaltile._registry import TOLERANCES
 
+ROTATE_BYTES = 512 * 2**20  # bytes moved per rotation: several times any GPU's L2/SLC
+COPY_BUDGET = 4 * 2**30  # memory the input copies may take
+MAX_COPIES = 64
 
-def _time(fn, inputs: list[dict], warmup: int, iters: int) -> float:
-    """Median seconds of one evaluated call, rotating over input copies."""
+
+def _time(fn, inputs: list[dict], warmup: int, iters: int, batch: int) -> float:
+    """Median seconds per call: each sample evaluates ``batch`` calls queued together (so
+    launch latency overlaps as in model code), cycling through the input copies."""
     for i in range(warmup):
         mx.eval(fn(**inputs[i % len(inputs)]))
-    times = []
-    for i in range(iters):
-        args = inputs[i % len(inputs)]
+    times, k = [], 0
+    for _ in range(iters):
+        outs = []
+        for _ in range(batch):  # build the lazy graph first: only its evaluation is timed
+            outs.append(fn(**inputs[k % len(inputs)]))
+            k += 1
         start = time.perf_counter()
-        mx.eval(fn(**args))
-        times.append(time.perf_counter() - start)
+        mx.eval(outs)
+        times.append((time.perf_counter() - start) / batch)
     return statistics.median(times)
+
+
+def _copies(inputs: dict, case, min_rotate: int, gpu: bool) -> list[dict]:
+    """Device copies of one input set, enough that the bytes a rotation touches exceed the
+    last-level cache several times over (without exceeding COPY_BUDGET of memory); on a CPU
+    backend only ``min_rotate``."""
+    in_bytes = sum(v.nbytes for v in inputs.values() if isinstance(v, mx.array))
+    wanted = -(-ROTATE_BYTES // max(case.nbytes, 1))
+    fits = max(COPY_BUDGET // max(in_bytes, 1), 1)
+    count = max(min_rotate, min(wanted, fits, MAX_COPIES)) if gpu else min_rotate
+    copies = [inputs]
+    for _ in range(count - 1):  # distinct buffers: the cache cannot serve one copy's lines
+        copies.append({k: (v + 0 if isinstance(v, mx.array) and v.ndim else v)
+                       for k, v in inputs.items()})
+        mx.eval([v for v in copies[-1].values() if isinstance(v, mx.array)])
+    return copies
 
 
 def _error(case, got: mx.array, inputs: dict) -> tuple[float, bool]:
@@ -57,7 +81,14 @@ def cmd_bench(args) -> int:
     backend = backends.resolve_backend()
     device = _device.device_name()
     peak = _device.peak_gbps(device)
-    selected = [c for c in cases(quick=args.quick) if not args.op or c.op in args.op]
+    gpu = backend in ("metal", "cuda")
+    iters = args.iters or (20 if gpu else 3)
+    batch = args.batch or (8 if gpu else 1)
+    warmup = args.warmup if args.warmup is not None else (3 if gpu else 1)
+    # Without a GPU the table times MLX's CPU composites: the full shape list would take an
+    # hour and say little, so the short subset is the default there.
+    quick = args.quick or not (gpu or args.all)
+    selected = [c for c in cases(quick=quick) if not args.op or c.op in args.op]
     print(f"mlx_metaltile {mt.__version__}  mlx {mx.__version__}  device: {device}  "
           f"backend: {backend}" + ("" if backend in ("metal", "cuda") else
                                    "  (no GPU kernel backend here: 'ours' is the "
@@ -65,18 +96,25 @@ def cmd_bench(args) -> int:
     header = (f"{'op':<16} {'shape':<22} {'dtype':<9} {'native us':>10} {'ours us':>10} "
               f"{'ratio':>6} {'GB/s':>8}" + (f" {'%peak':>6}" if peak else "") +
               f" {'max err':>9}  ok")
+    if quick and not args.quick:
+        print("(no GPU here: the short subset of shapes; --all runs every shape)")
     print(header)
     rng = np.random.default_rng(0)
     results = []
     for i, case in enumerate(selected, 1):
         print(f"[{i}/{len(selected)}] {case.id} ...", end="\r", file=sys.stderr, flush=True)
-        inputs = [case.make(rng) for _ in range(args.rotate)]
+        inputs = _copies(case.make(rng), case, args.rotate, gpu)
         out = case.ours(**inputs[0])
         mx.eval(out)
         err, ok = _error(case, out, inputs[0])
-        t_ours = _time(case.ours, inputs, args.warmup, args.iters)
-        t_native = (_time(case.native, inputs, args.warmup, args.iters)
-                    if case.native is not None else float("nan"))
+        t_ours = _time(case.ours, inputs, warmup, iters, batch)
+        t_native = float("nan")
+        if case.native is not None:
+            try:
+                t_native = _time(case.native, inputs, warmup, iters, batch)
+            except Exception as exc:  # a native op missing on this backend is a result too
+                print(f"{case.id}: native MLX failed: {type(exc).__name__}: {exc}",
+                      file=sys.stderr)
         gbps = case.nbytes / t_ours / 1e9
         row = dict(op=case.op, shape=case.label, dtype=case.dtype_name, backend=backend,
                    native_us=t_native * 1e6, ours_us=t_ours * 1e6,
@@ -116,12 +154,20 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     bench = sub.add_parser("bench", help="time every op against native MLX, check vs oracle")
     bench.add_argument("--op", action="append", help="only this op (repeatable)")
-    bench.add_argument("--quick", action="store_true", help="a short subset of shapes")
+    bench.add_argument("--quick", action="store_true",
+                       help="a short subset of shapes (the default on a CPU backend)")
+    bench.add_argument("--all", action="store_true",
+                       help="every shape, also on a CPU backend")
     bench.add_argument("--backend", choices=backends.BACKENDS, help="default: auto")
     bench.add_argument("--json", metavar="PATH", help="save results with device and versions")
-    bench.add_argument("--iters", type=int, default=20)
-    bench.add_argument("--warmup", type=int, default=3)
-    bench.add_argument("--rotate", type=int, default=2, help="input copies to rotate through")
+    bench.add_argument("--iters", type=int, help="timed samples (default 20 on a GPU, 3 on "
+                       "a CPU backend)")
+    bench.add_argument("--warmup", type=int, help="untimed calls (default 3 on a GPU, 1 on "
+                       "a CPU backend)")
+    bench.add_argument("--batch", type=int, help="calls evaluated per sample (default 8 on a "
+                       "GPU, 1 on a CPU backend)")
+    bench.add_argument("--rotate", type=int, default=2,
+                       help="at least this many input copies to rotate through")
     bench.set_defaults(fn=cmd_bench)
     kernels = sub.add_parser("kernels", help="list the kernel registry")
     kernels.set_defaults(fn=cmd_kernels)

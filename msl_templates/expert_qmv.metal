@@ -32,8 +32,16 @@
 //   No threadgroup memory, no threadgroup barrier; every early return is uniform over a
 //   SIMD-group, so simd_sum / simd_shuffle always see a full SIMD-group.
 //
-// CHECKED ONLY ON A MAC: that Apple's compiler accepts this body and the performance (GB/s
-//   vs mx.gather_qmm); the emulator checks the arithmetic, the bounds and the read counts.
+// TRAFFIC PER CALL: w, scales and biases of each valid pair's expert once (the selected
+//   experts' bytes; unselected experts and out-of-range ids read nothing), out once. x is
+//   loaded once per SIMD-group (K values per 4 rows), i.e. from cache after the first tile of
+//   a pair, as in MLX's qmv kernels; indices[pair] is one broadcast load per thread.
+//
+// CHECKED ONLY ON A MAC: that Apple's compiler accepts this body (address-space deduction of
+//   `auto` pointers and of the helper's WordPtr for device and constant inputs, simd_shuffle
+//   with a ushort lane, numeric_limits NaN converted to bfloat), register use / occupancy, and
+//   the performance (GB/s vs mx.gather_qmm). The emulator checks the arithmetic, the bounds,
+//   the SIMD-group collectives and the read counts; the CUDA translation compiles in CI.
 #include "common.h"
 
 // q * x summed over the VALS values a lane holds: WORDS packed uint32 words of BITS-bit

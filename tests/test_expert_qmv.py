@@ -154,6 +154,19 @@ def test_leading_dims_broadcast(any_backend, poisoned, rng, x_lead, idx_lead, sh
     assert tuple(out.shape) == (*lead, k, n_out)
 
 
+def test_x_k_axis_of_one_broadcasts(any_backend, poisoned, rng):
+    """x [..., 1, K] with indices [..., k]: the size-1 k axis broadcasts (as in gather_qmm)."""
+    n_experts, k, n_out, n_in = 6, 3, 24, 128
+    w, s, b = make_weights(rng, n_experts, n_out, n_in, mx.float16, 64, 8)
+    ids = mx.array([[5, 0, 5], [2, 4, 1]], dtype=mx.uint32)
+    x = make_x(rng, (2, 1, n_in), mx.float16)
+    out = run_and_check(x, w, s, b, ids, 64, 8, any_backend)
+    assert tuple(out.shape) == (2, k, n_out)
+    native = mx.gather_qmm(x[..., None, :], w, s, b, rhs_indices=ids, transpose=True,
+                           group_size=64, bits=8)
+    assert tuple(out.shape) == tuple(native.shape[:-2]) + (n_out,)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dname)
 def test_out_of_range_ids_give_nan_rows(any_backend, poisoned, rng, dtype):
     """ids E, 2^31 - 1 and -1 (int32): NaN rows, the valid rows exact, no hazard reported."""
@@ -191,6 +204,20 @@ def test_non_contiguous_inputs(any_backend, poisoned, rng):
     x = make_x(rng, (256, 3), mx.float32).T  # [3, 256], transposed view
     ids = mx.array(np.array([[1, 3], [0, 2], [3, 3]], dtype=np.uint32).T.copy()).T  # [3, 2]
     run_and_check(x, w, s, b, ids, 64, 4, any_backend)
+
+
+def test_non_contiguous_weights(any_backend, poisoned, rng):
+    """Every other expert of a larger stack (strided w), scales as a transposed view, biases
+    sliced along N, x strided along K, per-expert layout."""
+    n_experts, n_out, n_in, gs = 5, 12, 256, 32
+    w_big, s_big, b_big = make_packed(rng, 2 * n_experts, n_out + 3, n_in, mx.bfloat16, gs, 8)
+    w = w_big[1::2, :n_out]
+    s = mx.array(np.ascontiguousarray(to_f64(s_big[::2, :n_out]).transpose(0, 2, 1)))
+    s = s.astype(mx.bfloat16).swapaxes(1, 2)  # [E, N, G] view of a [E, G, N] array
+    b = b_big[:n_experts, 3:]
+    x = make_x(rng, (2, 3, 2 * n_in), mx.bfloat16)[..., ::2]
+    ids = mx.array([[4, 0, 2], [1, 1, 3]], dtype=mx.int32)
+    run_and_check(x, w, s, b, ids, gs, 8, any_backend)
 
 
 @pytest.mark.parametrize("shared, n_out, n_in", [
@@ -237,20 +264,100 @@ def test_reads_only_selected_experts(poisoned, rng, bits, group_size):
     assert stats.bytes_read["x"] == pairs * -(-n_out // 4) * n_in * 2
 
 
+@pytest.mark.parametrize("seed", (1, 2))
+def test_emulator_strict_shuffled(poisoned, rng, seed):
+    """Strict mode (a shuffle may not read a lane that is not at it) with the threads and
+    threadgroups run in a permuted order: ragged N, a partial 32-lane step, both layouts."""
+    if backends.unavailable_reason("emulator") is not None:
+        pytest.skip("emulator unavailable")
+    from mlx_metaltile import emulator
+
+    w, s, b = make_weights(rng, 5, 13, 96, mx.bfloat16, 32, 4)
+    ids = mx.array([[4, 0, 7], [2, 2, 1]], dtype=mx.int32)
+    previous = emulator.configure(strict=True, shuffle_seed=seed)
+    try:
+        with backends.use_backend("emulator"):
+            for x_shape in ((2, 96), (2, 3, 96)):
+                run_and_check(make_x(rng, x_shape, mx.bfloat16), w, s, b, ids, 32, 4,
+                              "emulator")
+    finally:
+        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
+
+
 # ---- build once, stay lazy ---------------------------------------------------------------
 
-def test_sizes_do_not_rebuild(kernel_backend, rng):
-    """E, N, K, k and the x layout are runtime inputs: one kernel object for all of them."""
+def _emulator_instantiations() -> int:
+    """Distinct sources the emulator compiled for the op's kernel object."""
+    kernel = backends.get_kernel(op_module.SPEC, "emulator", op_module._INPUTS,
+                                 op_module._OUTPUTS)
+    return len(kernel._modules)  # one compiled module per generated source
+
+
+def test_sizes_do_not_rebuild(kernel_backend, monkeypatch, rng):
+    """E, N, K, k, the token count and the x layout are runtime inputs: after one call per
+    index dtype, calls of other sizes build no kernel object, no instantiation and pass the
+    same template arguments."""
+    templates = []
+    real_launch = backends.launch
+
+    def spy(spec, backend, **kwargs):
+        templates.append(tuple(kwargs["template"]))
+        return real_launch(spec, backend, **kwargs)
+
+    monkeypatch.setattr(backends, "launch", spy)
     w, s, b = make_weights(rng, 4, 8, 128, mx.float16, 64, 4)
-    run_and_check(make_x(rng, (2, 128), mx.float16), w, s, b,
-                  mx.array([[0, 1], [2, 3]], dtype=mx.uint32), 64, 4, kernel_backend)
+    for idx_dtype in (mx.uint32, mx.int32):
+        run_and_check(make_x(rng, (2, 128), mx.float16), w, s, b,
+                      mx.array([[0, 1], [2, 3]], dtype=idx_dtype), 64, 4, kernel_backend)
     built = backends.built_kernels()
-    w, s, b = make_weights(rng, 7, 17, 192, mx.float16, 64, 4)
-    run_and_check(make_x(rng, (3, 192), mx.float16), w, s, b,
-                  mx.array([[6], [0], [3]], dtype=mx.int32), 64, 4, kernel_backend)
-    run_and_check(make_x(rng, (1, 3, 192), mx.float16), w, s, b,
-                  mx.array([[6, 1, 1]], dtype=mx.uint32), 64, 4, kernel_backend)
+    inst = _emulator_instantiations() if kernel_backend == "emulator" else None
+    for n_experts, n_out, n_in, tokens, k, shared in (
+            (7, 17, 192, 3, 1, True), (7, 17, 192, 1, 3, False), (2, 40, 1024, 5, 2, True),
+            (9, 1, 64, 2, 8, False)):
+        w, s, b = make_weights(rng, n_experts, n_out, n_in, mx.float16, 64, 4)
+        ids = mx.array(rng.integers(0, n_experts, size=(tokens, k)).astype(np.int32))
+        x = make_x(rng, (tokens, n_in) if shared else (tokens, k, n_in), mx.float16)
+        run_and_check(x, w, s, b, ids, 64, 4, kernel_backend)
     assert backends.built_kernels() == built
+    assert set(templates) == {(("T", mx.float16), ("BITS", 4), ("GROUP_SIZE", 64))}
+    if kernel_backend == "emulator":
+        assert _emulator_instantiations() == inst
+
+
+def test_instantiations_match_the_launches(monkeypatch, rng):
+    """The instantiations hook (CUDA compile check) describes what the launcher passes for
+    every dtype, bits, group size, index dtype and x layout (recorded, nothing runs)."""
+    from mlx_metaltile import _registry
+
+    seen = []
+
+    def recording_kernel(spec, backend, input_names, output_names, atomic_outputs=False):
+        def call(*, inputs, template, output_shapes, output_dtypes, **_):
+            seen.append((spec.name, tuple(template),
+                         tuple((n, a.dtype, min(a.ndim, 1))
+                               for n, a in zip(input_names, inputs, strict=True)),
+                         tuple(zip(output_names, output_dtypes, strict=True))))
+            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes,
+                                                         strict=True)]
+        return call
+
+    monkeypatch.setattr(backends, "get_kernel", recording_kernel)
+    monkeypatch.setattr(backends, "resolve_backend", lambda name=None: "metal")
+    for dtype in DTYPES:
+        for bits in (4, 8):
+            for gs in (32, 64, 128):
+                x, w, s, b, ids = _ok(dtype=dtype, bits=bits, group_size=gs, n_in=128)
+                for idx in (ids, ids.astype(mx.int32)):
+                    mt.expert_qmv(x, w, s, b, idx, group_size=gs, bits=bits)
+                    mt.expert_qmv(mx.zeros((2, 3, 128), dtype), w, s, b, idx,
+                                  group_size=gs, bits=bits)
+    assert len(seen) == 3 * 2 * 3 * 2 * 2
+    declared = _registry.instantiations(op_module.SPEC)
+    for name, template, inputs, outputs in seen:
+        assert name == op_module.SPEC.name
+        assert any(inst.template == template and inst.outputs == outputs
+                   and tuple((n, d, min(nd, 1)) for n, d, nd in inst.inputs) == inputs
+                   for inst in declared), (template, inputs, outputs)
 
 
 def test_router_indices_stay_on_device(monkeypatch, rng):
@@ -313,6 +420,7 @@ def test_kernel_path_is_lazy(monkeypatch, rng):
 
 
 def test_empty_does_not_dispatch(kernel_backend, rng):
+    """No tokens, k = 0 or N = 0: an empty result of the right shape and dtype, no launch."""
     w, s, b = make_weights(rng, 4, 8, 64, mx.float16, 64, 4)
     before = backends.launch_count()
     out = mt.expert_qmv(make_x(rng, (0, 64), mx.float16), w, s, b,
@@ -321,6 +429,10 @@ def test_empty_does_not_dispatch(kernel_backend, rng):
     out = mt.expert_qmv(make_x(rng, (3, 64), mx.float16), w, s, b,
                         mx.zeros((3, 0), dtype=mx.uint32))
     assert out.shape == (3, 0, 8)
+    out = mt.expert_qmv(make_x(rng, (2, 3, 64), mx.bfloat16),
+                        mx.zeros((4, 0, 8), dtype=mx.uint32), mx.zeros((4, 0, 1), mx.bfloat16),
+                        mx.zeros((4, 0, 1), mx.bfloat16), mx.zeros((2, 3), dtype=mx.int32))
+    assert out.shape == (2, 3, 0) and out.dtype == mx.bfloat16
     assert backends.launch_count() == before
 
 
@@ -419,7 +531,8 @@ def _ok(dtype=mx.float16, bits=4, group_size=64, n_experts=4, n_out=8, n_in=128)
     (lambda x, w, s, b, i: (x, w[:0], s[:0], b[:0], i), ValueError, "w must hold at least one expert, got E = 0"),
     (lambda x, w, s, b, i: (x[:, :64], w, s, b, i), ValueError, "x's last axis must be K = 128 .*got 64"),
     (lambda x, w, s, b, i: (mx.zeros((2, 3, 128), mx.float16), w, s, b, i[:, :2]), ValueError,
-     r"x \[\.\.\., k, K\] \(one input per expert\) must have x.shape\[-2\] = k = 2 .*got 3"),
+     r"x \[\.\.\., k, K\] \(one input per expert\) must have x.shape\[-2\] = k = 2 "
+     r"\(indices' last axis\) or 1, got 3"),
     (lambda x, w, s, b, i: (x[None, None], w, s, b, i), ValueError, "x must have indices.ndim = 2"),
     (lambda x, w, s, b, i: (x, w, s, b, i[0, 0]), ValueError, "indices must have at least 1 dim"),
     (lambda x, w, s, b, i: (mx.zeros((3, 128), mx.float16), w, s, b, i), ValueError,
@@ -448,6 +561,15 @@ def test_bad_input(mutate, exc, match):
 def test_bad_bits_and_group_size(kwargs, exc, match):
     with pytest.raises(exc, match=r"^\[expert_qmv\] " + match):
         mt.expert_qmv(*_ok(), **kwargs)
+
+
+def test_numpy_integer_settings(rng):
+    """bits / group_size given as NumPy integers (e.g. read from a model config) work."""
+    w, s, b = make_weights(rng, 3, 8, 128, mx.float32, 32, 8)
+    x, ids = make_x(rng, (2, 128), mx.float32), mx.array([[2, 0], [1, 1]], dtype=mx.uint32)
+    got = mt.expert_qmv(x, w, s, b, ids, group_size=np.int64(32), bits=np.int32(8))
+    want = mt.expert_qmv(x, w, s, b, ids, group_size=32, bits=8)
+    assert mx.array_equal(got, want).item()
 
 
 def test_bits_inconsistent_with_packing():

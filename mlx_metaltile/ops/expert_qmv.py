@@ -9,6 +9,7 @@ Experts nobody selected are never read.
 from __future__ import annotations
 
 import math
+import numbers
 
 import mlx.core as mx
 
@@ -43,8 +44,9 @@ _OUTPUTS = ("out",)
 
 
 def _check_int_choice(name: str, value, choices: tuple[int, ...]) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"[{OP}] {name} must be an int in {choices}, got {type(value).__name__}")
+    value = int(value)  # NumPy integers too; a plain int keys the template
     if value not in choices:
         raise ValueError(f"[{OP}] {name} must be one of {choices}, got {value}")
     return value
@@ -122,10 +124,12 @@ def _check_expert_qmv(x, w, scales, biases, indices, group_size, bits) -> dict:
         shared = True
         x_lead = tuple(x.shape[:-1])
     elif x.ndim == indices.ndim + 1:
-        shared = False
-        if x.shape[-2] != k:
+        if x.shape[-2] not in (k, 1):
             raise ValueError(f"[{OP}] x [..., k, K] (one input per expert) must have "
-                             f"x.shape[-2] = k = {k} (indices' last axis), got {x.shape[-2]}")
+                             f"x.shape[-2] = k = {k} (indices' last axis) or 1, "
+                             f"got {x.shape[-2]}")
+        # A k axis of size 1 broadcasts over the k experts (as in mx.gather_qmm): shared.
+        shared = x.shape[-2] != k
         x_lead = tuple(x.shape[:-2])
     else:
         raise ValueError(f"[{OP}] x must have indices.ndim = {indices.ndim} dimensions "
@@ -140,7 +144,8 @@ def _check_expert_qmv(x, w, scales, biases, indices, group_size, bits) -> dict:
     if tokens * k >= 2**32:
         raise ValueError(f"[{OP}] too many (token, expert) pairs: {tokens * k} >= 2^32")
     return dict(n_experts=n_experts, n_out=n_out, in_features=in_features, k=k, lead=lead,
-                tokens=tokens, shared=shared, group_size=group_size, bits=bits)
+                tokens=tokens, shared=shared, x_k_axis=x.ndim == indices.ndim + 1,
+                group_size=group_size, bits=bits)
 
 
 def _out_shape(info: dict) -> tuple[int, ...]:
@@ -163,7 +168,7 @@ def expert_qmv_reference(x: mx.array, w: mx.array, scales: mx.array, biases: mx.
     if indices.dtype == mx.int32:
         valid = valid & (indices >= 0)
     safe = mx.where(valid, indices, 0).astype(mx.uint32)
-    xq = x[..., None, None, :] if info["shared"] else x[..., None, :]
+    xq = x[..., None, :] if info["x_k_axis"] else x[..., None, None, :]
     if x.dtype != mx.float32:
         pairs = info["tokens"] * info["k"]
         if pairs < info["n_experts"]:
@@ -209,6 +214,8 @@ def _launch(x, w, scales, biases, indices, info: dict, backend: str) -> mx.array
     pairs = tokens * k
     idx = mx.broadcast_to(indices, (*lead, k)).reshape(pairs)
     if info["shared"]:
+        if info["x_k_axis"]:  # [..., 1, K]: one activation per token
+            x = mx.squeeze(x, axis=-2)
         xs = mx.broadcast_to(x, (*lead, n_in)).reshape(tokens, n_in)
         x_share = k
     else:
@@ -235,7 +242,8 @@ def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
       x: ``[..., K]`` (one activation per token, shared by its k experts: gate/up
         projections) or ``[..., k, K]`` (one input per selected expert: the down
         projection); float32/float16/bfloat16; sets the output dtype. The layout is read
-        from the rank: ``x.ndim == indices.ndim`` is shared, ``indices.ndim + 1`` per expert.
+        from the rank: ``x.ndim == indices.ndim`` is shared, ``indices.ndim + 1`` per expert
+        (a k axis of size 1 broadcasts over the k experts, as in ``mx.gather_qmm``).
       w: ``[E, N, K * bits / 32]`` uint32, as ``mx.quantize`` returns it for ``W [E, N, K]``.
       scales, biases: ``[E, N, K / group_size]`` in x's dtype; ``W ~ scale * q + bias``.
       indices: ``[..., k]`` uint32 or int32 expert ids, left on the device. The leading
