@@ -182,6 +182,13 @@ def test_large_scores(any_backend, poisoned, rng, dtype, causal):
     assert not np.isnan(to_f64(out)).any()
 
 
+@pytest.mark.parametrize("scale", (0.0, -0.3), ids=("zero", "negative"))
+def test_zero_and_negative_scale(any_backend, poisoned, rng, scale):
+    """scale 0: every visible key weighs the same; a negative scale flips the scores."""
+    q, k, v = make_inputs(rng, 1, 4, 2, 8, 80, 64, mx.float32)
+    run_and_check(q, k, v, scale=scale, causal=True, kv_len=70, backend=any_backend)
+
+
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 def test_slack_rows_are_never_read(any_backend, poisoned, rng, causal):
     """Cache rows past kv_len hold NaN/inf: the result must not see them."""
@@ -260,6 +267,20 @@ def test_kv_len_l_and_batch_do_not_rebuild(kernel_backend, launches, rng):
                 for n in (4, 650)}) == 2  # the loop did change the launch geometry
     if kernel_backend == "emulator":
         assert _emulator_instantiations() == inst
+
+
+def test_launches_are_declared_instantiations(kernel_backend, launches, rng):
+    """Every template the launcher uses is one that ``instantiations`` declares (the CUDA
+    compile check builds exactly those)."""
+    declared = {spec.name: {inst.template for inst in op_module.instantiations(spec)}
+                for spec in (op_module.SPLIT_SPEC, op_module.COMBINE_SPEC)}
+    for dtype in DTYPES:
+        for D in op_module.HEAD_DIMS:
+            q, k, v = make_inputs(rng, 1, 2, 1, 1, 40, D, dtype)
+            run_and_check(q, k, v, scale=0.1, causal=False, kv_len=40, backend=kernel_backend)
+    assert len(launches) == 2 * len(DTYPES) * len(op_module.HEAD_DIMS)
+    for name, template, _ in launches:
+        assert template in declared[name], (name, template)
 
 
 # ---- device traffic (emulator counters) -------------------------------------------------
