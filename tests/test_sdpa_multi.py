@@ -432,6 +432,9 @@ def test_plan_meets_the_traffic_bound_and_limits():
         chunk, n = p["chunk"], p["n_splits"]
         assert chunk % 32 == 0 and 1 <= n <= op_module.MAX_SPLITS
         assert (n - 1) * chunk < kv_len <= n * chunk  # every slice non-empty, all keys covered
+        if n > 1:  # slices long enough that q re-reads and partials stay small next to K/V
+            assert chunk >= max(32 * op_module.MIN_SPLIT_BLOCKS,
+                                op_module.MIN_KEYS_PER_ROW * min(rows, 32))
         threads = p["threadgroup"][0]
         assert threads % 32 == 0 and threads <= 1024 and p["threadgroup"][1:] == (1, 1)
         assert threads == 32 * 32 // p["rs"]  # one simdgroup per RS rows of the 32-row tile
