@@ -26,17 +26,21 @@ def _oracle_and_magnitude(q, k, v, scale, causal, kv_len):
     """float64 out; the sum of |terms| behind each output (as in tests/test_sdpa_multi.py),
     sum_j p_j |v_j| (1 + |scale| sum_d |q_d k_j,d|); and sum_j p_j |v_j|."""
     q, k, v = f64(q), f64(k), f64(v)
-    L, G = q.shape[2], q.shape[1] // k.shape[1]
-    kk = np.repeat(k[:, :, :kv_len], G, axis=1)
-    vv = np.repeat(v[:, :, :kv_len], G, axis=1)
-    s = scale * (q @ kk.swapaxes(-1, -2))
+    B, Hq, L, D = q.shape
+    Hkv = k.shape[1]
+    qg = q.reshape(B, Hkv, Hq // Hkv, L, D)  # query head h = kvh * G + g reads KV head kvh
+    kk, vv = k[:, :, :kv_len], v[:, :, :kv_len]
+    s = scale * np.einsum("bkgld,bkjd->bkglj", qg, kk)  # einsum: no threaded BLAS here
     if causal:
         visible = np.arange(kv_len)[None, :] <= (kv_len - L + np.arange(L))[:, None]
         s = np.where(visible, s, -np.inf)
     p = np.exp(s - s.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
-    score_mag = abs(scale) * (np.abs(q) @ np.abs(kk).swapaxes(-1, -2))
-    return p @ vv, (p * (1.0 + score_mag)) @ np.abs(vv), p @ np.abs(vv)
+    score_mag = abs(scale) * np.einsum("bkgld,bkjd->bkglj", np.abs(qg), np.abs(kk))
+    out = (np.einsum("bkglj,bkjd->bkgld", p, vv),
+           np.einsum("bkglj,bkjd->bkgld", p * (1.0 + score_mag), np.abs(vv)),
+           np.einsum("bkglj,bkjd->bkgld", p, np.abs(vv)))
+    return tuple(x.reshape(B, Hq, L, D) for x in out)
 
 
 def _check(case, provider, got, inputs):

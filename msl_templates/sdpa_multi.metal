@@ -16,7 +16,8 @@
 // LAYOUT (row-contiguous, ensure_row_contiguous):
 //   q [B, Hq, L, D] T: the G*L rows of KV head (b, kvh) are contiguous, row r at
 //     ((b*Hkv + kvh) * G*L + r) * D
-//   k, v [B, Hkv, S, D] T (S = kv_rows >= kv_len; rows >= kv_len are never read)
+//   k, v [B, Hkv, S, D] T (S = kv_rows >= kv_len; rows >= kv_len are never read, and no
+//     row >= S even if a launcher passed kv_len > S: the kernel clamps it)
 //   o_part [B*Hq*L, n_splits, D] float32, ml_part [B*Hq*L, n_splits, 2] float32 (m, lsum)
 //   0-d runtime inputs: n_q (L), group (G), kv_len, kv_rows (S), chunk (keys per slice,
 //   a multiple of 32), causal (0/1) as uint, scale (float, times log2(e)).
@@ -38,14 +39,24 @@
 //
 // TRAFFIC per call: each visible key/value row is read by exactly one threadgroup per row
 //   tile (ceil(G*L / 32) times in all; once when G*L <= 32). Causal slices stop at the last
-//   key the tile's rows can see. q is read once per slice, partials written once.
+//   key the tile's rows can see. q is read once per slice, partials written once
+//   (float32: n_splits * G*L * (D + 2) * 4 bytes per KV head, read again by the combine).
+//   A full tile does 32 rows * 32 keys * 2D multiply-adds per 2 * 32 * D * sizeof(T) bytes
+//   of staged K/V (16 per byte in half): past 32 rows per KV head the kernel is bound by
+//   its scalar FMAs rather than by bandwidth (the other row tiles of the same head read the
+//   same keys at about the same time, so their re-reads may hit the GPU's caches: not
+//   measured). A larger row tile would pay off with a simdgroup_matrix variant.
 //
 // REDUCTION ORDER: scores accumulate over d in increasing order; l and o accumulate over the
 //   keys of a slice in increasing block order; lanes' partial l are summed with simd_sum.
 //
 // Checked only on a Mac: that Apple's compiler accepts the body as written (the register
-//   arrays are indexed with compile-time indices once the constant-trip loops unroll) and
-//   the speed. The emulator checks the semantics, barriers and the device traffic.
+//   arrays are indexed with compile-time indices once the constant-trip loops unroll;
+//   simd_shuffle of float2/float3/float4 for D = 64/96/128+), that the register arrays
+//   (about 100 floats per thread at RS = 8) do not spill, that the padded kv_tile rows avoid
+//   bank conflicts as intended, and the speed (including the split planner's tuning
+//   constants in sdpa_multi.py). The emulator checks the semantics, barriers, races on
+//   threadgroup memory (strict mode) and the device traffic.
 #include "common.h"
 
 // Masked scores and empty slices use this finite sentinel (fast math may not honour inf).
@@ -89,7 +100,7 @@ const uint sg = simdgroup_index_in_threadgroup;
 
 const uint L = n_q;
 const uint n_rows = group * L;                // query rows that share this KV head
-const uint kvn = kv_len;
+const uint kvn = min(kv_len, kv_rows);     // the wrapper ensures kv_len <= S; never read past S
 const uint chunk_keys = chunk;
 const bool is_causal = causal != 0u;
 const float q_scale = scale;

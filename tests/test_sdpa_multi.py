@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import importlib
+import itertools
 import math
+import zlib
 from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import backend_params
 from tolerances import assert_close, to_f64
 
 import mlx_metaltile as mt
@@ -32,19 +35,23 @@ def oracle(q, k, v, scale, causal, kv_len):
     the rounding of the score, which moves p_j).
     """
     q, k, v = to_f64(q), to_f64(k), to_f64(v)
-    L, G = q.shape[2], q.shape[1] // k.shape[1]
-    kk = np.repeat(k[:, :, :kv_len], G, axis=1)
-    vv = np.repeat(v[:, :, :kv_len], G, axis=1)
-    s = scale * (q @ kk.swapaxes(-1, -2))
+    B, Hq, L, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    # query head h = kvh * G + g reads KV head kvh = h // G. np.einsum (its own loops, one
+    # thread) rather than BLAS: on a loaded CI machine threaded BLAS is many times slower.
+    qg = q.reshape(B, Hkv, G, L, D)
+    kk, vv = k[:, :, :kv_len], v[:, :, :kv_len]
+    s = scale * np.einsum("bkgld,bkjd->bkglj", qg, kk)
     if causal:
         visible = np.arange(kv_len)[None, :] <= (kv_len - L + np.arange(L))[:, None]
         s = np.where(visible, s, -np.inf)
     p = np.exp(s - s.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
-    out = p @ vv
-    score_mag = abs(scale) * (np.abs(q) @ np.abs(kk).swapaxes(-1, -2))
-    magnitude = (p * (1.0 + score_mag)) @ np.abs(vv)
-    return out, magnitude
+    out = np.einsum("bkglj,bkjd->bkgld", p, vv)
+    score_mag = abs(scale) * np.einsum("bkgld,bkjd->bkglj", np.abs(qg), np.abs(kk))
+    magnitude = np.einsum("bkglj,bkjd->bkgld", p * (1.0 + score_mag), np.abs(vv))
+    return out.reshape(B, Hq, L, D), magnitude.reshape(B, Hq, L, D)
 
 
 def make_inputs(rng, B, Hq, Hkv, L, S, D, dtype, qk_scale=1.0):
@@ -92,6 +99,9 @@ CASES = [
     (1, 6, 3, 8, 129, 200, 96, True),    # D 96, GQA 2
     (1, 16, 2, 1, 520, 520, 128, False),  # GQA 8 decode, split KV
     (1, 2, 2, 8, 700, 768, 128, True),   # causal block over 5 KV slices, slack
+    (1, 8, 2, 16, 200, 256, 128, False),  # GQA 4 x L 16: two row tiles, full, slack
+    (2, 8, 2, 16, 100, 100, 64, True),   # GQA 4 x L 16 causal: tiles mix two query heads
+    (1, 8, 1, 33, 90, 100, 64, False),   # GQA 8 x L 33: 264 rows -> 9 tiles, full, slack
 ]
 
 
@@ -134,11 +144,22 @@ def test_one_block_slices(any_backend, poisoned, monkeypatch, rng, dtype):
         run_and_check(q, k, v, scale=0.125, causal=True, kv_len=kv_len, backend=any_backend)
 
 
-@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
-@pytest.mark.parametrize("kv_len", (28, 4104))
-def test_real_model_shape(any_backend, poisoned, rng, kv_len, causal):
+REAL_MODEL = [
+    *((28, dtype, causal) for dtype in DTYPES for causal in (False, True)),
+    (4104, mx.bfloat16, False), (4104, mx.bfloat16, True),
+    # the long cache in the other dtypes: about 15 s each through the emulator here
+    pytest.param(4104, mx.float16, True, marks=pytest.mark.slow),
+    pytest.param(4104, mx.float32, True, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(
+    "kv_len, dtype, causal", REAL_MODEL,
+    ids=lambda x: dtype_id(x) if isinstance(x, mx.Dtype) else (
+        ("causal" if x else "full") if isinstance(x, bool) else f"kv{x}"))
+def test_real_model_shape(any_backend, poisoned, rng, kv_len, dtype, causal):
     """A Llama-3-8B-style layer: B=1, Hq=32, Hkv=8, D=128, a block of L=8 queries."""
-    q, k, v = make_inputs(rng, 1, 32, 8, 8, kv_len + 24, 128, mx.bfloat16)
+    q, k, v = make_inputs(rng, 1, 32, 8, 8, kv_len + 24, 128, dtype)
     run_and_check(q, k, v, scale=128 ** -0.5, causal=causal, kv_len=kv_len,
                   backend=any_backend)
 
@@ -161,6 +182,13 @@ def test_large_scores(any_backend, poisoned, rng, dtype, causal):
     assert not np.isnan(to_f64(out)).any()
 
 
+@pytest.mark.parametrize("scale", (0.0, -0.3), ids=("zero", "negative"))
+def test_zero_and_negative_scale(any_backend, poisoned, rng, scale):
+    """scale 0: every visible key weighs the same; a negative scale flips the scores."""
+    q, k, v = make_inputs(rng, 1, 4, 2, 8, 80, 64, mx.float32)
+    run_and_check(q, k, v, scale=scale, causal=True, kv_len=70, backend=any_backend)
+
+
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 def test_slack_rows_are_never_read(any_backend, poisoned, rng, causal):
     """Cache rows past kv_len hold NaN/inf: the result must not see them."""
@@ -173,13 +201,22 @@ def test_slack_rows_are_never_read(any_backend, poisoned, rng, causal):
                   kv_len=kv_len, backend=any_backend, what=" (NaN/inf in the slack)")
 
 
-def test_non_contiguous_inputs(any_backend, rng):
-    """q transposed from [B, L, H, D]; k, v sliced out of a larger preallocated cache."""
+@pytest.mark.parametrize("dtype", (mx.float32, mx.float16), ids=dtype_id)
+def test_non_contiguous_inputs(any_backend, poisoned, rng, dtype):
+    """q transposed from [B, L, H, D]; k, v sliced out of a larger preallocated cache;
+    then k, v transposed from a [B, S, H, D] cache and q a strided slice."""
     B, Hq, L, D = 2, 8, 8, 64  # 4 KV heads
-    q = mx.array(rng.standard_normal((B, L, Hq, D)).astype(np.float32)).transpose(0, 2, 1, 3)
-    big = mx.array(rng.standard_normal((2, B, 6, 256, D)).astype(np.float32))
+
+    def arr(shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+    q = arr((B, L, Hq, D)).transpose(0, 2, 1, 3)
+    big = arr((2, B, 6, 256, D))
     k, v = big[0, :, 1:5, :100], big[1, :, 2:6, :100]
     run_and_check(q, k, v, scale=0.125, causal=True, kv_len=90, backend=any_backend)
+    q = arr((B, Hq, 2 * L, D))[:, :, ::2]
+    k, v = (arr((B, 120, 4, D)).transpose(0, 2, 1, 3) for _ in range(2))
+    run_and_check(q, k, v, scale=0.125, causal=False, kv_len=77, backend=any_backend)
 
 
 @pytest.fixture
@@ -232,6 +269,20 @@ def test_kv_len_l_and_batch_do_not_rebuild(kernel_backend, launches, rng):
         assert _emulator_instantiations() == inst
 
 
+def test_launches_are_declared_instantiations(kernel_backend, launches, rng):
+    """Every template the launcher uses is one that ``instantiations`` declares (the CUDA
+    compile check builds exactly those)."""
+    declared = {spec.name: {inst.template for inst in op_module.instantiations(spec)}
+                for spec in (op_module.SPLIT_SPEC, op_module.COMBINE_SPEC)}
+    for dtype in DTYPES:
+        for D in op_module.HEAD_DIMS:
+            q, k, v = make_inputs(rng, 1, 2, 1, 1, 40, D, dtype)
+            run_and_check(q, k, v, scale=0.1, causal=False, kv_len=40, backend=kernel_backend)
+    assert len(launches) == 2 * len(DTYPES) * len(op_module.HEAD_DIMS)
+    for name, template, _ in launches:
+        assert template in declared[name], (name, template)
+
+
 # ---- device traffic (emulator counters) -------------------------------------------------
 
 TRAFFIC_CASES = [
@@ -245,12 +296,68 @@ TRAFFIC_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", (mx.float16, mx.float32), ids=dtype_id)
-@pytest.mark.parametrize("case", TRAFFIC_CASES, ids=lambda c: case_id(c[:-1]))
-def test_cache_is_read_once_per_row_tile(launches, monkeypatch, rng, case, dtype):
-    """Bytes the split kernel reads from k and v, against kv_len * Hkv * D * itemsize * B:
-    exactly once per row tile of 32 query rows for full attention (once in all when
-    L * Hq/Hkv <= 32), at most that for causal; q once per KV slice; partials written once."""
+@pytest.mark.parametrize("seed", (1, 2))
+@pytest.mark.parametrize("case, dtype", [
+    ((1, 4, 1, 33, 70, 80, 64, True), mx.float16),     # 5 row tiles, causal, 3 slices
+    ((1, 4, 4, 16, 100, 128, 256, False), mx.float32),  # D 256 staged in two column halves
+], ids=("tiles-causal", "D256-halves"))
+def test_emulator_strict_shuffled(monkeypatch, rng, case, dtype, seed):
+    """Strict mode (no read of threadgroup memory before it is written, no race on it) with
+    the threads and threadgroups run in a permuted order: the result must not change."""
+    require_backend_here("emulator")
+    from mlx_metaltile import emulator
+
+    monkeypatch.setattr(op_module, "MIN_SPLIT_BLOCKS", 1)
+    monkeypatch.setattr(op_module, "MIN_KEYS_PER_ROW", 0)
+    B, Hq, Hkv, L, kv_len, S, D, causal = case
+    assert op_module.plan(B, Hq, Hkv, L, D, kv_len, dtype)["n_splits"] > 1
+    q, k, v = make_inputs(rng, B, Hq, Hkv, L, S, D, dtype)
+    previous = emulator.configure(strict=True, shuffle_seed=seed)
+    try:
+        with backends.use_backend("emulator"):
+            run_and_check(q, k, v, scale=D ** -0.5, causal=causal, kv_len=kv_len,
+                          backend="emulator")
+    finally:
+        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
+
+
+def test_negative_control_missing_barrier(monkeypatch, rng):
+    """Reading the staged keys without waiting for the whole block to be staged must be
+    caught by strict mode (the harness above can fail)."""
+    require_backend_here("emulator")
+    from mlx_metaltile import emulator
+
+    staged = ("tid, n_threads);\n    threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+              "    if (nr > 0u) {\n      for (int i = 0; i < LPC")
+    broken = _broken_template(monkeypatch, op_module.SPLIT_SPEC, staged,
+                              staged.replace("threadgroup_barrier(mem_flags::mem_threadgroup);",
+                                             ""))
+    monkeypatch.setattr(op_module, "SPLIT_SPEC", broken)
+    q, k, v = make_inputs(rng, 1, 4, 1, 33, 80, 64, mx.float16)
+    previous = emulator.configure(strict=True, shuffle_seed=1)
+    try:
+        with backends.use_backend("emulator"), pytest.raises((emulator.ThreadgroupRace,
+                                                           emulator.UninitializedThreadgroupRead)):
+            mx.eval(mt.sdpa_multi(q, k, v, scale=0.125, causal=True, kv_len=70))
+    finally:
+        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
+        _templates.render.cache_clear()
+
+
+def cache_bytes_read(B, Hq, Hkv, L, kv_len, D, causal, itemsize):
+    """Bytes of k (or of v) a tiling into row tiles of 32 must read, from the math: row tile
+    t holds query rows r = g * L + l (32 t <= r < 32 (t + 1)); it needs the union of their
+    visible keys, [0, kv_len) for full attention and [0, kv_len - L + max l + 1) causal."""
+    rows = L * (Hq // Hkv)
+    keys = 0
+    for t0 in range(0, rows, 32):
+        last_l = max(r % L for r in range(t0, min(t0 + 32, rows)))
+        keys += kv_len - L + last_l + 1 if causal else kv_len
+    return B * Hkv * keys * D * itemsize
+
+
+def _run_traffic_case(launches, monkeypatch, rng, case, dtype):
+    """One emulator run of ``case``; checks its per-buffer device traffic."""
     require_backend_here("emulator")
     B, Hq, Hkv, L, kv_len, S, D, causal, one_block = case
     if one_block:
@@ -265,22 +372,75 @@ def test_cache_is_read_once_per_row_tile(launches, monkeypatch, rng, case, dtype
     (name1, _, split), (name2, _, combine) = launches
     assert (name1, name2) == (op_module.SPLIT_SPEC.name, op_module.COMBINE_SPEC.name)
     ideal = B * Hkv * kv_len * D * dtype.size  # the visible cache of k (or v), once
-    tiles = -(-(L * Hq // Hkv) // op_module.ROW_TILE)
+    rows = L * Hq // Hkv
+    tiles = -(-rows // 32)
     assert tiles == plan["n_tiles"]
+    want = cache_bytes_read(B, Hq, Hkv, L, kv_len, D, causal, dtype.size)
+    assert ideal <= want <= tiles * ideal  # the issue's bound, with R = 32
+    if rows <= 32:
+        assert want == ideal  # once for all L queries and all Hq/Hkv heads
     for name in ("k", "v"):
-        if causal:
-            # a tile holding the block's last query reads the whole visible cache
-            assert ideal <= split.bytes_read[name] <= tiles * ideal
-        else:
-            assert split.bytes_read[name] == tiles * ideal
+        assert split.bytes_read[name] == want, (
+            f"{name}: read {split.bytes_read[name]} bytes, want {want} "
+            f"({split.bytes_read[name] / ideal:.3f} x the visible cache)")
     assert split.bytes_read["q"] == plan["n_splits"] * q.nbytes
-    rows = B * Hq * L
-    assert split.bytes_written["o_part"] == rows * plan["n_splits"] * D * 4
-    assert split.bytes_written["ml_part"] == rows * plan["n_splits"] * 2 * 4
+    n_out = B * Hq * L
+    assert split.bytes_written["o_part"] == n_out * plan["n_splits"] * D * 4
+    assert split.bytes_written["ml_part"] == n_out * plan["n_splits"] * 2 * 4
     assert split.grid == plan["grid"] and split.threadgroup == plan["threadgroup"]
     assert split.threadgroup_memory <= plan["threadgroup_memory"] <= 32 * 1024
-    assert combine.bytes_read["o_part"] == rows * plan["n_splits"] * D * 4
+    assert combine.bytes_read["o_part"] == n_out * plan["n_splits"] * D * 4
     assert combine.bytes_written["out"] == q.nbytes
+
+
+@pytest.mark.parametrize("dtype", (mx.float16, mx.float32), ids=dtype_id)
+@pytest.mark.parametrize("case", TRAFFIC_CASES, ids=lambda c: case_id(c[:-1]))
+def test_cache_is_read_once_per_row_tile(launches, monkeypatch, rng, case, dtype):
+    """Bytes the split kernel reads from k and v, from the emulator's counters: the visible
+    cache (kv_len rows of every KV head) exactly once when L * Hq/Hkv <= 32, else once per
+    row tile of 32 query rows (a causal tile stops at the last key its rows see), so never
+    more than ceil(L * Hq/Hkv / 32) times; q once per KV slice; partials written once."""
+    _run_traffic_case(launches, monkeypatch, rng, case, dtype)
+
+
+def test_negative_control_traffic(launches, monkeypatch, rng):
+    """A split kernel whose causal tiles read the whole cache (same results, more bytes)
+    must fail the traffic check."""
+    broken = _broken_template(monkeypatch, op_module.SPLIT_SPEC,
+                              "k_end = min(k_end, kvn - L + l_max + 1u);", "(void)l_max;")
+    monkeypatch.setattr(op_module, "SPLIT_SPEC", broken)
+    try:
+        with pytest.raises(AssertionError, match="k: read"):
+            _run_traffic_case(launches, monkeypatch, rng, (1, 2, 2, 64, 64, 64, 64, True, True),
+                              mx.float32)
+    finally:
+        _templates.render.cache_clear()
+
+
+def test_plan_meets_the_traffic_bound_and_limits():
+    """Over many shapes: the slices partition [0, kv_len) into non-empty runs of whole 32-key
+    blocks (so no key is read twice by one row tile), one row tile per 32 query rows, and the
+    dispatch limits hold."""
+    for B, Hq, Hkv, L, kv_len, D, dtype in itertools.product(
+            (1, 2, 8), (32, 8), (8, 1), (1, 4, 8, 16, 33, 64), (64, 100, 1024, 4104, 16384),
+            op_module.HEAD_DIMS, DTYPES):
+        if kv_len < L:
+            continue
+        p = op_module.plan(B, Hq, Hkv, L, D, kv_len, dtype)
+        rows = L * Hq // Hkv
+        assert p["n_tiles"] == -(-rows // 32) and p["rows"] == rows
+        chunk, n = p["chunk"], p["n_splits"]
+        assert chunk % 32 == 0 and 1 <= n <= op_module.MAX_SPLITS
+        assert (n - 1) * chunk < kv_len <= n * chunk  # every slice non-empty, all keys covered
+        if n > 1:  # slices long enough that q re-reads and partials stay small next to K/V
+            assert chunk >= max(32 * op_module.MIN_SPLIT_BLOCKS,
+                                op_module.MIN_KEYS_PER_ROW * min(rows, 32))
+        threads = p["threadgroup"][0]
+        assert threads % 32 == 0 and threads <= 1024 and p["threadgroup"][1:] == (1, 1)
+        assert threads == 32 * 32 // p["rs"]  # one simdgroup per RS rows of the 32-row tile
+        assert p["grid"] == (threads * n, p["n_tiles"], B * Hkv)
+        assert p["threadgroup_memory"] <= 32 * 1024
+        assert p["dc"] % 32 == 0 and D % p["dc"] == 0 and 32 * p["dc"] * dtype.size <= 16384
 
 
 def require_backend_here(name):
@@ -289,41 +449,53 @@ def require_backend_here(name):
         pytest.skip(f"backend {name} unavailable: {reason}")
 
 
-def test_empty_does_not_dispatch(kernel_backend):
+def test_empty_does_not_dispatch(any_backend):
+    """Zero batch, zero query heads or zero queries: an empty result of q's shape and dtype,
+    no kernel launched."""
     before = backends.launch_count()
-    for B, L in ((0, 4), (2, 0)):
-        q = mx.zeros((B, 4, L, 64), dtype=mx.float16)
-        k = mx.zeros((B, 2, 8, 64), dtype=mx.float16)
+    for B, Hq, L, S in ((0, 4, 4, 8), (2, 0, 4, 8), (2, 4, 0, 8), (2, 4, 0, 0)):
+        q = mx.zeros((B, Hq, L, 64), dtype=mx.float16)
+        k = mx.zeros((B, 2, S, 64), dtype=mx.float16)
         out = mt.sdpa_multi(q, k, k, scale=1.0)
         assert out.shape == q.shape and out.dtype == mx.float16
+        mx.eval(out)
     assert backends.launch_count() == before
 
 
-def test_op_is_lazy_and_compiles(monkeypatch, rng):
-    """No evaluation inside the op; it traces under mx.compile (reference backend here)."""
+@pytest.mark.parametrize("backend", backend_params("reference", "metal", "cuda"))
+def test_op_is_lazy_and_compiles(monkeypatch, rng, backend):
+    """No evaluation inside the op (the emulator, eager by design, is left out); it traces
+    under mx.compile, and a compiled call gives the oracle's result."""
+    require_backend_here(backend)
     q, k, v = make_inputs(rng, 1, 4, 2, 8, 40, 64, mx.float32)
 
     def no_eval(*args, **kwargs):
         raise AssertionError("the op evaluated its graph")
 
-    with monkeypatch.context() as m:
-        m.setattr(mx, "eval", no_eval)
-        m.setattr(mx.array, "item", no_eval)
-        out = mt.sdpa_multi(q, k, v, scale=0.125, causal=True, kv_len=30)
-    want, magnitude = oracle(q, k, v, 0.125, True, 30)
-    assert_close(out, want, mx.float32, magnitude)
-    compiled = mx.compile(lambda a, b, c: mt.sdpa_multi(a, b, c, scale=0.125, causal=True,
-                                                        kv_len=30))
-    assert_close(compiled(q, k, v), want, mx.float32, magnitude)
+    with backends.use_backend(backend):
+        with monkeypatch.context() as m:
+            m.setattr(mx, "eval", no_eval)
+            m.setattr(mx, "async_eval", no_eval)
+            m.setattr(mx.array, "item", no_eval)
+            m.setattr(mx.array, "tolist", no_eval)
+            out = mt.sdpa_multi(q, k, v, scale=0.125, causal=True, kv_len=30)
+        want, magnitude = oracle(q, k, v, 0.125, True, 30)
+        assert_close(out, want, mx.float32, magnitude)
+        compiled = mx.compile(lambda a, b, c: mt.sdpa_multi(a, b, c, scale=0.125, causal=True,
+                                                            kv_len=30))
+        assert_close(compiled(q, k, v), want, mx.float32, magnitude)
+        assert_close(compiled(q, k, v * 2), 2 * want, mx.float32, 2 * magnitude)
 
 
 # ---- negative controls: a deliberately wrong variant must fail the harness ----------------
 
 def _broken_template(monkeypatch, spec, old: str, new: str):
-    """A copy of ``spec`` whose template has ``old`` replaced by ``new``."""
+    """A copy of ``spec`` whose template has ``old`` replaced by ``new`` (its own variant
+    name per change: built kernel objects are cached by variant)."""
     text = _templates.read_text(spec.template)
     assert old in text
-    fake_name = spec.template.replace(".metal", "_broken.metal")
+    tag = f"broken{zlib.crc32((old + new).encode()):08x}"
+    fake_name = spec.template.replace(".metal", f"_{tag}.metal")
     real_read = _templates.read_text
 
     def read_text(name):
@@ -331,7 +503,7 @@ def _broken_template(monkeypatch, spec, old: str, new: str):
 
     monkeypatch.setattr(_templates, "read_text", read_text)
     _templates.render.cache_clear()
-    return replace(spec, variant=spec.variant + "_broken", template=fake_name)
+    return replace(spec, variant=f"{spec.variant}_{tag}", template=fake_name)
 
 
 def test_negative_control_causal_off_by_one(kernel_backend, monkeypatch, rng):
@@ -357,6 +529,21 @@ def test_negative_control_combine_without_rescale(kernel_backend, monkeypatch, r
     try:
         with pytest.raises(AssertionError, match="out of tolerance"):
             run_and_check(q, k, v, scale=0.125, causal=False, kv_len=600,
+                          backend=kernel_backend)
+    finally:
+        _templates.render.cache_clear()
+
+
+def test_negative_control_unwritten_row(kernel_backend, poisoned, monkeypatch, rng):
+    """A combine pass that never writes the last output row must fail (the poisoned
+    outputs are what catches it)."""
+    broken = _broken_template(monkeypatch, op_module.COMBINE_SPEC,
+                              "if (row >= n_rows)", "if (row + 1u >= n_rows)")
+    monkeypatch.setattr(op_module, "COMBINE_SPEC", broken)
+    q, k, v = make_inputs(rng, 1, 4, 2, 3, 40, 64, mx.float32)
+    try:
+        with pytest.raises(AssertionError, match="out of tolerance"):
+            run_and_check(q, k, v, scale=0.125, causal=False, kv_len=40,
                           backend=kernel_backend)
     finally:
         _templates.render.cache_clear()
@@ -398,6 +585,12 @@ def _ok(dtype=mx.float16):
     (lambda q, k, v: (q, k.astype(mx.float32), v), TypeError, "k must have q's dtype float16"),
     (lambda q, k, v: (q, k, v.astype(mx.bfloat16)), TypeError, "v must have q's dtype"),
     (lambda q, k, v: (q.astype(mx.int32), k, v), TypeError, "q must be float32"),
+    (lambda q, k, v: (q.astype(mx.int32), k.astype(mx.int32), v.astype(mx.int32)), TypeError,
+     "q must be float32, float16 or bfloat16, got int32"),
+    (lambda q, k, v: (q, k.astype(mx.int8), v), TypeError, "k must have q's dtype float16, got int8"),
+    (lambda q, k, v: (q, k[:, :, :3], v[:, :, :3]), ValueError,
+     r"the cache must hold at least the L=4 queries' rows \(k and v with S >= 4 rows\), got S=3"),
+    (lambda q, k, v: (q[:, :, :, :0], k[..., :0], v[..., :0]), ValueError, "head dim must be one of"),
     (lambda q, k, v: (np.zeros((1, 8, 4, 64)), k, v), TypeError, "q must be an mx.array"),
 ])
 def test_bad_input(mutate, exc, match):

@@ -95,6 +95,9 @@ def _check_sdpa_multi(q, k, v, scale, causal, kv_len):
     if Hq % Hkv:
         raise ValueError(f"[{OP}] q's heads ({Hq}) must be a multiple of k's heads ({Hkv})")
     if kv_len is None:
+        if S < L:
+            raise ValueError(f"[{OP}] the cache must hold at least the L={L} queries' rows "
+                             f"(k and v with S >= {L} rows), got S={S}")
         kv_len = S
     elif isinstance(kv_len, bool) or not isinstance(kv_len, numbers.Integral):
         raise TypeError(f"[{OP}] kv_len must be a Python int or None, "
