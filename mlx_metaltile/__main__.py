@@ -67,6 +67,11 @@ def _error(case, got: mx.array, inputs: dict) -> tuple[float, bool]:
     return float(np.nanmax(err)) if err.size else 0.0, ok
 
 
+def _save(path: str, meta: dict, results: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, results=results), f, indent=1)
+
+
 def _to_f64(a: mx.array) -> np.ndarray:
     if a.dtype == mx.bfloat16:
         a = a.astype(mx.float32)
@@ -99,6 +104,10 @@ def cmd_bench(args) -> int:
     if quick and not args.quick:
         print("(no GPU here: the short subset of shapes; --all runs every shape)")
     print(header)
+    meta = dict(device=device, device_slug=_device.device_slug(device), peak_gbps=peak,
+                backend=backend, mlx_version=mx.__version__, package_version=mt.__version__,
+                git_sha=_device.git_sha(), platform=platform.platform(),
+                time=time.strftime("%Y-%m-%dT%H:%M:%S"), iters=iters, batch=batch)
     rng = np.random.default_rng(0)
     results = []
     for i, case in enumerate(selected, 1):
@@ -121,6 +130,8 @@ def cmd_bench(args) -> int:
                    speedup=t_native / t_ours, gbps=gbps, bytes=case.nbytes, flops=case.flops,
                    max_err=err, within_tolerance=ok)
         results.append(row)
+        if args.json:  # after every case: a run cut short keeps what it measured
+            _save(args.json, meta, results)
         line = (f"{case.op:<16} {case.label:<22} {case.dtype_name:<9} {row['native_us']:>10.1f} "
                 f"{row['ours_us']:>10.1f} {row['speedup']:>6.2f} {gbps:>8.1f}")
         if peak:
@@ -129,12 +140,6 @@ def cmd_bench(args) -> int:
         del inputs, out
     print(" " * 60, end="\r", file=sys.stderr)
     if args.json:
-        meta = dict(device=device, device_slug=_device.device_slug(device), peak_gbps=peak,
-                    backend=backend, mlx_version=mx.__version__, package_version=mt.__version__,
-                    git_sha=_device.git_sha(), platform=platform.platform(),
-                    time=time.strftime("%Y-%m-%dT%H:%M:%S"))
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, results=results), f, indent=1)
         print(f"saved {len(results)} results to {args.json}")
     return 0 if all(r["within_tolerance"] for r in results) else 1
 
