@@ -38,10 +38,13 @@ def peak_gbps(name: str | None = None) -> float | None:
 
 
 def git_sha() -> str:
+    """The checkout's commit, with ``+dirty`` when tracked files differ from it."""
     root = Path(__file__).resolve().parent.parent
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
-                             capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or "unknown"
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                             capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True, timeout=10).stdout
+        return (sha + ("+dirty" if dirty.strip() else "")) if sha else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
