@@ -36,9 +36,6 @@ COMBINE_ROWS = 4  # output rows per combine threadgroup (one simdgroup each)
 # the K/V slice), and at most MAX_SPLITS slices. Tuning constants: they change speed, never
 # results.
 TARGET_THREADS = 32 * 1024
-# A data-centre NVIDIA GPU holds far more threads at once (an H100/H200: 132 SMs x 2048), and
-# 32K threads leave its memory system mostly idle: more, shorter slices there.
-TARGET_THREADS_BY_BACKEND = {"cuda": 256 * 1024}
 MIN_SPLIT_BLOCKS = 4
 MIN_KEYS_PER_ROW = 16
 MAX_SPLITS = 128
@@ -146,10 +143,8 @@ def _tiles(D: int, dtype: mx.Dtype) -> tuple[int, int]:
     return rows_per_simdgroup, staged
 
 
-def plan(B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int, dtype: mx.Dtype,
-         backend: str = "metal") -> dict:
+def plan(B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int, dtype: mx.Dtype) -> dict:
     """The launch geometry for a validated problem (also used by tests and benchmarks)."""
-    target = TARGET_THREADS_BY_BACKEND.get(backend, TARGET_THREADS)
     rs, dc = _tiles(D, dtype)
     rows = (Hq // Hkv) * L
     n_tiles = -(-rows // ROW_TILE)
@@ -158,7 +153,7 @@ def plan(B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int, dtype: mx.Dtype
     tg = 32 * n_simdgroups
     blocks = -(-kv_len // KEY_BLOCK)
     min_blocks = max(MIN_SPLIT_BLOCKS, -(-MIN_KEYS_PER_ROW * min(rows, ROW_TILE) // KEY_BLOCK))
-    want = -(-target // (B * Hkv * n_tiles * tg))
+    want = -(-TARGET_THREADS // (B * Hkv * n_tiles * tg))
     n_splits = max(1, min(want, blocks // min_blocks, MAX_SPLITS))
     chunk = -(-blocks // n_splits) * KEY_BLOCK
     n_splits = -(-kv_len // chunk)
@@ -196,7 +191,7 @@ def instantiations(spec: KernelSpec) -> tuple[KernelInstance, ...]:
 
 
 def _launch(q, k, v, B, Hq, Hkv, L, S, D, kv_len, scale, causal, backend) -> mx.array:
-    p = plan(B, Hq, Hkv, L, D, kv_len, q.dtype, backend)
+    p = plan(B, Hq, Hkv, L, D, kv_len, q.dtype)
     n_out = B * Hq * L
     o_part, ml_part = backends.launch(
         SPLIT_SPEC, backend,
