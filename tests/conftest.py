@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -48,3 +50,21 @@ def rng(request):
     """A fresh generator per test (seeded from the test id so failures reproduce)."""
     seed = zlib.crc32(request.node.nodeid.encode())
     return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def no_host_sync(monkeypatch):
+    """A context inside which evaluating the graph or reading an array on the host raises:
+    an op called there may only add nodes to the lazy graph."""
+    @contextlib.contextmanager
+    def forbid():
+        def sync(*args, **kwargs):
+            raise AssertionError("the op evaluated its graph")
+
+        with monkeypatch.context() as m:
+            m.setattr(mx, "eval", sync)
+            m.setattr(mx, "async_eval", sync)
+            for name in ("item", "tolist", "__array__"):
+                m.setattr(mx.array, name, sync, raising=False)
+            yield
+    return forbid

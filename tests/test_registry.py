@@ -81,3 +81,14 @@ def test_auto_resolves_to_an_available_backend():
 def test_geometry_guard(grid, tg, mem, match):
     with pytest.raises(ValueError, match=r"^\[op\] .*" + match):
         backends.check_geometry("op", grid, tg, mem)
+
+
+def test_no_host_sync_fixture_catches_syncs(no_host_sync):
+    """The laziness tests rely on this: inside it, each way of syncing raises."""
+    a = mx.ones((2,)) + 1
+    with no_host_sync():
+        for sync in (lambda: mx.eval(a), lambda: mx.async_eval(a), lambda: a.item(),
+                     lambda: a.tolist(), lambda: a.__array__()):
+            with pytest.raises(AssertionError, match="evaluated its graph"):
+                sync()
+    assert a.tolist() == [2.0, 2.0]  # and nothing is left patched afterwards
