@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_metaltile import backends
+from mlx_metaltile import _registry, backends
 
 KERNEL_BACKENDS = ("emulator", "metal", "cuda")
 
@@ -68,3 +68,41 @@ def no_host_sync(monkeypatch):
                 m.setattr(mx.array, name, sync, raising=False)
             yield
     return forbid
+
+
+class LaunchRecorder:
+    """Stands in for every kernel object: records each launch as (kernel name, template,
+    inputs as (name, dtype, 0 for 0-d else 1), outputs as (name, dtype)) and returns zeros,
+    so nothing runs."""
+
+    def __init__(self):
+        self.seen = []
+
+    def get_kernel(self, spec, backend, input_names, output_names, atomic_outputs=False):
+        def call(*, inputs, template, output_shapes, output_dtypes, **_):
+            self.seen.append((spec.name, tuple(template),
+                              tuple((n, a.dtype, min(a.ndim, 1))
+                                    for n, a in zip(input_names, inputs, strict=True)),
+                              tuple(zip(output_names, output_dtypes, strict=True))))
+            return [mx.zeros(s, dtype=d)
+                    for s, d in zip(output_shapes, output_dtypes, strict=True)]
+        return call
+
+    def assert_declared(self):
+        """Every recorded launch is one of the instantiations its op module declares (what
+        the CUDA compile check builds)."""
+        assert self.seen, "nothing was launched"
+        for name, template, inputs, outputs in self.seen:
+            declared = _registry.instantiations(_registry.get_spec(name))
+            assert any(inst.template == template and inst.outputs == outputs
+                       and tuple((n, d, min(nd, 1)) for n, d, nd in inst.inputs) == inputs
+                       for inst in declared), (name, template, inputs, outputs)
+
+
+@pytest.fixture
+def launch_recorder(monkeypatch):
+    """Ops launch through a LaunchRecorder, as on the metal backend."""
+    recorder = LaunchRecorder()
+    monkeypatch.setattr(backends, "get_kernel", recorder.get_kernel)
+    monkeypatch.setattr(backends, "resolve_backend", lambda name=None: "metal")
+    return recorder

@@ -324,25 +324,9 @@ def test_sizes_do_not_rebuild(kernel_backend, monkeypatch, rng):
         assert _emulator_instantiations() == inst
 
 
-def test_instantiations_match_the_launches(monkeypatch, rng):
+def test_instantiations_match_the_launches(launch_recorder, rng):
     """The instantiations hook (CUDA compile check) describes what the launcher passes for
     every dtype, bits, group size, index dtype and x layout (recorded, nothing runs)."""
-    from mlx_metaltile import _registry
-
-    seen = []
-
-    def recording_kernel(spec, backend, input_names, output_names, atomic_outputs=False):
-        def call(*, inputs, template, output_shapes, output_dtypes, **_):
-            seen.append((spec.name, tuple(template),
-                         tuple((n, a.dtype, min(a.ndim, 1))
-                               for n, a in zip(input_names, inputs, strict=True)),
-                         tuple(zip(output_names, output_dtypes, strict=True))))
-            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes,
-                                                         strict=True)]
-        return call
-
-    monkeypatch.setattr(backends, "get_kernel", recording_kernel)
-    monkeypatch.setattr(backends, "resolve_backend", lambda name=None: "metal")
     for dtype in DTYPES:
         for bits in (4, 8):
             for gs in (32, 64, 128):
@@ -351,13 +335,9 @@ def test_instantiations_match_the_launches(monkeypatch, rng):
                     mt.expert_qmv(x, w, s, b, idx, group_size=gs, bits=bits)
                     mt.expert_qmv(mx.zeros((2, 3, 128), dtype), w, s, b, idx,
                                   group_size=gs, bits=bits)
-    assert len(seen) == 3 * 2 * 3 * 2 * 2
-    declared = _registry.instantiations(op_module.SPEC)
-    for name, template, inputs, outputs in seen:
-        assert name == op_module.SPEC.name
-        assert any(inst.template == template and inst.outputs == outputs
-                   and tuple((n, d, min(nd, 1)) for n, d, nd in inst.inputs) == inputs
-                   for inst in declared), (template, inputs, outputs)
+    assert len(launch_recorder.seen) == 3 * 2 * 3 * 2 * 2
+    assert {name for name, *_ in launch_recorder.seen} == {op_module.SPEC.name}
+    launch_recorder.assert_declared()
 
 
 def test_router_indices_stay_on_device(no_host_sync, rng):

@@ -505,24 +505,9 @@ def test_sizes_do_not_rebuild(kernel_backend, rng, variant):
     assert _emulator_instantiations() == compiled
 
 
-def test_instantiations_match_the_launches(monkeypatch, rng):
+def test_instantiations_match_the_launches(launch_recorder, monkeypatch, rng):
     """The instantiations hook (CUDA compile check) describes what the launcher passes:
     every variant, scale format, dtype, M block and split (recorded, nothing runs)."""
-    from mlx_metaltile import _registry
-
-    seen = []
-
-    def recording_kernel(spec, backend, input_names, output_names, atomic_outputs=False):
-        def call(*, inputs, template, output_shapes, output_dtypes, **_):
-            seen.append((spec.name, tuple(template),
-                         tuple((n, x.dtype, min(x.ndim, 1))
-                               for n, x in zip(input_names, inputs, strict=True)),
-                         tuple(zip(output_names, output_dtypes, strict=True))))
-            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
-        return call
-
-    monkeypatch.setattr(backends, "get_kernel", recording_kernel)
-    monkeypatch.setattr(backends, "resolve_backend", lambda name=None: "metal")
     monkeypatch.setattr(op_module, "_metal_mpp_reason", lambda: None)
     for dtype in DTYPES:
         for kind, gs in SCALE_KINDS:
@@ -530,13 +515,9 @@ def test_instantiations_match_the_launches(monkeypatch, rng):
             for variant in VARIANTS:
                 for m in (1, 2, 3, 8, 40):
                     mt.fp4_qmm(x[:m], w, s, group_size=gs, variant=variant)
-    names = {name for name, *_ in seen}
+    names = {name for name, *_ in launch_recorder.seen}
     assert names == {f"fp4_qmm_{v}" for v in (*VARIANTS, "splitk_sum")}
-    for name, template, inputs, outputs in seen:
-        declared = _registry.instantiations(_registry.get_spec(name))
-        assert any(inst.template == template and inst.outputs == outputs
-                   and tuple((n, d, min(nd, 1)) for n, d, nd in inst.inputs) == inputs
-                   for inst in declared), (name, template, inputs, outputs)
+    launch_recorder.assert_declared()
 
 
 @pytest.mark.parametrize("kind, group_size", (("e8m0", 32), ("e4m3", 16), ("bfloat16", 64)))

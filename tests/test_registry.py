@@ -92,3 +92,13 @@ def test_no_host_sync_fixture_catches_syncs(no_host_sync):
             with pytest.raises(AssertionError, match="evaluated its graph"):
                 sync()
     assert a.tolist() == [2.0, 2.0]  # and nothing is left patched afterwards
+
+
+def test_launch_recorder_rejects_an_undeclared_launch(launch_recorder):
+    """The instantiation tests rely on this: a launch no instantiation declares fails."""
+    mt.gated_rms_norm(mx.ones((2, 8)), mx.ones((2, 8)), mx.ones((8,)))
+    launch_recorder.assert_declared()
+    name, template, inputs, outputs = launch_recorder.seen[0]
+    launch_recorder.seen.append((name, (*template, ("EXTRA", 1)), inputs, outputs))
+    with pytest.raises(AssertionError):
+        launch_recorder.assert_declared()
