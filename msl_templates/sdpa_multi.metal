@@ -10,8 +10,16 @@
 //   for the visible keys j of this slice: m = max_j s_j,  lsum = sum_j 2^(s_j - m),
 //   o[d] = sum_j 2^(s_j - m) * v_j[d]                   (not divided by lsum)
 //   softmax(scale * q.k) @ v == (sum_s 2^(m_s - M) o_s) / (sum_s 2^(m_s - M) lsum_s) over
-//   the slices s, M = max_s m_s. A slice that sees no key of a row writes m = MT_SDPA_NEG,
+//   the slices s, M = max_s m_s. A slice that sees no key of a row writes m = -INFINITY,
 //   lsum = 0, o = 0.
+//
+// SPECIAL VALUES: masked keys and the running maximum before the first visible key are
+//   -INFINITY, so any finite score (down to -FLT_MAX) is above them. The rescale factor
+//   2^(m_old - m_new) is taken as 1 when m_old == m_new, so a row that has seen no key yet
+//   (both -INFINITY) never computes 2^(-inf - -inf) = NaN; a masked key's probability is
+//   set to 0, never computed. Relies on IEEE infinities (2^-inf = 0, max with -inf):
+//   MLX builds metal_kernel sources in its "safe" math mode, which keeps them; the
+//   difference of two finite scores may overflow to -inf too, and then also weighs 0.
 //
 // LAYOUT (row-contiguous, ensure_row_contiguous):
 //   q [B, Hq, L, D] T: the G*L rows of KV head (b, kvh) are contiguous, row r at
@@ -58,9 +66,6 @@
 //   constants in sdpa_multi.py). The emulator checks the semantics, barriers, races on
 //   threadgroup memory (strict mode) and the device traffic.
 #include "common.h"
-
-// Masked scores and empty slices use this finite sentinel (fast math may not honour inf).
-constexpr constant float MT_SDPA_NEG = -1.0e30f;
 
 // Copy rows [0, n_valid) of a 32-row block of a [.., D] matrix, columns [col0, col0 + DC),
 // into tile (row stride TSTRIDE); rows >= n_valid are zero-filled, never read.
@@ -144,7 +149,7 @@ float m[RS];
 float l_part[RS];  // this lane's share of the row's sum of exponentials
 float o[RS][DPL];
 for (int rr = 0; rr < RS; ++rr) {
-  m[rr] = MT_SDPA_NEG;
+  m[rr] = -INFINITY;  // no visible key seen yet
   l_part[rr] = 0.0f;
   for (int c = 0; c < DPL; ++c) {
     o[rr][c] = 0.0f;
@@ -194,9 +199,9 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
   for (int rr = 0; rr < RS; ++rr) {
     if (uint(rr) < nr) {
       const bool ok = kb + lane < min(lim[rr], k_end);
-      const float sc = ok ? s[rr] : MT_SDPA_NEG;
-      const float m_new = max(m[rr], simd_max(sc));
-      const float alpha = exp2(m[rr] - m_new);
+      const float sc = ok ? s[rr] : -INFINITY;
+      const float m_new = max(m[rr], simd_max(sc));  // -INFINITY while no key was visible
+      const float alpha = m[rr] == m_new ? 1.0f : exp2(m[rr] - m_new);
       const float p = ok ? exp2(sc - m_new) : 0.0f;
       p_rows[uint(rr) * 32u + lane] = p;
       l_part[rr] = l_part[rr] * alpha + p;

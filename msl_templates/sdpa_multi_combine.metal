@@ -3,9 +3,12 @@
 //
 // MATH (per output row, float32, base-2 exponentials, rounded once to T):
 //   M = max_s m_s;  w_s = 2^(m_s - M);  out[d] = (sum_s w_s * o_s[d]) / (sum_s w_s * lsum_s)
-//   A slice that saw no key of the row has m_s = -1e30, lsum_s = 0, o_s = 0, so w_s = 0 once
-//   any slice saw a key; a row with sum_s w_s * lsum_s == 0 (never produced by the wrapper,
-//   since every row sees key 0) is written as 0, not NaN.
+//   w_s is taken as 1 when m_s == M. A slice that saw no key of the row has
+//   m_s = -INFINITY, lsum_s = 0, o_s = 0, so w_s = 2^-inf = 0 once any slice saw a key
+//   (whatever the finite scores: M may be anything down to -FLT_MAX), and no
+//   2^(-inf - -inf) = NaN is formed when none did; a row with sum_s w_s * lsum_s == 0
+//   (never produced by the wrapper, since every row sees key 0) is written as 0, not NaN.
+//   Relies on IEEE infinities, as sdpa_multi.metal does (MLX's default "safe" math mode).
 //
 // LAYOUT: o_part [n_rows, n_splits, D] float32, ml_part [n_rows, n_splits, 2] float32
 //   (m, lsum), out [n_rows, D] T (n_rows = B*Hq*L: the rows of q [B, Hq, L, D]), all
@@ -35,8 +38,8 @@ if (row >= n_rows) {
 const uint ns = n_splits;
 const size_t first = size_t(row) * ns;
 
-float m_max = ml_part[first * 2u];
-for (uint s = 1; s < ns; ++s) {
+float m_max = -INFINITY;
+for (uint s = 0; s < ns; ++s) {
   m_max = max(m_max, ml_part[(first + s) * 2u]);
 }
 
@@ -47,7 +50,8 @@ for (int c = 0; c < DPL; ++c) {
 float l_sum = 0.0f;
 for (uint s = 0; s < ns; ++s) {
   const size_t entry = first + s;
-  const float w = exp2(ml_part[entry * 2u] - m_max);
+  const float m_s = ml_part[entry * 2u];
+  const float w = m_s == m_max ? 1.0f : exp2(m_s - m_max);
   l_sum += w * ml_part[entry * 2u + 1u];
   for (int c = 0; c < DPL; ++c) {
     acc[c] += w * o_part[entry * D + lane + 32u * uint(c)];

@@ -182,6 +182,92 @@ def test_large_scores(any_backend, poisoned, rng, dtype, causal):
     assert not np.isnan(to_f64(out)).any()
 
 
+HUGE_SCORES = [
+    # (scale, lo, hi): k[..., 0] takes integer values in [lo, hi] and q = e_0, so the
+    # scores are scale * k[..., 0]. Every visible score far below -1e30:
+    (-1e30, 1, 4), (1e29, -8, -7), (-1e38, 1, 1),
+    # and far above it (the maximum must still be subtracted):
+    (1e30, 1, 4), (-1e38, -1, -1),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("scale, lo, hi", [
+    pytest.param(*c, id=f"scale{c[0]:g}-k{c[1]}to{c[2]}") for c in HUGE_SCORES])
+def test_huge_finite_scores(any_backend, poisoned, monkeypatch, rng, dtype, scale, lo, hi):
+    """Scores of magnitude 1.4e29 to 1.4e38, either sign, all finite in float32.
+
+    q = e_0 and k[:, :, j, 0] an integer in [lo, hi], so every score scale * k_j0 is
+    computed without an error that could reorder keys: keys of equal k_j0 score exactly the
+    same, other keys differ by at least |scale|, so the softmax is uniform over the keys of
+    largest score and exactly 0 elsewhere. The causal block with kv_len = L has a first
+    query that sees one key, and 32-key slices leave the early rows' later slices empty:
+    the merge must ignore them whatever the visible scores are.
+    """
+    monkeypatch.setattr(op_module, "MIN_SPLIT_BLOCKS", 1)  # 32-key slices
+    monkeypatch.setattr(op_module, "MIN_KEYS_PER_ROW", 0)
+    monkeypatch.setattr(op_module, "TARGET_THREADS", 1 << 30)
+    B, Hq, Hkv, L, D = 1, 4, 2, 40, 64
+    for kv_len, causal in ((L, True), (L, False), (97, True), (97, False)):
+        q_np = np.zeros((B, Hq, L, D), np.float32)
+        q_np[..., 0] = 1.0
+        k_np = rng.standard_normal((B, Hkv, kv_len + 8, D)).astype(np.float32)
+        k_np[..., 0] = rng.integers(lo, hi + 1, size=k_np.shape[:-1])
+        v = mx.array(rng.standard_normal((B, Hkv, kv_len + 8, D)).astype(np.float32))
+        q, k, v = mx.array(q_np).astype(dtype), mx.array(k_np).astype(dtype), v.astype(dtype)
+        # scores are exact, so the float32 accumulation bound needs only sum_j p_j |v_j|
+        want, _ = oracle(q, k, v, scale, causal, kv_len)
+        magnitude, _ = oracle(q, k, mx.abs(v), scale, causal, kv_len)
+        before = _counts(any_backend)
+        out = mt.sdpa_multi(q, k, v, scale=scale, causal=causal, kv_len=kv_len)
+        mx.eval(out)
+        if any_backend != "reference":  # both kernels ran, over several KV slices
+            assert _counts(any_backend) == (before[0] + 1, before[1] + 1)
+            assert op_module.plan(B, Hq, Hkv, L, D, kv_len, dtype)["n_splits"] > 1
+        assert_close(out, want, dtype, magnitude,
+                     what=f"sdpa_multi[{any_backend}] scale {scale:g} kv_len {kv_len} "
+                          f"{'causal' if causal else 'full'}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_combine_of_empty_and_extreme_slices(kernel_backend, poisoned, rng, dtype):
+    """The combine pass alone, on hand-made partials (m, lsum, o) of 3 slices per row:
+    every slice empty (m = -inf: the row is written as 0, not NaN); empty slices next to
+    maxima near -FLT_MAX, equal or 3 apart; maxima whose difference overflows to -inf."""
+    inf, big = math.inf, 3e38
+    ml = np.array([
+        [(-inf, 0.0), (-inf, 0.0), (-inf, 0.0)],
+        [(-big, 2.0), (-inf, 0.0), (-big, 1.0)],
+        [(-inf, 0.0), (5.0, 1.5), (2.0, 1.0)],
+        [(big, 1.0), (-big, 1.0), (-inf, 0.0)],
+    ], np.float32)
+    n_rows, n_splits, D = ml.shape[0], ml.shape[1], 64
+    o = rng.standard_normal((n_rows, n_splits, D)).astype(np.float32)
+    o[ml[..., 1] == 0] = 0.0  # an empty slice writes o = 0
+    m = ml[..., 0].astype(np.float64)
+    m_max = m.max(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore"):  # -inf - -inf in the all-empty row, masked here
+        w = np.where(m == -inf, 0.0, np.exp2(m - m_max))
+    num = np.einsum("rs,rsd->rd", w, o.astype(np.float64))
+    den = (w * ml[..., 1]).sum(axis=1)[:, None]
+    want = np.divide(num, den, out=np.zeros_like(num), where=den > 0)
+    magnitude = np.divide(np.einsum("rs,rsd->rd", w, np.abs(o)), den,
+                          out=np.zeros_like(num), where=den > 0)
+    assert (want[0] == 0).all() and np.isfinite(want).all()
+    before = backends.launch_count(op_module.COMBINE_SPEC.name, kernel_backend)
+    (out,) = backends.launch(
+        op_module.COMBINE_SPEC, kernel_backend,
+        inputs=(mx.array(o), mx.array(ml), mx.array(n_rows, dtype=mx.uint32),
+                mx.array(n_splits, dtype=mx.uint32)),
+        input_names=op_module._COMBINE_INPUTS, output_names=op_module._COMBINE_OUTPUTS,
+        template=(("T", dtype), ("D", D)), grid=(32 * op_module.COMBINE_ROWS, 1, 1),
+        threadgroup=(32 * op_module.COMBINE_ROWS, 1, 1), output_shapes=((n_rows, D),),
+        output_dtypes=(dtype,), init_value=op_module._OUTPUT_INIT)
+    mx.eval(out)
+    assert backends.launch_count(op_module.COMBINE_SPEC.name, kernel_backend) == before + 1
+    assert_close(out, want, dtype, magnitude, what=f"sdpa_multi combine[{kernel_backend}]")
+
+
 @pytest.mark.parametrize("scale", (0.0, -0.3), ids=("zero", "negative"))
 def test_zero_and_negative_scale(any_backend, poisoned, rng, scale):
     """scale 0: every visible key weighs the same; a negative scale flips the scores."""
@@ -516,7 +602,7 @@ def test_negative_control_causal_off_by_one(kernel_backend, monkeypatch, rng):
 def test_negative_control_combine_without_rescale(kernel_backend, monkeypatch, rng):
     """Merging KV slices without rescaling by 2^(m_s - M) must fail the oracle check."""
     broken = _broken_template(monkeypatch, op_module.COMBINE_SPEC,
-                              "exp2(ml_part[entry * 2u] - m_max)", "1.0f")
+                              "exp2(m_s - m_max)", "1.0f")
     monkeypatch.setattr(op_module, "COMBINE_SPEC", broken)
     q, k, v = make_inputs(rng, 1, 4, 2, 1, 600, 64, mx.float32)
     assert op_module.plan(1, 4, 2, 1, 64, 600, mx.float32)["n_splits"] > 1
