@@ -689,6 +689,7 @@ def test_bad_input(mutate, exc, match):
     ({"scale": float("nan")}, ValueError, "scale must be finite"),
     ({"scale": float("inf")}, ValueError, "scale must be finite"),
     ({"scale": "0.1"}, TypeError, "scale must be a Python float"),
+    ({"scale": -2.4e38}, ValueError, r"scale must satisfy \|scale\| <= 2.359e\+38 .* got -2.4e\+38"),
     ({"causal": 1}, TypeError, "causal must be a bool"),
 ])
 def test_bad_arguments(kwargs, exc, match):

@@ -40,6 +40,7 @@ MIN_SPLIT_BLOCKS = 4
 MIN_KEYS_PER_ROW = 16
 MAX_SPLITS = 128
 LOG2E = 1.4426950408889634
+MAX_SCALE = 3.4028234663852886e38 / LOG2E  # scale * log2(e) stays a finite float32
 
 SPLIT_SPEC, COMBINE_SPEC = register(
     KernelSpec(
@@ -109,6 +110,9 @@ def _check_sdpa_multi(q, k, v, scale, causal, kv_len):
     if not isinstance(causal, bool):
         raise TypeError(f"[{OP}] causal must be a bool, got {type(causal).__name__}")
     scale = require_finite_scalar(OP, "scale", scale)
+    if abs(scale) > MAX_SCALE:
+        raise ValueError(f"[{OP}] scale must satisfy |scale| <= {MAX_SCALE:.4g} (the kernel "
+                         f"takes scale * log2(e) as a finite float32), got {scale:g}")
     if S >= 2**31 or Hq * L >= 2**31:
         raise ValueError(f"[{OP}] problem too large: q {tuple(q.shape)}, k {tuple(k.shape)} "
                          "(expected S < 2^31 and Hq * L < 2^31)")
@@ -226,7 +230,10 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
         ``kv_len`` positions.
       k, v: ``[B, Hkv, S, D]`` in q's dtype (S >= kv_len: the cache may be preallocated);
         Hq must be a multiple of Hkv (query head h reads KV head h // (Hq/Hkv)).
-      scale: finite Python float multiplying q.k.
+      scale: Python float multiplying q.k, with |scale| <= 3.4e38 / log2(e) (about
+        2.36e38). Wherever the scores (times log2(e)) are finite in float32, however large
+        or small, the result is the softmax of the definition: masked keys and empty KV
+        slices are -inf inside the kernels, below every finite score.
       causal: False: every query sees keys ``[0, kv_len)``; True: query r sees
         ``[0, kv_len - L + r]`` (bottom-right aligned, as ``mask="causal"`` in
         ``mx.fast.scaled_dot_product_attention``).
