@@ -1,25 +1,37 @@
 // expert_qmv.metal: MoE decode GEMV, affine 4/8-bit experts chosen by GPU-resident ids.
 //
-// MATH (pair p = (token t, slot j), e = indices[t, j], n in [0, N)):
+// MATH (pair p = (token t, slot j), e = ids(t, j), n in [0, N)):
 //   out[p, n] = sum_{k < K} x_p[k] * (scale[e, n, g] * q[e, n, k] + bias[e, n, g]),  g = k / GS
 //   q[e, n, k] = (w[e, n, k / PACK] >> (BITS * (k % PACK))) & (2^BITS - 1),  PACK = 32 / BITS
 //   Evaluated per lane chunk of VALS values (one group holds GS / VALS chunks) as
 //     scale * sum_i q_i * x_i + bias * sum_i x_i
-//   in float32, then reduced over the SIMD-group and rounded once to T.
+//   in float32, then reduced over the SIMD-group and rounded once to T. x_p is x's row
+//   xrow(t, j) and ids(t, j) is indices[irow(t) + j] (BROADCAST below).
 //   REDUCTION ORDER: lane l accumulates chunks l, l + 32, l + 64, ... in order; the 32 lane
 //   partials are then combined by simd_sum (hardware order).
 //   OUT-OF-RANGE IDS: the id is read as uint (a negative int32 id becomes >= 2^31), and an id
 //   >= E makes the whole output row out[p, :] NaN; no byte of w/scales/biases is read for p.
 //
 // LAYOUT (row-contiguous, ensure_row_contiguous):
-//   x       [X_ROWS, K] T      pair p reads row p / x_share (x_share = k: one activation per
-//                              token shared by its k experts; x_share = 1: one row per pair)
+//   x       [X_ROWS, K] T      the rows of x as given: one activation per token shared by
+//                              its k experts (x_slot = 0), or one row per (token, slot)
+//                              (x_slot = 1); tokens may share rows (broadcast)
 //   w       [E, N, K / PACK]   uint32, element i of a word at bits [i*BITS, (i+1)*BITS)
 //   scales  [E, N, K / GS] T,  biases [E, N, K / GS] T   (scales may be negative)
-//   indices [P] uint32 or int32, P = tokens * k pairs, token-major
-//   out     [P, N] T
-//   n_experts (E), n_out (N), k_in (K), x_share: 0-d uint runtime inputs, so changing any
-//   of them never builds a new kernel. Template: T, BITS in {4, 8}, GS in {32, 64, 128}.
+//   indices [I_ROWS * k] uint32 or int32, k ids per row; tokens may share rows (broadcast)
+//   bcast   [3 * BCAST_DIMS] uint: (size, x row stride, indices stride) per dimension of the
+//           token grid, outermost first, unused outer ones (1, 0, 0)
+//   out     [P, N] T, P = tokens * k pairs, token-major (the broadcast token grid)
+//   n_experts (E), n_out (N), k_in (K), n_sel (k), x_slot: 0-d uint runtime inputs, so
+//   changing any of them (or the broadcast pattern) never builds a new kernel.
+//   Template: T, BITS in {4, 8}, GS in {32, 64, 128}.
+//
+// BROADCAST: the leading dimensions of x and indices broadcast against each other (NumPy
+//   rules; the wrapper merges them into at most BCAST_DIMS dimensions, or materialises
+//   both arrays when broadcasts alternate over more). Pair p = t * k + j; t's coordinate
+//   c_d in dimension d (row-major over the sizes) gives xrow(t, j) = sum_d c_d * xs_d +
+//   j * x_slot and irow(t) = sum_d c_d * is_d, a stride being 0 where that array is
+//   broadcast. Computed by every thread from uniform values (a few divisions).
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
 //   threadgroup = (32 * SIMDGROUPS, 1, 1) = (64, 1, 1)
@@ -35,7 +47,8 @@
 // TRAFFIC PER CALL: w, scales and biases of each valid pair's expert once (the selected
 //   experts' bytes; unselected experts and out-of-range ids read nothing), out once. x is
 //   loaded once per SIMD-group (K values per 4 rows), i.e. from cache after the first tile of
-//   a pair, as in MLX's qmv kernels; indices[pair] is one broadcast load per thread.
+//   a pair, as in MLX's qmv kernels; the pair's id and the 12 bcast words are broadcast
+//   loads, one per thread. A broadcast x or indices is read in place (no copy).
 //
 // CHECKED ONLY ON A MAC: that Apple's compiler accepts this body (address-space deduction of
 //   `auto` pointers and of the helper's WordPtr for device and constant inputs, simd_shuffle
@@ -79,7 +92,22 @@ if (row0 >= n_rows_total) {
 const uint rows = metal::min(ROWS, n_rows_total - row0);
 device T* out_rows = out + size_t(pair) * n_rows_total + row0;
 
-const uint expert = uint(indices[pair]);
+// Broadcast token grid: x row and ids row of this pair (uniform over the threadgroup).
+constexpr int BCAST_DIMS = 4;
+const uint token = pair / n_sel;
+const uint slot = pair - token * n_sel;
+uint x_at = slot * x_slot;
+uint id_at = slot;
+uint rest = token;
+for (int d = BCAST_DIMS - 1; d >= 0; --d) {
+  const uint size = bcast[3 * d];
+  const uint c = rest % size;
+  rest /= size;
+  x_at += c * bcast[3 * d + 1];
+  id_at += c * bcast[3 * d + 2];
+}
+
+const uint expert = uint(indices[id_at]);
 if (expert >= n_experts) {
   // Out-of-range id (uniform over the threadgroup): NaN row, nothing of the expert is read.
   if (lane < rows) {
@@ -97,7 +125,7 @@ const size_t first_row = size_t(expert) * n_rows_total + row0;
 const auto w_rows = w + first_row * words_per_row;
 const auto s_rows = scales + first_row * groups_per_row;
 const auto b_rows = biases + first_row * groups_per_row;
-const auto x_row = x + size_t(pair / x_share) * K;
+const auto x_row = x + size_t(x_at) * K;
 const ushort group_leader = ushort(lane & ~(LANES_PER_GROUP - 1));
 const bool loads_group = (lane % LANES_PER_GROUP) == 0;
 

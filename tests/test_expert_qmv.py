@@ -43,7 +43,7 @@ def oracle(x, w, scales, biases, indices, group_size, bits):
     xs = to_f64(x)
     k = ids.shape[-1]
     n_in = xs.shape[-1]
-    if xs.ndim == ids.ndim:  # shared: one activation per token
+    if xs.ndim != ids.ndim + 1:  # shared: one activation per token (any other rank)
         xs = xs[..., None, :]
     lead = np.broadcast_shapes(xs.shape[:-2], ids.shape[:-1])
     xs = np.broadcast_to(xs, (*lead, xs.shape[-2], n_in))
@@ -152,6 +152,53 @@ def test_leading_dims_broadcast(any_backend, poisoned, rng, x_lead, idx_lead, sh
     out = run_and_check(x, w, s, b, ids, 32, 8, any_backend)
     lead = np.broadcast_shapes(x_lead, idx_lead)
     assert tuple(out.shape) == (*lead, k, n_out)
+
+
+RANK_BROADCASTS = [
+    # (leading dims of x, indices shape, per-expert x, x and indices copied by the wrapper)
+    ((), (3, 2, 2), False, False),  # one activation for every token
+    ((2,), (3, 2, 2), False, False),  # x [2, K] against tokens [3, 2]
+    ((1,), (3, 2, 2), False, False),
+    ((2, 3), (2,), False, False),  # one routing for a [2, 3] grid of tokens
+    ((5, 3, 2), (2, 2), False, False),  # x.ndim = indices.ndim + 2 (+1 is per expert)
+    ((4, 1, 3), (7, 1, 5, 1, 2), False, False),  # broadcasts alternate over 4 dims
+    ((2, 1, 2, 1, 2), (3, 1, 2, 1, 2, 1, 3), False, True),  # over 6: materialised
+    ((1, 3), (2, 1, 2), True, False),  # per expert: equal ranks, sizes broadcast
+    ((2, 1), (1, 3, 2), True, False),
+]
+
+
+@pytest.mark.parametrize("x_lead, idx_shape, per_expert, copied", RANK_BROADCASTS, ids=str)
+def test_leading_dims_of_other_ranks_broadcast(any_backend, poisoned, monkeypatch, rng, x_lead,
+                                               idx_shape, per_expert, copied):
+    """NumPy broadcasting of the leading dims, ranks included, with the shape that
+    mx.gather_qmm gives for x[..., None, None, :] (shared) or x[..., None, :] (per expert);
+    the kernel gets x and indices as given (no broadcast copy) unless broadcasts alternate
+    over more dimensions than it walks."""
+    seen = []
+    real_launch = backends.launch
+
+    def spy(spec, backend, **kwargs):
+        seen.append(kwargs["inputs"])
+        return real_launch(spec, backend, **kwargs)
+
+    monkeypatch.setattr(backends, "launch", spy)
+    n_experts, n_out, n_in, k = 5, 16, 64, idx_shape[-1]
+    w, s, b = make_weights(rng, n_experts, n_out, n_in, mx.float32, 32, 4)
+    ids = mx.array(rng.integers(0, n_experts, size=idx_shape).astype(np.uint32))
+    x_shape = (*x_lead, k, n_in) if per_expert else (*x_lead, n_in)
+    assert (len(x_shape) == ids.ndim + 1) == per_expert  # the layout the rank selects
+    x = make_x(rng, x_shape, mx.float32)
+    out = run_and_check(x, w, s, b, ids, 32, 4, any_backend)
+    xq = x[..., None, :] if per_expert else x[..., None, None, :]
+    native = mx.gather_qmm(xq, w, s, b, rhs_indices=ids, transpose=True, group_size=32, bits=4)
+    assert tuple(out.shape) == tuple(native.shape[:-2]) + (n_out,)
+    if any_backend != "reference":
+        (inputs,) = seen
+        pairs = out.size // n_out
+        assert inputs[0].size == (pairs * n_in // (1 if per_expert else k) if copied
+                                  else x.size)
+        assert inputs[4].size == (pairs if copied else ids.size)
 
 
 def test_x_k_axis_of_one_broadcasts(any_backend, poisoned, rng):
@@ -498,9 +545,10 @@ def _ok(dtype=mx.float16, bits=4, group_size=64, n_experts=4, n_out=8, n_in=128)
     (lambda x, w, s, b, i: (x, w[:0], s[:0], b[:0], i), ValueError, "w must hold at least one expert, got E = 0"),
     (lambda x, w, s, b, i: (x[:, :64], w, s, b, i), ValueError, "x's last axis must be K = 128 .*got 64"),
     (lambda x, w, s, b, i: (mx.zeros((2, 3, 128), mx.float16), w, s, b, i[:, :2]), ValueError,
-     r"x \[\.\.\., k, K\] \(one input per expert\) must have x.shape\[-2\] = k = 2 "
-     r"\(indices' last axis\) or 1, got 3"),
-    (lambda x, w, s, b, i: (x[None, None], w, s, b, i), ValueError, "x must have indices.ndim = 2"),
+     r"x \[\.\.\., k, K\] \(one input per expert, read from x.ndim = indices.ndim \+ 1 = 3\) "
+     r"must have x.shape\[-2\] = k = 2 \(indices' last axis\) or 1, got 3"),
+    (lambda x, w, s, b, i: (mx.zeros((5, 3, 3, 128), mx.float16), w, s, b, i), ValueError,
+     r"the leading dimensions of x \(5, 3, 3\) and indices \(2,\) must broadcast"),
     (lambda x, w, s, b, i: (x, w, s, b, i[0, 0]), ValueError, "indices must have at least 1 dim"),
     (lambda x, w, s, b, i: (mx.zeros((3, 128), mx.float16), w, s, b, i), ValueError,
      r"the leading dimensions of x \(3,\) and indices \(2,\) must broadcast"),

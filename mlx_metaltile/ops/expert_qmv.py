@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from functools import lru_cache
 
 import mlx.core as mx
 
@@ -39,8 +40,12 @@ ROWS_PER_THREADGROUP = SIMDGROUPS * ROWS
         notes="bits 4/8, group_size 32/64/128; ids >= E (or < 0) give a NaN row",
     ),
 )
-_INPUTS = ("x", "w", "scales", "biases", "indices", "n_experts", "n_out", "k_in", "x_share")
+_INPUTS = ("x", "w", "scales", "biases", "indices", "bcast", "n_experts", "n_out", "k_in",
+           "n_sel", "x_slot")
 _OUTPUTS = ("out",)
+# Leading dimensions of the broadcast token grid the kernel walks (after merging): the
+# `bcast` input holds (size, x row stride, indices stride) for each, BCAST_DIMS * 3 uints.
+BCAST_DIMS = 4  # matches the template
 
 
 def _check_int_choice(name: str, value, choices: tuple[int, ...]) -> int:
@@ -53,7 +58,11 @@ def _check_int_choice(name: str, value, choices: tuple[int, ...]) -> int:
 
 
 def _broadcast_lead(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
-    """Same-rank broadcast of two leading shapes (sizes equal or 1), or None."""
+    """NumPy broadcast of two leading shapes (aligned on the right, the shorter padded with
+    1s on the left; sizes equal or 1), or None."""
+    rank = max(len(a), len(b))
+    a = (1,) * (rank - len(a)) + tuple(a)
+    b = (1,) * (rank - len(b)) + tuple(b)
     out = []
     for p, q in zip(a, b, strict=True):
         if p != q and p != 1 and q != 1:
@@ -120,32 +129,28 @@ def _check_expert_qmv(x, w, scales, biases, indices, group_size, bits) -> dict:
         got = x.shape[-1] if x.ndim else "a 0-d array"
         raise ValueError(f"[{OP}] x's last axis must be K = {in_features} (from w and bits="
                          f"{bits}), got {got} (x shape {tuple(x.shape)})")
-    if x.ndim == indices.ndim:
-        shared = True
-        x_lead = tuple(x.shape[:-1])
-    elif x.ndim == indices.ndim + 1:
+    if x.ndim == indices.ndim + 1:
         if x.shape[-2] not in (k, 1):
-            raise ValueError(f"[{OP}] x [..., k, K] (one input per expert) must have "
-                             f"x.shape[-2] = k = {k} (indices' last axis) or 1, "
-                             f"got {x.shape[-2]}")
+            raise ValueError(f"[{OP}] x [..., k, K] (one input per expert, read from x.ndim "
+                             f"= indices.ndim + 1 = {x.ndim}) must have x.shape[-2] = k = {k} "
+                             f"(indices' last axis) or 1, got {x.shape[-2]}")
         # A k axis of size 1 broadcasts over the k experts (as in mx.gather_qmm): shared.
         shared = x.shape[-2] != k
         x_lead = tuple(x.shape[:-2])
-    else:
-        raise ValueError(f"[{OP}] x must have indices.ndim = {indices.ndim} dimensions "
-                         f"([..., K], shared by the k experts) or {indices.ndim + 1} "
-                         f"([..., k, K], one input per expert), got {x.ndim} "
-                         f"(x {tuple(x.shape)}, indices {tuple(indices.shape)})")
+    else:  # any other rank: one activation per token, [..., K]
+        shared = True
+        x_lead = tuple(x.shape[:-1])
     lead = _broadcast_lead(x_lead, idx_lead)
     if lead is None:
         raise ValueError(f"[{OP}] the leading dimensions of x {x_lead} and indices {idx_lead} "
-                         "must broadcast (equal or 1)")
+                         "must broadcast (NumPy rules: aligned on the right, sizes equal "
+                         "or 1)")
     tokens = math.prod(lead)
     if tokens * k >= 2**32:
         raise ValueError(f"[{OP}] too many (token, expert) pairs: {tokens * k} >= 2^32")
     return dict(n_experts=n_experts, n_out=n_out, in_features=in_features, k=k, lead=lead,
-                tokens=tokens, shared=shared, x_k_axis=x.ndim == indices.ndim + 1,
-                group_size=group_size, bits=bits)
+                x_lead=x_lead, idx_lead=idx_lead, tokens=tokens, shared=shared,
+                x_k_axis=x.ndim == indices.ndim + 1, group_size=group_size, bits=bits)
 
 
 def _out_shape(info: dict) -> tuple[int, ...]:
@@ -201,31 +206,79 @@ def instantiations(spec: KernelSpec) -> tuple:
                     out.append(KernelInstance(
                         template=_template(t, bits, group_size),
                         inputs=(("x", t, 2), ("w", mx.uint32, 3), ("scales", t, 3),
-                                ("biases", t, 3), ("indices", idx, 1),
-                                *((name, mx.uint32, 0) for name in _INPUTS[5:])),
+                                ("biases", t, 3), ("indices", idx, 1), ("bcast", mx.uint32, 1),
+                                *((name, mx.uint32, 0) for name in _INPUTS[6:])),
                         outputs=(("out", t),),
                     ))
     return tuple(out)
 
 
+def _row_strides(shape: tuple[int, ...], rank: int, unit: int) -> list[int]:
+    """Row-major strides (in ``unit``s) of ``shape`` right-aligned to ``rank`` dimensions,
+    0 where the array has size 1 (a broadcast dimension) or no dimension at all."""
+    shape = (1,) * (rank - len(shape)) + tuple(shape)
+    strides, step = [], unit
+    for n in reversed(shape):
+        strides.append(step if n != 1 else 0)
+        step *= n
+    return strides[::-1]
+
+
+def _bcast_dims(info: dict) -> list[tuple[int, int, int]]:
+    """The token grid as (size, x row stride, indices stride) per dimension, outermost first:
+    token t with coordinates c_d reads x row sum c_d * xs_d (+ slot j for a per-expert x)
+    and ids at sum c_d * is_d + j. Dimensions of size 1 are dropped and neighbours that step
+    both arrays alike are merged, so the list is short unless broadcasts alternate."""
+    lead, k = info["lead"], info["k"]
+    rank = len(lead)
+    xs = _row_strides(info["x_lead"], rank, 1 if info["shared"] else k)
+    ids = _row_strides(info["idx_lead"], rank, k)
+    dims: list[tuple[int, int, int]] = []
+    for n, xd, idd in zip(lead, xs, ids, strict=True):
+        if n == 1:
+            continue
+        if dims:
+            pn, px, pi = dims[-1]
+            if px == xd * n and pi == idd * n:
+                dims[-1] = (pn * n, xd, idd)
+                continue
+        dims.append((n, xd, idd))
+    return dims
+
+
+@lru_cache(maxsize=1024)
+def _bcast_input(dims: tuple[tuple[int, int, int], ...]) -> mx.array:
+    """The kernel's ``bcast`` input: BCAST_DIMS (size, x stride, ids stride) triples, the
+    innermost last, padded on the outside with size-1 dimensions (cached: a decode loop
+    passes the same array every step)."""
+    padded = [(1, 0, 0)] * (BCAST_DIMS - len(dims)) + list(dims)
+    return mx.array([v for triple in padded for v in triple], dtype=mx.uint32)
+
+
 def _launch(x, w, scales, biases, indices, info: dict, backend: str) -> mx.array:
     lead, k, n_out, n_in = info["lead"], info["k"], info["n_out"], info["in_features"]
-    tokens = info["tokens"]
-    pairs = tokens * k
-    idx = mx.broadcast_to(indices, (*lead, k)).reshape(pairs)
-    if info["shared"]:
-        if info["x_k_axis"]:  # [..., 1, K]: one activation per token
-            x = mx.squeeze(x, axis=-2)
-        xs = mx.broadcast_to(x, (*lead, n_in)).reshape(tokens, n_in)
-        x_share = k
-    else:
-        xs = mx.broadcast_to(x, (*lead, k, n_in)).reshape(pairs, n_in)
-        x_share = 1
+    pairs = info["tokens"] * k
+    if info["x_k_axis"] and info["shared"]:  # [..., 1, K]: one activation per token
+        x = mx.squeeze(x, axis=-2)
+    dims = _bcast_dims(info)
+    if len(dims) > BCAST_DIMS:
+        # Broadcasts alternating over more dimensions than the kernel walks: materialise
+        # both arrays on the token grid (a copy), which leaves one dimension.
+        x = mx.broadcast_to(x, (*lead, n_in) if info["shared"] else (*lead, k, n_in))
+        indices = mx.broadcast_to(indices, (*lead, k))
+        info = {**info, "x_lead": lead, "idx_lead": lead}
+        dims = _bcast_dims(info)
+    # Row-contiguous inputs reshape for free (others are copied by MLX, as the kernel's
+    # ensure_row_contiguous would copy them anyway).
+    xs = x.reshape(-1, n_in)
+    idx = indices.reshape(-1)
     tg = backends.SIMD_WIDTH * SIMDGROUPS
     (out,) = backends.launch(
         SPEC, backend,
-        inputs=(xs, w, scales, biases, idx, scalar(info["n_experts"], mx.uint32),
-                scalar(n_out, mx.uint32), scalar(n_in, mx.uint32), scalar(x_share, mx.uint32)),
+        inputs=(xs, w, scales, biases, idx, _bcast_input(tuple(dims)),
+                scalar(info["n_experts"], mx.uint32), scalar(n_out, mx.uint32),
+                scalar(n_in, mx.uint32), scalar(k, mx.uint32),
+                scalar(0 if info["shared"] else 1, mx.uint32)),
         input_names=_INPUTS, output_names=_OUTPUTS,
         template=_template(x.dtype, info["bits"], info["group_size"]),
         grid=(tg, -(-n_out // ROWS_PER_THREADGROUP), pairs), threadgroup=(tg, 1, 1),
@@ -242,13 +295,17 @@ def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
       x: ``[..., K]`` (one activation per token, shared by its k experts: gate/up
         projections) or ``[..., k, K]`` (one input per selected expert: the down
         projection); float32/float16/bfloat16; sets the output dtype. The layout is read
-        from the rank: ``x.ndim == indices.ndim`` is shared, ``indices.ndim + 1`` per expert
-        (a k axis of size 1 broadcasts over the k experts, as in ``mx.gather_qmm``).
+        from the rank: ``x.ndim == indices.ndim + 1`` is one input per expert (a k axis of
+        size 1 broadcasts over the k experts, as in ``mx.gather_qmm``); any other rank is
+        one activation per token. So a per-expert x has exactly as many leading dimensions
+        as indices (add size-1 axes to line them up).
       w: ``[E, N, K * bits / 32]`` uint32, as ``mx.quantize`` returns it for ``W [E, N, K]``.
       scales, biases: ``[E, N, K / group_size]`` in x's dtype; ``W ~ scale * q + bias``.
       indices: ``[..., k]`` uint32 or int32 expert ids, left on the device. The leading
-        dimensions of x and indices broadcast (same rank, sizes equal or 1), as
-        ``mx.gather_qmm`` does.
+        dimensions of x and indices broadcast with NumPy rules (aligned on the right, the
+        shorter padded with 1s, sizes equal or 1), as ``mx.gather_qmm`` broadcasts them
+        for ``x[..., None, None, :]`` (shared) or ``x[..., None, :]`` (per expert); the
+        kernel reads broadcast arrays in place.
       group_size: 32, 64 or 128. bits: 4 or 8.
 
     Returns: ``[..., k, N]`` in x's dtype, accumulated in float32. An id outside ``[0, E)``
