@@ -33,6 +33,14 @@
 //   j * x_slot and irow(t) = sum_d c_d * is_d, a stride being 0 where that array is
 //   broadcast. Computed by every thread from uniform values (a few divisions).
 //
+// ADDRESS SPACES: MLX passes an input of fewer than 8 elements in the `constant` address
+//   space, which changes the generated source. indices holding fewer than 8 ids (decode
+//   with k < 8, one token) therefore compile a second instantiation next to the `device`
+//   one, once per process and (T, BITS, GS, index type); so do toy-sized w / scales /
+//   biases. The body reads them through `auto` pointers and a templated helper, so both
+//   forms compile; bcast always has 12 elements (device). Padding the ids to 8 would cost
+//   a copy per call instead of one extra compile.
+//
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
 //   threadgroup = (32 * SIMDGROUPS, 1, 1) = (64, 1, 1)
 //   grid        = (64, ceil(N / (SIMDGROUPS * ROWS)), P)

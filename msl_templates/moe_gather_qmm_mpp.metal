@@ -12,6 +12,8 @@
 // LAYOUTS: as moe_gather_qmm_simdgroup.metal (x [M, K], w [E, N, K * BITS / 32] uint32,
 //   scales/biases [E, N, K / GROUP_SIZE], indices [M], out [M, N]; n_rows, n_experts,
 //   n_cols, k_dim are 0-d uint runtime inputs; template T, BITS, GROUP_SIZE).
+//   Indices of M < 8 rows arrive in the `constant` address space: a second instantiation,
+//   as in moe_gather_qmm_simdgroup.metal.
 //   Tensor views follow MetalPerformancePrimitives: extents are (innermost, outer), so a
 //   row-major [rows][cols] block is dextents(cols, rows) with packed strides (1, cols).
 //

@@ -14,6 +14,11 @@
 //   reads as a huge uint and is out of range); out [M, N] T.
 //   n_rows (M), n_experts (E), n_cols (N), k_dim (K) are 0-d uint runtime inputs: changing
 //   them never builds a new kernel. Template: T, BITS (4 or 8), GROUP_SIZE (32, 64, 128).
+//   ADDRESS SPACES: MLX passes an input of fewer than 8 elements in the `constant` address
+//   space, a different generated source: indices of M < 8 rows compile a second
+//   instantiation next to the `device` one, once per process and (T, BITS, GROUP_SIZE,
+//   index type). x, w, scales and biases always hold >= 32 elements (N, K multiples of
+//   32). The body indexes `indices` directly, so both forms compile.
 //
 // TILING: the rows are cut into tiles of BM = 8 consecutive rows. Inside a tile the rows
 //   that share an expert form a run (for sorted indices: a run of equal ids). Threadgroup

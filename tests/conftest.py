@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import zlib
 
 import mlx.core as mx
@@ -68,6 +69,27 @@ def no_host_sync(monkeypatch):
                 m.setattr(mx.array, name, sync, raising=False)
             yield
     return forbid
+
+
+def record_emulator_sources(monkeypatch, kernel) -> list[str]:
+    """The generated source of every launch of an emulator kernel object from now on (it
+    compiles one module per distinct source: what Metal would build as a pipeline)."""
+    sources = []
+    real_module = kernel._module
+
+    def module(gen):
+        sources.append(gen.source)
+        return real_module(gen)
+
+    monkeypatch.setattr(kernel, "_module", module)
+    return sources
+
+
+def input_space(source: str, name: str) -> tuple[str, str]:
+    """(element type, address space) of array input ``name`` in a generated kernel source:
+    MLX passes an input of fewer than 8 elements as ``constant``, others as ``device``."""
+    (found,) = re.findall(rf"const (constant|device) (\w+)\* {name}\b", source)
+    return found[1], found[0]
 
 
 class LaunchRecorder:

@@ -9,6 +9,7 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import input_space, record_emulator_sources
 from tolerances import assert_close, to_f64
 
 import mlx_metaltile as mt
@@ -333,17 +334,13 @@ def test_emulator_strict_shuffled(poisoned, rng, seed):
 
 # ---- build once, stay lazy ---------------------------------------------------------------
 
-def _emulator_instantiations() -> int:
-    """Distinct sources the emulator compiled for the op's kernel object."""
-    kernel = backends.get_kernel(op_module.SPEC, "emulator", op_module._INPUTS,
-                                 op_module._OUTPUTS)
-    return len(kernel._modules)  # one compiled module per generated source
-
-
 def test_sizes_do_not_rebuild(kernel_backend, monkeypatch, rng):
-    """E, N, K, k, the token count and the x layout are runtime inputs: after one call per
-    index dtype, calls of other sizes build no kernel object, no instantiation and pass the
-    same template arguments."""
+    """E, N, K, k, the token count, the broadcast pattern and the x layout are runtime
+    inputs. MLX passes an input of fewer than 8 elements in the constant address space,
+    which generates another source: after one call per index dtype with fewer than 8 and
+    one with at least 8 ids, calls of other sizes build no kernel object, pass the same
+    template arguments and (emulator) compile nothing new: exactly one instantiation per
+    (index dtype, address space) served the whole test."""
     templates = []
     real_launch = backends.launch
 
@@ -352,23 +349,36 @@ def test_sizes_do_not_rebuild(kernel_backend, monkeypatch, rng):
         return real_launch(spec, backend, **kwargs)
 
     monkeypatch.setattr(backends, "launch", spy)
+    sources = None
+    if kernel_backend == "emulator":
+        sources = record_emulator_sources(monkeypatch, backends.get_kernel(
+            op_module.SPEC, "emulator", op_module._INPUTS, op_module._OUTPUTS))
     w, s, b = make_weights(rng, 4, 8, 128, mx.float16, 64, 4)
     for idx_dtype in (mx.uint32, mx.int32):
-        run_and_check(make_x(rng, (2, 128), mx.float16), w, s, b,
-                      mx.array([[0, 1], [2, 3]], dtype=idx_dtype), 64, 4, kernel_backend)
+        for tokens in (1, 4):  # 2 ids (constant), 8 ids (device)
+            ids = mx.array(rng.integers(0, 4, size=(tokens, 2)), dtype=idx_dtype)
+            run_and_check(make_x(rng, (tokens, 128), mx.float16), w, s, b, ids, 64, 4,
+                          kernel_backend)
     built = backends.built_kernels()
-    inst = _emulator_instantiations() if kernel_backend == "emulator" else None
-    for n_experts, n_out, n_in, tokens, k, shared in (
-            (7, 17, 192, 3, 1, True), (7, 17, 192, 1, 3, False), (2, 40, 1024, 5, 2, True),
-            (9, 1, 64, 2, 8, False)):
+    warm = None if sources is None else set(sources)
+    for n_experts, n_out, n_in, x_lead, idx_shape, shared in (
+            (7, 17, 192, (3,), (3, 1), True), (7, 17, 192, (1,), (1, 3), False),
+            (2, 40, 1024, (5,), (5, 2), True), (9, 1, 64, (2,), (2, 8), False),
+            (5, 8, 64, (), (7,), True), (5, 8, 64, (2, 1), (1, 3, 3), True),
+            (5, 8, 64, (3, 2), (2,), True), (3, 16, 128, (1, 2), (6, 1, 2), False)):
         w, s, b = make_weights(rng, n_experts, n_out, n_in, mx.float16, 64, 4)
-        ids = mx.array(rng.integers(0, n_experts, size=(tokens, k)).astype(np.int32))
-        x = make_x(rng, (tokens, n_in) if shared else (tokens, k, n_in), mx.float16)
-        run_and_check(x, w, s, b, ids, 64, 4, kernel_backend)
+        k = idx_shape[-1]
+        for idx_dtype in (mx.uint32, mx.int32):
+            ids = mx.array(rng.integers(0, n_experts, size=idx_shape), dtype=idx_dtype)
+            x = make_x(rng, (*x_lead, n_in) if shared else (*x_lead, k, n_in), mx.float16)
+            run_and_check(x, w, s, b, ids, 64, 4, kernel_backend)
     assert backends.built_kernels() == built
     assert set(templates) == {(("T", mx.float16), ("BITS", 4), ("GROUP_SIZE", 64))}
-    if kernel_backend == "emulator":
-        assert _emulator_instantiations() == inst
+    if sources is not None:
+        new = set(sources) - warm
+        assert not new, f"new instantiations: {[input_space(src, 'indices') for src in new]}"
+        assert sorted(input_space(src, "indices") for src in warm) == [
+            (t, space) for t in ("int32_t", "uint32_t") for space in ("constant", "device")]
 
 
 def test_instantiations_match_the_launches(launch_recorder, rng):

@@ -9,7 +9,7 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import backend_params, require_backend
+from conftest import backend_params, input_space, record_emulator_sources, require_backend
 from tolerances import assert_close, to_f64
 
 import mlx_metaltile as mt
@@ -226,23 +226,35 @@ def test_non_contiguous_inputs(backend, variant, rng):
 
 
 @pytest.mark.parametrize("variant_name", VARIANTS)
-def test_sizes_do_not_rebuild(rng, variant_name):
-    """M, E, N and K are runtime inputs: new sizes build no kernel object and no new
-    instantiation (one per dtype, bits, group size; MLX also passes an input of fewer than 8
-    elements in the constant address space, so M < 8 and M >= 8 are two sources)."""
+def test_sizes_do_not_rebuild(monkeypatch, rng, variant_name):
+    """M, E, N and K are runtime inputs. MLX passes an input of fewer than 8 elements in the
+    constant address space, which generates another source: after one call per index dtype
+    with M < 8 and one with M >= 8, new sizes on either side build no kernel object and
+    compile nothing new: exactly one instantiation per (index dtype, address space of the
+    ids) served the whole test (x, w and scales always hold at least 32 elements)."""
     require_backend("emulator")
     spec = op_module._SPECS[variant_name]
+    kernel = backends.get_kernel(spec, "emulator", op_module._INPUTS, op_module._OUTPUTS)
+    sources = record_emulator_sources(monkeypatch, kernel)
     with backends.use_backend("emulator"):
-        run_and_check(make_case(rng, 4, 8, 64, 64, 32, 8, mx.float16), 32, 8, mx.float16,
-                      "emulator", variant_name)
+        for index_dtype in (mx.uint32, mx.int32):
+            for M in (5, 8):
+                run_and_check(make_case(rng, 4, M, 64, 64, 32, 8, mx.float16,
+                                        index_dtype=index_dtype),
+                              32, 8, mx.float16, "emulator", variant_name)
         built = backends.built_kernels()
-        kernel = backends.get_kernel(spec, "emulator", op_module._INPUTS, op_module._OUTPUTS)
-        sources = set(kernel._modules)  # one compiled module per generated source
-        for E, M, N, K in ((7, 13, 32, 96), (3, 24, 96, 64), (16, 9, 64, 160)):
-            run_and_check(make_case(rng, E, M, N, K, 32, 8, mx.float16), 32, 8, mx.float16,
-                          "emulator", variant_name)
+        warm = set(sources)
+        for E, M, N, K in ((7, 13, 32, 96), (3, 1, 96, 64), (16, 9, 64, 160), (2, 7, 32, 32),
+                           (5, 24, 64, 64), (9, 3, 32, 128)):
+            for index_dtype in (mx.uint32, mx.int32):
+                run_and_check(make_case(rng, E, M, N, K, 32, 8, mx.float16,
+                                        index_dtype=index_dtype),
+                              32, 8, mx.float16, "emulator", variant_name)
         assert backends.built_kernels() == built
-        assert set(kernel._modules) == sources
+        new = set(sources) - warm
+        assert not new, f"new instantiations: {[input_space(src, 'indices') for src in new]}"
+        assert sorted(input_space(src, "indices") for src in warm) == [
+            (t, space) for t in ("int32_t", "uint32_t") for space in ("constant", "device")]
 
 
 @pytest.mark.parametrize("variant_name", VARIANTS)

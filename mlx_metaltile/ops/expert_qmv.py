@@ -310,6 +310,11 @@ def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
 
     Returns: ``[..., k, N]`` in x's dtype, accumulated in float32. An id outside ``[0, E)``
     gives a NaN output row (no out-of-bounds read; nothing is synced to check it).
+
+    Sizes, k and the broadcast pattern are runtime inputs: one kernel instantiation per
+    (dtype, bits, group_size, index dtype), plus one more the first time ``indices`` holds
+    fewer than 8 ids (for example k = 2 for one token): MLX passes such small inputs in
+    Metal's ``constant`` address space, which is a different kernel source.
     """
     info = _check_expert_qmv(x, w, scales, biases, indices, group_size, bits)
     out_shape = _out_shape(info)

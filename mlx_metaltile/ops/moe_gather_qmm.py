@@ -319,6 +319,10 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
     and the products are accumulated in float32.
 
     Returns: ``[M, N]`` in x's dtype.
+
+    M, E, N and K are runtime inputs: one kernel instantiation per (variant, dtype, bits,
+    group_size, index dtype), plus one more the first time M < 8: MLX passes inputs of
+    fewer than 8 elements in Metal's ``constant`` address space, a different kernel source.
     """
     M, N, K, E = _check_moe_gather_qmm(x, w, scales, biases, indices, group_size, bits)
     _check_variant(variant)
