@@ -567,6 +567,18 @@ def test_bad_options(kw, exc, match):
         _call(_ok(), **kw)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_requests_on_the_reference_backend(variant):
+    """A kernel variant asked of the reference backend raises (as fp4_qmm does), rather
+    than being dropped in silence; variant=None runs the composite."""
+    args = _ok()
+    with backends.use_backend("reference"):
+        with pytest.raises(ValueError, match=rf"^\[moe_gather_qmm\] variant='{variant}' "
+                                             r"needs a kernel backend \(metal, cuda, emulator\)"):
+            _call(args, variant=variant)
+        assert _call(args).shape == (args[0].shape[0], args[1].shape[1])
+
+
 def test_mpp_request_on_cuda_raises(monkeypatch):
     monkeypatch.setattr(backends, "resolve_backend", lambda name=None: "cuda")
     with pytest.raises(ValueError, match=r"^\[moe_gather_qmm\] variant 'mpp' does not run"):

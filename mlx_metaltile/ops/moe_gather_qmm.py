@@ -310,7 +310,9 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
         (equal ids adjacent) is fast. An id outside ``[0, E)`` yields a NaN row and reads
         nothing out of bounds.
       group_size: 32, 64 or 128. bits: 4 or 8.
-      variant: None (choose from the device), ``"simdgroup"`` or ``"mpp"``. The ``mpp``
+      variant: None (choose from the device), ``"simdgroup"`` or ``"mpp"``: a kernel
+        backend's choice; a variant that cannot run on the current backend, or any variant
+        on the reference backend, raises ValueError (as in ``fp4_qmm``). The ``mpp``
         path stages float16/bfloat16 operands as half: bfloat16 activations beyond half's
         range (|x| > 65504) overflow there; ``simdgroup`` has no such limit.
 
@@ -327,6 +329,9 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
     M, N, K, E = _check_moe_gather_qmm(x, w, scales, biases, indices, group_size, bits)
     _check_variant(variant)
     backend = backends.resolve_backend()
+    if backend == "reference" and variant is not None:
+        raise ValueError(f"[{OP}] variant={variant!r} needs a kernel backend (metal, cuda, "
+                         "emulator); the reference backend runs the pure-MLX composite")
     chosen = _select_variant(variant, backend) if backend != "reference" else None
     if M == 0:
         return mx.zeros((0, N), dtype=x.dtype)
