@@ -53,20 +53,38 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
+# Methods of mx.array that evaluate its graph to read it on the host: conversions to Python
+# scalars (truth tests, int(), float(), use as an index), text, DLPack and pickling.
+SYNC_METHODS = ("item", "tolist", "__array__", "__bool__", "__int__", "__float__", "__index__",
+                "__complex__", "__repr__", "__str__", "__format__", "__dlpack__", "__getstate__")
+# NumPy reads an mx.array through the buffer protocol, which patching __array__ does not
+# reach (nor can Python 3.11 patch the buffer slot itself: memoryview(a) is not caught).
+NUMPY_READERS = ("array", "asarray", "asanyarray", "ascontiguousarray")
+
+
 @pytest.fixture
 def no_host_sync(monkeypatch):
     """A context inside which evaluating the graph or reading an array on the host raises:
     an op called there may only add nodes to the lazy graph."""
+    def sync(*args, **kwargs):
+        raise AssertionError("the op evaluated its graph")
+
+    def numpy_reader(real):
+        def read(obj, *args, **kwargs):
+            if isinstance(obj, mx.array):
+                sync()
+            return real(obj, *args, **kwargs)
+        return read
+
     @contextlib.contextmanager
     def forbid():
-        def sync(*args, **kwargs):
-            raise AssertionError("the op evaluated its graph")
-
         with monkeypatch.context() as m:
             m.setattr(mx, "eval", sync)
             m.setattr(mx, "async_eval", sync)
-            for name in ("item", "tolist", "__array__"):
+            for name in SYNC_METHODS:
                 m.setattr(mx.array, name, sync, raising=False)
+            for name in NUMPY_READERS:
+                m.setattr(np, name, numpy_reader(getattr(np, name)))
             yield
     return forbid
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pickle
 import re
 
+import conftest
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import mlx_metaltile as mt
@@ -83,15 +86,54 @@ def test_geometry_guard(grid, tg, mem, match):
         backends.check_geometry("op", grid, tg, mem)
 
 
-def test_no_host_sync_fixture_catches_syncs(no_host_sync):
-    """The laziness tests rely on this: inside it, each way of syncing raises."""
-    a = mx.ones((2,)) + 1
+HOST_READS = {  # each way of reading an array on the host, applied to a lazy 0-d int32 array
+    "eval": lambda a: mx.eval(a),
+    "async_eval": lambda a: (mx.async_eval(a), mx.synchronize()),
+    "item": lambda a: a.item(),
+    "tolist": lambda a: a.tolist(),
+    "__array__": lambda a: a.__array__(),
+    "np.array": lambda a: np.array(a),  # looked up at call time: the fixture patches them
+    "np.asarray": lambda a: np.asarray(a),
+    "np.asanyarray": lambda a: np.asanyarray(a),
+    "np.ascontiguousarray": lambda a: np.ascontiguousarray(a),
+    "__bool__": lambda a: 1 if a else 0,
+    "__int__": int,
+    "__float__": float,
+    "__index__": lambda a: [0, 1, 2][a],
+    "__complex__": complex,
+    "__repr__": repr,
+    "__str__": str,
+    "__format__": lambda a: f"{a:}",
+    "__dlpack__": np.from_dlpack,
+    "__getstate__": pickle.dumps,
+}
+
+
+def test_no_host_sync_fixture_lists_every_sync():
+    """The fixture forbids exactly the mx.array methods and NumPy readers exercised here."""
+    names = {n.split(".")[-1] for n in HOST_READS}
+    assert set(conftest.SYNC_METHODS) | set(conftest.NUMPY_READERS) | {"eval", "async_eval"} \
+        == names
+
+
+@pytest.mark.parametrize("how", HOST_READS)
+def test_no_host_sync_fixture_catches_syncs(no_host_sync, how):
+    """The laziness tests rely on this: each of these reads evaluates a lazy graph in MLX
+    (the peak memory shows its 16 MiB temporary), and inside the fixture it raises."""
+    read = HOST_READS[how]
+
+    def lazy():
+        return (mx.ones((1 << 22,)) * 2).sum().astype(mx.int32) - (1 << 23) + 1
+
+    mx.reset_peak_memory()
+    read(lazy())
+    assert mx.get_peak_memory() >= 4 << 22, f"{how} did not evaluate the graph"
+    a = lazy()
     with no_host_sync():
-        for sync in (lambda: mx.eval(a), lambda: mx.async_eval(a), lambda: a.item(),
-                     lambda: a.tolist(), lambda: a.__array__()):
-            with pytest.raises(AssertionError, match="evaluated its graph"):
-                sync()
-    assert a.tolist() == [2.0, 2.0]  # and nothing is left patched afterwards
+        with pytest.raises(AssertionError, match="evaluated its graph"):
+            read(a)
+    assert a.item() == 1 and repr(a) == "array(1, dtype=int32)"  # nothing left patched
+    assert np.asarray(np.zeros(2)).shape == (2,)
 
 
 def test_launch_recorder_rejects_an_undeclared_launch(launch_recorder):
