@@ -567,6 +567,40 @@ def test_op_is_lazy_and_compiles(no_host_sync, rng, backend):
         assert_close(compiled(q, k, v * 2), 2 * want, mx.float32, 2 * magnitude)
 
 
+def test_kernel_path_is_lazy(monkeypatch, no_host_sync, rng):
+    """The launcher (plan, runtime scalars, geometry, both launches) syncs nothing either:
+    the kernels are replaced by a stand-in that returns lazy outputs, as on a Mac."""
+    seen = []
+
+    def fake_kernel(*, inputs, output_shapes, output_dtypes, grid, threadgroup, template,
+                    init_value=None):
+        outs = [mx.zeros(shape, dtype=dtype) for shape, dtype
+                in zip(output_shapes, output_dtypes, strict=True)]
+        seen.append(dict(inputs=inputs, grid=grid, threadgroup=threadgroup,
+                         template=template, output_shapes=output_shapes, outputs=outs))
+        return outs
+
+    q, k, v = make_inputs(rng, 1, 8, 2, 8, 1024, 128, mx.bfloat16)
+    with no_host_sync(), monkeypatch.context() as m:
+        m.setattr(backends, "resolve_backend", lambda name=None: "metal")
+        m.setattr(backends, "get_kernel", lambda *a, **kw: fake_kernel)
+        q, k, v = q * 2, k + 1, v[:, :, ::-1]  # lazy inputs, one of them non-contiguous
+        out = mt.sdpa_multi(q, k, v, scale=0.125, causal=True, kv_len=1000)
+    assert out.shape == q.shape and out.dtype == mx.bfloat16
+    plan = op_module.plan(1, 8, 2, 8, 128, 1000, mx.bfloat16)
+    assert plan["n_splits"] > 1
+    split, combine = seen
+    assert split["grid"] == plan["grid"] and split["threadgroup"] == plan["threadgroup"]
+    assert split["template"] == [("T", mx.bfloat16), ("D", 128), ("RS", plan["rs"]),
+                                 ("DC", plan["dc"])]
+    assert split["output_shapes"] == [(8 * 8, plan["n_splits"], 128),
+                                      (8 * 8, plan["n_splits"], 2)]
+    assert combine["grid"] == (32 * op_module.COMBINE_ROWS * (8 * 8 // 4), 1, 1)
+    assert combine["template"] == [("T", mx.bfloat16), ("D", 128)]
+    # the partials feed the combine pass
+    assert all(a is b for a, b in zip(combine["inputs"][:2], split["outputs"], strict=True))
+
+
 # ---- negative controls: a deliberately wrong variant must fail the harness ----------------
 
 def _broken_template(monkeypatch, spec, old: str, new: str):
