@@ -185,9 +185,11 @@ def test_large_scores(any_backend, poisoned, rng, dtype, causal):
 
 HUGE_SCORES = [
     # (scale, lo, hi): k[..., 0] takes integer values in [lo, hi] and q = e_0, so the
-    # scores are scale * k[..., 0]. Every visible score far below -1e30:
+    # scores are scale * k[..., 0]. Every visible score at most -7e29, i.e. at most -1e30
+    # times log2(e) in the kernel's base 2, where a finite stand-in for -inf such as -1e30
+    # would beat them all:
     (-1e30, 1, 4), (1e29, -8, -7), (-1e38, 1, 1),
-    # and far above it (the maximum must still be subtracted):
+    # and scores as large (the maximum must still be subtracted):
     (1e30, 1, 4), (-1e38, -1, -1),
 ]
 
