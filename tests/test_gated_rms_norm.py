@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import importlib
-import math
+import zlib
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -28,10 +29,10 @@ def oracle(y, z, w, eps):
     return w * y * inv_rms * silu
 
 
-def make_inputs(rng, lead, n, dtype, y_dtype, scale=1.0):
+def make_inputs(rng, lead, n, dtype, y_dtype):
     shape = (*lead, n)
-    # Magnitudes spread over [1e-3, scale]: some rows tiny, some large.
-    row_scale = 10.0 ** rng.uniform(-3, math.log10(scale) if scale > 1 else 0, size=(*lead, 1))
+    # Row magnitudes spread over [1e-3, 1] (large ones: large_inputs).
+    row_scale = 10.0 ** rng.uniform(-3, 0, size=(*lead, 1))
     y = mx.array((rng.standard_normal(shape) * row_scale).astype(np.float32)).astype(y_dtype)
     z = mx.array((rng.standard_normal(shape) * 4.0).astype(np.float32)).astype(dtype)
     w = mx.array(rng.uniform(-2, 2, size=(n,)).astype(np.float32)).astype(dtype)
@@ -57,12 +58,22 @@ def test_matches_oracle(any_backend, rng, dtype, y_f32, n, lead):
     run_and_check(y, z, w, 1e-5, dtype, any_backend)
 
 
+def large_inputs(rng, n, dtype, y_dtype):
+    """Rows of |y| up to 1e3 (squares up to 1e6, overflowing float16 if squared in it), down
+    to 1e-3, and gates up to 1e3 in magnitude (saturated silu)."""
+    row_scale = np.array([1e3, 3e2, 1.0, 1e-3])[:, None]
+    y = mx.array((rng.uniform(-1, 1, size=(4, n)) * row_scale).astype(np.float32))
+    z = mx.array(rng.uniform(-1e3, 1e3, size=(4, n)).astype(np.float32))
+    w = mx.array(rng.uniform(-2, 2, size=(n,)).astype(np.float32))
+    return y.astype(y_dtype), z.astype(dtype), w.astype(dtype)
+
+
+@pytest.mark.parametrize("n", (128, 1000, 4097))  # one per kernel variant
+@pytest.mark.parametrize("y_f32", (True, False), ids=("y_f32", "y_same"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("n", (128, 4097))
-def test_large_magnitudes(any_backend, rng, dtype, n):
-    """Values up to 1e3 (squares up to 1e6 summed over the row) and saturated gates."""
-    y, z, w = make_inputs(rng, (4,), n, dtype, mx.float32, scale=1e3)
-    z = mx.array(rng.uniform(-1e3, 1e3, size=z.shape).astype(np.float32)).astype(dtype)
+def test_large_magnitudes(any_backend, rng, dtype, y_f32, n):
+    """Values up to 1e3, y in float32 and in z's dtype: squares are summed in float32."""
+    y, z, w = large_inputs(rng, n, dtype, mx.float32 if y_f32 else dtype)
     run_and_check(y, z, w, 1e-6, dtype, any_backend)
 
 
@@ -112,7 +123,10 @@ def _broken_template(monkeypatch, spec, old: str, new: str):
     """Register a copy of ``spec`` whose template has ``old`` replaced by ``new``."""
     text = _templates.read_text(spec.template)
     assert old in text
-    fake_name = spec.template.replace(".metal", "_broken.metal")
+    # A name of its own per patch: kernels are cached per (backend, variant name), and a
+    # kernel built by another control must never stand in for this one.
+    tag = f"broken{zlib.crc32((old + new).encode()):08x}"
+    fake_name = spec.template.replace(".metal", f"_{tag}.metal")
     real_read = _templates.read_text
 
     def read_text(name):
@@ -120,8 +134,7 @@ def _broken_template(monkeypatch, spec, old: str, new: str):
 
     monkeypatch.setattr(_templates, "read_text", read_text)
     _templates.render.cache_clear()
-    from dataclasses import replace
-    broken = replace(spec, variant=spec.variant + "_broken", template=fake_name)
+    broken = replace(spec, variant=f"{spec.variant}_{tag}", template=fake_name)
     return broken
 
 
@@ -138,6 +151,43 @@ def test_negative_control_kernel_without_gate(kernel_backend, monkeypatch, rng, 
             run_and_check(y, z, w, 1e-5, mx.float32, kernel_backend)
     finally:
         _templates.render.cache_clear()
+
+
+@pytest.mark.parametrize("attr, n, old", [
+    ("SIMD_ROWS_SPEC", 128, "y_reg[j] * y_reg[j]"),
+    ("REGISTER_SPEC", 1000, "y_reg[j] * y_reg[j]"),
+    ("LOOPED_SPEC", 4097, "v * v"),
+])
+def test_negative_control_kernel_squaring_in_y_dtype(kernel_backend, monkeypatch, rng, attr, n,
+                                                      old):
+    """y^2 rounded to y's own dtype (float16 overflows past |y| = 256): the large-magnitude
+    check with y in z's dtype must notice; with y in float32 the change is a no-op."""
+    spec = getattr(op_module, attr)
+    broken = _broken_template(monkeypatch, spec, old, f"float(YT({old}))")
+    monkeypatch.setattr(op_module, attr, broken)
+    try:
+        y, z, w = large_inputs(rng, n, mx.float16, mx.float16)
+        with pytest.raises(AssertionError, match="out of tolerance"):
+            run_and_check(y, z, w, 1e-6, mx.float16, kernel_backend)
+        y, z, w = large_inputs(rng, n, mx.float16, mx.float32)
+        run_and_check(y, z, w, 1e-6, mx.float16, kernel_backend)
+    finally:
+        _templates.render.cache_clear()
+
+
+def test_negative_control_reference_squaring_in_y_dtype(monkeypatch, rng):
+    """A composite that squares y in its own dtype fails the large-magnitude check."""
+
+    def square_in_y_dtype(y, z, w, eps=1e-5):
+        inv_rms = mx.rsqrt(mx.mean(y * y, axis=-1, keepdims=True).astype(mx.float32) + eps)
+        zf = z.astype(mx.float32)
+        out = w.astype(mx.float32) * y.astype(mx.float32) * inv_rms * (zf * mx.sigmoid(zf))
+        return out.astype(z.dtype)
+
+    monkeypatch.setattr(op_module, "gated_rms_norm_reference", square_in_y_dtype)
+    y, z, w = large_inputs(rng, 128, mx.float16, mx.float16)
+    with backends.use_backend("reference"), pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check(y, z, w, 1e-6, mx.float16, "reference")
 
 
 def test_negative_control_reference_without_gate(monkeypatch, rng):
