@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 import zlib
 from dataclasses import replace
 
@@ -37,6 +38,21 @@ def make_inputs(rng, lead, n, dtype, y_dtype):
     z = mx.array((rng.standard_normal(shape) * 4.0).astype(np.float32)).astype(dtype)
     w = mx.array(rng.uniform(-2, 2, size=(n,)).astype(np.float32)).astype(dtype)
     return y, z, w
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    """Every gated_rms_norm kernel output in this module starts as NaN, on every kernel
+    backend (not only through the emulator's own poison), so an element the kernel never
+    writes fails the oracle. The op itself leaves init_value to the backend."""
+    real_launch = backends.launch
+
+    def launch(spec, backend, **kwargs):
+        if spec.op == op_module.OP:
+            kwargs["init_value"] = float("nan")
+        return real_launch(spec, backend, **kwargs)
+
+    monkeypatch.setattr(backends, "launch", launch)
 
 
 def run_and_check(y, z, w, eps, dtype, backend):
@@ -188,6 +204,42 @@ def test_negative_control_reference_squaring_in_y_dtype(monkeypatch, rng):
     y, z, w = large_inputs(rng, 128, mx.float16, mx.float16)
     with backends.use_backend("reference"), pytest.raises(AssertionError, match="out of tolerance"):
         run_and_check(y, z, w, 1e-6, mx.float16, "reference")
+
+
+def test_kernel_outputs_start_poisoned(kernel_backend, monkeypatch, rng):
+    """The poisoned fixture reaches the kernel object on this backend."""
+    seen = []
+    real_get_kernel = backends.get_kernel
+
+    def get_kernel(*args, **kwargs):
+        kernel = real_get_kernel(*args, **kwargs)
+
+        def call(**launch_kwargs):
+            seen.append(launch_kwargs.get("init_value"))
+            return kernel(**launch_kwargs)
+        return call
+
+    monkeypatch.setattr(backends, "get_kernel", get_kernel)
+    for n in (100, 1000, 5000):  # every variant
+        y, z, w = make_inputs(rng, (2,), n, mx.float32, mx.float32)
+        run_and_check(y, z, w, 1e-5, mx.float32, kernel_backend)
+    assert len(seen) == 3 and all(math.isnan(v) for v in seen), seen
+
+
+@pytest.mark.parametrize("attr, n", [("SIMD_ROWS_SPEC", 100), ("REGISTER_SPEC", 200),
+                                     ("LOOPED_SPEC", 5000)])
+def test_negative_control_kernel_leaving_the_last_column(kernel_backend, monkeypatch, rng, attr,
+                                                         n):
+    """A kernel that never writes the last column of a row: the poison must show."""
+    spec = getattr(op_module, attr)
+    broken = _broken_template(monkeypatch, spec, "if (col < n) {", "if (col + 1 < n) {")
+    monkeypatch.setattr(op_module, attr, broken)
+    y, z, w = make_inputs(rng, (3,), n, mx.float32, mx.float32)
+    try:
+        with pytest.raises(AssertionError, match="out of tolerance"):
+            run_and_check(y, z, w, 1e-5, mx.float32, kernel_backend)
+    finally:
+        _templates.render.cache_clear()
 
 
 def test_negative_control_reference_without_gate(monkeypatch, rng):
