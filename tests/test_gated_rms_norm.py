@@ -93,15 +93,79 @@ def test_large_magnitudes(any_backend, rng, dtype, y_f32, n):
     run_and_check(y, z, w, 1e-6, dtype, any_backend)
 
 
-def test_eps_changes_do_not_rebuild(kernel_backend, rng):
+@pytest.fixture
+def launched(monkeypatch):
+    """Records each gated_rms_norm launch as an instantiation key: (kernel name, template
+    arguments, (dtype, ndim) of every input): what makes a new compiled kernel."""
+    records = []
+    real_launch = backends.launch
+
+    def spy(spec, backend, **kwargs):
+        records.append((spec.name, tuple(kwargs["template"]),
+                        tuple((a.dtype, a.ndim) for a in kwargs["inputs"])))
+        return real_launch(spec, backend, **kwargs)
+
+    monkeypatch.setattr(backends, "launch", spy)
+    return records
+
+
+def _emulator_modules() -> int:
+    """Instantiations the emulator compiled for the simd_rows kernel object (one module per
+    generated source: a new template argument or input signature is a new one)."""
+    spec = op_module.SIMD_ROWS_SPEC
+    return len(backends.get_kernel(spec, "emulator", op_module._SIMD_ROWS_INPUTS,
+                                   op_module._OUTPUTS)._modules)
+
+
+EPS_LOOP = (1e-5, 0.0, 1e-6, 0.5, 3.0)
+N_ROWS_LOOP = ((64, 3), (100, 7), (128, 1), (33, 16))  # all in the simd_rows variant
+
+
+def _eps_and_n_loop(backend, rng, launched):
+    """Calls over several eps, n and row counts within one variant. Returns (kernel objects
+    built, distinct instantiations launched, emulator modules compiled after the first call
+    or None on other backends)."""
     y, z, w = make_inputs(rng, (3,), 64, mx.float16, mx.float32)
-    run_and_check(y, z, w, 1e-5, mx.float16, kernel_backend)
+    run_and_check(y, z, w, EPS_LOOP[0], mx.float16, backend)
     built = backends.built_kernels()
-    for eps in (0.0, 1e-6, 0.5):
-        run_and_check(y, z, w, eps, mx.float16, kernel_backend)
-    y, z, w = make_inputs(rng, (7,), 100, mx.float16, mx.float32)  # another n, same variant
-    run_and_check(y, z, w, 1e-5, mx.float16, kernel_backend)
-    assert backends.built_kernels() == built
+    modules = _emulator_modules() if backend == "emulator" else None
+    for eps in EPS_LOOP:
+        for n, rows in N_ROWS_LOOP:
+            y, z, w = make_inputs(rng, (rows,), n, mx.float16, mx.float32)
+            run_and_check(y, z, w, eps, mx.float16, backend)
+    assert {name for name, *_ in launched} == {op_module.SIMD_ROWS_SPEC.name}
+    assert len(launched) == 1 + len(EPS_LOOP) * len(N_ROWS_LOOP)
+    new_built = len(backends.built_kernels()) - len(built)
+    new_modules = None if modules is None else _emulator_modules() - modules
+    return new_built, len(set(launched)), new_modules
+
+
+def test_eps_and_n_changes_do_not_rebuild(kernel_backend, rng, launched):
+    """eps, n and the row count are runtime inputs: one instantiation serves them all."""
+    new_built, instantiations, new_modules = _eps_and_n_loop(kernel_backend, rng, launched)
+    assert new_built == 0
+    assert instantiations == 1
+    if kernel_backend == "emulator":
+        assert new_modules == 0
+
+
+def test_negative_control_eps_as_template_argument(kernel_backend, monkeypatch, rng, launched):
+    """A launcher that bakes eps into a template argument makes one instantiation per eps
+    value: the counts above must see it."""
+    real_launch, real_template = op_module._launch, op_module._template
+
+    def launch(y, z, weight, n, rows, eps, backend):
+        bits = int(np.array(eps, dtype=np.float32).view(np.int32))
+        with monkeypatch.context() as m:
+            m.setattr(op_module, "_template",
+                      lambda zt, yt: (*real_template(zt, yt), ("EPS_BITS", bits)))
+            return real_launch(y, z, weight, n, rows, eps, backend)
+
+    monkeypatch.setattr(op_module, "_launch", launch)
+    _, instantiations, new_modules = _eps_and_n_loop(kernel_backend, rng, launched)
+    assert instantiations == len(EPS_LOOP)
+    if kernel_backend == "emulator":
+        assert new_modules == len(EPS_LOOP) - 1  # the first eps was compiled before the loop
 
 
 def test_non_contiguous_inputs(any_backend, rng):
