@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import zlib
@@ -63,6 +64,20 @@ def run_and_check(y, z, w, eps, dtype, backend):
         assert backends.launch_count(backend=backend) == before + 1
     assert out.dtype == dtype and tuple(out.shape) == tuple(z.shape)
     assert_close(out, oracle(y, z, w, eps), dtype, what=f"gated_rms_norm[{backend}]")
+
+
+# One checked call per registered kernel variant of this op (tests/test_registry.py runs
+# them for every registered variant on each kernel backend, so a variant added to the
+# registry fails there until it has one here).
+VARIANT_N = {"simd_rows": 100, "row": 1000, "looped": 5000}  # n that selects each
+
+
+def _variant_call(n, backend, rng):
+    y, z, w = make_inputs(rng, (3,), n, mx.bfloat16, mx.float32)
+    run_and_check(y, z, w, 1e-5, mx.bfloat16, backend)
+
+
+VARIANT_CALLS = {v: functools.partial(_variant_call, n) for v, n in VARIANT_N.items()}
 
 
 @pytest.mark.parametrize("lead", LEADING, ids=lambda s: "lead" + "x".join(map(str, s)))
