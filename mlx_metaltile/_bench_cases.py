@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 import mlx_metaltile as mt
@@ -62,9 +64,28 @@ def _gated_rms_norm_oracle(y, z, weight, eps=1e-5):
     return w * y / np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + eps) * silu
 
 
-def _gated_rms_norm_native(y, z, weight, eps=1e-5):
-    # As mlx-lm's Qwen3-Next gated norm: fast rms_norm in the model dtype, then the gate.
-    return mx.fast.rms_norm(y.astype(z.dtype), weight, eps) * (z * mx.sigmoid(z))
+@partial(mx.compile, shapeless=True)
+def _precise_swiglu(h, gate, x):
+    # The gate of mlx-lm's Qwen3-Next gated norm (mlx_lm/models/qwen3_next.py, since its
+    # change "Ensure normalization does not promote to fp32"; before it, the model dtype's
+    # swiglu(gate, x) = nn.silu(gate) * x, also compiled and shapeless).
+    gate = nn.silu(gate.astype(mx.float32))
+    x = x.astype(mx.float32)
+    return (gate * x).astype(h.dtype)
+
+
+def gated_rms_norm_native(y, z, weight, eps=1e-5):
+    """What mlx-lm's Qwen3NextRMSNormGated computes: ``mx.fast.rms_norm`` of the hidden
+    states, then a compiled (shapeless) float32 silu gate rounded to their dtype.
+
+    In mlx-lm the hidden states reach the norm in the model dtype: the Gated-DeltaNet
+    recurrence returns its float32 result cast to the input dtype (``y.astype(q.dtype)`` in
+    mlx_lm/models/gated_delta.py). A float32 ``y`` is cast here the same way, so the native
+    side of a "yf32" case pays that cast as a kernel of its own (mlx-lm's fused recurrence
+    kernel writes the model dtype directly), and its result has z's dtype, as ours does.
+    """
+    h = y.astype(z.dtype)
+    return _precise_swiglu(h, z, mx.fast.rms_norm(h, weight, eps))
 
 
 def _gated_rms_norm_cases():
@@ -82,7 +103,7 @@ def _gated_rms_norm_cases():
                 nbytes = rows * n * (y_dtype.size + 2 * dtype.size) + n * dtype.size
                 _CASES.append(BenchCase(
                     op="gated_rms_norm", label=f"{rows}x{n}-{y_tag}", dtype=dtype, make=make,
-                    ours=mt.gated_rms_norm, native=_gated_rms_norm_native,
+                    ours=mt.gated_rms_norm, native=gated_rms_norm_native,
                     oracle=_gated_rms_norm_oracle, nbytes=nbytes, flops=8 * rows * n,
                     quick=quick and dtype == mx.float16))
 

@@ -6,6 +6,7 @@ it, so a new kernel is covered by registering its record in its op module.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,8 +47,8 @@ class KernelSpec:
     tolerance: dict[str, Tolerance] = field(default_factory=lambda: dict(TOLERANCES))
     notes: str = ""
 
-    @property
-    def name(self) -> str:
+    @functools.cached_property
+    def name(self) -> str:  # computed once: every launch looks kernels up by it
         return f"{self.op}_{self.variant}"
 
 

@@ -116,7 +116,7 @@ def use_backend(name: str) -> Iterator[str]:
 
 def resolve_backend(name: str | None = None) -> str:
     """The concrete backend an op call runs on now."""
-    name = name or get_backend()
+    name = name or _override.get() or _default
     return _auto_choice() if name == "auto" else name
 
 
@@ -182,14 +182,16 @@ def check_geometry(op: str, grid: Sequence[int], threadgroup: Sequence[int],
     """Refuse a dispatch that would be illegal (or freeze a Mac) before it is made."""
     if len(grid) != 3 or len(threadgroup) != 3:
         raise ValueError(f"[{op}] internal: grid and threadgroup must have 3 entries")
-    if min(*grid, *threadgroup) < 1:
+    gx, gy, gz = grid
+    tx, ty, tz = threadgroup
+    if gx < 1 or gy < 1 or gz < 1 or tx < 1 or ty < 1 or tz < 1:
         raise ValueError(f"[{op}] internal: empty dispatch grid={tuple(grid)} "
                          f"threadgroup={tuple(threadgroup)}")
-    threads = threadgroup[0] * threadgroup[1] * threadgroup[2]
+    threads = tx * ty * tz
     if threads > MAX_THREADS_PER_THREADGROUP or threads % SIMD_WIDTH:
         raise ValueError(f"[{op}] internal: threadgroup of {threads} threads; expected a "
                          f"multiple of {SIMD_WIDTH} and at most {MAX_THREADS_PER_THREADGROUP}")
-    if max(grid) >= 2**32:
+    if gx >= 2**32 or gy >= 2**32 or gz >= 2**32:
         raise ValueError(f"[{op}] problem too large: grid {tuple(grid)} exceeds 2^32-1 threads "
                          "in one dimension")
     if threadgroup_memory > MAX_THREADGROUP_MEMORY:

@@ -97,6 +97,18 @@ def run_and_check(x, w, s, b, ids, group_size, bits, backend, *, launches=1):
     return out
 
 
+# One checked call per registered kernel variant of this op (tests/test_registry.py runs
+# them for every registered variant on each kernel backend, so a variant added to the
+# registry fails there until it has one here).
+def _variant_call(backend, rng):
+    w, s, b = make_packed(rng, 6, 13, 128, mx.bfloat16, 64, 4)
+    ids = mx.array([[0, 5], [2, 2]], dtype=mx.uint32)
+    run_and_check(make_x(rng, (2, 128), mx.bfloat16), w, s, b, ids, 64, 4, backend)
+
+
+VARIANT_CALLS = {"simd_rows": _variant_call}
+
+
 @pytest.fixture
 def poisoned(monkeypatch):
     """Kernel outputs start as NaN, so an element the kernel never writes fails the oracle."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import replace
 
@@ -150,6 +151,25 @@ def kernel_variant(backend: str, variant: str) -> None:
         reason = op_module.mpp_unavailable_reason(backend)
         if reason is not None:
             pytest.skip(f"mpp on {backend}: {reason}")
+
+
+# One checked call per registered kernel variant of this op (tests/test_registry.py runs
+# them for every registered variant on each kernel backend, so a variant added to the
+# registry fails there until it has one here).
+def _variant_call(variant, backend, rng):
+    """M = 9, N = 64, K = 256 forced onto a variant; the simdgroup kernel splits K in 8 here
+    and launches fp4_qmm_splitk_sum after it."""
+    kernel_variant(backend, variant)
+    x, w, s = make_case(rng, 9, 64, 256, mx.bfloat16)
+    run_and_check(x, w, s, "e8m0", 32, backend, variant=variant, expect=variant)
+
+
+VARIANT_CALLS = {
+    "qmv": functools.partial(_variant_call, "qmv"),
+    "simdgroup": functools.partial(_variant_call, "simdgroup"),
+    "mpp": functools.partial(_variant_call, "mpp"),
+    "splitk_sum": functools.partial(_variant_call, "simdgroup"),
+}
 
 
 # ---- the kernels against the oracle ---------------------------------------------------

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
+import zlib
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -28,14 +31,29 @@ def oracle(y, z, w, eps):
     return w * y * inv_rms * silu
 
 
-def make_inputs(rng, lead, n, dtype, y_dtype, scale=1.0):
+def make_inputs(rng, lead, n, dtype, y_dtype):
     shape = (*lead, n)
-    # Magnitudes spread over [1e-3, scale]: some rows tiny, some large.
-    row_scale = 10.0 ** rng.uniform(-3, math.log10(scale) if scale > 1 else 0, size=(*lead, 1))
+    # Row magnitudes spread over [1e-3, 1] (large ones: large_inputs).
+    row_scale = 10.0 ** rng.uniform(-3, 0, size=(*lead, 1))
     y = mx.array((rng.standard_normal(shape) * row_scale).astype(np.float32)).astype(y_dtype)
     z = mx.array((rng.standard_normal(shape) * 4.0).astype(np.float32)).astype(dtype)
     w = mx.array(rng.uniform(-2, 2, size=(n,)).astype(np.float32)).astype(dtype)
     return y, z, w
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    """Every gated_rms_norm kernel output in this module starts as NaN, on every kernel
+    backend (not only through the emulator's own poison), so an element the kernel never
+    writes fails the oracle. The op itself leaves init_value to the backend."""
+    real_launch = backends.launch
+
+    def launch(spec, backend, **kwargs):
+        if spec.op == op_module.OP:
+            kwargs["init_value"] = float("nan")
+        return real_launch(spec, backend, **kwargs)
+
+    monkeypatch.setattr(backends, "launch", launch)
 
 
 def run_and_check(y, z, w, eps, dtype, backend):
@@ -48,6 +66,20 @@ def run_and_check(y, z, w, eps, dtype, backend):
     assert_close(out, oracle(y, z, w, eps), dtype, what=f"gated_rms_norm[{backend}]")
 
 
+# One checked call per registered kernel variant of this op (tests/test_registry.py runs
+# them for every registered variant on each kernel backend, so a variant added to the
+# registry fails there until it has one here).
+VARIANT_N = {"simd_rows": 100, "row": 1000, "looped": 5000}  # n that selects each
+
+
+def _variant_call(n, backend, rng):
+    y, z, w = make_inputs(rng, (3,), n, mx.bfloat16, mx.float32)
+    run_and_check(y, z, w, 1e-5, mx.bfloat16, backend)
+
+
+VARIANT_CALLS = {v: functools.partial(_variant_call, n) for v, n in VARIANT_N.items()}
+
+
 @pytest.mark.parametrize("lead", LEADING, ids=lambda s: "lead" + "x".join(map(str, s)))
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("y_f32", (True, False), ids=("y_f32", "y_same"))
@@ -57,24 +89,98 @@ def test_matches_oracle(any_backend, rng, dtype, y_f32, n, lead):
     run_and_check(y, z, w, 1e-5, dtype, any_backend)
 
 
+def large_inputs(rng, n, dtype, y_dtype):
+    """Rows of |y| up to 1e3 (squares up to 1e6, overflowing float16 if squared in it), down
+    to 1e-3, and gates up to 1e3 in magnitude (saturated silu)."""
+    row_scale = np.array([1e3, 3e2, 1.0, 1e-3])[:, None]
+    y = mx.array((rng.uniform(-1, 1, size=(4, n)) * row_scale).astype(np.float32))
+    z = mx.array(rng.uniform(-1e3, 1e3, size=(4, n)).astype(np.float32))
+    w = mx.array(rng.uniform(-2, 2, size=(n,)).astype(np.float32))
+    return y.astype(y_dtype), z.astype(dtype), w.astype(dtype)
+
+
+@pytest.mark.parametrize("n", (128, 1000, 4097))  # one per kernel variant
+@pytest.mark.parametrize("y_f32", (True, False), ids=("y_f32", "y_same"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("n", (128, 4097))
-def test_large_magnitudes(any_backend, rng, dtype, n):
-    """Values up to 1e3 (squares up to 1e6 summed over the row) and saturated gates."""
-    y, z, w = make_inputs(rng, (4,), n, dtype, mx.float32, scale=1e3)
-    z = mx.array(rng.uniform(-1e3, 1e3, size=z.shape).astype(np.float32)).astype(dtype)
+def test_large_magnitudes(any_backend, rng, dtype, y_f32, n):
+    """Values up to 1e3, y in float32 and in z's dtype: squares are summed in float32."""
+    y, z, w = large_inputs(rng, n, dtype, mx.float32 if y_f32 else dtype)
     run_and_check(y, z, w, 1e-6, dtype, any_backend)
 
 
-def test_eps_changes_do_not_rebuild(kernel_backend, rng):
+@pytest.fixture
+def launched(monkeypatch):
+    """Records each gated_rms_norm launch as an instantiation key: (kernel name, template
+    arguments, (dtype, ndim) of every input): what makes a new compiled kernel."""
+    records = []
+    real_launch = backends.launch
+
+    def spy(spec, backend, **kwargs):
+        records.append((spec.name, tuple(kwargs["template"]),
+                        tuple((a.dtype, a.ndim) for a in kwargs["inputs"])))
+        return real_launch(spec, backend, **kwargs)
+
+    monkeypatch.setattr(backends, "launch", spy)
+    return records
+
+
+def _emulator_modules() -> int:
+    """Instantiations the emulator compiled for the simd_rows kernel object (one module per
+    generated source: a new template argument or input signature is a new one)."""
+    spec = op_module.SIMD_ROWS_SPEC
+    return len(backends.get_kernel(spec, "emulator", op_module._SIMD_ROWS_INPUTS,
+                                   op_module._OUTPUTS)._modules)
+
+
+EPS_LOOP = (1e-5, 0.0, 1e-6, 0.5, 3.0)
+N_ROWS_LOOP = ((64, 3), (100, 7), (128, 1), (33, 16))  # all in the simd_rows variant
+
+
+def _eps_and_n_loop(backend, rng, launched):
+    """Calls over several eps, n and row counts within one variant. Returns (kernel objects
+    built, distinct instantiations launched, emulator modules compiled after the first call
+    or None on other backends)."""
     y, z, w = make_inputs(rng, (3,), 64, mx.float16, mx.float32)
-    run_and_check(y, z, w, 1e-5, mx.float16, kernel_backend)
+    run_and_check(y, z, w, EPS_LOOP[0], mx.float16, backend)
     built = backends.built_kernels()
-    for eps in (0.0, 1e-6, 0.5):
-        run_and_check(y, z, w, eps, mx.float16, kernel_backend)
-    y, z, w = make_inputs(rng, (7,), 100, mx.float16, mx.float32)  # another n, same variant
-    run_and_check(y, z, w, 1e-5, mx.float16, kernel_backend)
-    assert backends.built_kernels() == built
+    modules = _emulator_modules() if backend == "emulator" else None
+    for eps in EPS_LOOP:
+        for n, rows in N_ROWS_LOOP:
+            y, z, w = make_inputs(rng, (rows,), n, mx.float16, mx.float32)
+            run_and_check(y, z, w, eps, mx.float16, backend)
+    assert {name for name, *_ in launched} == {op_module.SIMD_ROWS_SPEC.name}
+    assert len(launched) == 1 + len(EPS_LOOP) * len(N_ROWS_LOOP)
+    new_built = len(backends.built_kernels()) - len(built)
+    new_modules = None if modules is None else _emulator_modules() - modules
+    return new_built, len(set(launched)), new_modules
+
+
+def test_eps_and_n_changes_do_not_rebuild(kernel_backend, rng, launched):
+    """eps, n and the row count are runtime inputs: one instantiation serves them all."""
+    new_built, instantiations, new_modules = _eps_and_n_loop(kernel_backend, rng, launched)
+    assert new_built == 0
+    assert instantiations == 1
+    if kernel_backend == "emulator":
+        assert new_modules == 0
+
+
+def test_negative_control_eps_as_template_argument(kernel_backend, monkeypatch, rng, launched):
+    """A launcher that bakes eps into a template argument makes one instantiation per eps
+    value: the counts above must see it."""
+    real_launch, real_template = op_module._launch, op_module._template
+
+    def launch(y, z, weight, n, rows, eps, backend):
+        bits = int(np.array(eps, dtype=np.float32).view(np.int32))
+        with monkeypatch.context() as m:
+            m.setattr(op_module, "_template",
+                      lambda zt, yt: (*real_template(zt, yt), ("EPS_BITS", bits)))
+            return real_launch(y, z, weight, n, rows, eps, backend)
+
+    monkeypatch.setattr(op_module, "_launch", launch)
+    _, instantiations, new_modules = _eps_and_n_loop(kernel_backend, rng, launched)
+    assert instantiations == len(EPS_LOOP)
+    if kernel_backend == "emulator":
+        assert new_modules == len(EPS_LOOP) - 1  # the first eps was compiled before the loop
 
 
 def test_non_contiguous_inputs(any_backend, rng):
@@ -112,7 +218,10 @@ def _broken_template(monkeypatch, spec, old: str, new: str):
     """Register a copy of ``spec`` whose template has ``old`` replaced by ``new``."""
     text = _templates.read_text(spec.template)
     assert old in text
-    fake_name = spec.template.replace(".metal", "_broken.metal")
+    # A name of its own per patch: kernels are cached per (backend, variant name), and a
+    # kernel built by another control must never stand in for this one.
+    tag = f"broken{zlib.crc32((old + new).encode()):08x}"
+    fake_name = spec.template.replace(".metal", f"_{tag}.metal")
     real_read = _templates.read_text
 
     def read_text(name):
@@ -120,8 +229,7 @@ def _broken_template(monkeypatch, spec, old: str, new: str):
 
     monkeypatch.setattr(_templates, "read_text", read_text)
     _templates.render.cache_clear()
-    from dataclasses import replace
-    broken = replace(spec, variant=spec.variant + "_broken", template=fake_name)
+    broken = replace(spec, variant=f"{spec.variant}_{tag}", template=fake_name)
     return broken
 
 
@@ -131,6 +239,79 @@ def test_negative_control_kernel_without_gate(kernel_backend, monkeypatch, rng, 
     """silu(z) replaced by z: the harness must notice."""
     spec = getattr(op_module, attr)
     broken = _broken_template(monkeypatch, spec, "mt_silu(", "(")
+    monkeypatch.setattr(op_module, attr, broken)
+    y, z, w = make_inputs(rng, (3,), n, mx.float32, mx.float32)
+    try:
+        with pytest.raises(AssertionError, match="out of tolerance"):
+            run_and_check(y, z, w, 1e-5, mx.float32, kernel_backend)
+    finally:
+        _templates.render.cache_clear()
+
+
+@pytest.mark.parametrize("attr, n, old", [
+    ("SIMD_ROWS_SPEC", 128, "y_reg[j] * y_reg[j]"),
+    ("REGISTER_SPEC", 1000, "y_reg[j] * y_reg[j]"),
+    ("LOOPED_SPEC", 4097, "v * v"),
+])
+def test_negative_control_kernel_squaring_in_y_dtype(kernel_backend, monkeypatch, rng, attr, n,
+                                                      old):
+    """y^2 rounded to y's own dtype (float16 overflows past |y| = 256): the large-magnitude
+    check with y in z's dtype must notice; with y in float32 the change is a no-op."""
+    spec = getattr(op_module, attr)
+    broken = _broken_template(monkeypatch, spec, old, f"float(YT({old}))")
+    monkeypatch.setattr(op_module, attr, broken)
+    try:
+        y, z, w = large_inputs(rng, n, mx.float16, mx.float16)
+        with pytest.raises(AssertionError, match="out of tolerance"):
+            run_and_check(y, z, w, 1e-6, mx.float16, kernel_backend)
+        y, z, w = large_inputs(rng, n, mx.float16, mx.float32)
+        run_and_check(y, z, w, 1e-6, mx.float16, kernel_backend)
+    finally:
+        _templates.render.cache_clear()
+
+
+def test_negative_control_reference_squaring_in_y_dtype(monkeypatch, rng):
+    """A composite that squares y in its own dtype fails the large-magnitude check."""
+
+    def square_in_y_dtype(y, z, w, eps=1e-5):
+        inv_rms = mx.rsqrt(mx.mean(y * y, axis=-1, keepdims=True).astype(mx.float32) + eps)
+        zf = z.astype(mx.float32)
+        out = w.astype(mx.float32) * y.astype(mx.float32) * inv_rms * (zf * mx.sigmoid(zf))
+        return out.astype(z.dtype)
+
+    monkeypatch.setattr(op_module, "gated_rms_norm_reference", square_in_y_dtype)
+    y, z, w = large_inputs(rng, 128, mx.float16, mx.float16)
+    with backends.use_backend("reference"), pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check(y, z, w, 1e-6, mx.float16, "reference")
+
+
+def test_kernel_outputs_start_poisoned(kernel_backend, monkeypatch, rng):
+    """The poisoned fixture reaches the kernel object on this backend."""
+    seen = []
+    real_get_kernel = backends.get_kernel
+
+    def get_kernel(*args, **kwargs):
+        kernel = real_get_kernel(*args, **kwargs)
+
+        def call(**launch_kwargs):
+            seen.append(launch_kwargs.get("init_value"))
+            return kernel(**launch_kwargs)
+        return call
+
+    monkeypatch.setattr(backends, "get_kernel", get_kernel)
+    for n in (100, 1000, 5000):  # every variant
+        y, z, w = make_inputs(rng, (2,), n, mx.float32, mx.float32)
+        run_and_check(y, z, w, 1e-5, mx.float32, kernel_backend)
+    assert len(seen) == 3 and all(math.isnan(v) for v in seen), seen
+
+
+@pytest.mark.parametrize("attr, n", [("SIMD_ROWS_SPEC", 100), ("REGISTER_SPEC", 200),
+                                     ("LOOPED_SPEC", 5000)])
+def test_negative_control_kernel_leaving_the_last_column(kernel_backend, monkeypatch, rng, attr,
+                                                         n):
+    """A kernel that never writes the last column of a row: the poison must show."""
+    spec = getattr(op_module, attr)
+    broken = _broken_template(monkeypatch, spec, "if (col < n) {", "if (col + 1 < n) {")
     monkeypatch.setattr(op_module, attr, broken)
     y, z, w = make_inputs(rng, (3,), n, mx.float32, mx.float32)
     try:

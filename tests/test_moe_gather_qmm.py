@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from dataclasses import replace
@@ -146,6 +147,19 @@ def variant(request, backend):
     if backend not in op_module._SPECS[name].backends:
         pytest.skip(f"variant {name} does not run on {backend}")
     return name
+
+
+# One checked call per registered kernel variant of this op (tests/test_registry.py runs
+# them for every registered variant on each kernel backend, so a variant added to the
+# registry fails there until it has one here).
+def _variant_call(variant, backend, rng):
+    if backend == "metal" and variant == "mpp" and op_module.mpp_unavailable_reason():
+        pytest.skip(f"mpp path unavailable: {op_module.mpp_unavailable_reason()}")
+    case = make_case(rng, 4, 13, 64, 128, 64, 4, mx.bfloat16)
+    run_and_check(case, 64, 4, mx.bfloat16, backend, variant)
+
+
+VARIANT_CALLS = {v: functools.partial(_variant_call, v) for v in VARIANTS}
 
 
 # (E, M, N, K, group_size, ids or None for sorted random), the shapes that break kernels

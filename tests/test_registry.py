@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import importlib
 import pickle
 import re
+from dataclasses import replace
 
 import conftest
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import require_backend
 
 import mlx_metaltile as mt
-from mlx_metaltile import _templates, backends
+from mlx_metaltile import _bench_cases, _registry, _templates, backends
 from mlx_metaltile._registry import TOLERANCES
 
 
@@ -144,3 +147,80 @@ def test_launch_recorder_rejects_an_undeclared_launch(launch_recorder):
     launch_recorder.seen.append((name, (*template, ("EXTRA", 1)), inputs, outputs))
     with pytest.raises(AssertionError):
         launch_recorder.assert_declared()
+
+
+# ---- every registered kernel is benchmarked and launched by its op's tests ----------------
+
+def check_bench_cases(specs) -> None:
+    """Each op of ``specs`` has benchmark cases (what `python -m mlx_metaltile bench` and
+    bench/ run)."""
+    missing = sorted({s.op for s in specs if not _bench_cases.cases(s.op)})
+    assert not missing, f"registered ops without benchmark cases: {missing}"
+
+
+def check_variant_is_launched(spec, backend: str, rng) -> None:
+    """tests/test_<op>.py has a checked call for ``spec`` (VARIANT_CALLS), and that call
+    launches this very kernel on ``backend``."""
+    try:
+        module = importlib.import_module(f"test_{spec.op}")
+    except ModuleNotFoundError:
+        raise AssertionError(f"{spec.name}: no tests/test_{spec.op}.py") from None
+    calls = getattr(module, "VARIANT_CALLS", {})
+    assert spec.variant in calls, (
+        f"{spec.name}: tests/test_{spec.op}.py has no VARIANT_CALLS[{spec.variant!r}], so "
+        "no test launches this variant")
+    before = backends.launch_count(spec.name, backend)
+    calls[spec.variant](backend, rng)
+    assert backends.launch_count(spec.name, backend) > before, (
+        f"{spec.name}: VARIANT_CALLS[{spec.variant!r}] of tests/test_{spec.op}.py launched "
+        f"other kernels, not this one, on {backend}")
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Kernel outputs start as NaN, so an output a kernel never writes fails its oracle."""
+    real = backends.launch
+
+    def launch(*args, **kwargs):
+        kwargs["init_value"] = float("nan")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backends, "launch", launch)
+
+
+def test_every_registered_op_has_benchmark_cases():
+    check_bench_cases(mt.kernels())
+
+
+@pytest.mark.parametrize("spec", mt.kernels(), ids=lambda s: s.name)
+def test_every_registered_variant_is_launched_by_its_op_tests(kernel_backend, poisoned_outputs,
+                                                             rng, spec):
+    if kernel_backend not in spec.backends:
+        pytest.skip(f"{spec.name} does not run on {kernel_backend}")
+    check_variant_is_launched(spec, kernel_backend, rng)
+
+
+def test_coverage_checks_fail_for_an_uncovered_registration(monkeypatch, rng):
+    """A kernel registered with no test call, a test call that launches another kernel, and
+    an op with neither tests nor benchmark cases: each is caught."""
+    require_backend("emulator")
+    real = _registry.get_spec("gated_rms_norm_simd_rows")
+    fake = replace(real, variant="fake", template="gated_rms_norm_fake.metal")
+    other_op = replace(real, op="no_such_op", template="no_such_op.metal")
+    for spec in (fake, other_op):
+        monkeypatch.setitem(_registry._REGISTRY, spec.name, spec)
+    assert fake in mt.kernels() and other_op in mt.kernels()
+
+    with pytest.raises(AssertionError, match=r"\['no_such_op'\]"):
+        check_bench_cases(mt.kernels())
+    with pytest.raises(AssertionError, match="no_such_op_simd_rows: no tests/test_no_such_op.py"):
+        check_variant_is_launched(other_op, "emulator", rng)
+    with backends.use_backend("emulator"):
+        with pytest.raises(AssertionError, match=r"has no VARIANT_CALLS\['fake'\]"):
+            check_variant_is_launched(fake, "emulator", rng)
+        # a call for the new variant that still launches the old kernel
+        calls = importlib.import_module("test_gated_rms_norm").VARIANT_CALLS
+        monkeypatch.setitem(calls, "fake", calls["simd_rows"])
+        with pytest.raises(AssertionError, match="launched other kernels, not this one"):
+            check_variant_is_launched(fake, "emulator", rng)
+        check_variant_is_launched(real, "emulator", rng)  # and the real one passes

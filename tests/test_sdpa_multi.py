@@ -78,6 +78,17 @@ def run_and_check(q, k, v, *, scale, causal, kv_len, backend, what=""):
     return out
 
 
+# One checked call per registered kernel variant of this op (tests/test_registry.py runs
+# them for every registered variant on each kernel backend, so a variant added to the
+# registry fails there until it has one here).
+def _variant_call(backend, rng):
+    q, k, v = make_inputs(rng, 1, 8, 2, 4, 96, 64, mx.bfloat16)
+    run_and_check(q, k, v, scale=0.125, causal=True, kv_len=80, backend=backend)
+
+
+VARIANT_CALLS = {"split": _variant_call, "combine": _variant_call}  # one call runs both
+
+
 @pytest.fixture
 def poisoned(monkeypatch):
     """Every kernel output starts as NaN, so an element left unwritten fails the check."""

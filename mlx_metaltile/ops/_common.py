@@ -9,6 +9,7 @@ import mlx.core as mx
 
 FLOAT_TYPES = (mx.float32, mx.float16, mx.bfloat16)
 INDEX_TYPES = (mx.uint32, mx.int32)
+_FLOAT_SET = frozenset(FLOAT_TYPES)  # one hash instead of up to three comparisons
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -21,10 +22,13 @@ def require_array(op: str, name: str, value) -> mx.array:
     return value
 
 
-def require_float(op: str, name: str, arr: mx.array) -> None:
-    if arr.dtype not in FLOAT_TYPES:
+def require_float(op: str, name: str, arr: mx.array) -> mx.Dtype:
+    """Check that ``arr`` is float32/float16/bfloat16; return its dtype."""
+    dtype = arr.dtype
+    if dtype not in _FLOAT_SET:
         raise TypeError(f"[{op}] {name} must be float32, float16 or bfloat16, "
-                        f"got {dtype_name(arr.dtype)}")
+                        f"got {dtype_name(dtype)}")
+    return dtype
 
 
 def require_ndim(op: str, name: str, arr: mx.array, ndim: int) -> None:
@@ -34,9 +38,10 @@ def require_ndim(op: str, name: str, arr: mx.array, ndim: int) -> None:
 
 
 def require_finite_scalar(op: str, name: str, value, *, minimum: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"[{op}] {name} must be a Python float, got {type(value).__name__}")
-    value = float(value)
+    if type(value) is not float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"[{op}] {name} must be a Python float, got {type(value).__name__}")
+        value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"[{op}] {name} must be finite, got {value}")
     if minimum is not None and value < minimum:

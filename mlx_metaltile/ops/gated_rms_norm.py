@@ -53,22 +53,26 @@ _OUTPUTS = ("out",)
 
 def _check_gated_rms_norm(y, z, weight, eps) -> tuple[int, int, float]:
     """Validate the inputs; return (n, rows, eps)."""
-    for name, arr in (("y", y), ("z", z), ("weight", weight)):
-        require_array(OP, name, arr)
-    require_float(OP, "z", z)
-    if weight.dtype != z.dtype:
-        raise TypeError(f"[{OP}] weight must have z's dtype {dtype_name(z.dtype)}, "
-                        f"got {dtype_name(weight.dtype)}")
-    if y.dtype not in (mx.float32, z.dtype):
-        raise TypeError(f"[{OP}] y must be float32 or z's dtype {dtype_name(z.dtype)}, "
-                        f"got {dtype_name(y.dtype)}")
-    if z.ndim < 1:
+    if not (isinstance(y, mx.array) and isinstance(z, mx.array)
+            and isinstance(weight, mx.array)):
+        for name, arr in (("y", y), ("z", z), ("weight", weight)):
+            require_array(OP, name, arr)
+    z_dtype = require_float(OP, "z", z)
+    w_dtype, y_dtype = weight.dtype, y.dtype
+    if w_dtype != z_dtype:
+        raise TypeError(f"[{OP}] weight must have z's dtype {dtype_name(z_dtype)}, "
+                        f"got {dtype_name(w_dtype)}")
+    if y_dtype != z_dtype and y_dtype != mx.float32:
+        raise TypeError(f"[{OP}] y must be float32 or z's dtype {dtype_name(z_dtype)}, "
+                        f"got {dtype_name(y_dtype)}")
+    shape = z.shape
+    if not shape:
         raise ValueError(f"[{OP}] z must have at least 1 dimension, got 0")
-    if tuple(y.shape) != tuple(z.shape):
+    if y.shape != shape:
         raise ValueError(f"[{OP}] y and z must have the same shape, got y {tuple(y.shape)} "
-                         f"and z {tuple(z.shape)}")
-    n = z.shape[-1]
-    if weight.ndim != 1 or weight.shape[0] != n:
+                         f"and z {tuple(shape)}")
+    n = shape[-1]
+    if weight.shape != (n,):
         raise ValueError(f"[{OP}] weight must have shape ({n},) (the last axis of z), "
                          f"got {tuple(weight.shape)}")
     if n < 1:
@@ -76,8 +80,7 @@ def _check_gated_rms_norm(y, z, weight, eps) -> tuple[int, int, float]:
     if n >= 2**31:
         raise ValueError(f"[{OP}] the last axis (n) must be < 2^31, got {n}")
     eps = require_finite_scalar(OP, "eps", eps, minimum=0.0)
-    rows = math.prod(z.shape[:-1])
-    return n, rows, eps
+    return n, math.prod(shape[:-1]), eps
 
 
 def gated_rms_norm_reference(y: mx.array, z: mx.array, weight: mx.array,
@@ -112,6 +115,7 @@ def instantiations(spec: KernelSpec) -> tuple[KernelInstance, ...]:
 
 
 def _launch(y, z, weight, n: int, rows: int, eps: float, backend: str) -> mx.array:
+    z_dtype = z.dtype
     n_arr, eps_arr = scalar(n, mx.uint32), scalar(eps, mx.float32)
     if n <= MAX_SIMD_ROW:
         spec, names = SIMD_ROWS_SPEC, _SIMD_ROWS_INPUTS
@@ -125,8 +129,8 @@ def _launch(y, z, weight, n: int, rows: int, eps: float, backend: str) -> mx.arr
         grid, threadgroup, tg_memory = (tg, rows, 1), (tg, 1, 1), 32 * 4
     (out,) = backends.launch(
         spec, backend, inputs=inputs, input_names=names, output_names=_OUTPUTS,
-        template=_template(z.dtype, y.dtype), grid=grid, threadgroup=threadgroup,
-        threadgroup_memory=tg_memory, output_shapes=(z.shape,), output_dtypes=(z.dtype,),
+        template=_template(z_dtype, y.dtype), grid=grid, threadgroup=threadgroup,
+        threadgroup_memory=tg_memory, output_shapes=(z.shape,), output_dtypes=(z_dtype,),
     )
     return out
 
