@@ -16,11 +16,16 @@ FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 @dataclass(frozen=True)
 class Tolerance:
-    """|got - want| <= atol + rtol * |want| + accum * magnitude, elementwise.
+    """|got - want| <= atol + rtol * |want| + accum * magnitude (+ 2^-126 * scale), elementwise.
 
-    ``rtol`` covers one rounding of the output to its dtype; ``accum`` covers float32
-    accumulation, relative to ``magnitude`` = the float64 sum of |terms| behind each output
-    (for an elementwise op it is |want| itself).
+    ``rtol`` is two half-ulps of the output dtype: one rounding of a float32 result, plus
+    the float32 result itself rounding the other way. ``accum`` covers float32 evaluation
+    and accumulation, relative to ``magnitude`` = the float64 sum of |terms| behind each
+    output (for an elementwise op, |want| times the op's own growth of float32 error).
+    ``atol`` is the bottom of the output's range (float32 and bfloat16: the smallest normal
+    2^-126, which float32 arithmetic may flush to zero; float16: its smallest subnormal).
+    Where an op multiplies an intermediate that may fall below float32's normal range, the
+    test adds 2^-126 times that factor (``scale``; see tests/tolerances.py).
     """
 
     rtol: float
@@ -29,10 +34,11 @@ class Tolerance:
 
 
 # The one tolerance table (per output dtype). Kernels compute in float32 and round once.
+# rtol = 2^-(p-1) for a p-bit significand; atol as in Tolerance's docstring.
 TOLERANCES: dict[str, Tolerance] = {
-    "float32": Tolerance(rtol=1e-5, atol=1e-6),
-    "float16": Tolerance(rtol=1e-3, atol=1e-5),  # 2 half-ulps of binary16 (2^-11 each)
-    "bfloat16": Tolerance(rtol=8e-3, atol=1e-4),  # 2 half-ulps of bfloat16 (2^-8 each)
+    "float32": Tolerance(rtol=2.0**-23, atol=2.0**-126),
+    "float16": Tolerance(rtol=2.0**-10, atol=2.0**-24),
+    "bfloat16": Tolerance(rtol=2.0**-7, atol=2.0**-126),
 }
 
 

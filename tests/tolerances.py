@@ -7,7 +7,9 @@ import numpy as np
 
 from mlx_metaltile._registry import TOLERANCES, Tolerance
 
-__all__ = ["TOLERANCES", "Tolerance", "assert_close", "to_f64"]
+__all__ = ["FLOAT32_TINY", "TOLERANCES", "Tolerance", "assert_close", "to_f64"]
+
+FLOAT32_TINY = 2.0**-126  # float32's smallest normal: float32 arithmetic may flush below it
 
 
 def to_f64(a) -> np.ndarray:
@@ -19,11 +21,15 @@ def to_f64(a) -> np.ndarray:
     return np.asarray(a, dtype=np.float64)
 
 
-def assert_close(got, want, dtype, magnitude=None, what: str = "") -> None:
-    """|got - want| <= atol + rtol*|want| + accum*magnitude elementwise, for ``dtype``'s row.
+def assert_close(got, want, dtype, magnitude=None, what: str = "",
+                 underflow_scale=None) -> None:
+    """|got - want| <= atol + rtol*|want| + accum*magnitude + FLOAT32_TINY*underflow_scale
+    elementwise, for ``dtype``'s row of the table.
 
-    ``magnitude`` is the float64 sum of |terms| behind each output (defaults to |want|).
-    NaN in ``got`` always fails (outputs never written stay poisoned).
+    ``magnitude`` is the float64 sum of |terms| behind each output (defaults to |want|);
+    ``underflow_scale`` is the factor by which the op multiplies an intermediate that may
+    fall below float32's normal range (FLOAT32_TINY; defaults to 0). NaN in ``got`` always
+    fails (outputs never written stay poisoned).
     """
     name = str(dtype).rsplit(".", 1)[-1]
     tol = TOLERANCES[name]
@@ -33,6 +39,8 @@ def assert_close(got, want, dtype, magnitude=None, what: str = "") -> None:
         raise AssertionError(f"{what} shape {got.shape} != expected {want.shape}")
     mag = np.abs(want) if magnitude is None else np.asarray(magnitude, dtype=np.float64)
     bound = tol.atol + tol.rtol * np.abs(want) + tol.accum * mag
+    if underflow_scale is not None:
+        bound = bound + FLOAT32_TINY * np.asarray(underflow_scale, dtype=np.float64)
     err = np.abs(got - want)
     bad = ~(err <= bound)  # NaN counts as bad
     if bad.any():
