@@ -64,6 +64,11 @@ def _gated_rms_norm_oracle(y, z, weight, eps=1e-5):
     return w * y / np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + eps) * silu
 
 
+def _gated_rms_norm_magnitude(y, z, weight, eps=1e-5):
+    # float32 error grows with |z| (exp(-z) starts from -z rounded to float32), as in the tests
+    return np.abs(_gated_rms_norm_oracle(y, z, weight, eps)) * (1.0 + np.abs(f64(z)))
+
+
 @partial(mx.compile, shapeless=True)
 def _precise_swiglu(h, gate, x):
     # The gate of mlx-lm's Qwen3-Next gated norm (mlx_lm/models/qwen3_next.py, since its
@@ -104,7 +109,8 @@ def _gated_rms_norm_cases():
                 _CASES.append(BenchCase(
                     op="gated_rms_norm", label=f"{rows}x{n}-{y_tag}", dtype=dtype, make=make,
                     ours=mt.gated_rms_norm, native=gated_rms_norm_native,
-                    oracle=_gated_rms_norm_oracle, nbytes=nbytes, flops=8 * rows * n,
+                    oracle=_gated_rms_norm_oracle, magnitude=_gated_rms_norm_magnitude,
+                    nbytes=nbytes, flops=8 * rows * n,
                     quick=quick and dtype == mx.float16))
 
 
@@ -178,8 +184,9 @@ def _moe_round(values: np.ndarray, dtype) -> np.ndarray:
     return np.ldexp(np.rint(mant * 256.0) / 256.0, expo)
 
 
-def _moe_oracle(x, w, scales, biases, indices, *, group_size, bits):
-    """out[m] = T(scale * q + bias)[e_m] @ x[m] in float64 (T = x's dtype)."""
+def _moe_products(x, w, scales, biases, indices, *, group_size, bits, absolute=False):
+    """out[m] = T(scale * q + bias)[e_m] @ x[m] in float64 (T = x's dtype); with
+    ``absolute``, the same over |terms| (the magnitude of each sum)."""
     xf, ids, wn = f64(x), np.array(indices).astype(np.int64), np.array(w)
     s, b = f64(scales), f64(biases)
     out = np.full((xf.shape[0], wn.shape[1]), np.nan)
@@ -188,8 +195,18 @@ def _moe_oracle(x, w, scales, biases, indices, *, group_size, bits):
             wd = (_moe_unpack(wn[e], bits) * np.repeat(s[e], group_size, axis=-1)
                   + np.repeat(b[e], group_size, axis=-1))
             rows = ids == e
-            out[rows] = xf[rows] @ _moe_round(wd, x.dtype).T
+            wt = _moe_round(wd, x.dtype)
+            out[rows] = np.abs(xf[rows]) @ np.abs(wt).T if absolute else xf[rows] @ wt.T
     return out
+
+
+def _moe_oracle(x, w, scales, biases, indices, *, group_size, bits):
+    return _moe_products(x, w, scales, biases, indices, group_size=group_size, bits=bits)
+
+
+def _moe_magnitude(x, w, scales, biases, indices, *, group_size, bits):
+    return _moe_products(x, w, scales, biases, indices, group_size=group_size, bits=bits,
+                         absolute=True)
 
 
 def _moe_native(x, w, scales, biases, indices, *, group_size, bits):
@@ -240,6 +257,7 @@ def _moe_gather_qmm_cases():
                     op="moe_gather_qmm", label=f"M{rows}-N{n}-K{k}-E{E}-b{bits}", dtype=dtype,
                     make=make, ours=partial(mt.moe_gather_qmm, **kw),
                     native=partial(_moe_native, **kw), oracle=partial(_moe_oracle, **kw),
+                    magnitude=partial(_moe_magnitude, **kw),
                     nbytes=nbytes, flops=2 * rows * n * k,
                     quick=rows in (8, 128) and n == 768 and bits == 4 and dtype == mx.bfloat16))
 
@@ -380,6 +398,22 @@ def _sdpa_multi_oracle(q, k, v, scale, causal, kv_len):
     return (p / p.sum(axis=-1, keepdims=True)) @ np.repeat(v[:, :, :kv_len], G, axis=1)
 
 
+def _sdpa_multi_magnitude(q, k, v, scale, causal, kv_len):
+    """sum_j p_j (1 + |scale| sum_d |q_d k_jd|) |v_j|: float32 error of a score grows with
+    the magnitude of its dot product, and each p_j carries it into the output."""
+    q, k, v = f64(q), f64(k), f64(v)
+    L, G = q.shape[2], q.shape[1] // k.shape[1]
+    kk = np.repeat(k[:, :, :kv_len], G, axis=1)
+    s = scale * (q @ kk.swapaxes(-1, -2))
+    score_mag = abs(scale) * (np.abs(q) @ np.abs(kk).swapaxes(-1, -2))
+    if causal:
+        visible = np.arange(kv_len)[None, :] <= (kv_len - L + np.arange(L))[:, None]
+        s = np.where(visible, s, -np.inf)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    return (p * (1.0 + score_mag)) @ np.repeat(np.abs(v[:, :, :kv_len]), G, axis=1)
+
+
 def _sdpa_multi_native(q, k, v, scale, causal, kv_len):
     return mx.fast.scaled_dot_product_attention(
         q, k[:, :, :kv_len], v[:, :, :kv_len], scale=scale, mask="causal" if causal else None)
@@ -409,6 +443,7 @@ def _sdpa_multi_cases():
                                   + ("" if causal else "-full"),
                             dtype=dtype, make=make, ours=mt.sdpa_multi,
                             native=_sdpa_multi_native, oracle=_sdpa_multi_oracle,
+                            magnitude=_sdpa_multi_magnitude,
                             nbytes=(2 * B * Hq * L * D + 2 * B * Hkv * kv_len * D) * dtype.size,
                             flops=4 * B * Hq * visible * D,
                             quick=(dtype == mx.float16 and Hkv == 8 and kv_len == 4096
