@@ -175,20 +175,34 @@ def precompiled_header() -> Path | None:
 
 
 _DIAG_FILE = re.compile(r"(?:(?<=\s)|^)(?:\./)?(body|header)\.metal:(\d+)(?::(\d+))?", re.M)
+_KERNEL_CONTEXT = re.compile(r"^((?:body|header):\d+(?::\d+)?):\s+required from")
+_ERROR = re.compile(r"^(?P<where>\S+?:\d+(?::\d+)?): (?:fatal )?error: (?P<what>.*)$")
 
 
 def _map_diagnostics(stderr: str, name: str) -> tuple[str, str | None]:
-    """Compiler output with the kernel's files named plainly, and the first error line."""
+    """Compiler output with the kernel's files named plainly, and the first error line.
+
+    An error raised inside the runtime headers (a static_assert refusing an operand type,
+    say) is headed by the kernel line whose call instantiated the header code."""
     lines = []
     first = None
+    context = None  # the kernel line nearest the error in the current instantiation chain
     for line in stderr.splitlines():
         if "mt_pch.h" in line or "<command-line>" in line:
             continue
         line = _DIAG_FILE.sub(lambda m: f"{m.group(1)}:{m.group(2)}"
                               + (f":{m.group(3)}" if m.group(3) else ""), line)
         line = line.replace(str(INCLUDE_DIR) + "/", "")
+        if "In instantiation of" in line:
+            context = None
+        elif context is None and (m := _KERNEL_CONTEXT.match(line)):
+            context = m.group(1)
         if first is None and "error" in line:
             first = line.strip()
+            m = _ERROR.match(first)
+            if m and context and not m.group("where").startswith(("body:", "header:")):
+                what = m.group("what").removeprefix("static assertion failed: ")
+                first = f"{context}: error: {what}"
         lines.append(line)
     text = "\n".join(lines)
     if len(text) > 6000:
