@@ -74,6 +74,30 @@ def test_threadgroup_memory_over_32_kib():
         out[0] = a[0];
     """, tg=(64, 1, 1))
     assert "32 KiB" in str(err) and "'b'" in str(err) and err.location == "body line 3"
+    # the author's declaration is quoted, not the emulator's rewrite of it
+    assert err.source_line == "threadgroup float b[4100];  // 16 KiB + 16400 bytes > 32 KiB"
+    assert str(err).endswith(f"at body line 3: {err.source_line}")
+
+
+def test_hazards_quote_the_lines_as_written():
+    # a declaration over two lines keeps the line numbers after it; `1.0h` is quoted as is
+    err = hazard(em.ThreadgroupMemoryExceeded, """
+        threadgroup float
+            a[4096];
+        threadgroup half b[8200];
+        a[0] = 0.0f;
+        b[0] = 1.0h;
+        out[0] = a[0] + float(b[0]);
+    """)
+    assert err.location == "body line 4" and err.source_line == "threadgroup half b[8200];"
+    err = hazard(em.OutOfBoundsAccess, """
+        threadgroup float
+            a[64];
+        a[thread_index_in_threadgroup] = 2.0f;
+        out[thread_index_in_threadgroup + 1] = 1.0h * a[thread_index_in_threadgroup];
+    """)
+    assert err.location == "body line 5"
+    assert err.source_line == "out[thread_index_in_threadgroup + 1] = 1.0h * a[thread_index_in_threadgroup];"
 
 
 def test_exactly_32_kib_is_allowed():

@@ -237,6 +237,8 @@ class _Module:
     """One compiled kernel instantiation."""
 
     def __init__(self, path: Path, header: str, body: str):
+        """`header` and `body` as the kernel's author wrote them (the translation keeps their
+        line numbers): hazards quote these lines."""
         self.path = path
         self.lib = ctypes.CDLL(str(path))
         self.fn = ctypes.cast(self.lib.mt_kernel_thread, ctypes.c_void_p).value
@@ -328,7 +330,7 @@ class EmulatedKernel:
                 cpp, header, body = translate(gen)
                 path = _toolchain.build_kernel(cpp, header, body, self.name)
                 _toolchain.runtime_library()  # its symbols must be loaded first
-                mod = _Module(path, header, body)
+                mod = _Module(path, gen.header, gen.body)
                 self._modules[gen.source] = mod
             return mod
 
