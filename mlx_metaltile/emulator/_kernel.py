@@ -213,10 +213,22 @@ def last_launch_stats() -> LaunchStats | None:
 
 # ---- source lines of code addresses ---------------------------------------------------------
 
+# Source lines of hazards come from GNU binutils' addr2line (reading the module's DWARF line
+# tables). Without it a hazard still names kernel, threadgroup and thread, and says why the
+# line is missing.
+ADDR2LINE = "addr2line"
+NO_ADDR2LINE = ("source line unavailable: addr2line (GNU binutils) was not found; install "
+                "binutils to see it")
+
+
+def addr2line_missing() -> bool:
+    return shutil.which(ADDR2LINE) is None
+
+
 @functools.lru_cache(maxsize=4096)
 def _addr2line(path: str, offset: int) -> tuple[tuple[str, int], ...]:
     """Inline chain (innermost first) of (file basename, line) for a code offset."""
-    tool = shutil.which("addr2line")
+    tool = shutil.which(ADDR2LINE)
     if tool is None:
         return ()
     proc = subprocess.run([tool, "-e", path, "-i", hex(offset)], capture_output=True, text=True)
@@ -493,9 +505,12 @@ class EmulatedKernel:
 
     def _hazard(self, rt, mod, r) -> KernelHazard:
         message = r.message.decode(errors="replace")
+        no_lines = addr2line_missing()
         for k in range(r.nras):
             where, _ = mod.locate(rt, r.ras[k])
-            message = message.replace(f"@RA{k}", where or "an unknown line")
+            message = message.replace(f"@RA{k}", where or ("an unknown line (addr2line not "
+                                                           "found)" if no_lines else
+                                                           "an unknown line"))
         location, text = mod.locate(rt, r.fault_ra)
         parts = [f"[{self.name}] {message.rstrip('.')}"]
         threadgroup = thread = None
@@ -506,6 +521,8 @@ class EmulatedKernel:
                          f"{threadgroup}")
         if location:
             parts.append(f"at {location}" + (f": {text}" if text else ""))
+        elif no_lines and r.fault_ra:
+            parts.append(NO_ADDR2LINE)
         cls = HAZARD_CLASSES.get(r.hazard_kind, KernelHazard)
         return cls("; ".join(parts), kernel=self.name, threadgroup=threadgroup, thread=thread,
                    location=location, source_line=text)
