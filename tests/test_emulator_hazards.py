@@ -194,6 +194,31 @@ def test_stack_overflow_is_an_exception_not_a_crash():
     assert "stack overflow" in str(err)
 
 
+RECURSIVE_HEADER = """
+inline float deep(const device float* p, uint n) {
+  float local[64];
+  for (uint k = 0; k < 64; ++k) local[k] = p[k % 8] * float(n);
+  if (n == 0) return local[3];
+  return deep(p, n - 1) + local[n % 64];
+}
+"""
+
+
+def test_stack_overflow_in_a_recursive_helper_names_the_helper():
+    err = hazard(em.StackOverflow, "out[thread_position_in_grid.x] = deep(inp, 100000u);",
+                 {"inp": np.ones(8, np.float32)}, header=RECURSIVE_HEADER)
+    # the line of the helper whose frame ran into the guard page
+    assert err.location in ("header line 2", "header line 4", "header line 6"), str(err)
+
+
+def test_hazard_in_an_out_of_line_helper_names_its_line():
+    err = hazard(em.OutOfBoundsAccess, "out[thread_position_in_grid.x] = load(inp, 70);",
+                 {"inp": np.zeros(64, np.float32)},
+                 header="__attribute__((noinline)) float load(const device float* p, uint i) {\n"
+                        "  return p[i];\n}\n")
+    assert err.location == "header line 2" and err.source_line == "return p[i];"
+
+
 def test_wild_pointer_is_a_memory_fault():
     err = hazard(em.MemoryFault, """
         device float* p = (device float*)(ulong(16));

@@ -30,11 +30,13 @@ ABI_VERSION = 3
 
 # Kernel code: -O1 keeps compile time low; the thread-sanitizer instrumentation reports every
 # load and store to the runtime (bounds checks, byte counters, threadgroup shadow memory);
-# -g1 gives the line tables that map a faulting address back to the kernel's source line.
+# -g1 gives the line tables that map a faulting address back to the kernel's source line;
+# DWARF 4, because binutils' addr2line (2.40) names the wrong file (kernel.cpp) for the code
+# of out-of-line helper functions in GCC 12's DWARF 5 line tables.
 # C++20 for std::source_location (barriers and SIMD functions are matched by source position,
 # column included); MSL itself is C++17-based.
 KERNEL_FLAGS = (
-    "-std=c++20", "-O1", "-g1", "-fPIC",
+    "-std=c++20", "-O1", "-g1", "-gdwarf-4", "-fPIC",
     "-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0",
     "-fno-strict-aliasing", "-fwrapv", "-ffp-contract=off", "-fno-math-errno",
     "-fno-exceptions", "-fstack-clash-protection",
