@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from .._msl_signature import InputInfo, generate
-from . import _toolchain
+from . import _dwarf, _toolchain
 from ._errors import HAZARD_CLASSES, EmulatorError, KernelHazard
 from ._translate import translate
 
@@ -63,6 +63,10 @@ class _LaunchDesc(ctypes.Structure):
         ("nworkers", ctypes.c_int32),
         ("stack_size", ctypes.c_uint64),
         ("timeout_s", ctypes.c_double),
+        ("site_starts", ctypes.POINTER(ctypes.c_uint64)),
+        ("site_ids", ctypes.POINTER(ctypes.c_uint32)),
+        ("nsites", ctypes.c_int64),
+        ("site_state", ctypes.c_int32),
     ]
 
 
@@ -88,6 +92,7 @@ class _LaunchResult(ctypes.Structure):
         ("fiber_switches", ctypes.c_uint64),
         ("threadgroup_memory", ctypes.c_uint64),
         ("used_fibers", ctypes.c_int32),
+        ("used_site_ids", ctypes.c_int32),
     ]
 
 
@@ -200,6 +205,9 @@ class LaunchStats:
     threadgroup_memory: int  # bytes of threadgroup arrays (largest over threadgroups)
     fiber_switches: int  # 0 when the kernel ran without fibers (no barrier/SIMD function)
     used_fibers: bool
+    # threads waited at one barrier / SIMD-group function through different return addresses,
+    # and the module's debug information told whether that was one call of the source
+    call_sites_from_debug_info: bool = False
 
 
 _last_stats: LaunchStats | None = None
@@ -257,6 +265,20 @@ class _Module:
         self.header_lines = header.splitlines()
         self.body_lines = body.splitlines()
         self.needs_fibers = False
+        self._sites = None  # (starts, ids, count) once read; False: unreadable
+
+    def call_site_table(self):
+        """The call-site identities of this module's code, read from its debug information
+        the first time a launch needs them: (starts, ids, count) as ctypes arrays, or False."""
+        if self._sites is None:
+            table = _dwarf.call_site_table(self.path)
+            if table is None:
+                self._sites = False
+            else:
+                starts, ids = table
+                self._sites = ((ctypes.c_uint64 * len(starts))(*starts),
+                               (ctypes.c_uint32 * len(ids))(*ids), len(starts))
+        return self._sites
 
     def locate(self, rt, ra: int) -> tuple[str | None, str | None]:
         """("body line 12", line text) for a return address in this module's code."""
@@ -475,7 +497,18 @@ class EmulatedKernel:
         desc.stack_size = s.stack_kb * 1024
         desc.timeout_s = s.timeout_s
         result = _LaunchResult()
-        rt.mt_launch(ctypes.byref(desc), ctypes.byref(result))
+        while True:
+            sites = mod._sites
+            if sites:
+                desc.site_starts, desc.site_ids, desc.nsites = sites
+            desc.site_state = 0 if sites is None else 1 if sites else 2
+            rt.mt_launch(ctypes.byref(desc), ctypes.byref(result))
+            if result.status != 3 or desc.site_state != 0:
+                break
+            # threads met at one call through different return addresses: read the module's
+            # call-site identities once, and run the launch again with them (with fibers)
+            mod.call_site_table()
+            desc.force_fibers = 1
         del keep  # the runtime copied what it needed
         if result.used_fibers:
             mod.needs_fibers = True
@@ -489,7 +522,8 @@ class EmulatedKernel:
             simdgroup_barriers=result.simdgroup_barriers,
             simd_collectives=result.simd_collectives,
             threadgroup_memory=result.threadgroup_memory,
-            fiber_switches=result.fiber_switches, used_fibers=bool(result.used_fibers))
+            fiber_switches=result.fiber_switches, used_fibers=bool(result.used_fibers),
+            call_sites_from_debug_info=bool(result.used_site_ids))
         with _stats_lock:
             _last_stats = stats
         if result.status == 2:

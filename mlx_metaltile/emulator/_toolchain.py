@@ -26,7 +26,7 @@ from ._errors import EmulatorError, KernelCompileError
 PACKAGE_DIR = Path(__file__).resolve().parent
 INCLUDE_DIR = PACKAGE_DIR / "include"
 RUNTIME_SOURCE = PACKAGE_DIR / "src" / "runtime.cpp"
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 # Kernel code: -O1 keeps compile time low; the thread-sanitizer instrumentation reports every
 # load and store to the runtime (bounds checks, byte counters, threadgroup shadow memory);
@@ -34,9 +34,11 @@ ABI_VERSION = 3
 # DWARF 4, because binutils' addr2line (2.40) names the wrong file (kernel.cpp) for the code
 # of out-of-line helper functions in GCC 12's DWARF 5 line tables.
 # C++20 for std::source_location (barriers and SIMD functions are matched by source position,
-# column included); MSL itself is C++17-based.
+# column included); MSL itself is C++17-based. Frame pointers let the runtime walk the call
+# path of a thread waiting at a barrier or SIMD-group function (threads meet there only when
+# they called it through the same chain of calls).
 KERNEL_FLAGS = (
-    "-std=c++20", "-O1", "-g1", "-gdwarf-4", "-fPIC",
+    "-std=c++20", "-O1", "-g1", "-gdwarf-4", "-fno-omit-frame-pointer", "-fPIC",
     "-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0",
     "-fno-strict-aliasing", "-fwrapv", "-ffp-contract=off", "-fno-math-errno",
     "-fno-exceptions", "-fstack-clash-protection",

@@ -1,8 +1,9 @@
 // simd.h: barriers and SIMD-group / quad-group functions.
 //
 // A lane that calls a SIMD-group function blocks; once every unfinished lane of its SIMD-group
-// is blocked, the lanes blocked at the same call site are the active set and the function is
-// evaluated over them (lanes that returned, or wait elsewhere, are inactive).
+// is blocked, the lanes blocked at the same call -- the same source position reached through
+// the same chain of calls -- are the active set and the function is evaluated over them (lanes
+// that returned, or wait elsewhere, are inactive).
 //
 // Reduction order (fixed): simd_sum/product/min/max/and/or/xor combine the active lanes as a
 // binary tree over lane numbers -- (0,1) (2,3) ... then (0,2) (4,6) ..., then (0,4) ... --
