@@ -209,9 +209,11 @@ def test_barrier_in_a_helper_called_from_two_branches_is_divergence():
     header = "inline void sync() { threadgroup_barrier(mem_flags::mem_threadgroup); }\n"
     with pytest.raises(em.BarrierDivergence, match="can never all meet") as info:
         body("if (t < 32) sync();\nelse sync();\nout[t] = x;", header)
-    msg = str(info.value)
-    assert "Threads 0-31 wait at threadgroup_barrier (header line 1)" in msg, msg
-    assert "Threads 32-63 wait at threadgroup_barrier (header line 1)" in msg, msg
+    msg = str(info.value)  # SETUP is 5 lines: the calls are on body lines 6 and 7
+    assert "Threads 0-31 wait at threadgroup_barrier (header line 1, called from body line 6)" \
+        in msg, msg
+    assert "Threads 32-63 wait at threadgroup_barrier (header line 1, called from body line 7)" \
+        in msg, msg
     # called by every thread, twice in a row: two barriers
     got = body("""
         threadgroup float s[64];

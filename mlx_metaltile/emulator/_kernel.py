@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -280,15 +281,32 @@ class _Module:
                                (ctypes.c_uint32 * len(ids))(*ids), len(starts))
         return self._sites
 
+    def _frames(self, rt, ra: int) -> tuple[tuple[str, int], ...]:
+        buf = ctypes.create_string_buffer(4096)
+        off = ctypes.c_uint64(0)
+        if not ra or not rt.mt_addr_info(ctypes.c_uint64(ra), buf, 4096, ctypes.byref(off)):
+            return ()
+        return _addr2line(buf.value.decode(), max(off.value - 1, 0))
+
+    def callers(self, rt, ras) -> list[str]:
+        """The kernel lines along a call path (return addresses, innermost first), innermost
+        first, without the innermost one (the call itself): ["body line 5", ...]."""
+        lines = []
+        for ra in ras:
+            for file, line in self._frames(rt, ra):
+                if file in ("body.metal", "header.metal"):
+                    where = f"{'body' if file == 'body.metal' else 'header'} line {line}"
+                    if not lines or lines[-1] != where:
+                        lines.append(where)
+        return lines[1:]
+
     def locate(self, rt, ra: int) -> tuple[str | None, str | None]:
         """("body line 12", line text) for a return address in this module's code."""
         if not ra:
             return None, None
-        buf = ctypes.create_string_buffer(4096)
-        off = ctypes.c_uint64(0)
-        if not rt.mt_addr_info(ctypes.c_uint64(ra), buf, 4096, ctypes.byref(off)):
+        frames = self._frames(rt, ra)
+        if not frames:
             return None, None
-        frames = _addr2line(buf.value.decode(), max(off.value - 1, 0))
         for file, line in frames:
             if file in ("body.metal", "header.metal"):
                 where = "body" if file == "body.metal" else "header"
@@ -540,6 +558,13 @@ class EmulatedKernel:
     def _hazard(self, rt, mod, r) -> KernelHazard:
         message = r.message.decode(errors="replace")
         no_lines = addr2line_missing()
+
+        def path(m: re.Match) -> str:
+            callers = mod.callers(rt, [r.ras[k] for k in range(int(m.group(1)),
+                                                               int(m.group(2)))])
+            return "".join(f", called from {c}" for c in callers)
+
+        message = re.sub(r"@PATH(\d+)-(\d+)", path, message)
         for k in range(r.nras):
             where, _ = mod.locate(rt, r.ras[k])
             message = message.replace(f"@RA{k}", where or ("an unknown line (addr2line not "

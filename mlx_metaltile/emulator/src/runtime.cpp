@@ -872,22 +872,32 @@ void deadlock(Worker* w, TgState& st, int sg = -1) {
                            "simdgroup_barrier (a Mac would hang).",
                            sg));
   }
-  char list[512], where[300];
+  char list[512], where[300], path[40];
+  uintptr_t path_ras[kMaxRas];
+  int npath_ras = 0;
   for (size_t k = 0; k < sites.size() && used + 900 < sizeof msg; ++k) {
     describe_threads(who[k], list, sizeof list);
     site_text(sites[k], where, sizeof where);
     const char* what = kinds[k] == BLOCK_TGB   ? "threadgroup_barrier"
                        : kinds[k] == BLOCK_SGB ? "simdgroup_barrier"
                                                : "a SIMD-group function";
-    used += size_t(snprintf(msg + used, sizeof msg - used, " Threads %s wait at %s (%s).",
-                            list, what, where));
+    // "@PATH<a>-<b>": the caller lines along the group's call path (ras[a..b)), for Python to
+    // fill in: threads at one line of a helper may have come through different calls of it
+    path[0] = 0;
+    const Fiber& f = *firsts[k];
+    if (f.npath && npath_ras + f.npath <= kMaxRas) {
+      snprintf(path, sizeof path, "@PATH%d-%d", npath_ras, npath_ras + f.npath);
+      for (int i = 0; i < f.npath; ++i) path_ras[npath_ras++] = f.path[i];
+    }
+    used += size_t(snprintf(msg + used, sizeof msg - used, " Threads %s wait at %s (%s%s).",
+                            list, what, where, path));
   }
   if (!done.empty() && used + 600 < sizeof msg) {
     describe_threads(done, list, sizeof list);
     snprintf(msg + used, sizeof msg - used, " Threads %s have returned.", list);
   }
   w->cur_ids = firsts.empty() ? nullptr : &firsts[0]->ids;
-  record_hazard(w, MT_HZ_BARRIER, ras.empty() ? 0 : ras[0], nullptr, 0, "%s", msg);
+  record_hazard(w, MT_HZ_BARRIER, ras.empty() ? 0 : ras[0], path_ras, npath_ras, "%s", msg);
   w->cur_ids = nullptr;
 }
 
