@@ -170,6 +170,25 @@ def test_one_call_copied_by_the_compiler_is_one_collective():
     assert em.last_launch_stats().call_sites_from_debug_info
 
 
+def test_one_barrier_copied_by_the_compiler_is_one_barrier():
+    header = """
+__attribute__((optimize("O3", "tracer"))) float rotate(threadgroup float* s, float v, uint t) {
+  if (t < 7) v += 1.0f; else v -= 1.0f;
+  s[t] = v;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float r = s[(t + 1) % 64];
+  if (t < 7) r *= 2.0f; else r += 3.0f;
+  return r;
+}
+"""
+    got = body("threadgroup float s[64];\nout[t] = rotate(s, x, t);", header)
+    v = np.where(T < 7, X + 1, X - 1)
+    r = v[(T + 1) % 64]
+    np.testing.assert_array_equal(got, np.where(T < 7, 2 * r, r + 3))
+    stats = em.last_launch_stats()
+    assert stats.threadgroup_barriers == 1 and stats.call_sites_from_debug_info
+
+
 def _module(source: str, header: str):
     kernel = em.metal_kernel(name="inspected", input_names=["d"], output_names=["out"],
                              source=SETUP + source, header=header)
