@@ -48,6 +48,52 @@ def test_barrier_heavy_launch(benchmark):
                                 fiber_switches=stats.fiber_switches)
 
 
+SIMD_HEAVY = """
+    uint t = thread_position_in_threadgroup.x;
+    float acc = inp[t];
+    for (int i = 0; i < 32; ++i) {
+      acc = simd_sum(acc) * 0.03125f + simd_shuffle_xor(acc, ushort(i & 31));
+    }
+    out[t] = acc;
+"""
+DIVERGENT_HELPER = """
+    uint t = thread_position_in_threadgroup.x;
+    float acc = inp[t];
+    for (int i = 0; i < 32; ++i) {
+      if (t % 2 == 0) acc = red(acc) * 0.03125f; else acc = red(acc * 2.0f) * 0.03125f;
+    }
+    out[t] = acc;
+"""
+
+
+def test_simd_heavy_launch(benchmark):
+    """One threadgroup of 1024 threads calling 64 SIMD-group functions (every lane, one path)."""
+    kernel = em.metal_kernel(name="bench_simd", input_names=["inp"], output_names=["out"],
+                             source=SIMD_HEAVY)
+    x = mx.arange(1024, dtype=mx.float32)
+    _launch(kernel, x, 1024, 1024)
+    benchmark.pedantic(lambda: _launch(kernel, x, 1024, 1024), rounds=10, warmup_rounds=1)
+    stats = em.last_launch_stats()
+    assert stats.simd_collectives == 32 * 64 and not stats.call_sites_from_debug_info
+    benchmark.extra_info.update(collectives=stats.simd_collectives,
+                                fiber_switches=stats.fiber_switches)
+
+
+def test_divergent_helper_launch(benchmark):
+    """1024 threads calling a simd_sum helper from two branches, 32 times: two collectives per
+    SIMD-group each time, told apart by call path (with the module's debug information)."""
+    kernel = em.metal_kernel(name="bench_helper", input_names=["inp"], output_names=["out"],
+                             source=DIVERGENT_HELPER,
+                             header="inline float red(float v) { return simd_sum(v); }\n")
+    x = mx.arange(1024, dtype=mx.float32)
+    _launch(kernel, x, 1024, 1024)
+    benchmark.pedantic(lambda: _launch(kernel, x, 1024, 1024), rounds=10, warmup_rounds=1)
+    stats = em.last_launch_stats()
+    assert stats.simd_collectives == 32 * 32 * 2 and stats.call_sites_from_debug_info
+    benchmark.extra_info.update(collectives=stats.simd_collectives,
+                                fiber_switches=stats.fiber_switches)
+
+
 def test_barrier_free_launch(benchmark):
     """1M threads of an elementwise body (plain mode: no fibers)."""
     kernel = em.metal_kernel(name="bench_plain", input_names=["inp"], output_names=["out"],

@@ -28,9 +28,11 @@ def rewrite_threadgroup_declarations(source: str) -> str:
 
     def replace(m: re.Match) -> str:
         dims = re.sub(r"\s+", "", m.group("dims"))
-        type_ = m.group("type").strip()
+        type_ = re.sub(r"\s+", " ", m.group("type").strip())
+        # a declaration written over several lines keeps them (later line numbers hold)
+        lines = m.group(0).count("\n") - m.group("ws").count("\n")
         return (f"{m.group('ws')}"
-                f"MT_THREADGROUP_ARRAY({m.group('name')}, {dims}, {type_});")
+                f"MT_THREADGROUP_ARRAY({m.group('name')}, {dims}, {type_});" + "\n" * lines)
 
     return _DECL.sub(replace, source)
 

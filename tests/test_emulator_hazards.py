@@ -74,6 +74,30 @@ def test_threadgroup_memory_over_32_kib():
         out[0] = a[0];
     """, tg=(64, 1, 1))
     assert "32 KiB" in str(err) and "'b'" in str(err) and err.location == "body line 3"
+    # the author's declaration is quoted, not the emulator's rewrite of it
+    assert err.source_line == "threadgroup float b[4100];  // 16 KiB + 16400 bytes > 32 KiB"
+    assert str(err).endswith(f"at body line 3: {err.source_line}")
+
+
+def test_hazards_quote_the_lines_as_written():
+    # a declaration over two lines keeps the line numbers after it; `1.0h` is quoted as is
+    err = hazard(em.ThreadgroupMemoryExceeded, """
+        threadgroup float
+            a[4096];
+        threadgroup half b[8200];
+        a[0] = 0.0f;
+        b[0] = 1.0h;
+        out[0] = a[0] + float(b[0]);
+    """)
+    assert err.location == "body line 4" and err.source_line == "threadgroup half b[8200];"
+    err = hazard(em.OutOfBoundsAccess, """
+        threadgroup float
+            a[64];
+        a[thread_index_in_threadgroup] = 2.0f;
+        out[thread_index_in_threadgroup + 1] = 1.0h * a[thread_index_in_threadgroup];
+    """)
+    assert err.location == "body line 5"
+    assert err.source_line == "out[thread_index_in_threadgroup + 1] = 1.0h * a[thread_index_in_threadgroup];"
 
 
 def test_exactly_32_kib_is_allowed():
@@ -170,6 +194,31 @@ def test_stack_overflow_is_an_exception_not_a_crash():
     assert "stack overflow" in str(err)
 
 
+RECURSIVE_HEADER = """
+inline float deep(const device float* p, uint n) {
+  float local[64];
+  for (uint k = 0; k < 64; ++k) local[k] = p[k % 8] * float(n);
+  if (n == 0) return local[3];
+  return deep(p, n - 1) + local[n % 64];
+}
+"""
+
+
+def test_stack_overflow_in_a_recursive_helper_names_the_helper():
+    err = hazard(em.StackOverflow, "out[thread_position_in_grid.x] = deep(inp, 100000u);",
+                 {"inp": np.ones(8, np.float32)}, header=RECURSIVE_HEADER)
+    # the line of the helper whose frame ran into the guard page
+    assert err.location in ("header line 2", "header line 4", "header line 6"), str(err)
+
+
+def test_hazard_in_an_out_of_line_helper_names_its_line():
+    err = hazard(em.OutOfBoundsAccess, "out[thread_position_in_grid.x] = load(inp, 70);",
+                 {"inp": np.zeros(64, np.float32)},
+                 header="__attribute__((noinline)) float load(const device float* p, uint i) {\n"
+                        "  return p[i];\n}\n")
+    assert err.location == "header line 2" and err.source_line == "return p[i];"
+
+
 def test_wild_pointer_is_a_memory_fault():
     err = hazard(em.MemoryFault, """
         device float* p = (device float*)(ulong(16));
@@ -212,6 +261,23 @@ def test_hazard_in_a_header_helper_names_the_header_line():
                  header="inline float load(const device float* p, uint i) {\n"
                         "  return p[i];\n}\n")
     assert err.location == "header line 2"
+
+
+def test_without_addr2line_a_hazard_says_why_its_line_is_missing(monkeypatch):
+    from mlx_metaltile.emulator import _kernel
+
+    monkeypatch.setattr(_kernel, "ADDR2LINE", "mt-emulator-no-such-tool")
+    _kernel._addr2line.cache_clear()
+    try:
+        with pytest.raises(em.OutOfBoundsAccess) as info:
+            run("out[thread_position_in_grid.x + 1] = 0.0f;", D, {"out": ((64,), mx.float32)},
+                (64, 1, 1), (64, 1, 1), name="broken")
+    finally:
+        _kernel._addr2line.cache_clear()
+    err = info.value
+    assert err.location is None and err.thread == (63, 0, 0)
+    assert str(err).endswith("source line unavailable: addr2line (GNU binutils) was not "
+                             "found; install binutils to see it"), str(err)
 
 
 def test_the_emulator_recovers_after_a_hazard():

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 from emulator_util import bf16_round, requires_emulator, run
 
+from mlx_metaltile import emulator as em
+
 pytestmark = requires_emulator
 
 
@@ -108,3 +110,15 @@ def test_bfloat_result_rounds_once():
     """, {"A": mx.array(a).astype(mx.bfloat16)}, {"out": ((8, 8), mx.bfloat16)}, (32, 1, 1),
         (32, 1, 1))
     np.testing.assert_array_equal(out, bf16_round(a))
+
+
+@pytest.mark.parametrize("element", ["int", "uint", "short", "bool"])
+def test_matrices_of_other_element_types_do_not_compile(element):
+    # Metal's simdgroup_matrix holds half, bfloat or float only
+    with pytest.raises(em.KernelCompileError) as info:
+        run(f"simdgroup_matrix<{element}, 8, 8> m(1);\nout[0] = float(m.thread_elements()[0]);",
+            {"d": mx.zeros((1,))}, {"out": ((1,), mx.float32)}, (32, 1, 1), (32, 1, 1),
+            name="refused")
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("[refused] the kernel does not compile: body:1:"), first
+    assert "half, bfloat or float" in first

@@ -192,6 +192,44 @@ def test_quad_functions():
     np.testing.assert_array_equal(per_lane("thread_index_in_quadgroup + 0.0f"), q)
 
 
+def test_bitwise_reductions_of_integer_vectors_and_quads():
+    got = per_lane("simd_or(uint2(1u << (i % 8), 1u << (i % 3))).y", dtype=mx.uint32)
+    np.testing.assert_array_equal(got, 7)
+    got = per_lane("quad_or(1u << (i % 4))", dtype=mx.uint32)
+    np.testing.assert_array_equal(got, 15)
+    got = per_lane("quad_and(int(i) | 64)", dtype=mx.int32)
+    np.testing.assert_array_equal(got, (LANES - LANES % 4) | 64)
+    got = per_lane("quad_xor(ushort(i))", dtype=mx.uint32)
+    np.testing.assert_array_equal(got, np.bitwise_xor.reduce(LANES.reshape(8, 4), axis=1)
+                                  .repeat(4))
+
+
+@pytest.mark.parametrize("call,function", [
+    ("simd_or(x)", "simd_or"),
+    ("simd_and(x)", "simd_and"),
+    ("simd_xor(half(x))", "simd_xor"),
+    ("simd_or(float2(x, x)).x", "simd_or"),
+    ("quad_or(x)", "quad_or"),
+    ("quad_and(bfloat16_t(x))", "quad_and"),
+    ("quad_xor(float4(x)).y", "quad_xor"),
+    ("simd_and(x > 1.0f)", "simd_and"),
+    ("simd_sum(x > 1.0f)", "simd_sum"),
+    ("quad_prefix_exclusive_sum(x > 1.0f)", "quad_prefix_exclusive_sum"),
+    ("simd_shuffle(x > 1.0f, 1)", "simd_shuffle"),
+    ("quad_broadcast(x > 1.0f, 0)", "quad_broadcast"),
+])
+def test_operand_types_metal_refuses_do_not_compile(call, function):
+    # bitwise reductions take integers only, and no SIMD-group function takes bool: Metal
+    # rejects these calls, so the emulator must not run them (it used to return garbage)
+    with pytest.raises(em.KernelCompileError) as info:
+        run(f"float x = float(thread_position_in_grid.x);\nout[0] = float({call});",
+            {"d": mx.zeros((1,))}, {"out": ((1,), mx.float32)}, (32, 1, 1), (32, 1, 1),
+            name="refused")
+    msg = str(info.value)
+    assert msg.startswith("[refused] the kernel does not compile: body:2:"), msg
+    assert f"no matching function for call to '{function}'" in msg.splitlines()[0], msg
+
+
 def _tree_sum(values, rnd):
     """The documented simd_sum order: pairs (0,1), (2,3), ..., then (0,2), ..., each sum
     rounded to the lane type."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -17,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from .._msl_signature import InputInfo, generate
-from . import _toolchain
+from . import _dwarf, _toolchain
 from ._errors import HAZARD_CLASSES, EmulatorError, KernelHazard
 from ._translate import translate
 
@@ -63,6 +64,10 @@ class _LaunchDesc(ctypes.Structure):
         ("nworkers", ctypes.c_int32),
         ("stack_size", ctypes.c_uint64),
         ("timeout_s", ctypes.c_double),
+        ("site_starts", ctypes.POINTER(ctypes.c_uint64)),
+        ("site_ids", ctypes.POINTER(ctypes.c_uint32)),
+        ("nsites", ctypes.c_int64),
+        ("site_state", ctypes.c_int32),
     ]
 
 
@@ -88,6 +93,7 @@ class _LaunchResult(ctypes.Structure):
         ("fiber_switches", ctypes.c_uint64),
         ("threadgroup_memory", ctypes.c_uint64),
         ("used_fibers", ctypes.c_int32),
+        ("used_site_ids", ctypes.c_int32),
     ]
 
 
@@ -200,6 +206,9 @@ class LaunchStats:
     threadgroup_memory: int  # bytes of threadgroup arrays (largest over threadgroups)
     fiber_switches: int  # 0 when the kernel ran without fibers (no barrier/SIMD function)
     used_fibers: bool
+    # threads waited at one barrier / SIMD-group function through different return addresses,
+    # and the module's debug information told whether that was one call of the source
+    call_sites_from_debug_info: bool = False
 
 
 _last_stats: LaunchStats | None = None
@@ -213,10 +222,22 @@ def last_launch_stats() -> LaunchStats | None:
 
 # ---- source lines of code addresses ---------------------------------------------------------
 
+# Source lines of hazards come from GNU binutils' addr2line (reading the module's DWARF line
+# tables). Without it a hazard still names kernel, threadgroup and thread, and says why the
+# line is missing.
+ADDR2LINE = "addr2line"
+NO_ADDR2LINE = ("source line unavailable: addr2line (GNU binutils) was not found; install "
+                "binutils to see it")
+
+
+def addr2line_missing() -> bool:
+    return shutil.which(ADDR2LINE) is None
+
+
 @functools.lru_cache(maxsize=4096)
 def _addr2line(path: str, offset: int) -> tuple[tuple[str, int], ...]:
     """Inline chain (innermost first) of (file basename, line) for a code offset."""
-    tool = shutil.which("addr2line")
+    tool = shutil.which(ADDR2LINE)
     if tool is None:
         return ()
     proc = subprocess.run([tool, "-e", path, "-i", hex(offset)], capture_output=True, text=True)
@@ -237,22 +258,55 @@ class _Module:
     """One compiled kernel instantiation."""
 
     def __init__(self, path: Path, header: str, body: str):
+        """`header` and `body` as the kernel's author wrote them (the translation keeps their
+        line numbers): hazards quote these lines."""
         self.path = path
         self.lib = ctypes.CDLL(str(path))
         self.fn = ctypes.cast(self.lib.mt_kernel_thread, ctypes.c_void_p).value
         self.header_lines = header.splitlines()
         self.body_lines = body.splitlines()
         self.needs_fibers = False
+        self._sites = None  # (starts, ids, count) once read; False: unreadable
+
+    def call_site_table(self):
+        """The call-site identities of this module's code, read from its debug information
+        the first time a launch needs them: (starts, ids, count) as ctypes arrays, or False."""
+        if self._sites is None:
+            table = _dwarf.call_site_table(self.path)
+            if table is None:
+                self._sites = False
+            else:
+                starts, ids = table
+                self._sites = ((ctypes.c_uint64 * len(starts))(*starts),
+                               (ctypes.c_uint32 * len(ids))(*ids), len(starts))
+        return self._sites
+
+    def _frames(self, rt, ra: int) -> tuple[tuple[str, int], ...]:
+        buf = ctypes.create_string_buffer(4096)
+        off = ctypes.c_uint64(0)
+        if not ra or not rt.mt_addr_info(ctypes.c_uint64(ra), buf, 4096, ctypes.byref(off)):
+            return ()
+        return _addr2line(buf.value.decode(), max(off.value - 1, 0))
+
+    def callers(self, rt, ras) -> list[str]:
+        """The kernel lines along a call path (return addresses, innermost first), innermost
+        first, without the innermost one (the call itself): ["body line 5", ...]."""
+        lines = []
+        for ra in ras:
+            for file, line in self._frames(rt, ra):
+                if file in ("body.metal", "header.metal"):
+                    where = f"{'body' if file == 'body.metal' else 'header'} line {line}"
+                    if not lines or lines[-1] != where:
+                        lines.append(where)
+        return lines[1:]
 
     def locate(self, rt, ra: int) -> tuple[str | None, str | None]:
         """("body line 12", line text) for a return address in this module's code."""
         if not ra:
             return None, None
-        buf = ctypes.create_string_buffer(4096)
-        off = ctypes.c_uint64(0)
-        if not rt.mt_addr_info(ctypes.c_uint64(ra), buf, 4096, ctypes.byref(off)):
+        frames = self._frames(rt, ra)
+        if not frames:
             return None, None
-        frames = _addr2line(buf.value.decode(), max(off.value - 1, 0))
         for file, line in frames:
             if file in ("body.metal", "header.metal"):
                 where = "body" if file == "body.metal" else "header"
@@ -328,7 +382,7 @@ class EmulatedKernel:
                 cpp, header, body = translate(gen)
                 path = _toolchain.build_kernel(cpp, header, body, self.name)
                 _toolchain.runtime_library()  # its symbols must be loaded first
-                mod = _Module(path, header, body)
+                mod = _Module(path, gen.header, gen.body)
                 self._modules[gen.source] = mod
             return mod
 
@@ -461,7 +515,18 @@ class EmulatedKernel:
         desc.stack_size = s.stack_kb * 1024
         desc.timeout_s = s.timeout_s
         result = _LaunchResult()
-        rt.mt_launch(ctypes.byref(desc), ctypes.byref(result))
+        while True:
+            sites = mod._sites
+            if sites:
+                desc.site_starts, desc.site_ids, desc.nsites = sites
+            desc.site_state = 0 if sites is None else 1 if sites else 2
+            rt.mt_launch(ctypes.byref(desc), ctypes.byref(result))
+            if result.status != 3 or desc.site_state != 0:
+                break
+            # threads met at one call through different return addresses: read the module's
+            # call-site identities once, and run the launch again with them (with fibers)
+            mod.call_site_table()
+            desc.force_fibers = 1
         del keep  # the runtime copied what it needed
         if result.used_fibers:
             mod.needs_fibers = True
@@ -475,7 +540,8 @@ class EmulatedKernel:
             simdgroup_barriers=result.simdgroup_barriers,
             simd_collectives=result.simd_collectives,
             threadgroup_memory=result.threadgroup_memory,
-            fiber_switches=result.fiber_switches, used_fibers=bool(result.used_fibers))
+            fiber_switches=result.fiber_switches, used_fibers=bool(result.used_fibers),
+            call_sites_from_debug_info=bool(result.used_site_ids))
         with _stats_lock:
             _last_stats = stats
         if result.status == 2:
@@ -491,9 +557,19 @@ class EmulatedKernel:
 
     def _hazard(self, rt, mod, r) -> KernelHazard:
         message = r.message.decode(errors="replace")
+        no_lines = addr2line_missing()
+
+        def path(m: re.Match) -> str:
+            callers = mod.callers(rt, [r.ras[k] for k in range(int(m.group(1)),
+                                                               int(m.group(2)))])
+            return "".join(f", called from {c}" for c in callers)
+
+        message = re.sub(r"@PATH(\d+)-(\d+)", path, message)
         for k in range(r.nras):
             where, _ = mod.locate(rt, r.ras[k])
-            message = message.replace(f"@RA{k}", where or "an unknown line")
+            message = message.replace(f"@RA{k}", where or ("an unknown line (addr2line not "
+                                                           "found)" if no_lines else
+                                                           "an unknown line"))
         location, text = mod.locate(rt, r.fault_ra)
         parts = [f"[{self.name}] {message.rstrip('.')}"]
         threadgroup = thread = None
@@ -504,6 +580,8 @@ class EmulatedKernel:
                          f"{threadgroup}")
         if location:
             parts.append(f"at {location}" + (f": {text}" if text else ""))
+        elif no_lines and r.fault_ra:
+            parts.append(NO_ADDR2LINE)
         cls = HAZARD_CLASSES.get(r.hazard_kind, KernelHazard)
         return cls("; ".join(parts), kernel=self.name, threadgroup=threadgroup, thread=thread,
                    location=location, source_line=text)

@@ -26,15 +26,19 @@ from ._errors import EmulatorError, KernelCompileError
 PACKAGE_DIR = Path(__file__).resolve().parent
 INCLUDE_DIR = PACKAGE_DIR / "include"
 RUNTIME_SOURCE = PACKAGE_DIR / "src" / "runtime.cpp"
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 # Kernel code: -O1 keeps compile time low; the thread-sanitizer instrumentation reports every
 # load and store to the runtime (bounds checks, byte counters, threadgroup shadow memory);
-# -g1 gives the line tables that map a faulting address back to the kernel's source line.
+# -g1 gives the line tables that map a faulting address back to the kernel's source line;
+# DWARF 4, because binutils' addr2line (2.40) names the wrong file (kernel.cpp) for the code
+# of out-of-line helper functions in GCC 12's DWARF 5 line tables.
 # C++20 for std::source_location (barriers and SIMD functions are matched by source position,
-# column included); MSL itself is C++17-based.
+# column included); MSL itself is C++17-based. Frame pointers let the runtime walk the call
+# path of a thread waiting at a barrier or SIMD-group function (threads meet there only when
+# they called it through the same chain of calls).
 KERNEL_FLAGS = (
-    "-std=c++20", "-O1", "-g1", "-fPIC",
+    "-std=c++20", "-O1", "-g1", "-gdwarf-4", "-fno-omit-frame-pointer", "-fPIC",
     "-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0",
     "-fno-strict-aliasing", "-fwrapv", "-ffp-contract=off", "-fno-math-errno",
     "-fno-exceptions", "-fstack-clash-protection",
@@ -175,20 +179,34 @@ def precompiled_header() -> Path | None:
 
 
 _DIAG_FILE = re.compile(r"(?:(?<=\s)|^)(?:\./)?(body|header)\.metal:(\d+)(?::(\d+))?", re.M)
+_KERNEL_CONTEXT = re.compile(r"^((?:body|header):\d+(?::\d+)?):\s+required from")
+_ERROR = re.compile(r"^(?P<where>\S+?:\d+(?::\d+)?): (?:fatal )?error: (?P<what>.*)$")
 
 
 def _map_diagnostics(stderr: str, name: str) -> tuple[str, str | None]:
-    """Compiler output with the kernel's files named plainly, and the first error line."""
+    """Compiler output with the kernel's files named plainly, and the first error line.
+
+    An error raised inside the runtime headers (a static_assert refusing an operand type,
+    say) is headed by the kernel line whose call instantiated the header code."""
     lines = []
     first = None
+    context = None  # the kernel line nearest the error in the current instantiation chain
     for line in stderr.splitlines():
         if "mt_pch.h" in line or "<command-line>" in line:
             continue
         line = _DIAG_FILE.sub(lambda m: f"{m.group(1)}:{m.group(2)}"
                               + (f":{m.group(3)}" if m.group(3) else ""), line)
         line = line.replace(str(INCLUDE_DIR) + "/", "")
+        if "In instantiation of" in line:
+            context = None
+        elif context is None and (m := _KERNEL_CONTEXT.match(line)):
+            context = m.group(1)
         if first is None and "error" in line:
             first = line.strip()
+            m = _ERROR.match(first)
+            if m and context and not m.group("where").startswith(("body:", "header:")):
+                what = m.group("what").removeprefix("static assertion failed: ")
+                first = f"{context}: error: {what}"
         lines.append(line)
     text = "\n".join(lines)
     if len(text) > 6000:

@@ -43,6 +43,7 @@ constexpr int kSimd = 32;
 constexpr int kMaxBuffers = 64;
 constexpr int kMaxWorkers = 16;
 constexpr int kMaxRas = 16;
+constexpr int kMaxPath = 32;               // call-path depth kept per waiting thread
 constexpr size_t kTgLimit = 32 * 1024;     // Metal's threadgroup memory limit
 constexpr size_t kTgSlotMap = 512 * 1024;  // mapped part of a worker's threadgroup slot
 constexpr size_t kRedzone = 64;            // gap between threadgroup arrays (catches overruns)
@@ -75,10 +76,17 @@ struct LaunchDesc {
   int32_t nworkers;
   uint64_t stack_size;
   double timeout_s;  // 0: no limit
+  // Call-site identities of the kernel module's code (from its debug information): code
+  // offset site_starts[k] up to site_starts[k + 1] has identity site_ids[k]. site_state 0:
+  // not read yet (a launch that needs them stops with status 3), 1: read, 2: unreadable.
+  const uint64_t* site_starts;
+  const uint32_t* site_ids;
+  int64_t nsites;
+  int32_t site_state;
 };
 
 struct LaunchResult {
-  int32_t status;  // 0 ok, 1 hazard, 2 emulator error
+  int32_t status;  // 0 ok, 1 hazard, 2 emulator error, 3 needs the call-site identities
   int32_t hazard_kind;
   char message[4096];
   uint64_t ras[kMaxRas];  // code addresses the message may name as "@RA<k>"
@@ -98,6 +106,7 @@ struct LaunchResult {
   uint64_t fiber_switches;
   uint64_t threadgroup_memory;
   int32_t used_fibers;
+  int32_t used_site_ids;  // call paths were told apart with the call-site identities
 };
 
 // ---- fibers ---------------------------------------------------------------------------------
@@ -119,6 +128,13 @@ struct Fiber {
   mt_coll* coll = nullptr;
   mt_site site = {nullptr, 0, 0};  // source position of the barrier / collective it waits at
   uintptr_t site_ra = 0;            // code address of that call (for the hazard's location)
+  // The call path to that call: return addresses in the kernel module, innermost first
+  // (path[0] == site_ra), up to the kernel's entry; and their call-site identities (filled
+  // when needed).
+  uintptr_t path[kMaxPath];
+  int npath = 0;
+  bool canon_ok = false;
+  uint64_t canon[kMaxPath];
   mt_ids ids;
   Worker* w = nullptr;
   bool runner = false;
@@ -186,7 +202,11 @@ struct Launch {
   std::atomic<bool> need_fibers{false};
   std::atomic<bool> timed_out{false};  // set by the watchdog
   // The kernel module's code (the watchdog's signal interrupts a thread looping there).
-  uintptr_t code_lo = 0, code_hi = 0;
+  uintptr_t code_lo = 0, code_hi = 0, code_base = 0;
+  // Two threads waited at one call through different return addresses and the call-site
+  // identities are not loaded: the launch stops and is redone with them (status 3).
+  std::atomic<bool> need_sites{false};
+  std::atomic<bool> used_sites{false};
   // Worker threads still inside worker_main (the watchdog signals only those).
   std::mutex alive_mu;
   bool alive[kMaxWorkers] = {};
@@ -236,6 +256,11 @@ struct Worker {
   uint64_t wr[kMaxBuffers] = {};
   uint64_t tgb = 0, sgb = 0, coll = 0, switches = 0, tg_peak = 0, tgs = 0, threads = 0;
   char* altstack = nullptr;
+  // call-site identities looked up in this launch (direct-mapped by return address)
+  struct SiteMemo {
+    uintptr_t ra;
+    uint64_t id;
+  } site_memo[256];
 };
 
 std::mutex g_launch_mu;  // one launch at a time per process
@@ -302,7 +327,7 @@ void record_hazard(Worker* w, int kind, uintptr_t fault_ra, const uintptr_t* ras
   Launch* L = w->L;
   std::lock_guard<std::mutex> lock(L->mu);
   L->abort.store(true);
-  if (L->hazard) return;
+  if (L->hazard || L->need_sites.load()) return;  // (a launch to be redone reports nothing)
   L->hazard = true;
   LaunchResult* r = L->r;
   r->status = 1;
@@ -717,11 +742,60 @@ bool same_site(const mt_site& a, const mt_site& b) {
   return a.line == b.line && a.column == b.column &&
          (a.file == b.file || (a.file && b.file && strcmp(a.file, b.file) == 0));
 }
-// Two waiting fibers at the same barrier / collective: same source position, or (a caller
-// that gave none) the same code address.
-bool same_site(const Fiber& a, const Fiber& b) {
-  if (!a.site.file || !b.site.file) return !a.site.file && !b.site.file && a.site_ra == b.site_ra;
-  return same_site(a.site, b.site);
+// The call-site identity of a return address in the kernel module (see the launch's
+// site_starts / site_ids); an address the table does not cover (or marks 0xFFFFFFFF: code
+// without debug information) stands for itself.
+uint64_t site_identity(Worker* w, uintptr_t ra) {
+  Worker::SiteMemo& memo = w->site_memo[(ra * 0x9E3779B97F4A7C15ull) >> 56];
+  if (memo.ra == ra) return memo.id;
+  const Launch* L = w->L;
+  const LaunchDesc* d = L->d;
+  const uint64_t off = uint64_t(ra - 1 - L->code_base);  // inside the call instruction
+  const uint64_t* end = d->site_starts + d->nsites;
+  const uint64_t* it = std::upper_bound(d->site_starts, end, off);
+  memo.ra = ra;
+  const uint32_t id = it == d->site_starts ? 0xFFFFFFFFu : d->site_ids[it - d->site_starts - 1];
+  memo.id = id == 0xFFFFFFFFu ? (uint64_t(1) << 63) | ra : id;
+  return memo.id;
+}
+
+void site_info_unreadable(Worker* w, const Fiber& f);
+
+// Two waiting fibers at the same barrier / collective: the same call of the source, reached
+// through the same chain of calls. The source position (file, line, column) of the barrier or
+// SIMD-group function must match (a caller that gave none: its code address), and so must the
+// call path: the return addresses of the frames from the kernel's entry down to that call.
+// Different return addresses can still be one chain of source calls -- the compiler copies
+// code (jump threading, unrolling) and inlines helpers -- so a mismatch is settled with the
+// call-site identities from the module's debug information: two addresses with the same
+// identity lie in the same inlined-call instances and on the same line and column.
+bool same_site(Worker* w, Fiber& a, Fiber& b) {
+  if (a.site.file || b.site.file) {
+    if (!a.site.file || !b.site.file || !same_site(a.site, b.site)) return false;
+  } else if (!a.npath && !b.npath) {
+    return a.site_ra == b.site_ra;
+  }
+  if (a.npath == b.npath && memcmp(a.path, b.path, sizeof(uintptr_t) * size_t(a.npath)) == 0)
+    return true;
+  if (a.npath != b.npath) return false;  // not the same depth of calls
+  Launch* L = w->L;
+  const int state = L->d->site_state;
+  if (state == 0) {  // read the module's debug information, then redo the launch
+    L->need_sites.store(true);
+    L->abort.store(true);
+    return false;
+  }
+  if (state != 1) {
+    site_info_unreadable(w, a);
+    return false;
+  }
+  L->used_sites.store(true, std::memory_order_relaxed);
+  for (Fiber* f : {&a, &b}) {
+    if (f->canon_ok) continue;
+    for (int k = 0; k < f->npath; ++k) f->canon[k] = site_identity(w, f->path[k]);
+    f->canon_ok = true;
+  }
+  return memcmp(a.canon, b.canon, sizeof(uint64_t) * size_t(a.npath)) == 0;
 }
 
 // "body line 12" / "header line 3" / "file.h:7"
@@ -734,13 +808,34 @@ void site_text(const mt_site& s, char* out, size_t n) {
   else snprintf(out, n, "%s:%u", base, s.line);
 }
 
+// Two threads wait at one barrier or SIMD-group function through different return addresses and
+// the module's debug information could not be read, so whether that is one call of the source
+// (copied by the compiler) or two different calls cannot be told: an emulator error (status 2)
+// rather than a guess.
+void site_info_unreadable(Worker* w, const Fiber& f) {
+  Launch* L = w->L;
+  std::lock_guard<std::mutex> lock(L->mu);
+  L->abort.store(true);
+  if (L->hazard) return;
+  L->hazard = true;
+  char where[300];
+  site_text(f.site, where, sizeof where);
+  snprintf(L->r->message, sizeof L->r->message,
+           "threads wait at the barrier or SIMD-group function at %s through different machine "
+           "code (different calls of a function containing it, or copies the compiler made of "
+           "one call), and the kernel module's debug information, which tells the two apart, "
+           "could not be read",
+           f.site.file ? where : "an unknown line");
+  L->r->status = 2;
+}
+
 // Everyone blocked or done: report who waits where. `sg` < 0: the whole threadgroup (threads
 // at different threadgroup barriers / SIMD functions); otherwise SIMD-group `sg`, whose lanes
 // can never all meet at one simdgroup_barrier. The hazard names the threadgroup and the first
 // waiting thread.
 void deadlock(Worker* w, TgState& st, int sg = -1) {
   std::vector<mt_site> sites;
-  std::vector<const Fiber*> firsts;
+  std::vector<Fiber*> firsts;
   std::vector<uintptr_t> ras;
   std::vector<std::vector<uint32_t>> who;
   std::vector<int> kinds;
@@ -755,7 +850,7 @@ void deadlock(Worker* w, TgState& st, int sg = -1) {
     }
     if (f.state == RUNNABLE) continue;  // not at a barrier yet (cannot happen when called)
     size_t k = 0;
-    while (k < sites.size() && !(same_site(*firsts[k], f) && kinds[k] == f.state)) ++k;
+    while (k < sites.size() && !(kinds[k] == f.state && same_site(w, *firsts[k], f))) ++k;
     if (k == sites.size()) {
       firsts.push_back(&f);
       sites.push_back(f.site);
@@ -777,22 +872,32 @@ void deadlock(Worker* w, TgState& st, int sg = -1) {
                            "simdgroup_barrier (a Mac would hang).",
                            sg));
   }
-  char list[512], where[300];
+  char list[512], where[300], path[40];
+  uintptr_t path_ras[kMaxRas];
+  int npath_ras = 0;
   for (size_t k = 0; k < sites.size() && used + 900 < sizeof msg; ++k) {
     describe_threads(who[k], list, sizeof list);
     site_text(sites[k], where, sizeof where);
     const char* what = kinds[k] == BLOCK_TGB   ? "threadgroup_barrier"
                        : kinds[k] == BLOCK_SGB ? "simdgroup_barrier"
                                                : "a SIMD-group function";
-    used += size_t(snprintf(msg + used, sizeof msg - used, " Threads %s wait at %s (%s).",
-                            list, what, where));
+    // "@PATH<a>-<b>": the caller lines along the group's call path (ras[a..b)), for Python to
+    // fill in: threads at one line of a helper may have come through different calls of it
+    path[0] = 0;
+    const Fiber& f = *firsts[k];
+    if (f.npath && npath_ras + f.npath <= kMaxRas) {
+      snprintf(path, sizeof path, "@PATH%d-%d", npath_ras, npath_ras + f.npath);
+      for (int i = 0; i < f.npath; ++i) path_ras[npath_ras++] = f.path[i];
+    }
+    used += size_t(snprintf(msg + used, sizeof msg - used, " Threads %s wait at %s (%s%s).",
+                            list, what, where, path));
   }
   if (!done.empty() && used + 600 < sizeof msg) {
     describe_threads(done, list, sizeof list);
     snprintf(msg + used, sizeof msg - used, " Threads %s have returned.", list);
   }
   w->cur_ids = firsts.empty() ? nullptr : &firsts[0]->ids;
-  record_hazard(w, MT_HZ_BARRIER, ras.empty() ? 0 : ras[0], nullptr, 0, "%s", msg);
+  record_hazard(w, MT_HZ_BARRIER, ras.empty() ? 0 : ras[0], path_ras, npath_ras, "%s", msg);
   w->cur_ids = nullptr;
 }
 
@@ -815,11 +920,12 @@ void try_resolve_sg(Worker* w, TgState& st, uint32_t g) {
     mt_coll* set[kSimd] = {};
     uint32_t count = 0;
     for (uint32_t j = i; j < sg.size; ++j) {
-      if (lanes[j].state == BLOCK_COLL && same_site(lanes[j], lanes[i])) {
+      if (lanes[j].state == BLOCK_COLL && same_site(w, lanes[j], lanes[i])) {
         set[j] = lanes[j].coll;
         count++;
       }
     }
+    if (w->L->abort.load(std::memory_order_relaxed)) return;
     char err[512] = {0};
     // -1, or the offending lane + 256 * hazard kind (MT_HZ_SIMD_LANE when 0)
     int bad = set[i]->resolve(set, err, sizeof err);
@@ -839,11 +945,11 @@ void try_resolve_sg(Worker* w, TgState& st, uint32_t g) {
   if (any_coll) return;
   // simdgroup_barrier: every live lane of the SIMD-group at the same one.
   uint32_t at_sgb = 0;
-  const Fiber* first = nullptr;
+  Fiber* first = nullptr;
   bool same = true;
   for (uint32_t i = 0; i < sg.size; ++i) {
     if (lanes[i].state == BLOCK_SGB) {
-      if (first && !same_site(lanes[i], *first)) same = false;
+      if (first && !same_site(w, lanes[i], *first)) same = false;
       if (!first) first = &lanes[i];
       at_sgb++;
     }
@@ -875,6 +981,8 @@ void run_threadgroup_fibers(Worker* w, uint64_t linear) {
     f.coll = nullptr;
     f.site = mt_site{nullptr, 0, 0};
     f.site_ra = 0;
+    f.npath = 0;
+    f.canon_ok = false;
     f.w = w;
     f.runner = false;
     start_fiber(&f);
@@ -949,7 +1057,7 @@ void run_threadgroup_fibers(Worker* w, uint64_t linear) {
         // Every live thread waits at a threadgroup barrier: the same one?
         bool same = true;
         for (uint32_t u = 1; u < st.n; ++u)
-          if (!same_site(w->fibers[u], w->fibers[0])) same = false;
+          if (!same_site(w, w->fibers[u], w->fibers[0])) same = false;
         if (!same) {
           deadlock(w, st);
           return;
@@ -1084,6 +1192,7 @@ int find_code(struct dl_phdr_info* info, size_t, void* data) {
   Dl_info dl;
   if (!dladdr(reinterpret_cast<void*>(L->d->fn), &dl)) return 1;
   if (info->dlpi_addr != uintptr_t(dl.dli_fbase)) return 0;
+  L->code_base = info->dlpi_addr;
   for (int i = 0; i < info->dlpi_phnum; ++i) {
     const auto& ph = info->dlpi_phdr[i];
     if (ph.p_type == PT_LOAD && (ph.p_flags & PF_X)) {
@@ -1164,6 +1273,7 @@ bool prepare_worker(Worker* w, int index, Launch* L, size_t max_threads, char* e
   memset(w->rd, 0, sizeof w->rd);
   memset(w->wr, 0, sizeof w->wr);
   w->tgb = w->sgb = w->coll = w->switches = w->tg_peak = w->tgs = w->threads = 0;
+  memset(w->site_memo, 0, sizeof w->site_memo);
   if (!g_tg_mapped[index]) {
     char* base = slot_base(tg_slot(index));
     if (!map_rw(base, kTgSlotMap)) {
@@ -1296,7 +1406,26 @@ int run_launch(Launch* L, char* err, size_t errn) {
 
 // ---- entry points for kernel code ---------------------------------------------------------------
 
-extern "C" void mt_barrier(int kind, const mt_site* site) {
+// The return addresses of the kernel-module frames above a barrier / collective entry point:
+// kernel code is built with frame pointers, so the saved frame-pointer chain leads from the
+// entry point's own frame (`fp`) up to the kernel's entry; the walk stops at the first return
+// address outside the module (the runtime's fiber start) or outside the fiber's stack.
+inline void capture_path(const Launch* L, Fiber* f, void** fp) {
+  int n = 0;
+  while (n < kMaxPath) {
+    const uintptr_t ra = uintptr_t(fp[1]);
+    if (ra < L->code_lo || ra >= L->code_hi) break;
+    f->path[n++] = ra;
+    void** next = static_cast<void**>(fp[0]);
+    if (next <= fp || reinterpret_cast<char*>(next) >= f->hi) break;
+    fp = next;
+  }
+  f->npath = n;  // (deeper calls than kMaxPath: the innermost kMaxPath count)
+  f->canon_ok = false;
+}
+
+extern "C" __attribute__((noinline, optimize("no-omit-frame-pointer"))) void mt_barrier(
+    int kind, const mt_site* site) {
   Worker* w = tl_w;
   uintptr_t ra = uintptr_t(__builtin_return_address(0));
   Fiber* f = w->cur;
@@ -1307,11 +1436,13 @@ extern "C" void mt_barrier(int kind, const mt_site* site) {
   }
   f->site = *site;
   f->site_ra = ra;
+  capture_path(w->L, f, static_cast<void**>(__builtin_frame_address(0)));
   f->state = kind == MT_BARRIER_THREADGROUP ? BLOCK_TGB : BLOCK_SGB;
   yield_to_scheduler(w, f);
 }
 
-extern "C" void mt_collective(mt_coll* c) {
+extern "C" __attribute__((noinline, optimize("no-omit-frame-pointer"))) void mt_collective(
+    mt_coll* c) {
   Worker* w = tl_w;
   uintptr_t ra = uintptr_t(__builtin_return_address(0));
   Fiber* f = w->cur;
@@ -1322,6 +1453,7 @@ extern "C" void mt_collective(mt_coll* c) {
   }
   f->site = c->site;
   f->site_ra = ra;
+  capture_path(w->L, f, static_cast<void**>(__builtin_frame_address(0)));
   f->coll = c;
   f->state = BLOCK_COLL;
   yield_to_scheduler(w, f);
@@ -1460,7 +1592,7 @@ extern "C" int mt_atomic_cas(void* p, int size, uint64_t* expected, uint64_t des
 
 // ---- entry points for Python ----------------------------------------------------------------
 
-extern "C" int mt_rt_abi_version(void) { return 3; }
+extern "C" int mt_rt_abi_version(void) { return 4; }
 
 extern "C" int mt_launch(const LaunchDesc* d, LaunchResult* r) {
   std::lock_guard<std::mutex> lock(g_launch_mu);
@@ -1516,6 +1648,12 @@ extern "C" int mt_launch(const LaunchDesc* d, LaunchResult* r) {
       continue;  // the kernel blocks at barriers or SIMD functions: redo it with fibers
     }
     r->used_fibers = fibers;
+    if (L.need_sites.load()) {  // the caller reads the call-site identities and launches again
+      teardown_buffers(&L);
+      r->status = 3;
+      return r->status;
+    }
+    r->used_site_ids = L.used_sites.load();
     if (r->status == 0) {
       for (int i = 0; i < d->nbuf; ++i)
         if (d->bufs[i].dst) memcpy(d->bufs[i].dst, L.region[i], d->bufs[i].span);

@@ -34,8 +34,9 @@ typedef struct mt_ids {
 typedef void (*mt_thread_fn)(void* const* args, const mt_ids* ids);
 
 // Where a barrier or SIMD-group function is called, in the kernel's source. Threads meet at
-// the same barrier / collective when they call it from the same source position (the
-// compiler may duplicate or merge the machine code of a call).
+// the same barrier / collective when they call it from the same source position through the
+// same chain of calls (the runtime walks the frames of kernel code; copies the compiler made
+// of one call are recognised with the module's debug information).
 typedef struct mt_site {
   const char* file;
   uint32_t line;
@@ -59,8 +60,8 @@ struct mt_coll {
   void* out;           // this lane's result
   mt_resolve_fn resolve;
 #ifdef __cplusplus
-  // Set it (mt::site_of(std::source_location)) so lanes meet by source position; left null,
-  // lanes meet by the code address of the mt_collective call instead.
+  // Set it (mt::site_of(std::source_location)) so lanes meet by source position and call
+  // path; left null, by the code addresses of the call path alone.
   mt_site site = {nullptr, 0, 0};
 #else
   mt_site site;

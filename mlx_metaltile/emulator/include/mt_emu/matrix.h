@@ -23,6 +23,9 @@ namespace metal {
 
 template <class T, int Cols, int Rows> struct simdgroup_matrix {
   static_assert(Cols == 8 && Rows == 8, "the emulator supports simdgroup_matrix<T, 8, 8> only");
+  static_assert(std::is_same<T, float>::value || std::is_same<T, _Float16>::value ||
+                    std::is_same<T, bfloat>::value,
+                "simdgroup_matrix holds half, bfloat or float elements (as in Metal)");
   vec<T, 2> e;
 
   simdgroup_matrix() = default;

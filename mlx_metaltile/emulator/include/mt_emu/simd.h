@@ -1,8 +1,9 @@
 // simd.h: barriers and SIMD-group / quad-group functions.
 //
 // A lane that calls a SIMD-group function blocks; once every unfinished lane of its SIMD-group
-// is blocked, the lanes blocked at the same call site are the active set and the function is
-// evaluated over them (lanes that returned, or wait elsewhere, are inactive).
+// is blocked, the lanes blocked at the same call -- the same source position reached through
+// the same chain of calls -- are the active set and the function is evaluated over them (lanes
+// that returned, or wait elsewhere, are inactive).
 //
 // Reduction order (fixed): simd_sum/product/min/max/and/or/xor combine the active lanes as a
 // binary tree over lane numbers -- (0,1) (2,3) ... then (0,2) (4,6) ..., then (0,4) ... --
@@ -102,6 +103,22 @@ inline const char* op_name(int op, int width) {
 template <class T> struct elem_of { using type = T; };
 template <class T, int N> struct elem_of<metal::vec<T, N>> { using type = T; };
 
+// The operand types MSL's SIMD-group and quad-group functions accept: T is a scalar or vector
+// of an integer or floating-point type (bool is not one); Ti, for the bitwise reductions
+// (and / or / xor), a scalar or vector of an integer type. Anything else does not compile,
+// as under Metal. (64-bit integers are accepted here.)
+template <class T> constexpr bool simd_t_v =
+    is_num_v<typename elem_of<T>::type> && !std::is_same<typename elem_of<T>::type, bool>::value;
+template <class T> constexpr bool simd_ti_v = is_int_v<typename elem_of<T>::type>;
+#define MT_SIMD_T(name)                                                                      \
+  static_assert(mt::simd_t_v<T>, "no matching function for call to '" #name "': its "        \
+                "operand must be a scalar or vector of an integer or floating-point type "   \
+                "(not bool)")
+#define MT_SIMD_TI(name)                                                                     \
+  static_assert(mt::simd_ti_v<T>, "no matching function for call to '" #name "': a "         \
+                "bitwise SIMD-group function takes a scalar or vector of an integer type, "  \
+                "not a floating-point or bool type")
+
 template <class T> inline T combine(int op, const T& a, const T& b) {
   using E = typename elem_of<T>::type;
   switch (op) {
@@ -114,6 +131,7 @@ template <class T> inline T combine(int op, const T& a, const T& b) {
     case OP_MAX:
       return T(metal::max(a, b));
     default:
+      // (and / or / xor: integer operands only; the functions refuse others at compile time)
       if constexpr (std::is_integral<E>::value) {
         if (op == OP_AND) return T(a & b);
         if (op == OP_OR) return T(a | b);
@@ -301,6 +319,7 @@ namespace metal {
 
 #define MT_SIMD_REDUCE(prefix, width, name, OP)                                              \
   template <class T> MT_AI T prefix##name(T x, MT_LOC) {                                    \
+    MT_SIMD_T(prefix##name);                                                                 \
     return mt::collective(mt_loc, mt::OP, width, x);                                         \
   }
 #define MT_SIMD_FAMILY(prefix, width)                                                        \
@@ -314,43 +333,53 @@ namespace metal {
   MT_SIMD_REDUCE(prefix, width, prefix_exclusive_product, OP_EXC_PRODUCT)                    \
   MT_SIMD_REDUCE(prefix, width, broadcast_first, OP_BROADCAST_FIRST)                         \
   template <class T> MT_AI T prefix##shuffle(T x, ushort lane, MT_LOC) {                              \
+    MT_SIMD_T(prefix##shuffle);                                                              \
     mt::check_lane_arg(mt::OP_SHUFFLE, width, lane, "lane");                                 \
     return mt::collective(mt_loc, mt::OP_SHUFFLE, width, x, lane);                                   \
   }                                                                                          \
   template <class T> MT_AI T prefix##broadcast(T x, ushort lane, MT_LOC) {                            \
+    MT_SIMD_T(prefix##broadcast);                                                            \
     mt::check_lane_arg(mt::OP_BROADCAST, width, lane, "lane");                               \
     return mt::collective(mt_loc, mt::OP_BROADCAST, width, x, lane);                                 \
   }                                                                                          \
   template <class T> MT_AI T prefix##shuffle_xor(T x, ushort mask, MT_LOC) {                          \
+    MT_SIMD_T(prefix##shuffle_xor);                                                          \
     mt::check_lane_arg(mt::OP_XOR_SHUFFLE, width, mask, "mask");                             \
     return mt::collective(mt_loc, mt::OP_XOR_SHUFFLE, width, x, mask);                               \
   }                                                                                          \
   template <class T> MT_AI T prefix##shuffle_up(T x, ushort delta, MT_LOC) {                          \
+    MT_SIMD_T(prefix##shuffle_up);                                                           \
     mt::check_lane_arg(mt::OP_UP, width, delta, "delta");                                    \
     return mt::collective(mt_loc, mt::OP_UP, width, x, delta);                                       \
   }                                                                                          \
   template <class T> MT_AI T prefix##shuffle_down(T x, ushort delta, MT_LOC) {                        \
+    MT_SIMD_T(prefix##shuffle_down);                                                         \
     mt::check_lane_arg(mt::OP_DOWN, width, delta, "delta");                                  \
     return mt::collective(mt_loc, mt::OP_DOWN, width, x, delta);                                     \
   }                                                                                          \
   template <class T> MT_AI T prefix##shuffle_rotate_up(T x, ushort delta, MT_LOC) {                   \
+    MT_SIMD_T(prefix##shuffle_rotate_up);                                                    \
     mt::check_lane_arg(mt::OP_ROTATE_UP, width, delta, "delta");                             \
     return mt::collective(mt_loc, mt::OP_ROTATE_UP, width, x, delta);                                \
   }                                                                                          \
   template <class T> MT_AI T prefix##shuffle_rotate_down(T x, ushort delta, MT_LOC) {                 \
+    MT_SIMD_T(prefix##shuffle_rotate_down);                                                  \
     mt::check_lane_arg(mt::OP_ROTATE_DOWN, width, delta, "delta");                           \
     return mt::collective(mt_loc, mt::OP_ROTATE_DOWN, width, x, delta);                              \
   }                                                                                          \
   template <class T> MT_AI T prefix##shuffle_and_fill_up(T x, T fill, ushort delta, MT_LOC) {         \
+    MT_SIMD_T(prefix##shuffle_and_fill_up);                                                  \
     mt::check_lane_arg(mt::OP_FILL_UP, width, delta, "delta");                               \
     return mt::collective(mt_loc, mt::OP_FILL_UP, width, x, delta, &fill);                           \
   }                                                                                          \
   template <class T> MT_AI T prefix##shuffle_and_fill_down(T x, T fill, ushort delta, MT_LOC) {       \
+    MT_SIMD_T(prefix##shuffle_and_fill_down);                                                \
     mt::check_lane_arg(mt::OP_FILL_DOWN, width, delta, "delta");                             \
     return mt::collective(mt_loc, mt::OP_FILL_DOWN, width, x, delta, &fill);                         \
   }                                                                                          \
   template <class T>                                                                         \
   MT_AI T prefix##shuffle_and_fill_up(T x, T fill, ushort delta, ushort modulo, MT_LOC) {            \
+    MT_SIMD_T(prefix##shuffle_and_fill_up);                                                  \
     if (modulo == 0 || modulo > width || (modulo & (modulo - 1)))                            \
       mt::check_lane_arg(mt::OP_FILL_UP, 0, modulo, "modulo");                               \
     mt::check_lane_arg(mt::OP_FILL_UP, modulo, delta, "delta");                              \
@@ -358,6 +387,7 @@ namespace metal {
   }                                                                                          \
   template <class T>                                                                         \
   MT_AI T prefix##shuffle_and_fill_down(T x, T fill, ushort delta, ushort modulo, MT_LOC) {          \
+    MT_SIMD_T(prefix##shuffle_and_fill_down);                                                \
     if (modulo == 0 || modulo > width || (modulo & (modulo - 1)))                            \
       mt::check_lane_arg(mt::OP_FILL_DOWN, 0, modulo, "modulo");                             \
     mt::check_lane_arg(mt::OP_FILL_DOWN, modulo, delta, "delta");                            \
@@ -373,14 +403,34 @@ namespace metal {
 MT_SIMD_FAMILY(simd_, 32)
 MT_SIMD_FAMILY(quad_, 4)
 // (and / or / xor are alternative tokens: these cannot be pasted by the macro)
-template <class T> MT_AI T simd_and(T x, MT_LOC) { return mt::collective(mt_loc, mt::OP_AND, 32, x); }
-template <class T> MT_AI T simd_or(T x, MT_LOC) { return mt::collective(mt_loc, mt::OP_OR, 32, x); }
-template <class T> MT_AI T simd_xor(T x, MT_LOC) { return mt::collective(mt_loc, mt::OP_XOR, 32, x); }
-template <class T> MT_AI T quad_and(T x, MT_LOC) { return mt::collective(mt_loc, mt::OP_AND, 4, x); }
-template <class T> MT_AI T quad_or(T x, MT_LOC) { return mt::collective(mt_loc, mt::OP_OR, 4, x); }
-template <class T> MT_AI T quad_xor(T x, MT_LOC) { return mt::collective(mt_loc, mt::OP_XOR, 4, x); }
+template <class T> MT_AI T simd_and(T x, MT_LOC) {
+  MT_SIMD_TI(simd_and);
+  return mt::collective(mt_loc, mt::OP_AND, 32, x);
+}
+template <class T> MT_AI T simd_or(T x, MT_LOC) {
+  MT_SIMD_TI(simd_or);
+  return mt::collective(mt_loc, mt::OP_OR, 32, x);
+}
+template <class T> MT_AI T simd_xor(T x, MT_LOC) {
+  MT_SIMD_TI(simd_xor);
+  return mt::collective(mt_loc, mt::OP_XOR, 32, x);
+}
+template <class T> MT_AI T quad_and(T x, MT_LOC) {
+  MT_SIMD_TI(quad_and);
+  return mt::collective(mt_loc, mt::OP_AND, 4, x);
+}
+template <class T> MT_AI T quad_or(T x, MT_LOC) {
+  MT_SIMD_TI(quad_or);
+  return mt::collective(mt_loc, mt::OP_OR, 4, x);
+}
+template <class T> MT_AI T quad_xor(T x, MT_LOC) {
+  MT_SIMD_TI(quad_xor);
+  return mt::collective(mt_loc, mt::OP_XOR, 4, x);
+}
 #undef MT_SIMD_FAMILY
 #undef MT_SIMD_REDUCE
+#undef MT_SIMD_T
+#undef MT_SIMD_TI
 
 MT_AI simd_vote simd_ballot(bool x, MT_LOC) {
   return simd_vote(mt::vote<unsigned long>(mt_loc, mt::OP_BALLOT, 32, x));
