@@ -92,7 +92,8 @@ def cmd_bench(args) -> int:
     # Without a GPU the table times MLX's CPU composites: the full shape list would take an
     # hour and say little, so the short subset is the default there.
     quick = args.quick or not (gpu or args.all)
-    selected = [c for c in cases(quick=quick) if not args.op or c.op in args.op]
+    selected = [c for c in cases(quick=quick) if (not args.op or c.op in args.op)
+                and (not args.shape or any(part in c.label for part in args.shape))]
     print(f"mlx_metaltile {mt.__version__}  mlx {mx.__version__}  device: {device}  "
           f"backend: {backend}" + ("" if backend in ("metal", "cuda") else
                                    "  (no GPU kernel backend here: 'ours' is the "
@@ -158,6 +159,8 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     bench = sub.add_parser("bench", help="time every op against native MLX, check vs oracle")
     bench.add_argument("--op", action="append", help="only this op (repeatable)")
+    bench.add_argument("--shape", action="append", metavar="TEXT",
+                       help="only shapes whose label contains TEXT (repeatable)")
     bench.add_argument("--quick", action="store_true",
                        help="a short subset of shapes (the default on a CPU backend)")
     bench.add_argument("--all", action="store_true",
