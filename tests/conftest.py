@@ -30,6 +30,19 @@ def require_backend(name: str) -> None:
         pytest.skip(f"backend {name} unavailable: {reason}")
 
 
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Every kernel output starts as NaN on every kernel backend (not only through the
+    emulator's own poison), so an element a kernel never writes fails its oracle."""
+    real_launch = backends.launch
+
+    def launch(*args, **kwargs):
+        kwargs["init_value"] = float("nan")
+        return real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(backends, "launch", launch)
+
+
 @pytest.fixture(params=backend_params(*KERNEL_BACKENDS))
 def kernel_backend(request):
     """Each kernel-executing backend available here (emulator in CI)."""

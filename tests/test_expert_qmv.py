@@ -109,26 +109,13 @@ def _variant_call(backend, rng):
 VARIANT_CALLS = {"simd_rows": _variant_call}
 
 
-@pytest.fixture
-def poisoned(monkeypatch):
-    """Kernel outputs start as NaN, so an element the kernel never writes fails the oracle."""
-    real_launch = backends.launch
-
-    def launch(spec, backend, **kwargs):
-        if spec.op == op_module.OP:
-            kwargs["init_value"] = float("nan")
-        return real_launch(spec, backend, **kwargs)
-
-    monkeypatch.setattr(backends, "launch", launch)
-
-
 # ---- correctness ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("shared", (True, False), ids=("x_shared", "x_per_expert"))
 @pytest.mark.parametrize("group_size", (32, 64, 128))
 @pytest.mark.parametrize("bits", (4, 8))
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dname)
-def test_matches_oracle(any_backend, poisoned, rng, dtype, bits, group_size, shared):
+def test_matches_oracle(any_backend, poisoned_outputs, rng, dtype, bits, group_size, shared):
     """N = 13 (a ragged 8-row tile), K = 3 groups (a partial 32-lane step), ids 0 / E-1 / repeats."""
     n_experts, n_out, n_in = 6, 13, 3 * group_size
     w, s, b = make_weights(rng, n_experts, n_out, n_in, dtype, group_size, bits)
@@ -140,7 +127,7 @@ def test_matches_oracle(any_backend, poisoned, rng, dtype, bits, group_size, sha
 
 @pytest.mark.parametrize("k", (1, 2, 8))
 @pytest.mark.parametrize("shared", (True, False), ids=("x_shared", "x_per_expert"))
-def test_top_k(any_backend, poisoned, rng, k, shared):
+def test_top_k(any_backend, poisoned_outputs, rng, k, shared):
     n_experts, n_out, n_in = 9, 40, 256
     w, s, b = make_weights(rng, n_experts, n_out, n_in, mx.float16, 64, 4)
     ids = np.stack([rng.permutation(n_experts)[:k] for _ in range(4)])
@@ -157,7 +144,7 @@ def test_top_k(any_backend, poisoned, rng, k, shared):
     ((2, 1), (2, 3)),  # x broadcast over tokens
 ], ids=str)
 @pytest.mark.parametrize("shared", (True, False), ids=("x_shared", "x_per_expert"))
-def test_leading_dims_broadcast(any_backend, poisoned, rng, x_lead, idx_lead, shared):
+def test_leading_dims_broadcast(any_backend, poisoned_outputs, rng, x_lead, idx_lead, shared):
     n_experts, k, n_out, n_in = 5, 2, 16, 128
     w, s, b = make_weights(rng, n_experts, n_out, n_in, mx.bfloat16, 32, 8)
     ids = mx.array(rng.integers(0, n_experts, size=(*idx_lead, k)).astype(np.uint32))
@@ -182,7 +169,7 @@ RANK_BROADCASTS = [
 
 
 @pytest.mark.parametrize("x_lead, idx_shape, per_expert, copied", RANK_BROADCASTS, ids=str)
-def test_leading_dims_of_other_ranks_broadcast(any_backend, poisoned, monkeypatch, rng, x_lead,
+def test_leading_dims_of_other_ranks_broadcast(any_backend, poisoned_outputs, monkeypatch, rng, x_lead,
                                                idx_shape, per_expert, copied):
     """NumPy broadcasting of the leading dims, ranks included, with the shape that
     mx.gather_qmm gives for x[..., None, None, :] (shared) or x[..., None, :] (per expert);
@@ -214,7 +201,7 @@ def test_leading_dims_of_other_ranks_broadcast(any_backend, poisoned, monkeypatc
         assert inputs[4].size == (pairs if copied else ids.size)
 
 
-def test_x_k_axis_of_one_broadcasts(any_backend, poisoned, rng):
+def test_x_k_axis_of_one_broadcasts(any_backend, poisoned_outputs, rng):
     """x [..., 1, K] with indices [..., k]: the size-1 k axis broadcasts (as in gather_qmm)."""
     n_experts, k, n_out, n_in = 6, 3, 24, 128
     w, s, b = make_weights(rng, n_experts, n_out, n_in, mx.float16, 64, 8)
@@ -228,7 +215,7 @@ def test_x_k_axis_of_one_broadcasts(any_backend, poisoned, rng):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dname)
-def test_out_of_range_ids_give_nan_rows(any_backend, poisoned, rng, dtype):
+def test_out_of_range_ids_give_nan_rows(any_backend, poisoned_outputs, rng, dtype):
     """ids E, 2^31 - 1 and -1 (int32): NaN rows, the valid rows exact, no hazard reported."""
     n_experts, n_out, n_in = 4, 24, 128
     w, s, b = make_weights(rng, n_experts, n_out, n_in, dtype, 64, 4)
@@ -243,7 +230,7 @@ def test_out_of_range_ids_give_nan_rows(any_backend, poisoned, rng, dtype):
 
 
 @pytest.mark.parametrize("n_out", (1, 3))
-def test_tiny_buffers(any_backend, poisoned, rng, n_out):
+def test_tiny_buffers(any_backend, poisoned_outputs, rng, n_out):
     """E = 1, K = 32: w and scales hold < 8 elements (MLX passes those as `constant`)."""
     w, s, b = make_packed(rng, 1, n_out, 32, mx.float16, 32, 4)
     ids = mx.array([[0]], dtype=mx.uint32)
@@ -251,7 +238,7 @@ def test_tiny_buffers(any_backend, poisoned, rng, n_out):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dname)
-def test_large_magnitudes(any_backend, poisoned, rng, dtype):
+def test_large_magnitudes(any_backend, poisoned_outputs, rng, dtype):
     """Weights and activations ~1e2 (~10 in float16, whose range ends at 65504), K = 1024."""
     scale = 10.0 if dtype == mx.float16 else 1e2
     w, s, b = make_weights(rng, 3, 16, 1024, dtype, 128, 8, scale=scale)
@@ -259,14 +246,14 @@ def test_large_magnitudes(any_backend, poisoned, rng, dtype):
     run_and_check(make_x(rng, (1, 1024), dtype, scale=scale), w, s, b, ids, 128, 8, any_backend)
 
 
-def test_non_contiguous_inputs(any_backend, poisoned, rng):
+def test_non_contiguous_inputs(any_backend, poisoned_outputs, rng):
     w, s, b = make_weights(rng, 4, 16, 256, mx.float32, 64, 4)
     x = make_x(rng, (256, 3), mx.float32).T  # [3, 256], transposed view
     ids = mx.array(np.array([[1, 3], [0, 2], [3, 3]], dtype=np.uint32).T.copy()).T  # [3, 2]
     run_and_check(x, w, s, b, ids, 64, 4, any_backend)
 
 
-def test_non_contiguous_weights(any_backend, poisoned, rng):
+def test_non_contiguous_weights(any_backend, poisoned_outputs, rng):
     """Every other expert of a larger stack (strided w), scales as a transposed view, biases
     sliced along N, x strided along K, per-expert layout."""
     n_experts, n_out, n_in, gs = 5, 12, 256, 32
@@ -284,7 +271,7 @@ def test_non_contiguous_weights(any_backend, poisoned, rng):
     (True, 768, 2048),  # gate/up projection
     (False, 2048, 768),  # down projection
 ], ids=("gate_up", "down"))
-def test_qwen3_moe_decode_shape(any_backend, poisoned, rng, shared, n_out, n_in):
+def test_qwen3_moe_decode_shape(any_backend, poisoned_outputs, rng, shared, n_out, n_in):
     """Qwen3-30B-A3B decode: E = 128, k = 8, 4-bit, group 64, bfloat16."""
     n_experts, k = 128, 8
     w, s, b = make_packed(rng, n_experts, n_out, n_in, mx.bfloat16, 64, 4)
@@ -301,7 +288,7 @@ def _emulator_stats():
 
 
 @pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 128), (8, 64)])
-def test_reads_only_selected_experts(poisoned, rng, bits, group_size):
+def test_reads_only_selected_experts(poisoned_outputs, rng, bits, group_size):
     """Bytes read from w / scales / biases = the selected (token, expert) pairs' rows, once each."""
     backends_ok = backends.unavailable_reason("emulator")
     if backends_ok is not None:
@@ -325,7 +312,7 @@ def test_reads_only_selected_experts(poisoned, rng, bits, group_size):
 
 
 @pytest.mark.parametrize("seed", (1, 2))
-def test_emulator_strict_shuffled(poisoned, rng, seed):
+def test_emulator_strict_shuffled(poisoned_outputs, rng, seed):
     """Strict mode (a shuffle may not read a lane that is not at it) with the threads and
     threadgroups run in a permuted order: ragged N, a partial 32-lane step, both layouts."""
     if backends.unavailable_reason("emulator") is not None:
@@ -502,7 +489,7 @@ def _broken_spec(monkeypatch, old: str, new: str):
     ("const uint rows = metal::min(ROWS, n_rows_total - row0);",
      "const uint rows = metal::min(ROWS - 1, n_rows_total - row0);"),  # leaves rows unwritten
 ], ids=("no_bias", "wrong_group", "wrong_shuffle", "unwritten_rows"))
-def test_negative_control_broken_kernel(kernel_backend, poisoned, monkeypatch, rng, old, new):
+def test_negative_control_broken_kernel(kernel_backend, poisoned_outputs, monkeypatch, rng, old, new):
     _broken_spec(monkeypatch, old, new)
     w, s, b = make_weights(rng, 4, 16, 256, mx.float32, 32, 4)
     ids = mx.array([[1, 3]], dtype=mx.uint32)

@@ -55,19 +55,8 @@ def make_inputs(rng, lead, n, dtype, y_dtype):
     return y, z, w
 
 
-@pytest.fixture(autouse=True)
-def poisoned(monkeypatch):
-    """Every gated_rms_norm kernel output in this module starts as NaN, on every kernel
-    backend (not only through the emulator's own poison), so an element the kernel never
-    writes fails the oracle. The op itself leaves init_value to the backend."""
-    real_launch = backends.launch
-
-    def launch(spec, backend, **kwargs):
-        if spec.op == op_module.OP:
-            kwargs["init_value"] = float("nan")
-        return real_launch(spec, backend, **kwargs)
-
-    monkeypatch.setattr(backends, "launch", launch)
+# Every kernel output in this module starts as NaN (conftest.poisoned_outputs).
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
 
 def run_and_check(y, z, w, eps, dtype, backend):
@@ -303,7 +292,7 @@ def test_negative_control_reference_squaring_in_y_dtype(monkeypatch, rng):
 
 
 def test_kernel_outputs_start_poisoned(kernel_backend, monkeypatch, rng):
-    """The poisoned fixture reaches the kernel object on this backend."""
+    """The poisoned_outputs fixture reaches the kernel object on this backend."""
     seen = []
     real_get_kernel = backends.get_kernel
 

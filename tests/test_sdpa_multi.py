@@ -89,12 +89,6 @@ def _variant_call(backend, rng):
 VARIANT_CALLS = {"split": _variant_call, "combine": _variant_call}  # one call runs both
 
 
-@pytest.fixture
-def poisoned(monkeypatch):
-    """Every kernel output starts as NaN, so an element left unwritten fails the check."""
-    monkeypatch.setattr(op_module, "_OUTPUT_INIT", float("nan"))
-
-
 # (B, Hq, Hkv, L, kv_len, S, D, causal): L in {1, 8, 16, 33}, GQA 1/2/4/8, with and
 # without slack (S > kv_len), D 64/96/128/256, row tiles that are ragged or several, KV
 # ranges split over several threadgroups, causal blocks whose first query sees one key.
@@ -123,7 +117,7 @@ def case_id(c):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_matches_oracle(any_backend, poisoned, rng, case, dtype):
+def test_matches_oracle(any_backend, poisoned_outputs, rng, case, dtype):
     B, Hq, Hkv, L, kv_len, S, D, causal = case
     q, k, v = make_inputs(rng, B, Hq, Hkv, L, S, D, dtype)
     run_and_check(q, k, v, scale=1.0 / math.sqrt(D), causal=causal, kv_len=kv_len,
@@ -142,7 +136,7 @@ def test_cases_cover_split_kv_and_tiles():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_one_block_slices(any_backend, poisoned, monkeypatch, rng, dtype):
+def test_one_block_slices(any_backend, poisoned_outputs, monkeypatch, rng, dtype):
     """Slices of 32 keys: with kv_len close to L, early causal queries see no key at all in
     the later slices (empty partials), and the last slice holds a single key."""
     monkeypatch.setattr(op_module, "MIN_SPLIT_BLOCKS", 1)
@@ -166,7 +160,7 @@ REAL_MODEL = [(kv_len, dtype, causal) for kv_len in (28, 4104) for dtype in DTYP
     "kv_len, dtype, causal", REAL_MODEL,
     ids=lambda x: dtype_id(x) if isinstance(x, mx.Dtype) else (
         ("causal" if x else "full") if isinstance(x, bool) else f"kv{x}"))
-def test_real_model_shape(any_backend, poisoned, rng, kv_len, dtype, causal):
+def test_real_model_shape(any_backend, poisoned_outputs, rng, kv_len, dtype, causal):
     """A Llama-3-8B-style layer: B=1, Hq=32, Hkv=8, D=128, a block of L=8 queries."""
     plan = op_module.plan(1, 32, 8, 8, 128, kv_len, dtype)
     assert plan["n_tiles"] == 1 and plan["rows"] == 32
@@ -177,7 +171,7 @@ def test_real_model_shape(any_backend, poisoned, rng, kv_len, dtype, causal):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_first_causal_query_sees_one_key(any_backend, poisoned, rng, dtype):
+def test_first_causal_query_sees_one_key(any_backend, poisoned_outputs, rng, dtype):
     """kv_len == L: query 0 attends key 0 alone, so its output is v[0] (its weight is 1)."""
     q, k, v = make_inputs(rng, 1, 4, 2, 8, 8, 64, dtype)
     out = run_and_check(q, k, v, scale=0.125, causal=True, kv_len=8, backend=any_backend)
@@ -187,7 +181,7 @@ def test_first_causal_query_sees_one_key(any_backend, poisoned, rng, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
-def test_large_scores(any_backend, poisoned, rng, dtype, causal):
+def test_large_scores(any_backend, poisoned_outputs, rng, dtype, causal):
     """Scores in the thousands (q, k ~ 30): softmax must subtract its running max."""
     q, k, v = make_inputs(rng, 1, 4, 2, 8, 96, 64, dtype, qk_scale=30.0)
     out = run_and_check(q, k, v, scale=1.0, causal=causal, kv_len=90, backend=any_backend)
@@ -208,7 +202,7 @@ HUGE_SCORES = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("scale, lo, hi", [
     pytest.param(*c, id=f"scale{c[0]:g}-k{c[1]}to{c[2]}") for c in HUGE_SCORES])
-def test_huge_finite_scores(any_backend, poisoned, monkeypatch, rng, dtype, scale, lo, hi):
+def test_huge_finite_scores(any_backend, poisoned_outputs, monkeypatch, rng, dtype, scale, lo, hi):
     """Scores of magnitude 1.4e29 to 1.4e38, either sign, all finite in float32.
 
     q = e_0 and k[:, :, j, 0] an integer in [lo, hi], so every score scale * k_j0 is
@@ -244,7 +238,7 @@ def test_huge_finite_scores(any_backend, poisoned, monkeypatch, rng, dtype, scal
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_combine_of_empty_and_extreme_slices(kernel_backend, poisoned, rng, dtype):
+def test_combine_of_empty_and_extreme_slices(kernel_backend, poisoned_outputs, rng, dtype):
     """The combine pass alone, on hand-made partials (m, lsum, o) of 3 slices per row:
     every slice empty (m = -inf: the row is written as 0, not NaN); empty slices next to
     maxima near -FLT_MAX, equal or 3 apart; maxima whose difference overflows to -inf."""
@@ -276,21 +270,21 @@ def test_combine_of_empty_and_extreme_slices(kernel_backend, poisoned, rng, dtyp
         input_names=op_module._COMBINE_INPUTS, output_names=op_module._COMBINE_OUTPUTS,
         template=(("T", dtype), ("D", D)), grid=(32 * op_module.COMBINE_ROWS, 1, 1),
         threadgroup=(32 * op_module.COMBINE_ROWS, 1, 1), output_shapes=((n_rows, D),),
-        output_dtypes=(dtype,), init_value=op_module._OUTPUT_INIT)
+        output_dtypes=(dtype,), init_value=float("nan"))
     mx.eval(out)
     assert backends.launch_count(op_module.COMBINE_SPEC.name, kernel_backend) == before + 1
     assert_close(out, want, dtype, magnitude, what=f"sdpa_multi combine[{kernel_backend}]")
 
 
 @pytest.mark.parametrize("scale", (0.0, -0.3), ids=("zero", "negative"))
-def test_zero_and_negative_scale(any_backend, poisoned, rng, scale):
+def test_zero_and_negative_scale(any_backend, poisoned_outputs, rng, scale):
     """scale 0: every visible key weighs the same; a negative scale flips the scores."""
     q, k, v = make_inputs(rng, 1, 4, 2, 8, 80, 64, mx.float32)
     run_and_check(q, k, v, scale=scale, causal=True, kv_len=70, backend=any_backend)
 
 
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
-def test_slack_rows_are_never_read(any_backend, poisoned, rng, causal):
+def test_slack_rows_are_never_read(any_backend, poisoned_outputs, rng, causal):
     """Cache rows past kv_len hold NaN/inf: the result must not see them."""
     q, k, v = make_inputs(rng, 1, 8, 2, 8, 160, 64, mx.float16)
     kv_len = 77
@@ -302,7 +296,7 @@ def test_slack_rows_are_never_read(any_backend, poisoned, rng, causal):
 
 
 @pytest.mark.parametrize("dtype", (mx.float32, mx.float16), ids=dtype_id)
-def test_non_contiguous_inputs(any_backend, poisoned, rng, dtype):
+def test_non_contiguous_inputs(any_backend, poisoned_outputs, rng, dtype):
     """q transposed from [B, L, H, D]; k, v sliced out of a larger preallocated cache;
     then k, v transposed from a [B, S, H, D] cache and q a strided slice."""
     B, Hq, L, D = 2, 8, 8, 64  # 4 KV heads
@@ -662,7 +656,7 @@ def test_negative_control_combine_without_rescale(kernel_backend, monkeypatch, r
         _templates.render.cache_clear()
 
 
-def test_negative_control_unwritten_row(kernel_backend, poisoned, monkeypatch, rng):
+def test_negative_control_unwritten_row(kernel_backend, poisoned_outputs, monkeypatch, rng):
     """A combine pass that never writes the last output row must fail (the poisoned
     outputs are what catches it)."""
     broken = _broken_template(monkeypatch, op_module.COMBINE_SPEC,
