@@ -15,36 +15,15 @@ import pytest
 from conftest import PROVIDERS, ROTATE, provider_fn
 
 from mlx_metaltile import _device
-from mlx_metaltile._bench_cases import cases, f64
+from mlx_metaltile._bench_cases import cases, f64, sdpa_multi_terms
 from mlx_metaltile._registry import TOLERANCES
 from mlx_metaltile.ops.sdpa_multi import sdpa_multi_reference
 
 CASES = cases("sdpa_multi")
 
 
-def _oracle_and_magnitude(q, k, v, scale, causal, kv_len):
-    """float64 out; the sum of |terms| behind each output (as in tests/test_sdpa_multi.py),
-    sum_j p_j |v_j| (1 + |scale| sum_d |q_d k_j,d|); and sum_j p_j |v_j|."""
-    q, k, v = f64(q), f64(k), f64(v)
-    B, Hq, L, D = q.shape
-    Hkv = k.shape[1]
-    qg = q.reshape(B, Hkv, Hq // Hkv, L, D)  # query head h = kvh * G + g reads KV head kvh
-    kk, vv = k[:, :, :kv_len], v[:, :, :kv_len]
-    s = scale * np.einsum("bkgld,bkjd->bkglj", qg, kk)  # einsum: no threaded BLAS here
-    if causal:
-        visible = np.arange(kv_len)[None, :] <= (kv_len - L + np.arange(L))[:, None]
-        s = np.where(visible, s, -np.inf)
-    p = np.exp(s - s.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    score_mag = abs(scale) * np.einsum("bkgld,bkjd->bkglj", np.abs(qg), np.abs(kk))
-    out = (np.einsum("bkglj,bkjd->bkgld", p, vv),
-           np.einsum("bkglj,bkjd->bkgld", p * (1.0 + score_mag), np.abs(vv)),
-           np.einsum("bkglj,bkjd->bkgld", p, np.abs(vv)))
-    return tuple(x.reshape(B, Hq, L, D) for x in out)
-
-
 def _check(case, provider, got, inputs):
-    want, magnitude, p_magnitude = _oracle_and_magnitude(**inputs)
+    want, magnitude, p_magnitude = sdpa_multi_terms(**inputs)
     got = f64(got)
     tol = TOLERANCES[case.dtype_name]
     bound = tol.atol + tol.rtol * np.abs(want) + tol.accum * magnitude

@@ -386,32 +386,35 @@ _expert_qmv_cases()
 
 # ---- sdpa_multi -----------------------------------------------------------------------
 
-def _sdpa_multi_oracle(q, k, v, scale, causal, kv_len):
+def sdpa_multi_terms(q, k, v, scale, causal, kv_len):
+    """float64 (out, magnitude, p_magnitude): the softmax attention of the definition;
+    sum_j p_j (1 + |scale| sum_d |q_d k_jd|) |v_j| (float32 error of a score grows with the
+    magnitude of its dot product, and each p_j carries it into the output); sum_j p_j |v_j|.
+    Query head h = kvh * G + g reads KV head kvh (einsum over the groups: no repeated K/V)."""
     q, k, v = f64(q), f64(k), f64(v)
-    L, G = q.shape[2], q.shape[1] // k.shape[1]
-    kk = np.repeat(k[:, :, :kv_len], G, axis=1)
-    s = scale * (q @ kk.swapaxes(-1, -2))
-    if causal:
-        visible = np.arange(kv_len)[None, :] <= (kv_len - L + np.arange(L))[:, None]
-        s = np.where(visible, s, -np.inf)
-    p = np.exp(s - s.max(axis=-1, keepdims=True))
-    return (p / p.sum(axis=-1, keepdims=True)) @ np.repeat(v[:, :, :kv_len], G, axis=1)
-
-
-def _sdpa_multi_magnitude(q, k, v, scale, causal, kv_len):
-    """sum_j p_j (1 + |scale| sum_d |q_d k_jd|) |v_j|: float32 error of a score grows with
-    the magnitude of its dot product, and each p_j carries it into the output."""
-    q, k, v = f64(q), f64(k), f64(v)
-    L, G = q.shape[2], q.shape[1] // k.shape[1]
-    kk = np.repeat(k[:, :, :kv_len], G, axis=1)
-    s = scale * (q @ kk.swapaxes(-1, -2))
-    score_mag = abs(scale) * (np.abs(q) @ np.abs(kk).swapaxes(-1, -2))
+    B, Hq, L, D = q.shape
+    Hkv = k.shape[1]
+    qg = q.reshape(B, Hkv, Hq // Hkv, L, D)
+    kk, vv = k[:, :, :kv_len], v[:, :, :kv_len]
+    s = scale * np.einsum("bkgld,bkjd->bkglj", qg, kk)
     if causal:
         visible = np.arange(kv_len)[None, :] <= (kv_len - L + np.arange(L))[:, None]
         s = np.where(visible, s, -np.inf)
     p = np.exp(s - s.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
-    return (p * (1.0 + score_mag)) @ np.repeat(np.abs(v[:, :, :kv_len]), G, axis=1)
+    score_mag = abs(scale) * np.einsum("bkgld,bkjd->bkglj", np.abs(qg), np.abs(kk))
+    out = (np.einsum("bkglj,bkjd->bkgld", p, vv),
+           np.einsum("bkglj,bkjd->bkgld", p * (1.0 + score_mag), np.abs(vv)),
+           np.einsum("bkglj,bkjd->bkgld", p, np.abs(vv)))
+    return tuple(x.reshape(B, Hq, L, D) for x in out)
+
+
+def _sdpa_multi_oracle(q, k, v, scale, causal, kv_len):
+    return sdpa_multi_terms(q, k, v, scale, causal, kv_len)[0]
+
+
+def _sdpa_multi_magnitude(q, k, v, scale, causal, kv_len):
+    return sdpa_multi_terms(q, k, v, scale, causal, kv_len)[1]
 
 
 def _sdpa_multi_native(q, k, v, scale, causal, kv_len):
