@@ -13,11 +13,11 @@ import importlib
 import time
 
 import mlx.core as mx
+import nvcc_check as _nvcc
 import pytest
 
 import mlx_metaltile as mt
 from mlx_metaltile import _registry
-from mlx_metaltile.cuda import _nvcc
 
 SPECS = tuple(s for s in mt.kernels() if "cuda" in s.backends)
 COMPILERS = (

@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .._msl_signature import InputInfo, generate
+from .._msl.signature import InputInfo, generate
 from . import _dwarf, _toolchain
 from ._errors import HAZARD_CLASSES, EmulatorError, KernelHazard
 from ._translate import translate
