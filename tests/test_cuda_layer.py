@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import mlx.core as mx
-import nvcc_check as _nvcc
+import nvcc_check
 import pytest
 from msl_features import FEATURES, Feature
 
@@ -195,16 +195,16 @@ def feature_unit(feature: Feature, guarded: bool = False) -> str:
 
 COMPILERS = (
     pytest.param("nvcc", id="nvcc", marks=pytest.mark.skipif(
-        _nvcc.find_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME)")),
+        nvcc_check.find_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME)")),
     pytest.param("nvrtc", id="nvrtc", marks=pytest.mark.skipif(
-        _nvcc.load_nvrtc() is None, reason=f"libnvrtc not found (set {_nvcc.NVRTC_ENV})")),
+        nvcc_check.load_nvrtc() is None, reason=f"libnvrtc not found (set {nvcc_check.NVRTC_ENV})")),
 )
 
 
 def compile_units(compiler: str, units: dict[str, str]) -> dict:
     if compiler == "nvcc":
-        return _nvcc.compile_units(units)
-    return _nvcc.nvrtc_compile_units(units)
+        return nvcc_check.compile_units(units)
+    return nvcc_check.nvrtc_compile_units(units)
 
 
 # what the CUDA layer accepts (the others are refused when made: test_msl_conformance.py)
