@@ -31,6 +31,7 @@ from .dtypes import type_string
 
 MAX_CONSTANT_ARRAY_SIZE = 8
 
+
 @dataclass(frozen=True)
 class InputInfo:
     """What the signature needs to know of an input array."""
