@@ -199,8 +199,8 @@ gsum[i] = group_total;
              ("gsum", mx.float32)),
 )
 
-# A helper in the header (MSL `inline` function taking a threadgroup pointer) and template
-# int/bool arguments.
+# A helper in the header (MSL `inline` function taking a threadgroup pointer), template
+# int/bool arguments, half and bfloat literals.
 HEADER = Feature(
     name="header_helpers",
     header="""
@@ -228,7 +228,7 @@ const uint lid = thread_position_in_threadgroup.x;
 t[lid] = float(x[lid]);
 threadgroup_barrier(mem_flags::mem_threadgroup);
 const float s = sum_tile(t, WIDTH);
-out[lid] = twice(FLAG ? s * kScale[1] : s * kScale[0]) + 1.0h;
+out[lid] = twice(FLAG ? s * kScale[1] : s * kScale[0]) + (0.5h + float(0.5bf));
 """,
     inputs=(("x", "T", 1),),
     outputs=(("out", mx.float32),),

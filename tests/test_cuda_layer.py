@@ -105,6 +105,12 @@ def test_msl_spellings_without_cuda_equivalent_are_rewritten():
     assert "#undef inline" in helpers
 
 
+def test_half_and_bfloat_literals_become_the_shared_macros():
+    body = tr.prepass_body("out[0] = 2bf + 1.5h + 3h + 1e-3H + .5BF + x1h + 0x1h;")
+    assert body == ("out[0] = MT_BFLOAT_LITERAL(2) + MT_HALF_LITERAL(1.5f) + MT_HALF_LITERAL(3)"
+                    " + MT_HALF_LITERAL(1e-3f) + MT_BFLOAT_LITERAL(.5f) + x1h + 0x1h;")
+
+
 def test_compat_header_is_included_by_path_with_its_digest():
     """Small kernel sources (MLX hashes them per launch); the digest tracks header edits."""
     include = tr.compat_include()
