@@ -146,15 +146,6 @@ def _select(args, cases, quick: bool):
     return [c for c in pool if not args.shape or any(t in c.label for t in args.shape)]
 
 
-def _load(paths: list[str]) -> list[tuple[str, dict, list[dict]]]:
-    runs = []
-    for path in paths:
-        with open(path) as f:
-            data = json.load(f)
-        runs.append((path, data["meta"], data["results"]))
-    return runs
-
-
 def _plot(args, runs) -> None:
     from mlx_metaltile import plot
     try:
@@ -171,13 +162,13 @@ def _save(path: str, meta: dict, results: list[dict]) -> None:
 
 def cmd_bench(args) -> int:
     if getattr(args, "from_json", None):
-        runs = _load(args.from_json)
+        from mlx_metaltile import plot
+        runs = plot.load(args.from_json)
         for path, meta, results in runs:
             print(f"== {path}")
             _print_table(meta, results)
         if args.plot:
-            _plot(args, [(meta.get("device", path), meta, results)
-                         for path, meta, results in runs])
+            _plot(args, runs)
         return 0
     cases = _bench_cases()
     if args.backend:
