@@ -3,7 +3,8 @@
 
 Which variant a call runs is the launcher's choice, so the launch counters say which kernels
 a benchmark case ran: for each op, variants that a ``variant=`` argument selects are asked
-for by name, then the cases run from the smallest until every variant has launched. A
+for by name, then one case per shape runs, from the smallest, until every variant has
+launched. A
 variant that no case launches is reported ``unchecked``, never ``pass``.
 """
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from . import _measure, _registry, _show, backends
 
-MAX_CASES = 8  # cases tried per op (smallest first) before a variant is left unchecked
+MAX_CASES = 16  # shapes tried per op (smallest first) before a variant is left unchecked
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,10 @@ def check_variants(backend: str, cases=None,
             results[s.name] = VariantResult(s.name, "n/a", detail=f"runs on {s.backends}")
     for op in dict.fromkeys(s.op for s in specs):
         pending = {s.name: s for s in specs if s.op == op and s.name not in results}
-        op_cases = sorted(cases(op), key=lambda c: c.nbytes)[:MAX_CASES]
+        smallest = {}  # one case per shape (its cheapest dtype), smallest shapes first
+        for c in sorted(cases(op), key=lambda c: c.nbytes):
+            smallest.setdefault(c.label, c)
+        op_cases = list(smallest.values())[:MAX_CASES]
         # asked for by name first (no case picks the mpp variants by default), then as the
         # launcher chooses
         wanted = [s.variant for s in pending.values()] + [None]
