@@ -31,8 +31,9 @@ y64, z64 = np.array(y, dtype=np.float64), np.array(z.astype(mx.float32), dtype=n
 w64 = np.array(w.astype(mx.float32), dtype=np.float64)
 want = w64 * y64 / np.sqrt(np.mean(y64**2, axis=-1, keepdims=True) + 1e-5) * z64 / (1 + np.exp(-z64))
 got = np.array(out.astype(mx.float32), dtype=np.float64)
-print(f"gated_rms_norm: max |error| {np.max(np.abs(got - want)):.2e} (bfloat16 output: "
-      f"one rounding is up to {2**-8:.1e} x |value|)")
+rel = np.abs(got - want) / np.maximum(np.abs(want), 1e-30)
+print(f"gated_rms_norm: max relative error {rel.max():.2e} (one bfloat16 rounding: up to "
+      f"{2**-8:.2e})")
 
 # 3. Every op on its smallest benchmark case, against the case's float64 oracle.
 for op in dict.fromkeys(c.op for c in cases()):

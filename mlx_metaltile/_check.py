@@ -77,8 +77,8 @@ def check_variants(backend: str, cases=None,
                 _run(case, fn, backend, pending, results)
         for name in pending:
             results[name] = VariantResult(name, "unchecked", detail="no benchmark case "
-                                          f"launches it on {backend} (tried the "
-                                          f"{len(op_cases)} smallest)")
+                                          f"launches it on {backend} (tried "
+                                          f"{len(op_cases)} shapes)")
     return [results[s.name] for s in specs]
 
 
