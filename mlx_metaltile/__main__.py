@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -150,7 +151,7 @@ def _plot(args, runs) -> None:
     from mlx_metaltile import plot
     try:
         plot.save(runs, args.plot)
-    except plot.MissingMatplotlib as exc:
+    except (plot.MissingMatplotlib, ValueError) as exc:
         raise SystemExit(f"error: {exc}") from None
     print(f"saved the plot to {args.plot}")
 
@@ -189,13 +190,15 @@ def cmd_bench(args) -> int:
     # hour and say little, so the short subset is the default there.
     quick = args.quick or not (gpu or args.all)
     selected = _select(args, cases, quick)
-    note = {"reference": "  (no GPU kernel backend here: 'ours' is the reference composite "
-                         "of native MLX ops, so both sides are MLX timings on this device)",
-            "emulator": "  (kernels run by the CPU emulator: correctness only)"}
+    note = {"reference": "no GPU kernel backend: 'ours' is the reference composite of native "
+                         "MLX ops, so both sides are MLX timings on this device",
+            "emulator": "kernels run by the CPU emulator: correctness only"}
     print(f"mlx_metaltile {mt.__version__}  mlx {mx.__version__}  device: {device}  "
-          f"backend: {backend}{note.get(backend, '')}")
+          f"backend: {backend}")
+    if backend in note:
+        print(f"note: {note[backend]}")
     if quick and not args.quick:
-        print("(no GPU here: the short subset of shapes; --all runs every shape)")
+        print("note: no GPU here: the short subset of shapes (--all runs every shape)")
     unit, scale = _unit(backend)
     print("legend: " + legend(timed, iters, batch, untimed_reason, unit))
     cols = _columns(timed, peak, unit)
@@ -334,7 +337,11 @@ def main(argv=None) -> int:
                              "and the kernel registry")
     kernels.set_defaults(fn=cmd_kernels, parser=kernels)
     args = parser.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except BrokenPipeError:  # the reader went away (``| head``): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":
