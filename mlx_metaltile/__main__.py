@@ -183,6 +183,14 @@ def cmd_bench(args) -> int:
     gpu = backend in ("metal", "cuda")
     untimed_reason = _measure.EAGER.get(backend, "")
     timed = not untimed_reason
+    if args.plot:  # before a long run: what would stop the plot at its end
+        if not timed:
+            args.parser.error(f"--plot needs timings; on {backend}: {untimed_reason}")
+        from mlx_metaltile import plot
+        try:
+            plot.require_matplotlib()
+        except plot.MissingMatplotlib as exc:
+            args.parser.error(str(exc))
     iters = args.iters or (20 if gpu else 3)
     batch = args.batch or (8 if gpu else 1)
     warmup = args.warmup if args.warmup is not None else (3 if gpu else 1)

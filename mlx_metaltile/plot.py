@@ -19,7 +19,8 @@ class MissingMatplotlib(ImportError):
     pass
 
 
-def _figure_class():
+def require_matplotlib():
+    """matplotlib's Figure class, or MissingMatplotlib saying how to install it."""
     try:
         from matplotlib.figure import Figure
     except ImportError as exc:
@@ -47,7 +48,7 @@ def _label(name: str, meta: dict, names: list[str]) -> str:
 def figure(runs):
     """A matplotlib Figure of ``runs`` = [(name, meta, results), ...] (no pyplot: it works
     without a display)."""
-    Figure = _figure_class()
+    Figure = require_matplotlib()
     timed = [(n, m, r) for n, m, r in runs if m.get("timed", True)
              and any(x.get("ours_us") is not None for x in r)]
     if not timed:

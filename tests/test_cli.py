@@ -140,3 +140,16 @@ def test_check_reports_unchecked_and_failures_never_as_passes():
     assert results["sdpa_multi_split"].status == "unchecked"
     assert results["fp4_qmm_mpp"].status == "unchecked"
     assert not any(r.status == "pass" for r in results.values())
+
+
+def test_plot_is_refused_before_an_untimed_or_unplottable_run(capsys, monkeypatch):
+    if EMULATOR is None:
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["bench", "--backend", "emulator", "--plot", "x.png"])
+        assert exc.value.code == 2 and "--plot needs timings" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--backend", "reference", "--plot", "x.png"])
+    assert exc.value.code == 2
+    assert "plotting needs matplotlib: pip install matplotlib" in capsys.readouterr().err
