@@ -92,3 +92,15 @@ def current_backend() -> str:
     """The concrete backend the next op call on this thread runs on ('metal', 'cuda',
     'emulator' or 'reference'): ``get_backend()`` with ``auto`` resolved."""
     return backends.resolve_backend()
+
+
+def launch_stats(stats) -> Table:
+    """An emulator ``LaunchStats`` (``mlx_metaltile.emulator.last_launch_stats()``) as a table:
+    the launch's counters, then the device bytes read and written per buffer."""
+    rows = [(name, str(getattr(stats, name))) for name in
+            ("kernel", "grid", "threadgroup", "threadgroups", "threads", "threadgroup_barriers",
+             "simdgroup_barriers", "simd_collectives", "threadgroup_memory", "fiber_switches")]
+    for buf in dict.fromkeys([*stats.bytes_read, *stats.bytes_written]):
+        rows.append((f"bytes {buf}", f"read {stats.bytes_read.get(buf, 0):,}, written "
+                                     f"{stats.bytes_written.get(buf, 0):,}"))
+    return Table(("counter", "value"), rows, title="the emulator's last launch")
