@@ -113,8 +113,9 @@ def legend(timed: bool, iters, batch, untimed_reason: str = "", unit: str = "us"
             f"moves / ours median\n  {errs}")
 
 
-def _print_table(meta: dict, results: list[dict], out=sys.stdout) -> None:
+def _print_table(meta: dict, results: list[dict], out=None) -> None:
     """A saved run's table (``--from``), fitted to its contents."""
+    out = out or sys.stdout
     timed, peak = meta.get("timed", True), meta.get("peak_gbps")
     unit, scale = _unit(meta.get("backend", "?"))
     print(f"{meta.get('device', '?')}  backend: {meta.get('backend', '?')}  mlx "
