@@ -23,15 +23,8 @@ from ._errors import (
     ThreadgroupRace,
     UninitializedThreadgroupRead,
 )
-from ._kernel import (
-    EmulatedKernel,
-    LaunchStats,
-    Settings,
-    configure,
-    last_launch_stats,
-    metal_kernel,
-    settings,
-)
+from ._kernel import EmulatedKernel, LaunchStats, last_launch_stats, metal_kernel
+from ._settings import Settings, configure, settings
 from ._toolchain import unavailable_reason
 
 __all__ = [

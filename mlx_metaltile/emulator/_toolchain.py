@@ -21,24 +21,26 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ._abi import ABI_VERSION, load_runtime
 from ._errors import EmulatorError, KernelCompileError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 INCLUDE_DIR = PACKAGE_DIR / "include"
-RUNTIME_SOURCE = PACKAGE_DIR / "src" / "runtime.cpp"
-ABI_VERSION = 4
+RUNTIME_SOURCE = PACKAGE_DIR / "src" / "runtime.cpp"  # a unity build of the files beside it
+# Kernel modules are loaded with their symbols local; each names the runtime library (by its
+# soname) as a needed library, which resolves to the copy already loaded.
+MODULE_DLOPEN_MODE = ctypes.RTLD_LOCAL
 
 # Kernel code: -O1 keeps compile time low; the thread-sanitizer instrumentation reports every
 # load and store to the runtime (bounds checks, byte counters, threadgroup shadow memory);
-# -g1 gives the line tables that map a faulting address back to the kernel's source line;
-# DWARF 4, because binutils' addr2line (2.40) names the wrong file (kernel.cpp) for the code
-# of out-of-line helper functions in GCC 12's DWARF 5 line tables.
+# -g1 gives the line tables that map a faulting address back to the kernel's source line
+# (read with pyelftools, in the compiler's default DWARF version);
 # C++20 for std::source_location (barriers and SIMD functions are matched by source position,
 # column included); MSL itself is C++17-based. Frame pointers let the runtime walk the call
 # path of a thread waiting at a barrier or SIMD-group function (threads meet there only when
 # they called it through the same chain of calls).
 KERNEL_FLAGS = (
-    "-std=c++20", "-O1", "-g1", "-gdwarf-4", "-fno-omit-frame-pointer", "-fPIC",
+    "-std=c++20", "-O1", "-g1", "-fno-omit-frame-pointer", "-fPIC",
     "-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0",
     "-fno-strict-aliasing", "-fwrapv", "-ffp-contract=off", "-fno-math-errno",
     "-fno-exceptions", "-fstack-clash-protection",
@@ -98,7 +100,8 @@ def _compiler_version() -> str:
 
 @functools.cache
 def runtime_sources_digest() -> str:
-    files = sorted(p for p in INCLUDE_DIR.rglob("*") if p.is_file()) + [RUNTIME_SOURCE]
+    files = sorted(p for p in [*INCLUDE_DIR.rglob("*"), *RUNTIME_SOURCE.parent.rglob("*")]
+                   if p.is_file())
     parts = []
     for p in files:
         parts += [str(p.relative_to(PACKAGE_DIR)), p.read_bytes()]
@@ -128,24 +131,29 @@ def _install(tmp: Path, final: Path) -> None:
             raise
 
 
+def _runtime_name() -> str:
+    return f"mt_runtime-{toolchain_key()}.so"
+
+
 @functools.cache
-def runtime_library() -> ctypes.CDLL:
-    """The emulator runtime, built once per toolchain, loaded with its symbols global (the
-    kernel modules call into it)."""
+def runtime_path() -> Path:
+    """The emulator runtime library, built once per toolchain."""
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"mt_runtime-{toolchain_key()}.so"
+    final = root / _runtime_name()
     if not final.exists():
         with tempfile.TemporaryDirectory(dir=root, prefix="build-") as tmp:
             out = Path(tmp) / "mt_runtime.so"
-            _run([compiler(), *RUNTIME_FLAGS, f"-I{INCLUDE_DIR}", str(RUNTIME_SOURCE), "-o",
-                  str(out)], Path(tmp), "the emulator runtime")
+            _run([compiler(), *RUNTIME_FLAGS, f"-Wl,-soname,{_runtime_name()}",
+                  f"-I{INCLUDE_DIR}", str(RUNTIME_SOURCE), "-o", str(out)], Path(tmp),
+                 "the emulator runtime")
             _install(out, final)
-    lib = ctypes.CDLL(str(final), mode=ctypes.RTLD_GLOBAL)
-    if lib.mt_rt_abi_version() != ABI_VERSION:
-        raise EmulatorError("[emulator] runtime library ABI mismatch; clear the cache at "
-                            f"{root}")
-    return lib
+    return final
+
+
+def runtime_library():
+    """The loaded runtime library (a cffi library object)."""
+    return load_runtime(runtime_path())
 
 
 @functools.cache
@@ -236,7 +244,9 @@ def build_kernel(cpp: str, header: str, body: str, name: str) -> Path:
             text, first = _map_diagnostics(proc.stderr, name)
             raise KernelCompileError(f"[{name}] the kernel does not compile: "
                                      f"{first or 'see below'}\n{text}", kernel=name)
-        _run([compiler(), "-shared", "kernel.o", "-o", "kernel.so"], tmp, f"kernel {name}")
+        # linked against the runtime: the module names it (by soname) as a needed library
+        _run([compiler(), "-shared", "kernel.o", str(runtime_path()), "-o", "kernel.so"], tmp,
+             f"kernel {name}")
         _install(tmp / "kernel.so", final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -5,6 +5,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "mt_emu/launch.h"  // hazard kinds
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -69,22 +71,6 @@ struct mt_coll {
 };
 
 enum { MT_BARRIER_THREADGROUP = 0, MT_BARRIER_SIMDGROUP = 1 };
-
-// Hazard kinds (mirrored by the Python exception classes).
-enum {
-  MT_HZ_NONE = 0,
-  MT_HZ_OUT_OF_BOUNDS = 1,
-  MT_HZ_THREADGROUP_MEMORY = 2,
-  MT_HZ_BARRIER = 3,
-  MT_HZ_SIMD_LANE = 4,
-  MT_HZ_UNINITIALIZED_READ = 5,
-  MT_HZ_STACK_OVERFLOW = 6,
-  MT_HZ_MEMORY_FAULT = 7,
-  MT_HZ_ARITHMETIC = 8,
-  MT_HZ_SIMDGROUP_MATRIX = 9,
-  MT_HZ_TIMEOUT = 10,
-  MT_HZ_RACE = 11,
-};
 
 // Runtime entry points used by kernel code (through the headers).
 void mt_collective(mt_coll* c);
