@@ -1,26 +1,24 @@
 """Compiling for the emulator: the host C++ compiler, the on-disk cache, the runtime library,
 the precompiled header and the kernel modules.
 
-Everything built is cached under ``$MLX_METALTILE_CACHE/emulator`` (default
-``~/.cache/mlx_metaltile/emulator``), keyed by a hash of what went into it (compiler version,
-flags, runtime sources, kernel source). Builds happen in a private temporary directory and are
-moved into place with an atomic rename, so concurrent test processes share the cache safely.
+Everything built is cached (``_cache``: where, who may write it, checked entries), keyed by a
+hash of what went into it (compiler version, flags, runtime sources, kernel source).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
 import platform
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
+import threading
 from pathlib import Path
 
+from . import _cache
 from ._abi import ABI_VERSION, load_runtime
 from ._errors import EmulatorError, KernelCompileError
 
@@ -72,21 +70,11 @@ def unavailable_reason() -> str | None:
     if compiler() is None:
         wanted = " or ".join(_compiler_candidates())
         return f"no C++ compiler found (looked for {wanted}; set MLX_METALTILE_CXX)"
+    try:
+        _cache.root()
+    except (_cache.CacheError, OSError) as e:
+        return f"its cache cannot be used: {e}"
     return None
-
-
-def cache_root() -> Path:
-    base = os.environ.get("MLX_METALTILE_CACHE")
-    root = Path(base) if base else Path.home() / ".cache" / "mlx_metaltile"
-    return root / "emulator"
-
-
-def _digest(*parts: str | bytes) -> str:
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(part.encode() if isinstance(part, str) else part)
-        h.update(b"\0")
-    return h.hexdigest()[:24]
 
 
 @functools.cache
@@ -105,50 +93,52 @@ def runtime_sources_digest() -> str:
     parts = []
     for p in files:
         parts += [str(p.relative_to(PACKAGE_DIR)), p.read_bytes()]
-    return _digest(*parts)
+    return _cache.digest(*parts)
 
 
 @functools.cache
 def toolchain_key() -> str:
-    return _digest(compiler() or "", _compiler_version(), " ".join(KERNEL_FLAGS),
+    return _cache.digest(compiler() or "", _compiler_version(), " ".join(KERNEL_FLAGS),
                    " ".join(RUNTIME_FLAGS), runtime_sources_digest(), str(ABI_VERSION),
                    platform.machine())
+
+
+def _failed(proc: subprocess.CompletedProcess, folder: Path) -> Exception | None:
+    """The real cause of a failed compiler run outside the kernel's own code, if known."""
+    if "No space left on device" in proc.stderr:
+        return _cache.disk_full(folder)
+    return None
 
 
 def _run(cmd: list[str], cwd: Path, what: str) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise EmulatorError(f"[emulator] building {what} failed:\n{proc.stderr[-4000:]}")
+        raise _failed(proc, cwd) or EmulatorError(f"[emulator] building {what} failed:\n"
+                                                  f"{proc.stderr[-4000:]}")
     return proc
 
 
-def _install(tmp: Path, final: Path) -> None:
-    """Move a finished build into the cache (another process may have won the race)."""
-    try:
-        os.replace(tmp, final)
-    except OSError:
-        if not final.exists():
-            raise
-
-
 def _runtime_name() -> str:
-    return f"mt_runtime-{toolchain_key()}.so"
+    return f"mt_runtime-{toolchain_key()[:24]}.so"
 
 
-@functools.cache
+_runtime_lock = threading.Lock()
+_runtimes: dict[Path, Path] = {}  # cache folder -> its checked runtime library
+
+
 def runtime_path() -> Path:
-    """The emulator runtime library, built once per toolchain."""
-    root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / _runtime_name()
-    if not final.exists():
-        with tempfile.TemporaryDirectory(dir=root, prefix="build-") as tmp:
-            out = Path(tmp) / "mt_runtime.so"
-            _run([compiler(), *RUNTIME_FLAGS, f"-Wl,-soname,{_runtime_name()}",
-                  f"-I{INCLUDE_DIR}", str(RUNTIME_SOURCE), "-o", str(out)], Path(tmp),
-                 "the emulator runtime")
-            _install(out, final)
-    return final
+    """The emulator runtime library, built once per toolchain (checked once per process)."""
+    root = _cache.folder("")
+    with _runtime_lock:
+        if root not in _runtimes:
+            def build(tmp: Path) -> None:
+                _run([compiler(), *RUNTIME_FLAGS, f"-Wl,-soname,{_runtime_name()}",
+                      f"-I{INCLUDE_DIR}", str(RUNTIME_SOURCE), "-o", _runtime_name()], tmp,
+                     "the emulator runtime")
+
+            entry = _cache.entry(root, f"runtime-{toolchain_key()[:24]}", toolchain_key(), build)
+            _runtimes[root] = entry / _runtime_name()
+        return _runtimes[root]
 
 
 def runtime_library():
@@ -156,34 +146,29 @@ def runtime_library():
     return load_runtime(runtime_path())
 
 
-@functools.cache
-def precompiled_header() -> Path | None:
-    """Directory holding mt_pch.h and its precompiled form (None if the compiler cannot
-    precompile; kernels then parse the headers each time)."""
-    root = cache_root()
-    final = root / f"pch-{toolchain_key()}"
-    if (final / "mt_pch.h").exists():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix="pch-build-"))
-    try:
-        (tmp / "mt_pch.h").write_text('#include "mt_emu/kernel.h"\n')
-        proc = subprocess.run([compiler(), *KERNEL_FLAGS, f"-I{INCLUDE_DIR}", "-x", "c++-header",
-                               "mt_pch.h", "-o", "mt_pch.h.gch"], cwd=tmp, capture_output=True,
-                              text=True)
-        if proc.returncode != 0:
-            # The headers themselves do not compile: report it (every kernel would fail).
-            raise EmulatorError(f"[emulator] the runtime headers do not compile:\n"
-                                f"{proc.stderr[-4000:]}")
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "mt_pch.h").exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+_pch: dict[Path, Path] = {}
+
+
+def precompiled_header() -> Path:
+    """Folder holding mt_pch.h and its precompiled form (checked once per process)."""
+    root = _cache.folder("")
+    with _runtime_lock:
+        if root not in _pch:
+            def build(tmp: Path) -> None:
+                (tmp / "mt_pch.h").write_text('#include "mt_emu/kernel.h"\n')
+                proc = subprocess.run([compiler(), *KERNEL_FLAGS, f"-I{INCLUDE_DIR}", "-x",
+                                       "c++-header", "mt_pch.h", "-o", "mt_pch.h.gch"], cwd=tmp,
+                                      capture_output=True, text=True)
+                if proc.returncode != 0:
+                    # The headers themselves do not compile: report it (every kernel would
+                    # fail), unless the cause is elsewhere.
+                    raise _failed(proc, root) or EmulatorError(
+                        f"[emulator] the runtime headers do not compile:\n"
+                        f"{proc.stderr[-4000:]}")
+
+            _pch[root] = _cache.entry(root, f"pch-{toolchain_key()[:24]}", toolchain_key(),
+                                      build)
+        return _pch[root]
 
 
 _DIAG_FILE = re.compile(r"(?:(?<=\s)|^)(?:\./)?(body|header)\.metal:(\d+)(?::(\d+))?", re.M)
@@ -223,31 +208,30 @@ def _map_diagnostics(stderr: str, name: str) -> tuple[str, str | None]:
 
 
 def build_kernel(cpp: str, header: str, body: str, name: str) -> Path:
-    """Compile one kernel instantiation into a shared module (cached); return its path."""
-    root = cache_root() / "kernels"
-    root.mkdir(parents=True, exist_ok=True)
-    key = _digest(toolchain_key(), cpp, header, body)
-    final = root / f"{key}.so"
-    if final.exists():
-        return final
+    """Compile one kernel instantiation into a shared module (cached, checked); return the
+    module's path."""
+    root = _cache.folder("kernels")
+    source = _cache.digest(toolchain_key(), cpp, header, body)
     pch = precompiled_header()
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix="build-"))
-    try:
+    runtime = runtime_path()
+
+    def build(tmp: Path) -> None:
         (tmp / "kernel.cpp").write_text(cpp)
         (tmp / "header.metal").write_text(header)
         (tmp / "body.metal").write_text(body)
-        include = ["-include", str(pch / "mt_pch.h")] if pch else ["-include", "mt_emu/kernel.h"]
-        cmd = [compiler(), *KERNEL_FLAGS, f"-I{INCLUDE_DIR}", *include,
+        cmd = [compiler(), *KERNEL_FLAGS, f"-I{INCLUDE_DIR}", "-include", str(pch / "mt_pch.h"),
                f"-fdebug-prefix-map={tmp}=.", "-c", "kernel.cpp", "-o", "kernel.o"]
         proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True)
         if proc.returncode != 0:
+            cause = _failed(proc, root)
+            if cause is not None:
+                raise cause
             text, first = _map_diagnostics(proc.stderr, name)
             raise KernelCompileError(f"[{name}] the kernel does not compile: "
                                      f"{first or 'see below'}\n{text}", kernel=name)
         # linked against the runtime: the module names it (by soname) as a needed library
-        _run([compiler(), "-shared", "kernel.o", str(runtime_path()), "-o", "kernel.so"], tmp,
+        _run([compiler(), "-shared", "kernel.o", str(runtime), "-o", "kernel.so"], tmp,
              f"kernel {name}")
-        _install(tmp / "kernel.so", final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+        os.unlink(tmp / "kernel.o")
+
+    return _cache.entry(root, source[:24], source, build) / "kernel.so"
