@@ -107,6 +107,10 @@ def _failed(proc: subprocess.CompletedProcess, folder: Path) -> Exception | None
     """The real cause of a failed compiler run outside the kernel's own code, if known."""
     if "No space left on device" in proc.stderr:
         return _cache.disk_full(folder)
+    if "while reading precompiled header" in proc.stderr:
+        return _cache.CacheError(f"[emulator] the precompiled header in the cache folder "
+                                 f"{folder} cannot be read (corrupt): delete its pch-* folder "
+                                 f"and it is rebuilt")
     return None
 
 
@@ -141,8 +145,10 @@ def runtime_path() -> Path:
         return _runtimes[root]
 
 
+@functools.cache
 def runtime_library():
-    """The loaded runtime library (a cffi library object)."""
+    """The loaded runtime library (a cffi library object), one per process: kernel modules
+    built in any cache folder name it by its soname, which resolves to this copy."""
     return load_runtime(runtime_path())
 
 
