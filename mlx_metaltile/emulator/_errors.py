@@ -80,6 +80,11 @@ class KernelTimeout(KernelHazard):
 
 
 # By hazard kind: MT_HZ_<name> in include/mt_emu/launch.h.
+class InputBufferWrite(KernelHazard):
+    """A store into an input buffer (inputs are ``const device``; a write through a pointer
+    whose const was cast away would change the caller's array on a GPU)."""
+
+
 HAZARD_CLASSES = {
     "OUT_OF_BOUNDS": OutOfBoundsAccess,
     "THREADGROUP_MEMORY": ThreadgroupMemoryExceeded,
@@ -92,4 +97,5 @@ HAZARD_CLASSES = {
     "SIMDGROUP_MATRIX": SimdgroupMatrixHazard,
     "TIMEOUT": KernelTimeout,
     "RACE": ThreadgroupRace,
+    "INPUT_WRITE": InputBufferWrite,
 }

@@ -31,6 +31,8 @@ MODULE_DLOPEN_MODE = ctypes.RTLD_LOCAL
 
 # Kernel code: -O1 keeps compile time low; the thread-sanitizer instrumentation reports every
 # load and store to the runtime (bounds checks, byte counters, threadgroup shadow memory);
+# the bounds sanitizer checks indexing of fixed-size arrays (per-thread arrays, vectors);
+# its handler is in the runtime (src/ubsan.inc);
 # -g1 gives the line tables that map a faulting address back to the kernel's source line
 # (read with pyelftools, in the compiler's default DWARF version);
 # C++20 for std::source_location (barriers and SIMD functions are matched by source position,
@@ -40,6 +42,7 @@ MODULE_DLOPEN_MODE = ctypes.RTLD_LOCAL
 KERNEL_FLAGS = (
     "-std=c++20", "-O1", "-g1", "-fno-omit-frame-pointer", "-fPIC",
     "-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0",
+    "-fsanitize=bounds", "-fno-sanitize-recover=bounds",
     "-fno-strict-aliasing", "-fwrapv", "-ffp-contract=off", "-fno-math-errno",
     "-fno-exceptions", "-fstack-clash-protection",
     "-Wno-attributes", "-Wno-unknown-pragmas",

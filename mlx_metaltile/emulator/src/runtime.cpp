@@ -62,6 +62,7 @@ constexpr size_t kAltStack = 64 * 1024;
 #include "state.inc"
 #include "hazards.inc"
 #include "memcheck.inc"
+#include "ubsan.inc"
 #include "fibers.inc"
 #include "scheduler.inc"
 #include "signals.inc"

@@ -78,6 +78,8 @@ void mt_barrier(int kind, const mt_site* site);
 void* mt_tg_alloc(size_t bytes, size_t align, int slot, const char* name);
 uint32_t mt_lane(void);
 int mt_strict(void);
+// Bounds (and input-write) checks of a range, without counting its bytes.
+void mt_check_range(const void* p, size_t n, int write);
 void mt_hazard(int kind, const char* message);  // from kernel code; never returns
 // Device and threadgroup atomics (bounds-checked and counted like other accesses).
 // kind: 0 unsigned, 1 signed, 2 float; op: see MT_ATOMIC_* in mt_emu/atomic.h.

@@ -13,7 +13,7 @@ extern "C" {
 // ---- cdef begin
 
 // Bumped whenever a structure or an entry point changes.
-#define MT_ABI_VERSION 5
+#define MT_ABI_VERSION 6
 #define MT_MAX_BUFFERS 64
 #define MT_MAX_RAS 16
 #define MT_MESSAGE_LEN 4096
@@ -40,6 +40,7 @@ enum mt_hazard_kind {
   MT_HZ_SIMDGROUP_MATRIX = 9,
   MT_HZ_TIMEOUT = 10,
   MT_HZ_RACE = 11,
+  MT_HZ_INPUT_WRITE = 12,
 };
 
 // mt_buf_desc.init_kind
