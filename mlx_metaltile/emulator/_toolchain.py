@@ -125,6 +125,10 @@ def _run(cmd: list[str], cwd: Path, what: str) -> subprocess.CompletedProcess:
     return proc
 
 
+# The runtime library's own name, by which kernel modules linked against it name it.
+_SONAME_FLAG = "-Wl,-install_name," if sys.platform == "darwin" else "-Wl,-soname,"
+
+
 def _runtime_name() -> str:
     return f"mt_runtime-{toolchain_key()[:24]}.so"
 
@@ -139,7 +143,7 @@ def runtime_path() -> Path:
     with _runtime_lock:
         if root not in _runtimes:
             def build(tmp: Path) -> None:
-                _run([compiler(), *RUNTIME_FLAGS, f"-Wl,-soname,{_runtime_name()}",
+                _run([compiler(), *RUNTIME_FLAGS, _SONAME_FLAG + _runtime_name(),
                       f"-I{INCLUDE_DIR}", str(RUNTIME_SOURCE), "-o", _runtime_name()], tmp,
                      "the emulator runtime")
 
