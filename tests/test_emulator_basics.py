@@ -16,7 +16,7 @@ from emulator_util import requires_emulator, run
 
 import mlx_metaltile as mt
 from mlx_metaltile import emulator as em
-from mlx_metaltile._msl_signature import METAL_ATTRIBUTES
+from mlx_metaltile._msl.signature import METAL_ATTRIBUTES
 
 pytestmark = requires_emulator
 

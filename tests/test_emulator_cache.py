@@ -23,7 +23,7 @@ import pytest
 from emulator_util import requires_emulator
 
 from mlx_metaltile import emulator as em
-from mlx_metaltile._msl_signature import InputInfo, generate
+from mlx_metaltile._msl.signature import InputInfo, generate
 from mlx_metaltile.emulator import _cache, _toolchain
 from mlx_metaltile.emulator._translate import translate
 

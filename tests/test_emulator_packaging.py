@@ -25,7 +25,7 @@ def test_wheel_carries_the_emulator(tmp_path):
                                   "include/mt_emu/launch.h", "README.md",
                                   "include/metal_stdlib", "include/metal_simdgroup",
                                   "include/mt_emu/kernel.h", "include/mt_emu/abi.h")]
-    expected.append("mlx_metaltile/_msl_signature.py")
+    expected.append("mlx_metaltile/_msl/signature.py")
     missing = [n for n in expected if n not in names]
     assert not missing, f"missing from the wheel: {missing}"
     source_headers = {p.relative_to(ROOT / "mlx_metaltile").as_posix()

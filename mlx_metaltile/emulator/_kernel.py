@@ -13,20 +13,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .._msl_signature import InputInfo, generate
+from .._msl.dtypes import numpy_type
+from .._msl.kernel import Launch, MetalKernel
+from .._msl.signature import InputInfo, generate
 from . import _abi, _dwarf, _settings, _toolchain
 from ._abi import ffi
 from ._errors import HAZARD_CLASSES, EmulatorError, KernelHazard
 from ._translate import translate
 
-MAX_THREADS_PER_THREADGROUP = 1024
-
-_NP_DTYPES = {
-    mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16,
-    mx.float64: np.float64, mx.bool_: np.bool_,
-    mx.int8: np.int8, mx.int16: np.int16, mx.int32: np.int32, mx.int64: np.int64,
-    mx.uint8: np.uint8, mx.uint16: np.uint16, mx.uint32: np.uint32, mx.uint64: np.uint64,
-}
 _HAZARDS = {_abi.hazard_kind(name): cls for name, cls in HAZARD_CLASSES.items()}
 NO_LINES = "source line unavailable: the kernel module's debug information could not be read"
 
@@ -152,95 +146,23 @@ def _host_view(arr: mx.array) -> np.ndarray:
     """A NumPy view of an evaluated array's memory (bfloat16 as uint16)."""
     if arr.dtype == mx.bfloat16:
         arr = arr.view(mx.uint16)
-    if arr.dtype not in _NP_DTYPES:
+    if numpy_type(arr.dtype) is None:
         raise TypeError(f"[metal_kernel] the emulator does not support dtype {arr.dtype}")
     return np.asarray(arr)
 
 
-class EmulatedKernel:
+class EmulatedKernel(MetalKernel):
     """Callable like the object ``mx.fast.metal_kernel`` returns; runs on the emulator."""
 
-    def __init__(self, name: str, input_names: Sequence[str], output_names: Sequence[str],
-                 source: str, header: str = "", ensure_row_contiguous: bool = True,
-                 atomic_outputs: bool = False, compile_options=None):
-        self._check_construction(output_names)
-        self.name = name
-        self.input_names = list(input_names)
-        self.output_names = list(output_names)
-        self.source = source
-        self.header = header
-        self.ensure_row_contiguous = bool(ensure_row_contiguous)
-        self.atomic_outputs = bool(atomic_outputs)
-        self.compile_options = compile_options
+    executor = "emulator"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self._modules: dict[str, _Module] = {}
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<emulated metal_kernel {self.name!r}>"
-
-    # ---- MLX's argument checks (as mx.fast.metal_kernel makes them, with its messages) ----
-    # Everything from here to the end of the section depends on nothing emulator-specific.
-
-    @staticmethod
-    def _check_construction(output_names) -> None:
-        if not output_names:
-            raise ValueError("[metal_kernel] Must specify at least one output.")
-
-    @staticmethod
-    def _as_array(value) -> mx.array:
-        if isinstance(value, mx.array):
-            return value
-        if isinstance(value, (bool, int, float)):
-            return mx.array(value)
-        raise TypeError(f"[metal_kernel] inputs must be mx.array or Python scalars, "
-                        f"got {type(value).__name__}")
-
-    @staticmethod
-    def _check_dims(what: str, dims) -> tuple[int, int, int]:
-        try:
-            values = tuple(int(d) for d in dims)
-        except TypeError:
-            raise TypeError(f"[metal_kernel] {what} must be a tuple of 3 ints") from None
-        if len(values) != 3:
-            raise ValueError(f"[metal_kernel] {what} must have 3 entries, got {len(values)}")
-        if any(not -(2**31) <= v < 2**31 for v in values):
-            # MLX takes them as C ints (its binding refuses larger values); never truncate
-            raise TypeError(f"[metal_kernel] {what} entries must fit in a 32-bit int, "
-                            f"got {values}")
-        return values
-
-    def _check_call(self, inputs, output_shapes, output_dtypes, grid, threadgroup, template):
-        """The call's arguments checked and normalised: (arrays, out_shapes, out_dtypes, grid,
-        threadgroup, template)."""
-        for what, got, want in (("inputs", len(inputs), len(self.input_names)),
-                                ("output_shapes", len(output_shapes), len(self.output_names)),
-                                ("output_dtypes", len(output_dtypes), len(self.output_names))):
-            if got != want:
-                raise ValueError(f"[metal_kernel] Expected `{what}` to have size {want} but got "
-                                 f"size {got}.")
-        grid = self._check_dims("grid", grid)
-        threadgroup = self._check_dims("threadgroup", threadgroup)
-        if any(g < 0 for g in grid):
-            raise ValueError(f"[metal_kernel] grid must not be negative, got {grid}")
-        if any(t < 1 for t in threadgroup):
-            raise ValueError(f"[metal_kernel] threadgroup entries must be >= 1, "
-                             f"got {threadgroup}")
-        tg_size = threadgroup[0] * threadgroup[1] * threadgroup[2]
-        if tg_size > MAX_THREADS_PER_THREADGROUP:
-            raise ValueError(f"[metal_kernel] Thread group size ({tg_size}) is greater than "
-                             f"the maximum allowed threads per threadgroup "
-                             f"({MAX_THREADS_PER_THREADGROUP}).")
-        template = list(template or [])
-        arrays = [self._as_array(x) for x in inputs]
-        out_dtypes = list(output_dtypes)
-        out_shapes = [tuple(int(d) for d in s) for s in output_shapes]
-        for dt in out_dtypes:
-            if not isinstance(dt, mx.Dtype):
-                raise TypeError(f"[metal_kernel] output_dtypes must be mx.Dtype, got "
-                                f"{type(dt).__name__}")
-        return arrays, out_shapes, out_dtypes, grid, threadgroup, template
-
-    # ---- end of MLX's argument checks ----------------------------------------------------
 
     def _module(self, gen) -> _Module:
         with self._lock:
@@ -252,11 +174,10 @@ class EmulatedKernel:
                 self._modules[gen.source] = mod
             return mod
 
-    def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup,
-                 template=None, init_value=None, verbose=False, stream=None) -> list[mx.array]:
-        """Run the kernel (keyword arguments only, as MLX's); returns the outputs."""
-        arrays, out_shapes, out_dtypes, grid, threadgroup, template = self._check_call(
-            inputs, output_shapes, output_dtypes, grid, threadgroup, template)
+    def _run(self, launch: Launch) -> list[mx.array]:
+        arrays, out_shapes, out_dtypes = launch.inputs, launch.output_shapes, launch.output_dtypes
+        grid, threadgroup, template = launch.grid, launch.threadgroup, launch.template
+        init_value, verbose = launch.init_value, launch.verbose
         mx.eval(*arrays)
         infos = [InputInfo(a.dtype, a.ndim, a.size) for a in arrays]
         gen = generate(self.name, self.input_names, self.output_names, self.source,
@@ -322,10 +243,10 @@ class EmulatedKernel:
                 add(k, p.name, src=host.ctypes.data, span=host.nbytes, elem=host.itemsize)
             else:
                 dtype = out_dtypes[p.index]
-                if dtype not in _NP_DTYPES:
+                if numpy_type(dtype) is None:
                     raise TypeError(f"[metal_kernel] the emulator does not support output "
                                     f"dtype {dtype}")
-                host = np.empty(out_shapes[p.index], dtype=_NP_DTYPES[dtype])
+                host = np.empty(out_shapes[p.index], dtype=numpy_type(dtype))
                 outputs.append((host, dtype))
                 keep.append(host)
                 if init_value is None:
