@@ -17,11 +17,9 @@ from .._msl.dtypes import numpy_type
 from .._msl.kernel import Launch, MetalKernel
 from .._msl.signature import InputInfo, generate
 from . import _abi, _dwarf, _settings, _toolchain
-from ._abi import ffi
 from ._errors import HAZARD_CLASSES, EmulatorError, KernelHazard
 from ._translate import translate
 
-_HAZARDS = {_abi.hazard_kind(name): cls for name, cls in HAZARD_CLASSES.items()}
 NO_LINES = "source line unavailable: the kernel module's debug information could not be read"
 
 
@@ -88,7 +86,7 @@ class _Module:
                 self._sites = False
             else:
                 starts, ids = table
-                self._sites = (ffi.new("uint64_t[]", starts), ffi.new("uint32_t[]", ids),
+                self._sites = (_abi.ffi.new("uint64_t[]", starts), _abi.ffi.new("uint32_t[]", ids),
                                len(starts))
         return self._sites
 
@@ -100,11 +98,11 @@ class _Module:
     def _frames(self, rt, ra: int) -> tuple[tuple[str, int], ...]:
         if not ra or not self.lines_readable():
             return ()
-        buf = ffi.new("char[]", 4096)
-        off = ffi.new("uint64_t*")
+        buf = _abi.ffi.new("char[]", 4096)
+        off = _abi.ffi.new("uint64_t*")
         if not rt.mt_addr_info(ra, buf, 4096, off):
             return ()
-        if Path(ffi.string(buf).decode()).resolve() != self.path.resolve():
+        if Path(_abi.ffi.string(buf).decode()).resolve() != self.path.resolve():
             return ()  # not this module's code
         return _dwarf.source_frames(self._lines, max(off[0] - 1, 0))
 
@@ -196,7 +194,7 @@ class EmulatedKernel(MetalKernel):
         if len(gen.params) > _abi.MAX_BUFFERS:
             raise ValueError(f"[metal_kernel] too many buffers ({len(gen.params)} > "
                              f"{_abi.MAX_BUFFERS})")
-        descs = ffi.new("mt_buf_desc[]", max(1, len(gen.params)))
+        descs = _abi.ffi.new("mt_buf_desc[]", max(1, len(gen.params)))
         keep = [descs]  # host memory that must outlive the launch
         outputs = []
         views = {}
@@ -204,11 +202,11 @@ class EmulatedKernel(MetalKernel):
         def add(k, name, src=0, dst=0, span=0, data_off=0, elem=1, init_kind=_abi.INIT_COPY,
                 pattern=b""):
             d = descs[k]
-            c_name = ffi.new("char[]", name.encode())
+            c_name = _abi.ffi.new("char[]", name.encode())
             keep.append(c_name)
             d.name = c_name
-            d.src = ffi.cast("void*", src)
-            d.dst = ffi.cast("void*", dst)
+            d.src = _abi.ffi.cast("void*", src)
+            d.dst = _abi.ffi.cast("void*", dst)
             d.span = span
             d.data_off = data_off
             d.elem_size = elem
@@ -266,9 +264,9 @@ class EmulatedKernel(MetalKernel):
         rt = _toolchain.runtime_library()
         descs, outputs, keep = self._buffers(gen, arrays, out_shapes, out_dtypes, init_value)
         s = _settings.current
-        desc = ffi.new("mt_launch_desc*")
-        c_name = ffi.new("char[]", self.name.encode())
-        desc.fn = ffi.cast("void*", mod.fn)
+        desc = _abi.ffi.new("mt_launch_desc*")
+        c_name = _abi.ffi.new("char[]", self.name.encode())
+        desc.fn = _abi.ffi.cast("void*", mod.fn)
         desc.kernel = c_name
         desc.nbuf = len(gen.params)
         desc.bufs = descs
@@ -281,7 +279,7 @@ class EmulatedKernel(MetalKernel):
         desc.nworkers = s.workers
         desc.stack_size = s.stack_kb * 1024
         desc.timeout_s = s.timeout_s
-        result = ffi.new("mt_launch_result*")
+        result = _abi.ffi.new("mt_launch_result*")
         while True:
             sites = mod._sites
             if sites:
@@ -313,7 +311,7 @@ class EmulatedKernel(MetalKernel):
             _last_stats = stats
         if result.status == _abi.STATUS_ERROR:
             raise EmulatorError(f"[{self.name}] emulator error: "
-                                f"{ffi.string(result.message).decode(errors='replace')}")
+                                f"{_abi.ffi.string(result.message).decode(errors='replace')}")
         if result.status == _abi.STATUS_HAZARD:
             raise self._hazard(rt, mod, result)
         out = []
@@ -323,7 +321,7 @@ class EmulatedKernel(MetalKernel):
         return out
 
     def _hazard(self, rt, mod, r) -> KernelHazard:
-        message = ffi.string(r.message).decode(errors="replace")
+        message = _abi.ffi.string(r.message).decode(errors="replace")
         no_lines = not mod.lines_readable()
 
         def path(m: re.Match) -> str:
@@ -347,7 +345,8 @@ class EmulatedKernel(MetalKernel):
             parts.append(f"at {location}" + (f": {text}" if text else ""))
         elif no_lines and r.fault_ra:
             parts.append(NO_LINES)
-        cls = _HAZARDS.get(r.hazard_kind, KernelHazard)
+        cls = next((c for name, c in HAZARD_CLASSES.items()
+                    if _abi.hazard_kind(name) == r.hazard_kind), KernelHazard)
         return cls("; ".join(parts), kernel=self.name, threadgroup=threadgroup, thread=thread,
                    location=location, source_line=text)
 

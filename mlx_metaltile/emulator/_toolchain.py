@@ -18,8 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
-from . import _cache
-from ._abi import ABI_VERSION, load_runtime
+from . import _abi, _cache
 from ._errors import EmulatorError, KernelCompileError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -102,7 +101,7 @@ def runtime_sources_digest() -> str:
 @functools.cache
 def toolchain_key() -> str:
     return _cache.digest(compiler() or "", _compiler_version(), " ".join(KERNEL_FLAGS),
-                   " ".join(RUNTIME_FLAGS), runtime_sources_digest(), str(ABI_VERSION),
+                   " ".join(RUNTIME_FLAGS), runtime_sources_digest(), str(_abi.ABI_VERSION),
                    platform.machine())
 
 
@@ -156,7 +155,7 @@ def runtime_path() -> Path:
 def runtime_library():
     """The loaded runtime library (a cffi library object), one per process: kernel modules
     built in any cache folder name it by its soname, which resolves to this copy."""
-    return load_runtime(runtime_path())
+    return _abi.load_runtime(runtime_path())
 
 
 _pch: dict[Path, Path] = {}
@@ -225,10 +224,10 @@ def build_kernel(cpp: str, header: str, body: str, name: str) -> Path:
     module's path."""
     root = _cache.folder("kernels")
     source = _cache.digest(toolchain_key(), cpp, header, body)
-    pch = precompiled_header()
     runtime = runtime_path()
 
     def build(tmp: Path) -> None:
+        pch = precompiled_header()  # checked only when a kernel is compiled
         (tmp / "kernel.cpp").write_text(cpp)
         (tmp / "header.metal").write_text(header)
         (tmp / "body.metal").write_text(body)
