@@ -23,11 +23,12 @@ def as_int(op: str, name: str, value) -> int:
     return int(value)
 
 
-def check_mode(op: str, mode, modes: tuple[str, ...]) -> str:
+def check_mode(op: str, mode, modes: tuple[str, ...], *, or_none: bool = False) -> str:
     if not isinstance(mode, str) or mode not in modes:
         more = (" (mxfp8 is not served: its E4M3 elements need their own decode)"
                 if mode == "mxfp8" else "")
-        raise ValueError(f"[{op}] mode must be one of {modes}, got {mode!r}{more}")
+        raise ValueError(f"[{op}] mode must be one of {modes}{' or None' if or_none else ''}, "
+                         f"got {mode!r}{more}")
     return mode
 
 
