@@ -145,9 +145,9 @@ def _check_fp4_qmm(x, w, scales, group_size, mode=None) -> tuple[int, int, int, 
         raise ValueError(f"[{OP}] K = {k} must be a multiple of group_size {group_size}")
     want = (n, k // group_size)
     if tuple(scales.shape) != want:
-        named = f" of mode {mode!r}" if mode is not None else ""
-        raise ValueError(f"[{OP}] scales must have shape [N, K/group_size] = {want} "
-                         f"(group_size {group_size}{named}), got {tuple(scales.shape)}")
+        named = f" (group_size {group_size} of mode {mode!r})" if mode is not None else ""
+        raise ValueError(f"[{OP}] scales must have shape [N, K/group_size] = {want}{named}, "
+                         f"got {tuple(scales.shape)}")
     m = math.prod(x.shape[:-1])
     if max(m * k, n * k, m * n) >= _MAX_DIM:
         raise ValueError(f"[{OP}] problem too large for 32-bit indexing: M={m}, N={n}, K={k}")
