@@ -55,7 +55,8 @@
 //   [(y * SIMDGROUPS + s) * ROWS, + ROWS) clipped to N: each (pair, row) is written by exactly
 //   one lane, and each word/scale/bias of the selected expert's rows is read by exactly one
 //   lane (the group's scale/bias by its first lane, passed to the others by simd_shuffle).
-//   K % GS == 0 and K % 32 == 0 (so a lane chunk never straddles a group or the row end).
+//   K % GS == 0 with GS a multiple of VALS (so a lane chunk never straddles a group or the
+//   row end; nvfp4's K need only be a multiple of 16).
 //   No threadgroup memory, no threadgroup barrier; every early return is uniform over a
 //   SIMD-group, so simd_sum / simd_shuffle always see a full SIMD-group.
 //
