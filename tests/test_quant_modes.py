@@ -140,6 +140,14 @@ def test_expert_qmv_fp_modes(any_backend, poisoned_outputs, rng, dtype, mode, sh
     run_qmv(x, w, s, ids, mode, any_backend)
 
 
+@pytest.mark.parametrize("n_in", (16, 48))
+def test_expert_qmv_nvfp4_k_multiple_of_16(any_backend, poisoned_outputs, rng, n_in):
+    """nvfp4 groups of 16: K need not be a multiple of 32 (one lane chunk is one group)."""
+    w, s = make_fp(rng, 3, 9, n_in, "nvfp4")
+    ids = mx.array([[2, 0], [1, 1]], dtype=mx.uint32)
+    run_qmv(make_x(rng, (2, n_in), mx.float16), w, s, ids, "nvfp4", any_backend)
+
+
 @pytest.mark.parametrize("mode", FP_MODES)
 @pytest.mark.parametrize("dtype", (mx.float32, mx.bfloat16), ids=_dname)
 def test_expert_qmv_wide_scales(any_backend, poisoned_outputs, rng, dtype, mode):
