@@ -1,5 +1,5 @@
-// expert_qmv.metal: MoE decode GEMV, quantized experts (affine 4/8-bit, mxfp4, nvfp4)
-// chosen by GPU-resident ids.
+// expert_qmv.metal: MoE decode GEMV, quantized experts (affine 4/8-bit, mxfp4, nvfp4,
+// mxfp8) chosen by GPU-resident ids.
 //
 // MATH (pair p = (token t, slot j), e = ids(t, j), n in [0, N)):
 //   MODE 0 (affine):
@@ -8,6 +8,9 @@
 //   MODE 1 (mxfp4) / 2 (nvfp4), BITS = 4, no bias:
 //   out[p, n] = sum_{k < K} x_p[k] * mt_fp4_scale<MODE>(scale[e, n, g]) * e2m1(q[e, n, k])
 //   (scales uint8: E8M0, group 32 / E4M3, group 16; decoded by common.h's helpers)
+//   MODE 3 (mxfp8), BITS = 8, no bias: the same with E8M0 scales (group 32) and E4M3
+//   elements, decoded by common.h's E4M3 helper (0x7F / 0xFF read as +-480 like MLX's Metal
+//   decoder; MLX's CPU reads NaN; mx.quantize writes neither)
 //   Evaluated per lane chunk of VALS values (one group holds GS / VALS chunks) as
 //     scale * sum_i q_i * x_i + bias * sum_i x_i   (affine; fp modes: scale * sum_i v_i * x_i)
 //   in float32, then reduced over the SIMD-group and rounded once to T. x_p is x's row
@@ -31,7 +34,8 @@
 //   n_experts (E), n_out (N), k_in (K), n_sel (k), x_slot: 0-d uint runtime inputs, so
 //   changing any of them (or the broadcast pattern) never builds a new kernel.
 //   Template: T, BITS in {4, 8}, GS in {32, 64, 128}, MODE 0 (affine);
-//             MODE 1 (mxfp4): BITS 4, GS 32; MODE 2 (nvfp4): BITS 4, GS 16.
+//             MODE 1 (mxfp4): BITS 4, GS 32; MODE 2 (nvfp4): BITS 4, GS 16;
+//             MODE 3 (mxfp8): BITS 8, GS 32.
 //
 // BROADCAST: the leading dimensions of x and indices broadcast against each other (NumPy
 //   rules; the wrapper merges them into at most BCAST_DIMS dimensions, or materialises
@@ -74,8 +78,8 @@
 #include "common.h"
 
 // q * x summed over the VALS values a lane holds: WORDS packed uint32 words of BITS-bit
-// codes against VALS float activations; q is the unsigned integer (MODE 0) or the E2M1
-// value (fp modes, BITS 4). `words` points to device or constant memory (MLX passes inputs
+// codes against VALS float activations; q is the unsigned integer (MODE 0), the E2M1 value
+// (MODE 1, 2; BITS 4) or the E4M3 value (MODE 3; BITS 8). `words` points to device or constant memory (MLX passes inputs
 // of fewer than 8 elements in the constant address space).
 template <int MODE, int BITS, int WORDS, typename WordPtr>
 inline float mt_expert_qdot(WordPtr words, thread const float* xv) {
@@ -87,6 +91,10 @@ inline float mt_expert_qdot(WordPtr words, thread const float* xv) {
     if constexpr (MODE == 0) {
       for (int i = 0; i < PACK; ++i) {
         dot += float((word >> (BITS * i)) & MASK) * xv[wi * PACK + i];
+      }
+    } else if constexpr (MODE == 3) {
+      for (int i = 0; i < 4; ++i) {
+        dot += mt_fp4_scale<2>(word >> (8 * i)) * xv[wi * 4 + i];
       }
     } else {
       for (int i = 0; i < 4; ++i) {  // codes i and i + 4 of the word at once
@@ -104,6 +112,7 @@ constexpr uint PACK = 32 / BITS;       // values per uint32 word
 constexpr int WORDS = 2;               // words per lane per step
 constexpr uint VALS = WORDS * PACK;    // values per lane per step: 16 (4-bit), 8 (8-bit)
 constexpr uint LANES_PER_GROUP = GROUP_SIZE / VALS;  // 1..16, divides 32
+constexpr int SCALE_FORMAT = MODE == 3 ? 1 : MODE;  // mt_fp4_scale's: mxfp8 scales are E8M0
 
 const uint lane = thread_index_in_simdgroup;
 const uint pair = threadgroup_position_in_grid.z;
@@ -171,7 +180,7 @@ for (uint base = 0; base < n_chunks; base += 32) {  // trip count uniform over t
     float s = 0.0f;
     float b = 0.0f;
     if (active && loads_group) {
-      s = mt_fp4_scale<MODE>(s_rows[r * groups_per_row + group]);  // MODE 0: float(s)
+      s = mt_fp4_scale<SCALE_FORMAT>(s_rows[r * groups_per_row + group]);  // 0: float(s)
       if constexpr (MODE == 0) {
         b = float(b_rows[r * groups_per_row + group]);
       }
