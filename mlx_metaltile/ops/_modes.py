@@ -10,10 +10,11 @@ import mlx.core as mx
 from ._common import dtype_name
 
 # mode -> (default group_size, default bits), as mx.quantize (MLX 0.32). The fp modes fix both.
-DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4)}
+DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
 # mode -> the MODE template parameter of the kernels (= common.h's mt_fp4_scale SCALE_MODE).
-MODE_IDS = {"affine": 0, "mxfp4": 1, "nvfp4": 2}
-SCALE_FORMATS = {"mxfp4": "E8M0", "nvfp4": "E4M3"}
+# mxfp8 (3) is mapped to its E8M0 scale format inside the kernels.
+MODE_IDS = {"affine": 0, "mxfp4": 1, "nvfp4": 2, "mxfp8": 3}
+SCALE_FORMATS = {"mxfp4": "E8M0", "nvfp4": "E4M3", "mxfp8": "E8M0"}
 
 
 def as_int(op: str, name: str, value) -> int:
@@ -25,10 +26,8 @@ def as_int(op: str, name: str, value) -> int:
 
 def check_mode(op: str, mode, modes: tuple[str, ...], *, or_none: bool = False) -> str:
     if not isinstance(mode, str) or mode not in modes:
-        more = (" (mxfp8 is not served: its E4M3 elements need their own decode)"
-                if mode == "mxfp8" else "")
         raise ValueError(f"[{op}] mode must be one of {modes}{' or None' if or_none else ''}, "
-                         f"got {mode!r}{more}")
+                         f"got {mode!r}")
     return mode
 
 

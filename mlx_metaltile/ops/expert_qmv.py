@@ -29,8 +29,9 @@ from ._modes import MODE_IDS, check_mode, check_mode_arrays, resolve_sizes
 OP = "expert_qmv"
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
-MODES = ("affine", "mxfp4", "nvfp4")
-FP_MODES = (("mxfp4", 32), ("nvfp4", 16))  # (mode, its group size): 4-bit, uint8 scales
+MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
+# (mode, group size, bits) of the fp modes (uint8 scales, no biases), as mx.quantize
+FP_MODES = (("mxfp4", 32, 4), ("nvfp4", 16, 4), ("mxfp8", 32, 8))
 SIMDGROUPS = 2  # SIMD-groups per threadgroup (matches the template)
 ROWS = 4  # output rows per SIMD-group (matches the template)
 ROWS_PER_THREADGROUP = SIMDGROUPS * ROWS
@@ -40,8 +41,8 @@ ROWS_PER_THREADGROUP = SIMDGROUPS * ROWS
         op=OP, variant="simd_rows", template="expert_qmv.metal", dtypes=FLOAT_DTYPES,
         geometry="threadgroup (64, 1, 1): 2 SIMD-groups x 4 output rows; "
                  "grid (64, ceil(N / 8), tokens * k): one threadgroup per (pair, 8-row tile)",
-        notes="affine bits 4/8, group_size 32/64/128; mxfp4, nvfp4; ids >= E (or < 0) "
-              "give a NaN row",
+        notes="affine bits 4/8, group_size 32/64/128; mxfp4, nvfp4, mxfp8; ids >= E (or "
+              "< 0) give a NaN row",
     ),
 )
 _INPUTS = ("x", "w", "scales", "biases", "indices", "bcast", "n_experts", "n_out", "k_in",
@@ -221,7 +222,7 @@ def instantiations(spec: KernelSpec) -> tuple:
     # (uint8 scales, passed again as the unread biases).
     formats = [(bits, gs, "affine", None) for bits in SUPPORTED_BITS
                for gs in SUPPORTED_GROUP_SIZES]
-    formats += [(4, gs, mode, mx.uint8) for mode, gs in FP_MODES]
+    formats += [(bits, gs, mode, mx.uint8) for mode, gs, bits in FP_MODES]
     out = []
     for t in FLOAT_TYPES:
         for bits, group_size, mode, st in formats:
@@ -330,7 +331,10 @@ def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
       scales, biases: ``[E, N, K / group_size]``. mode "affine": both in x's dtype,
         ``W ~ scale * q + bias``. mode "mxfp4" / "nvfp4": uint8 E8M0 / E4M3 scales and
         ``biases=None``, ``W = scale * e2m1(q)`` (gpt-oss's experts as
-        ``nn.quantize(mode="mxfp4")`` stores them).
+        ``nn.quantize(mode="mxfp4")`` stores them); "mxfp8": uint8 E8M0 scales,
+        ``W = scale * e4m3(q)`` (element bytes 0x7F / 0xFF, which mx.quantize never
+        writes, read as +-480 like MLX's Metal decoder; MLX's CPU and the reference
+        backend read NaN).
       indices: ``[..., k]`` uint32 or int32 expert ids, left on the device. The leading
         dimensions of x and indices broadcast with NumPy rules (aligned on the right, the
         shorter padded with 1s, sizes equal or 1), as ``mx.gather_qmm`` broadcasts them
@@ -338,8 +342,8 @@ def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
         kernel reads broadcast arrays in place.
       group_size, bits: as ``mx.quantize`` for the mode; None takes its default. affine:
         group_size 32, 64 (default) or 128, bits 4 (default) or 8; mxfp4: 32 and 4;
-        nvfp4: 16 and 4 (mxfp8 is not served).
-      mode: "affine" (default), "mxfp4" or "nvfp4"; a mode that contradicts the arrays
+        nvfp4: 16 and 4; mxfp8: 32 and 8.
+      mode: "affine" (default), "mxfp4", "nvfp4" or "mxfp8"; a mode that contradicts the arrays
         (biases, scale dtype, group count) raises.
 
     Returns: ``[..., k, N]`` in x's dtype, accumulated in float32. An id outside ``[0, E)``

@@ -1,4 +1,4 @@
-"""moe_gather_qmm: MoE grouped quantized matmul (affine, mxfp4, nvfp4) over expert-sorted rows.
+"""moe_gather_qmm: MoE grouped quantized matmul (affine, mxfp4, nvfp4, mxfp8) over sorted rows.
 
 Each row ``m`` of ``x`` (a token paired with one of its selected experts, rows sorted by
 expert) is multiplied by the transposed quantized weight of its expert ``indices[m]``:
@@ -41,8 +41,9 @@ K_TILE = 32  # K must be a multiple of this tile depth (both paths)
 SLOTS = BM  # threadgroups per (tile, column block): one per possible run start
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
-MODES = ("affine", "mxfp4", "nvfp4")
-FP_MODES = (("mxfp4", 32), ("nvfp4", 16))  # (mode, its group size): 4-bit, uint8 scales
+MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
+# (mode, group size, bits) of the fp modes (uint8 scales, no biases), as mx.quantize
+FP_MODES = (("mxfp4", 32, 4), ("nvfp4", 16, 4), ("mxfp8", 32, 8))
 VARIANTS = ("simdgroup", "mpp")
 SIMDGROUP_THREADS = 128  # 4 simdgroups split K
 SIMDGROUP_TG_MEMORY = (4 * 8 * 16 + 4 * 16 * 36) * 4  # bytes, as in the template
@@ -56,7 +57,8 @@ SIMDGROUP_SPEC, MPP_SPEC = register(
         geometry="threadgroup (128,1,1) = 4 simdgroups splitting K; grid (128*N/32, 8, "
                  "ceil(M/8)): (32-column block, run slot, 8-row tile); one run per "
                  "threadgroup, empty slots exit",
-        notes="8x8 simdgroup_matrix float products; every Apple GPU; affine, mxfp4, nvfp4",
+        notes="8x8 simdgroup_matrix float products; every Apple GPU; affine, mxfp4, nvfp4, "
+              "mxfp8",
     ),
     KernelSpec(
         op=OP, variant="mpp", template="moe_gather_qmm_mpp.metal", dtypes=FLOAT_DTYPES,
@@ -145,7 +147,7 @@ def _unpack_codes(w: mx.array, bits: int) -> mx.array:
 
 def _dequantize_rounded(w, scales, biases, group_size: int, bits: int, dtype,
                         mode: str) -> mx.array:
-    """W = T(scale * q + bias) (fp modes: T(scale * e2m1(q)), MLX's own mx.dequantize, exact
+    """W = T(scale * q + bias) (fp modes: T(scale * fp(q)), MLX's own mx.dequantize, exact
     in float32) computed in float32 and rounded once to T; float32 result."""
     if mode != "affine":
         wf = mx.dequantize(w, scales, None, group_size=group_size, bits=bits, mode=mode,
@@ -286,7 +288,7 @@ def instantiations(spec: KernelSpec) -> tuple[KernelInstance, ...]:
     # fp modes (simdgroup only; uint8 scales, passed again as the unread biases).
     formats = [(bits, gs, "affine", None) for bits in BITS for gs in GROUP_SIZES]
     if spec.variant == "simdgroup":
-        formats += [(4, gs, mode, mx.uint8) for mode, gs in FP_MODES]
+        formats += [(bits, gs, mode, mx.uint8) for mode, gs, bits in FP_MODES]
     out = []
     for dtype in FLOAT_TYPES:
         for bits, group_size, mode, st in formats:
@@ -339,14 +341,16 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
       scales, biases: ``[E, N, K/group_size]``. mode "affine": both in x's dtype (scales
         may be negative). mode "mxfp4" / "nvfp4": uint8 E8M0 / E4M3 scales and
         ``biases=None`` (as ``nn.quantize(mode="mxfp4")`` / mlx-lm's QuantizedSwitchLinear
-        store gpt-oss's experts).
+        store gpt-oss's experts); "mxfp8": uint8 E8M0 scales, E4M3 elements (bytes
+        0x7F / 0xFF, which mx.quantize never writes, read as +-480 like MLX's Metal
+        decoder; MLX's CPU and the reference backend read NaN).
       indices: ``[M]`` uint32/int32, the expert of each row. Any order is correct; sorted
         (equal ids adjacent) is fast. An id outside ``[0, E)`` yields a NaN row and reads
         nothing out of bounds.
       group_size, bits: as ``mx.quantize`` for the mode; None takes its default. affine:
         group_size 32, 64 (default) or 128, bits 4 (default) or 8; mxfp4: 32 and 4;
-        nvfp4: 16 and 4 (mxfp8 is not served).
-      mode: "affine" (default), "mxfp4" or "nvfp4"; a mode that contradicts the arrays
+        nvfp4: 16 and 4; mxfp8: 32 and 8.
+      mode: "affine" (default), "mxfp4", "nvfp4" or "mxfp8"; a mode that contradicts the arrays
         (biases, scale dtype, group count) raises.
       variant: None (choose from the device), ``"simdgroup"`` or ``"mpp"``: a kernel
         backend's choice; a variant that cannot run on the current backend, or any variant
@@ -356,7 +360,7 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
         run ``simdgroup`` (``mpp`` is affine only; asking for it raises).
 
     Requires N % 32 == 0 and K % 32 == 0. Each weight is dequantised as
-    ``T(scale * q + bias)`` (fp modes: ``T(scale * e2m1(q))``) (rounded once to x's dtype, as MLX's quantized kernels see it)
+    ``T(scale * q + bias)`` (fp modes: ``T(scale * fp(q))``) (rounded once to x's dtype, as MLX's quantized kernels see it)
     and the products are accumulated in float32.
 
     Returns: ``[M, N]`` in x's dtype.
