@@ -1,4 +1,4 @@
-"""Quantization modes as mx.quantize describes them (affine | mxfp4 | nvfp4) in expert_qmv,
+"""Quantization modes as mx.quantize describes them (affine | mxfp4 | nvfp4 | mxfp8) in expert_qmv,
 moe_gather_qmm and fp4_qmm: float64 oracles decoded from the formats' definitions, every
 backend here, and the errors for a mode that contradicts its arrays."""
 
@@ -17,8 +17,10 @@ import mlx_metaltile as mt
 from mlx_metaltile import _templates, backends
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-FP_MODES = ("mxfp4", "nvfp4")
-GROUP = {"mxfp4": 32, "nvfp4": 16}
+FP_MODES = ("mxfp4", "nvfp4", "mxfp8")
+FP4_MODES = ("mxfp4", "nvfp4")
+GROUP = {"mxfp4": 32, "nvfp4": 16, "mxfp8": 32}
+BITS = {"mxfp4": 4, "nvfp4": 4, "mxfp8": 8}
 qmv_module = importlib.import_module("mlx_metaltile.ops.expert_qmv")
 gqmm_module = importlib.import_module("mlx_metaltile.ops.moe_gather_qmm")
 
@@ -44,7 +46,7 @@ def e8m0(b: np.ndarray) -> np.ndarray:
 
 
 def e4m3(b: np.ndarray) -> np.ndarray:
-    """E4M3 (nvfp4 scale): sign bit 7; exponent bits 6-3 (bias 7, 0 = subnormal:
+    """E4M3 (nvfp4 scale, mxfp8 element): sign bit 7; exponent bits 6-3 (bias 7, 0 = subnormal:
     mantissa * 2^-9); mantissa bits 2-0."""
     b = b.astype(np.int64)
     e, m = (b >> 3) & 15, b & 7
@@ -56,25 +58,37 @@ E2M1_VALUES = e2m1(np.arange(16))  # the 16 codes, decoded once
 
 
 def dequantize64(w, scales, mode: str) -> np.ndarray:
-    """[..., N, K/8] uint32 words + [..., N, K/gs] uint8 scales -> float64 [..., N, K].
-    Code j of a word is at bits [4j, 4j + 4): the low nibble of its byte j // 2 (little
-    endian) for even j, the high one for odd j."""
+    """[..., N, K*bits/32] uint32 words + [..., N, K/gs] uint8 scales -> float64 [..., N, K].
+    fp4: code j of a word is at bits [4j, 4j + 4): the low nibble of its byte j // 2 (little
+    endian) for even j, the high one for odd j. mxfp8: code j is byte j."""
     words = np.ascontiguousarray(np.asarray(w), dtype="<u4")
     b = words.view(np.uint8).reshape(*words.shape[:-1], -1)
-    codes = np.stack([b & 0xF, b >> 4], axis=-1).reshape(*words.shape[:-1], -1)
-    values = E2M1_VALUES[codes]
-    s = (e8m0 if mode == "mxfp4" else e4m3)(np.asarray(scales))
+    if mode == "mxfp8":
+        values = e4m3(b)
+    else:
+        codes = np.stack([b & 0xF, b >> 4], axis=-1).reshape(*words.shape[:-1], -1)
+        values = E2M1_VALUES[codes]
+    s = (e4m3 if mode == "nvfp4" else e8m0)(np.asarray(scales))
     return values * np.repeat(s, GROUP[mode], axis=-1)
 
 
 def make_fp(rng, n_experts, n_out, n_in, mode, *, wide=False):
-    """Random words (every code equally likely) and scales. mxfp4: E8M0 in 2^-6..2^6 (wide:
-    2^-117..2^113); nvfp4: E4M3 of both signs, subnormals included, |s| <= 15 (wide: every
-    finite byte up to +-448)."""
-    w = rng.integers(0, 2**32, size=(n_experts, n_out, n_in // 8), dtype=np.uint32)
+    """Random words and scales. fp4: every code equally likely; mxfp8: every E4M3 byte but
+    0x7F / 0xFF (NaN encodings, read as +-480 by the kernels and NaN by MLX's CPU; never
+    written by mx.quantize). E8M0 in 2^-6..2^6 (mxfp8: ..2^0; wide: from 2^-117 to 2^113,
+    mxfp8 2^107); nvfp4:
+    E4M3 of both signs, subnormals included, |s| <= 15 (wide: every finite byte up to
+    +-448)."""
+    shape = (n_experts, n_out, n_in * BITS[mode] // 32)
+    if mode == "mxfp8":
+        finite = np.setdiff1d(np.arange(256), (0x7F, 0xFF)).astype(np.uint8)
+        w = rng.choice(finite, size=(*shape, 4)).view("<u4").reshape(shape)
+    else:
+        w = rng.integers(0, 2**32, size=shape, dtype=np.uint32)
     g = (n_experts, n_out, n_in // GROUP[mode])
-    if mode == "mxfp4":
-        s = rng.integers(10, 241, size=g) if wide else rng.integers(121, 134, size=g)
+    if mode != "nvfp4":  # E8M0; mxfp8's elements reach 448 = 2^8.8: smaller scales
+        top = 134 if mode == "mxfp4" else 128
+        s = rng.integers(10, top + 107, size=g) if wide else rng.integers(121, top, size=g)
     else:
         mag = rng.integers(0, 0x7F, size=g) if wide else rng.integers(0, 11 * 8, size=g)
         s = mag | (rng.integers(0, 2, size=g) << 7)
@@ -287,7 +301,7 @@ def test_moe_gather_qmm_bits_default_is_mx_quantize(any_backend, rng):
 
 # ---- fp4_qmm ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", FP_MODES)
+@pytest.mark.parametrize("mode", FP4_MODES)
 def test_fp4_qmm_mode(any_backend, poisoned_outputs, rng, mode):
     """mode= names the format; nvfp4 needs no group_size; None reads it from the arrays."""
     w, s = make_fp(rng, 1, 64, 128, mode)
@@ -327,15 +341,17 @@ MISMATCHES = [
     ("nvfp4 given float scales", lambda: (*_affine_case()[:2], None), {"mode": "nvfp4"},
      TypeError, r"mode 'nvfp4' needs uint8 E4M3 scales"),
     ("nvfp4 arrays read as mxfp4", lambda: (*_fp_case("nvfp4"), None), {"mode": "mxfp4"},
-     ValueError, r"groups per row|must have shape"),
+     ValueError, r"(groups per row|must have shape)"),
     ("mxfp4 with group_size 64", lambda: (*_fp_case("mxfp4"), None),
      {"mode": "mxfp4", "group_size": 64}, ValueError, r"mode 'mxfp4' has group_size 32"),
     ("nvfp4 with bits 8", lambda: (*_fp_case("nvfp4"), None), {"mode": "nvfp4", "bits": 8},
      ValueError, r"mode 'nvfp4' has bits 4"),
     ("unknown mode", lambda: (*_fp_case("mxfp4"), None), {"mode": "fp4"},
-     ValueError, r"mode must be one of \('affine', 'mxfp4', 'nvfp4'\), got 'fp4'"),
-    ("mxfp8 not served", lambda: (*_fp_case("mxfp8"), None), {"mode": "mxfp8"},
-     ValueError, r"got 'mxfp8' \(mxfp8 is not served"),
+     ValueError, r"mode must be one of \('affine', 'mxfp4', 'nvfp4', 'mxfp8'\), got 'fp4'"),
+    ("mxfp8 with bits 4", lambda: (*_fp_case("mxfp8"), None), {"mode": "mxfp8", "bits": 4},
+     ValueError, r"mode 'mxfp8' has bits 8"),
+    ("mxfp4 arrays read as mxfp8", lambda: (*_fp_case("mxfp4"), None), {"mode": "mxfp8"},
+     ValueError, r"(groups per row|must have shape)"),
     ("mode not a string", lambda: (*_fp_case("mxfp4"), None), {"mode": 1},
      ValueError, r"mode must be one of"),
 ]
@@ -357,6 +373,8 @@ def test_mode_contradicting_arrays(any_backend, op, what, arrays, kw, exc, match
 @pytest.mark.parametrize("kw, exc, match", [
     ({"mode": "affine"}, ValueError, r"mode must be one of \('mxfp4', 'nvfp4'\) or None, "
                                      r"got 'affine'"),
+    ({"mode": "mxfp8"}, ValueError, r"mode must be one of \('mxfp4', 'nvfp4'\) or None, "
+                                    r"got 'mxfp8'"),
     ({"mode": "nvfp4"}, ValueError, r"scales must have shape \[N, K/group_size\] = \(32, 8\) "
                                     r"\(group_size 16 of mode 'nvfp4'\), got \(32, 4\)"),
     ({"mode": "mxfp4", "group_size": 16}, ValueError, r"mode 'mxfp4' has group_size 32"),
@@ -398,22 +416,28 @@ def _broken_spec(monkeypatch, spec, old: str, new: str, tag: str):
     return replace(spec, variant=f"{spec.variant}_broken_{tag}", template=fake)
 
 
-# (op, what breaks, text replaced, replacement)
+# (op, what breaks, text replaced, replacement, the modes whose decode it breaks)
 BREAKAGES = [
     ("expert_qmv", "e2m1_sign_dropped", "float2(mt_e2m1x2(word >> (4 * i)))",
-     "float2(mt_e2m1x2((word >> (4 * i)) & 0x00770077u))"),
+     "float2(mt_e2m1x2((word >> (4 * i)) & 0x00770077u))", FP4_MODES),
     ("expert_qmv", "scale_byte_read_as_value",
-     "s = mt_fp4_scale<MODE>(s_rows[r * groups_per_row + group]);",
-     "s = float(s_rows[r * groups_per_row + group]);"),
+     "s = mt_fp4_scale<SCALE_FORMAT>(s_rows[r * groups_per_row + group]);",
+     "s = float(s_rows[r * groups_per_row + group]);", FP_MODES),
+    ("expert_qmv", "e4m3_element_read_as_e8m0", "dot += mt_fp4_scale<2>(word >> (8 * i))",
+     "dot += mt_fp4_scale<1>(word >> (8 * i))", ("mxfp8",)),
     ("moe_gather_qmm", "codes_i_plus_4_swapped", "dst[j * 8 + i + 4] = float(T(scale * v.y));",
-     "dst[j * 8 + i + 4] = float(T(scale * v.x));"),
+     "dst[j * 8 + i + 4] = float(T(scale * v.x));", FP4_MODES),
     ("moe_gather_qmm", "scale_byte_read_as_value",
-     "scale = mt_fp4_scale<MODE>(w_scales[group]);", "scale = float(w_scales[group]);"),
+     "scale = mt_fp4_scale<SCALE_FORMAT>(w_scales[group]);", "scale = float(w_scales[group]);",
+     FP_MODES),
+    ("moe_gather_qmm", "e4m3_element_sign_dropped", "scale * mt_fp4_scale<2>(word >> (8 * i))",
+     "scale * mt_fp4_scale<2>((word >> (8 * i)) & 0x7Fu)", ("mxfp8",)),
 ]
+BROKEN_CASES = [pytest.param(op, tag, old, new, mode, id=f"{op}-{tag}-{mode}")
+                for op, tag, old, new, modes in BREAKAGES for mode in modes]
 
 
-@pytest.mark.parametrize("mode", FP_MODES)
-@pytest.mark.parametrize("op, tag, old, new", BREAKAGES, ids=[f"{b[0]}-{b[1]}" for b in BREAKAGES])
+@pytest.mark.parametrize("op, tag, old, new, mode", BROKEN_CASES)
 def test_negative_control_broken_decode(monkeypatch, poisoned_outputs, rng, op, tag, old, new,
                                         mode):
     """A deliberately broken fp decode in the kernel must fail the oracle."""
