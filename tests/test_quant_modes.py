@@ -318,6 +318,24 @@ def test_fp4_qmm_mode(any_backend, poisoned_outputs, rng, mode):
         assert_close(out, ref, mx.float16, magnitude=mag, what=f"fp4_qmm {kw}")
 
 
+@pytest.mark.parametrize("mode", FP_MODES)
+def test_numpy_integer_sizes_and_compile(any_backend, rng, mode):
+    """NumPy integers as group_size / bits, and mx.compile (not through the eager emulator),
+    give the plain call's result."""
+    w, s = make_fp(rng, 3, 32, 64, mode)
+    x, ids = make_x(rng, (4, 64), mx.float16), mx.array([2, 0, 1, 2], dtype=mx.uint32)
+    sizes = dict(group_size=np.int64(GROUP[mode]), bits=np.int32(BITS[mode]))
+    for op, idx in ((mt.expert_qmv, ids.reshape(2, 2)), (mt.moe_gather_qmm, ids)):
+        xs = x[:2] if op is mt.expert_qmv else x
+        plain = op(xs, w, s, None, idx, mode=mode)
+        compiled = mx.compile(lambda a, op=op, idx=idx: op(a, w, s, None, idx, mode=mode))
+        runs = [op(xs, w, s, None, idx, mode=mode, **sizes)]
+        if any_backend != "emulator":
+            runs.append(compiled(xs))
+        for got in runs:
+            assert np.array_equal(np.array(got), np.array(plain), equal_nan=True)
+
+
 # ---- a mode that contradicts its arrays ---------------------------------------------------
 
 def _affine_case(bits=4, group_size=64):
