@@ -2,6 +2,8 @@
 and moe_gather_qmm against MLX's ``mx.gather_qmm(mode="mxfp4")``.
 
 ``mxfp4_cases()`` returns the BenchCase records (not yet registered in the shared list).
+Their inputs are x, w, scales, indices (no biases, no host ids); ``ours`` carries mode,
+group_size and bits as keywords, which a suite's reference provider passes on.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def mxfp4_cases(dtype=mx.bfloat16) -> list[BenchCase]:
             op="expert_qmv", label=f"gpt-oss-20b-mxfp4-T{tokens}-k{top_k}-N{n}-K{k}-E{E}",
             dtype=dtype, make=partial(_make, rows_x=(tokens,), ids=ids, dtype=dtype, E=E, n=n,
                                       k=k),
-            ours=partial(mt.expert_qmv, biases=None, mode="mxfp4"), native=_qmv_native,
+            ours=partial(mt.expert_qmv, biases=None, mode="mxfp4", group_size=32, bits=4), native=_qmv_native,
             oracle=partial(_products, rounded=False, absolute=False),
             magnitude=partial(_products, rounded=False, absolute=True),
             nbytes=nbytes, flops=2 * ids.size * n * k, quick=tokens == 1))
@@ -100,7 +102,8 @@ def mxfp4_cases(dtype=mx.bfloat16) -> list[BenchCase]:
             op="moe_gather_qmm", label=f"gpt-oss-20b-mxfp4-M{rows}-N{n}-K{k}-E{E}",
             dtype=dtype, make=partial(_make, rows_x=(rows,), ids=ids, dtype=dtype, E=E, n=n,
                                       k=k),
-            ours=partial(mt.moe_gather_qmm, biases=None, mode="mxfp4"), native=_gqmm_native,
+            ours=partial(mt.moe_gather_qmm, biases=None, mode="mxfp4", group_size=32,
+                         bits=4), native=_gqmm_native,
             oracle=partial(_products, rounded=True, absolute=False),
             magnitude=partial(_products, rounded=True, absolute=True),
             nbytes=nbytes, flops=2 * rows * n * k, quick=rows == 32))
