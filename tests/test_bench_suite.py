@@ -16,8 +16,12 @@ def test_one_group_per_case_with_serialisable_params(tmp_path):
     out = tmp_path / "bench.json"
     node = "bench/test_gated_rms_norm.py::test_gated_rms_norm[1x2048-y=T-f16-{}]"
     providers = ("mlx_native", "reference", "emulator")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # A run of its own, also when this suite runs under xdist (its workers' PYTEST_* variables
+    # would switch the benchmarks off in the child).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["PYTHONPATH"] = str(ROOT)
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "-p", "no:xdist",
                           *(node.format(p) for p in providers), "--benchmark-only",
                           f"--benchmark-json={out}"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
