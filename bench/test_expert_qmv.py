@@ -14,7 +14,8 @@ import mlx.core as mx
 import pytest
 from conftest import PROVIDERS, run_case
 
-from mlx_metaltile._bench_cases import _expert_qmv_host_loop, cases
+from mlx_metaltile.cases import cases
+from mlx_metaltile.cases.expert_qmv import host_loop as _expert_qmv_host_loop
 from mlx_metaltile.ops.expert_qmv import expert_qmv_reference
 
 CASES = cases("expert_qmv")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from conftest import PROVIDERS, run_case
 
-from mlx_metaltile._bench_cases import cases
+from mlx_metaltile.cases import cases
 from mlx_metaltile.ops.fp4_qmm import fp4_qmm_reference
 
 CASES = cases("fp4_qmm")

@@ -8,7 +8,8 @@ from conftest import PROVIDERS, run_case
 
 import mlx_metaltile as mt
 from mlx_metaltile import backends
-from mlx_metaltile._bench_cases import cases, gated_rms_norm_native
+from mlx_metaltile.cases import cases
+from mlx_metaltile.cases.gated_rms_norm import gated_rms_norm_native
 from mlx_metaltile.ops.gated_rms_norm import gated_rms_norm_reference
 
 CASES = cases("gated_rms_norm")

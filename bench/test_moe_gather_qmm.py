@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 from conftest import PROVIDERS, run_case
 
-from mlx_metaltile._bench_cases import cases
+from mlx_metaltile.cases import cases
 from mlx_metaltile.ops.moe_gather_qmm import moe_gather_qmm_reference
 
 CASES = cases("moe_gather_qmm")

@@ -15,8 +15,9 @@ import pytest
 from conftest import PROVIDERS, ROTATE, provider_fn
 
 from mlx_metaltile import _device
-from mlx_metaltile._bench_cases import cases, f64, sdpa_multi_terms
 from mlx_metaltile._registry import TOLERANCES
+from mlx_metaltile.cases import cases, f64
+from mlx_metaltile.cases.sdpa_multi import sdpa_multi_terms
 from mlx_metaltile.ops.sdpa_multi import sdpa_multi_reference
 
 CASES = cases("sdpa_multi")

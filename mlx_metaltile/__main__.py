@@ -78,7 +78,7 @@ def _to_f64(a: mx.array) -> np.ndarray:
 
 
 def cmd_bench(args) -> int:
-    from mlx_metaltile._bench_cases import cases
+    from mlx_metaltile.cases import cases
 
     if args.backend:
         mt.set_backend(args.backend)

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 
 import mlx.core as mx
+
+from .. import _device
+from .._registry import Arg, KernelSpec, grid
 
 FLOAT_TYPES = (mx.float32, mx.float16, mx.bfloat16)
 INDEX_TYPES = (mx.uint32, mx.int32)
@@ -57,3 +62,83 @@ def scalar(value, dtype: mx.Dtype) -> mx.array:
 
 def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
+
+
+# ---- affine-quantized weights (mx.quantize's default mode) ------------------------------
+
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+
+
+def require_int_choice(op: str, name: str, value, choices: tuple[int, ...]) -> int:
+    """An int (NumPy integers too) among ``choices``, returned as a plain int (a plain int
+    keys the template)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"[{op}] {name} must be an int in {choices}, got {type(value).__name__}")
+    value = int(value)
+    if value not in choices:
+        raise ValueError(f"[{op}] {name} must be one of {choices}, got {value}")
+    return value
+
+
+def check_affine_quantized(op: str, x, w, scales, biases, indices, group_size,
+                           bits) -> tuple[int, int]:
+    """The checks every op over ``mx.quantize``d expert weights makes: array types, x
+    float, scales and biases in x's dtype, w packed uint32, uint32/int32 expert ids, bits
+    and group_size among the supported ones. Shapes are each op's. Returns (group_size, bits)."""
+    for name, arr in (("x", x), ("w", w), ("scales", scales), ("biases", biases),
+                      ("indices", indices)):
+        require_array(op, name, arr)
+    bits = require_int_choice(op, "bits", bits, BITS)
+    group_size = require_int_choice(op, "group_size", group_size, GROUP_SIZES)
+    if w.dtype != mx.uint32:
+        raise TypeError(f"[{op}] w must be uint32 (packed as mx.quantize returns it), "
+                        f"got {dtype_name(w.dtype)}")
+    require_float(op, "x", x)
+    for name, arr in (("scales", scales), ("biases", biases)):
+        if arr.dtype != x.dtype:
+            raise TypeError(f"[{op}] {name} must have x's dtype {dtype_name(x.dtype)}, "
+                            f"got {dtype_name(arr.dtype)}")
+    if indices.dtype not in INDEX_TYPES:
+        raise TypeError(f"[{op}] indices must be uint32 or int32, "
+                        f"got {dtype_name(indices.dtype)}")
+    return group_size, bits
+
+
+# The leading arguments and the template of the kernels over them (T: x's dtype, I: the ids').
+AFFINE_INPUTS = (Arg("x", "T", 2), Arg("w", "uint32", 3), Arg("scales", "T", 3),
+                 Arg("biases", "T", 3), Arg("indices", "I", 1))
+AFFINE_PARAMS = ("T", "BITS", "GROUP_SIZE")
+affine_bindings = grid(T=FLOAT_TYPES, BITS=BITS, GROUP_SIZE=GROUP_SIZES, I=INDEX_TYPES)
+
+
+def variant_reason(spec: KernelSpec, backend: str) -> str | None:
+    """None if kernel variant ``spec`` runs on ``backend`` here, else why not."""
+    for feature in spec.features:
+        reason = _device.unsupported_reason(feature, backend)
+        if reason is not None:
+            return reason
+    if backend not in spec.backends:
+        return f"the {backend} backend does not run it"
+    return None
+
+
+def choose_variant(op: str, specs: Mapping[str, KernelSpec], variant, backend: str,
+                   auto: Callable[[], str]) -> KernelSpec | None:
+    """The kernel an op call runs: ``variant`` forced (checked against ``backend``) or
+    ``auto()``'s pick; None on the reference backend, where forcing a variant is refused."""
+    if variant is not None and (not isinstance(variant, str) or variant not in specs):
+        raise ValueError(f"[{op}] variant must be None or one of {tuple(specs)}, "
+                         f"got {variant!r}")
+    if backend == "reference":
+        if variant is not None:
+            raise ValueError(f"[{op}] variant={variant!r} needs a kernel backend (metal, cuda, "
+                             "emulator); the reference backend runs the pure-MLX composite")
+        return None
+    if variant is None:
+        return specs[auto()]
+    reason = variant_reason(specs[variant], backend)
+    if reason is not None:
+        raise ValueError(f"[{op}] variant {variant!r} is unavailable on the {backend} backend: "
+                         f"{reason}")
+    return specs[variant]
