@@ -222,19 +222,18 @@ def launch(spec: KernelSpec, backend: str, *, inputs: Mapping[str, mx.array],
            grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
            threadgroup_memory: int = 0, init_value: float | None = None) -> list[mx.array]:
     """Check the arguments against ``spec`` and the geometry, then dispatch the cached
-    kernel once. ``inputs`` and ``outputs`` (name -> (shape, dtype)) are keyed by the
-    spec's names in its order; ``template`` by its parameter names (any order)."""
-    if tuple(inputs) != spec.input_names or tuple(outputs) != spec.output_names \
-            or template.keys() != set(spec.params):
+    kernel once. ``inputs``, ``template`` and ``outputs`` (name -> (shape, dtype)) are keyed
+    by the spec's names, in its order (the order the kernel takes them)."""
+    if tuple(inputs) != spec.input_names or tuple(template) != spec.params \
+            or tuple(outputs) != spec.output_names:
         raise ValueError(
             f"[{spec.op}] internal: kernel {spec.name} takes inputs {spec.input_names}, "
-            f"outputs {spec.output_names} and template parameters {spec.params}; got "
-            f"{tuple(inputs)}, {tuple(outputs)} and {tuple(template)}")
+            f"template parameters {spec.params} and outputs {spec.output_names}; got "
+            f"{tuple(inputs)}, {tuple(template)} and {tuple(outputs)}")
     check_geometry(spec.op, grid, threadgroup, threadgroup_memory)
     kernel = get_kernel(spec, backend)
     _launches[(backend, spec.name)] += 1
-    shapes, dtypes = zip(*outputs.values(), strict=True)
-    return kernel(inputs=list(inputs.values()),
-                  template=[(name, template[name]) for name in spec.params], grid=grid,
-                  threadgroup=threadgroup, output_shapes=list(shapes),
-                  output_dtypes=list(dtypes), init_value=init_value)
+    outs = tuple(outputs.values())
+    return kernel(inputs=list(inputs.values()), template=list(template.items()), grid=grid,
+                  threadgroup=threadgroup, output_shapes=[o[0] for o in outs],
+                  output_dtypes=[o[1] for o in outs], init_value=init_value)

@@ -269,7 +269,10 @@ def _launch(spec: KernelSpec, x2, w, scales, m, n, k, mode, group_size, backend)
         scales = scales.astype(mx.float32)  # exact; one kernel build serves all float scales
     t = x2.dtype
     # the group size is a runtime input of qmv and simdgroup, a template argument of mpp
-    template = {"T": t, "ST": scales.dtype, "SCALE_MODE": mode}
+    template = {"T": t, "ST": scales.dtype}
+    if spec.variant == "mpp":
+        template["GS"] = group_size
+    template["SCALE_MODE"] = mode
     inputs = {"x": x2, "w": w, "scales": scales, "m_rows": scalar(m, mx.uint32),
               "n_cols": scalar(n, mx.uint32), "k_cols": scalar(k, mx.uint32)}
     parts, out_dtype = 1, t
@@ -289,7 +292,6 @@ def _launch(spec: KernelSpec, x2, w, scales, m, n, k, mode, group_size, backend)
             inputs.update(gs_shift=gs_shift, k_part=scalar(k_part, mx.uint32))
             tg_mem = 2 * TILE * (TILE + 4) * 4  # x and w tiles, float, rows padded to 36
         else:
-            template["GS"] = group_size
             tg_mem = TILE * (TILE + 8) * 2 + 2 * TILE * 4  # half w tile + 2 x 32 scales
         grid = (TILE_THREADS * (n // TILE), -(-m // TILE), parts)
     (out,) = backends.launch(

@@ -25,7 +25,7 @@ from mlx_metaltile.ops._common import variant_reason
 
 op_module = importlib.import_module("mlx_metaltile.ops.fp4_qmm")
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-VARIANTS = ("qmv", "simdgroup", "mpp")
+VARIANTS = tuple(op_module.VARIANT_SPECS)
 # (scale kind, group size): the scale formats fp4_qmm accepts.
 SCALE_KINDS = (("e8m0", 32), ("e4m3", 16), ("float32", 32), ("float16", 64),
                ("bfloat16", 128), ("float32", 16))

@@ -13,17 +13,13 @@ from support import backend_params, input_space, record_emulator_sources, requir
 import mlx_metaltile as mt
 from mlx_metaltile import _device, backends
 from mlx_metaltile.cases import assert_close, to_f64
-from mlx_metaltile.cases.moe_gather_qmm import (
-    make_case,
-    oracle,
-    run_and_check,
-)
+from mlx_metaltile.cases.moe_gather_qmm import make_case, oracle, run_and_check
 
 op_module = importlib.import_module("mlx_metaltile.ops.moe_gather_qmm")
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 DTYPE_IDS = ("float32", "float16", "bfloat16")
-VARIANTS = ("simdgroup", "mpp")
+VARIANTS = tuple(op_module.VARIANT_SPECS)
 
 
 @pytest.fixture(params=backend_params("reference", "emulator", "metal", "cuda"))
