@@ -22,8 +22,7 @@ import pytest
 
 import mlx_metaltile as mt
 from mlx_metaltile import _device, backends
-from mlx_metaltile._bench_cases import cases
-from mlx_metaltile._registry import TOLERANCES
+from mlx_metaltile.cases import bound, cases
 
 PROVIDERS = ("metaltile", "mlx_native", "reference", "emulator")
 ROTATE = 3  # input copies cycled through so caches do not flatter
@@ -80,15 +79,14 @@ def provider_fn(case, provider, reference_fn):
 def default_check(case, provider, got, inputs) -> None:
     want = case.oracle(**inputs)
     got = np.array(got.astype(mx.float32)).astype(np.float64)
-    tol = TOLERANCES[case.dtype_name]
     # Native composites may round intermediates to the model dtype: allow them 4x the bound.
     slack = 4.0 if provider == "mlx_native" else 1.0
     mag = case.magnitude(**inputs) if case.magnitude is not None else np.abs(want)
     # Native composites may round products or partial sums of a reduction to the model dtype:
     # their rounding term scales with the reduction's magnitude, not with |want|.
-    rounded = mag if provider == "mlx_native" else np.abs(want)
-    bound = slack * (tol.atol + tol.rtol * rounded + tol.accum * mag)
-    assert np.all(np.abs(got - want) <= bound), f"{provider} is wrong for {case.id}"
+    rounded = mag if provider == "mlx_native" else want
+    limit = slack * bound(rounded, case.dtype, mag)
+    assert np.all(np.abs(got - want) <= limit), f"{provider} is wrong for {case.id}"
 
 
 def run_case(benchmark, case, provider, reference_fn, check=default_check,

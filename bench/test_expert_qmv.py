@@ -9,17 +9,27 @@ selected expert, ids already on the host: the sync it needs is not timed) and
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import mlx.core as mx
 import pytest
 from conftest import PROVIDERS, case_ids, get_case, run_case
 
-from mlx_metaltile._bench_cases import _expert_qmv_host_loop
+from mlx_metaltile.cases.expert_qmv import host_loop as _expert_qmv_host_loop
 from mlx_metaltile.ops.expert_qmv import expert_qmv_reference
 
 
-def _reference(x, w, scales, biases, indices, host_ids, group_size, bits):
-    return expert_qmv_reference(x, w, scales, biases, indices, group_size=group_size, bits=bits)
+def _reference(x, w, scales, indices, biases=None, host_ids=None, group_size=None, bits=None,
+               mode="affine"):
+    return expert_qmv_reference(x, w, scales, biases, indices, group_size=group_size, bits=bits,
+                                mode=mode)
+
+
+def _reference_for(case):
+    """The reference with what the case's ``ours`` carries as keywords (the mxfp4 cases'
+    mode, group_size, bits and biases=None)."""
+    return partial(_reference, **case.ours.keywords) if isinstance(case.ours, partial) \
+        else _reference
 
 
 def _skip_inexact_native(case):
@@ -36,12 +46,14 @@ def test_expert_qmv(benchmark, case, provider):
     case = get_case("expert_qmv", case)
     if provider == "mlx_native":
         _skip_inexact_native(case)
-    run_case(benchmark, case, provider, _reference)
+    run_case(benchmark, case, provider, _reference_for(case))
 
 
 @pytest.mark.parametrize("case", case_ids("expert_qmv"))
 def test_expert_qmv_host_loop(benchmark, case):
     case = get_case("expert_qmv", case)
+    if isinstance(case.ours, partial):
+        pytest.skip("the host loop takes the affine cases' host ids")
     _skip_inexact_native(case)
     run_case(benchmark, replace(case, native=_expert_qmv_host_loop), "mlx_native", _reference,
              provider_name="mlx_host_loop")

@@ -8,7 +8,7 @@ from conftest import PROVIDERS, case_ids, get_case, run_case
 
 import mlx_metaltile as mt
 from mlx_metaltile import backends
-from mlx_metaltile._bench_cases import gated_rms_norm_native
+from mlx_metaltile.cases.gated_rms_norm import gated_rms_norm_native
 from mlx_metaltile.ops.gated_rms_norm import gated_rms_norm_reference
 
 

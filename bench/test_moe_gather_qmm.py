@@ -25,6 +25,6 @@ def test_moe_gather_qmm(benchmark, case, provider):
         # MLX's CPU gather_qmm accumulates bfloat16 in bfloat16 (hundreds of ulps off at
         # K=2048): the suite's correctness check rejects it, so only float32 is timed here.
         pytest.skip("MLX's CPU gather_qmm accumulates in the activation dtype (inexact)")
-    gs, bits = case.ours.keywords["group_size"], case.ours.keywords["bits"]
-    run_case(benchmark, case, provider, partial(moe_gather_qmm_reference, group_size=gs,
-                                                bits=bits))
+    # the reference with the keywords the case's ours carries (group_size and bits; the
+    # mxfp4 cases' mode and biases=None too)
+    run_case(benchmark, case, provider, partial(moe_gather_qmm_reference, **case.ours.keywords))

@@ -11,7 +11,7 @@ import numpy as np
 
 import mlx_metaltile as mt
 from mlx_metaltile import _measure
-from mlx_metaltile._bench_cases import cases
+from mlx_metaltile.cases import cases
 
 # 1. Backends: None = can run here, else the reason it cannot.
 for name, reason in mt.available_backends().items():

@@ -1,24 +1,27 @@
 """mlx-metaltile: hand-written Metal kernels as drop-in MLX ops."""
 
+from importlib import metadata as _metadata
+
 from ._registry import KernelSpec
 from ._show import current_backend, kernels, launches
 from .backends import available_backends, get_backend, set_backend, use_backend
-from .ops import expert_qmv, fp4_qmm, gated_rms_norm, moe_gather_qmm, sdpa_multi
+from .ops import OPS as _OPS
 
-__version__ = "0.1.0"
+globals().update(_OPS)  # each op, e.g. mlx_metaltile.gated_rms_norm (see ops/__init__.py)
+
+try:
+    __version__ = _metadata.version("mlx-metaltile")
+except _metadata.PackageNotFoundError:  # a source checkout that is not installed
+    __version__ = "0.0.0+unknown"
 
 __all__ = [
     "KernelSpec",
     "available_backends",
     "current_backend",
-    "expert_qmv",
-    "fp4_qmm",
-    "gated_rms_norm",
     "get_backend",
     "kernels",
     "launches",
-    "moe_gather_qmm",
-    "sdpa_multi",
     "set_backend",
     "use_backend",
+    *_OPS,
 ]

@@ -20,7 +20,7 @@ from mlx_metaltile import _device, _measure, _show, backends
 
 
 def _bench_cases():
-    from mlx_metaltile._bench_cases import cases
+    from mlx_metaltile.cases import cases
     return cases
 
 

@@ -1,7 +1,10 @@
-"""What the ops run on: device name, a chip slug, published peak memory bandwidth."""
+"""What the ops run on: device name, a chip slug, published peak memory bandwidth, and
+what each backend can run (the GPU features a kernel variant needs)."""
 
 from __future__ import annotations
 
+import functools
+import platform
 import re
 import subprocess
 from pathlib import Path
@@ -48,3 +51,89 @@ def git_sha() -> str:
         return (sha + ("+dirty" if dirty.strip() else "")) if sha else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+# ---- capabilities ----------------------------------------------------------------------
+
+MPP = "MetalPerformancePrimitives"  # matmul2d on cooperative tensors (Metal 4 matrix units)
+
+
+def _parse_version(release: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(p) for p in release.strip().split(".")) if release.strip() else ()
+    except ValueError:
+        return ()
+
+
+def _sysctl(name: str) -> str:
+    try:
+        return subprocess.run(["sysctl", "-n", name], capture_output=True, text=True,
+                              timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+@functools.lru_cache(maxsize=1)
+def macos_version() -> tuple[int, ...]:
+    version = _parse_version(platform.mac_ver()[0])
+    if version[:1] == (16,):
+        # macOS 26 shows Python builds linked against an older SDK the compatibility version
+        # 16.x; the kernel's product version is the real one.
+        version = _parse_version(_sysctl("kern.osproductversion")) or version
+    return version
+
+
+@functools.cache
+def device_architecture() -> str:
+    """The Metal device's architecture name, e.g. 'applegpu_g17s' (read once per process)."""
+    info_fn = getattr(mx, "device_info", None) or mx.metal.device_info
+    try:
+        arch = info_fn().get("architecture", "")
+    except Exception:  # no Metal device (or an MLX without the call)
+        return ""
+    return arch if isinstance(arch, str) else ""
+
+
+def architecture_generation(arch: str) -> int:
+    """'applegpu_g17s' -> 17: the two digits before the last character, as MLX reads them."""
+    if len(arch) < 3:
+        return 0
+    tens, ones = arch[-3], arch[-2]
+    return int(tens) * 10 + int(ones) if (tens + ones).isdigit() else 0
+
+
+def metal_mpp_reason() -> str | None:
+    """None if this Metal device runs MetalPerformancePrimitives' matrix units, else why not.
+
+    The rule MLX uses for its NAX kernels: macOS >= 26.2 and GPU generation >= 17
+    (>= 18 for phone-class GPUs, architecture names ending in 'p').
+    """
+    from . import backends  # the Metal probe lives with the backend controls
+
+    if not backends._metal_available():
+        return "no Metal device"
+    mac = macos_version()
+    if mac < (26, 2):
+        shown = ".".join(map(str, mac)) or "unknown"
+        return f"needs macOS >= 26.2 (MetalPerformancePrimitives), got {shown}"
+    arch = device_architecture()
+    gen = architecture_generation(arch)
+    need = 18 if arch.endswith("p") else 17
+    if gen < need:
+        return f"needs GPU generation >= {need} (matrix units, M5 or later), got {arch or 'unknown'}"
+    return None
+
+
+def unsupported_reason(feature: str, backend: str) -> str | None:
+    """None if ``backend`` runs kernels that use ``feature`` here, else why not.
+
+    The emulator models MetalPerformancePrimitives (its include/MetalPerformancePrimitives);
+    the CUDA layer does not translate it.
+    """
+    if feature != MPP:
+        raise ValueError(f"[mlx_metaltile] unknown feature {feature!r}; expected {MPP!r}")
+    if backend == "metal":
+        return metal_mpp_reason()
+    if backend == "emulator":
+        return None
+    return f"the {backend} backend has no MetalPerformancePrimitives"

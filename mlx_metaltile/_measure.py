@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ._registry import TOLERANCES
+from .cases import bound
 
 ROTATE_BYTES = 512 * 2**20  # bytes moved per rotation: several times any GPU's L2/SLC
 COPY_BUDGET = 4 * 2**30  # memory the input copies may take
@@ -74,20 +74,19 @@ def to_f64(a: mx.array) -> np.ndarray:
     return np.array(a).astype(np.float64)
 
 
-def error(case, got: mx.array, inputs: dict, tolerance=None) -> Error:
-    """``got`` against ``case.oracle`` under ``tolerance`` (default: the table's entry for the
-    case's dtype)."""
+def error(case, got: mx.array, inputs: dict) -> Error:
+    """``got`` against ``case.oracle`` under the tolerance table's entry for the case's
+    dtype."""
     want = case.oracle(**inputs)
-    tol = tolerance or TOLERANCES[case.dtype_name]
     err = np.abs(to_f64(got) - want)
     mag = case.magnitude(**inputs) if case.magnitude is not None else np.abs(want)
-    bound = tol.atol + tol.rtol * np.abs(want) + tol.accum * mag
-    ok = bool(np.all(err <= bound))
+    limit = bound(want, case.dtype, mag)
+    ok = bool(np.all(err <= limit))
     if not err.size:
         return Error(0.0, 0.0, 0.0, ok)
     top = float(np.nanmax(np.abs(mag))) if np.any(np.isfinite(mag)) else 0.0
     with np.errstate(divide="ignore", invalid="ignore"):
-        worst = np.where(np.isnan(err), np.inf, err / bound)
+        worst = np.where(np.isnan(err), np.inf, err / limit)
     abs_err = float(np.max(np.where(np.isnan(err), np.inf, err)))
     return Error(abs_err, abs_err / top if top else float("inf") if abs_err else 0.0,
                  float(np.max(worst)), ok)

@@ -11,7 +11,10 @@ A template file (``msl_templates/<kernel>.metal``) holds, in order:
 
 from __future__ import annotations
 
+import contextlib
 import re
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -40,8 +43,17 @@ def _root():
     return _SOURCE_DIR
 
 
-@cache
+# Template texts standing in for files (filename -> text), set by ``override`` only.
+_OVERRIDES: dict[str, str] = {}
+
+
 def read_text(filename: str) -> str:
+    text = _OVERRIDES.get(filename)
+    return _read_file(filename) if text is None else text
+
+
+@cache
+def _read_file(filename: str) -> str:
     path = _root().joinpath(filename)
     if not path.is_file():
         raise FileNotFoundError(f"[mlx_metaltile] no MSL template named {filename!r}")
@@ -74,3 +86,32 @@ def render(filename: str) -> Template:
     if _INCLUDE.search(body):
         raise ValueError(f"[mlx_metaltile] template {filename}: #include belongs above the body")
     return Template(name=filename, header=header, body=body.strip("\n") + "\n")
+
+
+def override_tag(filename: str) -> str:
+    """'' for a template read from its file, else a tag naming the overriding text (kernels
+    built from it carry it in their name: a Metal library is cached by kernel name)."""
+    text = _OVERRIDES.get(filename)
+    return "" if text is None else f"_override{zlib.crc32(text.encode()):08x}"
+
+
+@contextlib.contextmanager
+def override(filename: str, *edits: tuple[str, str]) -> Iterator[None]:
+    """Inside: template ``filename`` reads as its text with each (old, new) edit applied in
+    turn (each ``old`` must occur; every occurrence is replaced). Nests."""
+    text = read_text(filename)
+    for old, new in edits:
+        if old not in text:
+            raise ValueError(f"[mlx_metaltile] {old!r} does not occur in template {filename}")
+        text = text.replace(old, new)
+    saved = _OVERRIDES.get(filename)
+    _OVERRIDES[filename] = text
+    render.cache_clear()
+    try:
+        yield
+    finally:
+        if saved is None:
+            del _OVERRIDES[filename]
+        else:
+            _OVERRIDES[filename] = saved
+        render.cache_clear()

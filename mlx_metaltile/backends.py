@@ -17,10 +17,12 @@ import contextvars
 import functools
 import importlib
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import mlx.core as mx
 
+from . import _templates
 from ._registry import KernelSpec
 from ._templates import render
 
@@ -139,8 +141,7 @@ def _factory(backend: str) -> Callable:
     return mod.metal_kernel
 
 
-def get_kernel(spec: KernelSpec, backend: str, input_names: Sequence[str],
-               output_names: Sequence[str], atomic_outputs: bool = False) -> Callable:
+def get_kernel(spec: KernelSpec, backend: str) -> Callable:
     """The kernel object of ``spec`` on ``backend``, built once and cached.
 
     Template arguments (dtypes, head_dim, bits, ...) are given per call and instantiated by
@@ -154,16 +155,33 @@ def get_kernel(spec: KernelSpec, backend: str, input_names: Sequence[str],
                 f"[{spec.op}] variant {spec.variant!r} does not run on the {backend} backend")
         tpl = render(spec.template)
         kernel = _factory(backend)(
-            name=f"mt_{spec.name}",
-            input_names=list(input_names),
-            output_names=list(output_names),
+            name=f"mt_{spec.name}{_templates.override_tag(spec.template)}",
+            input_names=list(spec.input_names),
+            output_names=list(spec.output_names),
             source=tpl.body,
             header=tpl.header,
             ensure_row_contiguous=True,
-            atomic_outputs=atomic_outputs,
+            atomic_outputs=spec.atomic_outputs,
         )
         _kernel_cache[key] = kernel
     return kernel
+
+
+@contextlib.contextmanager
+def template_override(spec: KernelSpec, *edits: tuple[str, str]) -> Iterator[KernelSpec]:
+    """Inside: ``spec``'s kernels are built from its template with each (old, new) edit
+    applied (each ``old`` must occur in it); outside, the real ones again. The seam of the
+    negative controls: a deliberately broken kernel must fail the harness. The op keeps
+    launching ``spec`` itself (same name, same launch counters)."""
+    with _templates.override(spec.template, *edits):
+        saved = {key: _kernel_cache.pop(key) for key in list(_kernel_cache)
+                 if key[1] == spec.name}
+        try:
+            yield spec
+        finally:
+            for key in [key for key in _kernel_cache if key[1] == spec.name]:
+                del _kernel_cache[key]
+            _kernel_cache.update(saved)
 
 
 def built_kernels() -> tuple[tuple[str, str], ...]:
@@ -199,16 +217,23 @@ def check_geometry(op: str, grid: Sequence[int], threadgroup: Sequence[int],
                          f"at most {MAX_THREADGROUP_MEMORY}")
 
 
-def launch(spec: KernelSpec, backend: str, *, inputs: Sequence[mx.array],
-           input_names: Sequence[str], output_names: Sequence[str],
+def launch(spec: KernelSpec, backend: str, *, inputs: Mapping[str, mx.array],
+           template: Mapping[str, Any], outputs: Mapping[str, tuple[Sequence[int], mx.Dtype]],
            grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
-           output_shapes: Sequence[Sequence[int]], output_dtypes: Sequence[mx.Dtype],
-           template: Sequence[tuple] = (), threadgroup_memory: int = 0,
-           init_value: float | None = None, atomic_outputs: bool = False) -> list[mx.array]:
-    """Validate the geometry, fetch the cached kernel and dispatch it once."""
+           threadgroup_memory: int = 0, init_value: float | None = None) -> list[mx.array]:
+    """Check the arguments against ``spec`` and the geometry, then dispatch the cached
+    kernel once. ``inputs``, ``template`` and ``outputs`` (name -> (shape, dtype)) are keyed
+    by the spec's names, in its order (the order the kernel takes them)."""
+    if tuple(inputs) != spec.input_names or tuple(template) != spec.params \
+            or tuple(outputs) != spec.output_names:
+        raise ValueError(
+            f"[{spec.op}] internal: kernel {spec.name} takes inputs {spec.input_names}, "
+            f"template parameters {spec.params} and outputs {spec.output_names}; got "
+            f"{tuple(inputs)}, {tuple(template)} and {tuple(outputs)}")
     check_geometry(spec.op, grid, threadgroup, threadgroup_memory)
-    kernel = get_kernel(spec, backend, input_names, output_names, atomic_outputs)
+    kernel = get_kernel(spec, backend)
     _launches[(backend, spec.name)] += 1
-    return kernel(inputs=list(inputs), template=list(template), grid=grid,
-                  threadgroup=threadgroup, output_shapes=list(output_shapes),
-                  output_dtypes=list(output_dtypes), init_value=init_value)
+    outs = tuple(outputs.values())
+    return kernel(inputs=list(inputs.values()), template=list(template.items()), grid=grid,
+                  threadgroup=threadgroup, output_shapes=[o[0] for o in outs],
+                  output_dtypes=[o[1] for o in outs], init_value=init_value)

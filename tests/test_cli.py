@@ -15,7 +15,7 @@ import pytest
 
 from mlx_metaltile import __main__ as cli
 from mlx_metaltile import _check, backends
-from mlx_metaltile._bench_cases import cases
+from mlx_metaltile.cases import cases
 
 ROOT = Path(__file__).resolve().parent.parent
 EMULATOR = backends.unavailable_reason("emulator")

@@ -1,21 +1,24 @@
-"""One module per op: checks, launcher, reference and public function."""
+"""One module per op: checks, launcher, reference and public function.
 
-from .expert_qmv import expert_qmv, expert_qmv_reference
-from .fp4_qmm import fp4_dequantize_reference, fp4_qmm, fp4_qmm_reference
-from .gated_rms_norm import gated_rms_norm, gated_rms_norm_reference
-from .moe_gather_qmm import moe_gather_qmm, moe_gather_qmm_reference
-from .sdpa_multi import sdpa_multi, sdpa_multi_reference
+Every module of this package not starting with ``_`` is an op module, imported here
+without being listed: importing it registers its kernels (mlx_metaltile._registry), and
+the names in its ``__all__`` (the op, named as the module, and its reference) are
+exported from this package; the op itself also from ``mlx_metaltile``.
+"""
 
-__all__ = [
-    "expert_qmv",
-    "expert_qmv_reference",
-    "fp4_dequantize_reference",
-    "fp4_qmm",
-    "fp4_qmm_reference",
-    "gated_rms_norm",
-    "gated_rms_norm_reference",
-    "moe_gather_qmm",
-    "moe_gather_qmm_reference",
-    "sdpa_multi",
-    "sdpa_multi_reference",
-]
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+OPS: dict = {}  # op name -> the public op function
+__all__ = ["OPS"]
+
+for _info in pkgutil.iter_modules(__path__):
+    if _info.name.startswith("_"):
+        continue
+    _module = importlib.import_module(f"{__name__}.{_info.name}")
+    OPS[_info.name] = getattr(_module, _info.name)
+    for _name in _module.__all__:
+        globals()[_name] = getattr(_module, _name)
+    __all__ += _module.__all__

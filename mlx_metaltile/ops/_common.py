@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 
 import mlx.core as mx
+
+from .. import _device
+from .._registry import Arg, Bindings, KernelSpec
 
 FLOAT_TYPES = (mx.float32, mx.float16, mx.bfloat16)
 INDEX_TYPES = (mx.uint32, mx.int32)
@@ -57,3 +62,161 @@ def scalar(value, dtype: mx.Dtype) -> mx.array:
 
 def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
+
+
+# ---- quantized weights: mx.quantize's modes ------------------------------------------
+
+BITS = (4, 8)  # affine
+GROUP_SIZES = (32, 64, 128)  # affine
+# mode -> (default group_size, default bits), as mx.quantize (MLX 0.32). The fp modes fix both.
+DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
+# mode -> the MODE template parameter of the kernels (= common.h's mt_fp4_scale SCALE_MODE).
+# mxfp8 (3) is mapped to its E8M0 scale format inside the kernels.
+MODE_IDS = {"affine": 0, "mxfp4": 1, "nvfp4": 2, "mxfp8": 3}
+MODES = tuple(MODE_IDS)
+SCALE_FORMATS = {"mxfp4": "E8M0", "nvfp4": "E4M3", "mxfp8": "E8M0"}
+
+
+def as_int(op: str, name: str, value) -> int:
+    """A Python or NumPy integer as an int (bool refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"[{op}] {name} must be an int, got {type(value).__name__}")
+    return int(value)
+
+
+def require_int_choice(op: str, name: str, value, choices: tuple[int, ...]) -> int:
+    """An int (NumPy integers too) among ``choices``, returned as a plain int (a plain int
+    keys the template)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"[{op}] {name} must be an int in {choices}, got {type(value).__name__}")
+    value = int(value)
+    if value not in choices:
+        raise ValueError(f"[{op}] {name} must be one of {choices}, got {value}")
+    return value
+
+
+def check_mode(op: str, mode, modes: tuple[str, ...], *, or_none: bool = False) -> str:
+    if not isinstance(mode, str) or mode not in modes:
+        raise ValueError(f"[{op}] mode must be one of {modes}{' or None' if or_none else ''}, "
+                         f"got {mode!r}")
+    return mode
+
+
+def resolve_sizes(op: str, mode: str, group_size, bits) -> tuple[int, int]:
+    """(group_size, bits): None takes the mode's default; an fp mode fixes both."""
+    default_gs, default_bits = DEFAULTS[mode]
+    group_size = default_gs if group_size is None else as_int(op, "group_size", group_size)
+    bits = default_bits if bits is None else as_int(op, "bits", bits)
+    if mode != "affine":
+        for name, value, want in (("group_size", group_size, default_gs),
+                                  ("bits", bits, default_bits)):
+            if value != want:
+                raise ValueError(f"[{op}] mode {mode!r} has {name} {want} (as mx.quantize), "
+                                 f"got {value}")
+    return group_size, bits
+
+
+def check_mode_arrays(op: str, mode: str, scales: mx.array, biases) -> None:
+    """scales / biases as mx.quantize returns them for ``mode`` (scales already an array):
+    affine: biases an array, scales not uint8; fp modes: biases None, scales uint8."""
+    if mode == "affine":
+        if biases is None:
+            raise ValueError(f"[{op}] mode 'affine' needs biases (as mx.quantize returns "
+                             "them), got None; fp4 weights need mode='mxfp4' or 'nvfp4'")
+        if scales.dtype == mx.uint8:
+            raise TypeError(f"[{op}] mode 'affine' takes scales in x's dtype, got uint8 "
+                            "(E8M0 / E4M3 scales of mode 'mxfp4' / 'nvfp4'?)")
+        return
+    if biases is not None:
+        raise ValueError(f"[{op}] mode {mode!r} takes biases=None (it has no bias), got "
+                         f"{type(biases).__name__}")
+    if scales.dtype != mx.uint8:
+        raise TypeError(f"[{op}] mode {mode!r} needs uint8 {SCALE_FORMATS[mode]} scales (as "
+                        f"mx.quantize returns them), got {dtype_name(scales.dtype)}")
+
+
+def check_quantized(op: str, x, w, scales, biases, indices, group_size, bits,
+                    mode) -> tuple[int, int, str]:
+    """The checks every op over ``mx.quantize``d expert weights makes: the mode and the
+    arrays it implies (affine: scales and biases in x's dtype, bits and group_size among
+    the supported ones; fp modes: uint8 scales, biases None, the mode's sizes), array
+    types, x float, w packed uint32, uint32/int32 expert ids. Shapes are each op's.
+    Returns (group_size, bits, mode)."""
+    mode = check_mode(op, mode, MODES)
+    for name, arr in (("x", x), ("w", w), ("scales", scales), ("indices", indices)):
+        require_array(op, name, arr)
+    check_mode_arrays(op, mode, scales, biases)
+    group_size, bits = resolve_sizes(op, mode, group_size, bits)
+    if mode == "affine":
+        require_array(op, "biases", biases)
+        bits = require_int_choice(op, "bits", bits, BITS)
+        group_size = require_int_choice(op, "group_size", group_size, GROUP_SIZES)
+    if w.dtype != mx.uint32:
+        raise TypeError(f"[{op}] w must be uint32 (packed as mx.quantize returns it), "
+                        f"got {dtype_name(w.dtype)}")
+    require_float(op, "x", x)
+    if mode == "affine":  # fp modes: uint8 scales (checked above)
+        for name, arr in (("scales", scales), ("biases", biases)):
+            if arr.dtype != x.dtype:
+                raise TypeError(f"[{op}] {name} must have x's dtype {dtype_name(x.dtype)}, "
+                                f"got {dtype_name(arr.dtype)}")
+    if indices.dtype not in INDEX_TYPES:
+        raise TypeError(f"[{op}] indices must be uint32 or int32, "
+                        f"got {dtype_name(indices.dtype)}")
+    return group_size, bits, mode
+
+
+# The leading arguments and the template of the kernels over them (T: x's dtype, S: the
+# scales' (x's dtype in affine mode, uint8 in the fp modes, which pass their scales again as
+# the unread biases), I: the ids').
+QUANTIZED_INPUTS = (Arg("x", "T", 2), Arg("w", "uint32", 3), Arg("scales", "S", 3),
+                    Arg("biases", "S", 3), Arg("indices", "I", 1))
+QUANTIZED_PARAMS = ("T", "BITS", "GROUP_SIZE", "MODE")
+
+
+def quantized_bindings(modes: tuple[str, ...]) -> Bindings:
+    """Every (dtype, mode, bits, group_size, index dtype) the launchers make for ``modes``:
+    affine at each supported bits x group_size, an fp mode at its own sizes."""
+    def bindings():
+        for t in FLOAT_TYPES:
+            for mode in modes:
+                sizes = ([(bits, gs) for bits in BITS for gs in GROUP_SIZES]
+                         if mode == "affine" else [DEFAULTS[mode][::-1]])
+                s = t if mode == "affine" else mx.uint8
+                for bits, gs in sizes:
+                    for i in INDEX_TYPES:
+                        yield dict(T=t, S=s, BITS=bits, GROUP_SIZE=gs, MODE=MODE_IDS[mode],
+                                   I=i)
+    return bindings
+
+
+def variant_reason(spec: KernelSpec, backend: str) -> str | None:
+    """None if kernel variant ``spec`` runs on ``backend`` here, else why not."""
+    for feature in spec.features:
+        reason = _device.unsupported_reason(feature, backend)
+        if reason is not None:
+            return reason
+    if backend not in spec.backends:
+        return f"the {backend} backend does not run it"
+    return None
+
+
+def choose_variant(op: str, specs: Mapping[str, KernelSpec], variant, backend: str,
+                   auto: Callable[[], str]) -> KernelSpec | None:
+    """The kernel an op call runs: ``variant`` forced (checked against ``backend``) or
+    ``auto()``'s pick; None on the reference backend, where forcing a variant is refused."""
+    if variant is not None and (not isinstance(variant, str) or variant not in specs):
+        raise ValueError(f"[{op}] variant must be None or one of {tuple(specs)}, "
+                         f"got {variant!r}")
+    if backend == "reference":
+        if variant is not None:
+            raise ValueError(f"[{op}] variant={variant!r} needs a kernel backend (metal, cuda, "
+                             "emulator); the reference backend runs the pure-MLX composite")
+        return None
+    if variant is None:
+        return specs[auto()]
+    reason = variant_reason(specs[variant], backend)
+    if reason is not None:
+        raise ValueError(f"[{op}] variant {variant!r} is unavailable on the {backend} backend: "
+                         f"{reason}")
+    return specs[variant]

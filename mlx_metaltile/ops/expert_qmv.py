@@ -9,57 +9,44 @@ Experts nobody selected are never read.
 from __future__ import annotations
 
 import math
-import numbers
 from functools import lru_cache
 
 import mlx.core as mx
 
 from .. import backends
-from .._registry import FLOAT_DTYPES, KernelSpec, register
+from .._registry import Arg, KernelSpec, register, scalars
 from ._common import (
-    FLOAT_TYPES,
-    INDEX_TYPES,
-    dtype_name,
-    require_array,
-    require_float,
+    MODE_IDS,
+    MODES,
+    QUANTIZED_INPUTS,
+    QUANTIZED_PARAMS,
+    check_quantized,
+    quantized_bindings,
     scalar,
 )
-from ._modes import MODE_IDS, check_mode, check_mode_arrays, resolve_sizes
 
 OP = "expert_qmv"
-SUPPORTED_BITS = (4, 8)
-SUPPORTED_GROUP_SIZES = (32, 64, 128)
-MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
-# (mode, group size, bits) of the fp modes (uint8 scales, no biases), as mx.quantize
-FP_MODES = (("mxfp4", 32, 4), ("nvfp4", 16, 4), ("mxfp8", 32, 8))
+__all__ = ["expert_qmv", "expert_qmv_reference"]
 SIMDGROUPS = 2  # SIMD-groups per threadgroup (matches the template)
 ROWS = 4  # output rows per SIMD-group (matches the template)
 ROWS_PER_THREADGROUP = SIMDGROUPS * ROWS
 
 (SPEC,) = register(
     KernelSpec(
-        op=OP, variant="simd_rows", template="expert_qmv.metal", dtypes=FLOAT_DTYPES,
+        op=OP, variant="simd_rows", template="expert_qmv.metal",
+        inputs=(*QUANTIZED_INPUTS, Arg("bcast", "uint32", 1),
+                *scalars("n_experts", "n_out", "k_in", "n_sel", "x_slot")),
+        outputs=(Arg("out", "T", 2),), params=QUANTIZED_PARAMS,
+        bindings=quantized_bindings(MODES),
         geometry="threadgroup (64, 1, 1): 2 SIMD-groups x 4 output rows; "
                  "grid (64, ceil(N / 8), tokens * k): one threadgroup per (pair, 8-row tile)",
         notes="affine bits 4/8, group_size 32/64/128; mxfp4, nvfp4, mxfp8; ids >= E (or "
               "< 0) give a NaN row",
     ),
 )
-_INPUTS = ("x", "w", "scales", "biases", "indices", "bcast", "n_experts", "n_out", "k_in",
-           "n_sel", "x_slot")
-_OUTPUTS = ("out",)
 # Leading dimensions of the broadcast token grid the kernel walks (after merging): the
 # `bcast` input holds (size, x row stride, indices stride) for each, BCAST_DIMS * 3 uints.
 BCAST_DIMS = 4  # matches the template
-
-
-def _check_int_choice(name: str, value, choices: tuple[int, ...]) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"[{OP}] {name} must be an int in {choices}, got {type(value).__name__}")
-    value = int(value)  # NumPy integers too; a plain int keys the template
-    if value not in choices:
-        raise ValueError(f"[{OP}] {name} must be one of {choices}, got {value}")
-    return value
 
 
 def _broadcast_lead(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -78,30 +65,10 @@ def _broadcast_lead(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] |
 
 def _check_expert_qmv(x, w, scales, biases, indices, group_size, bits, mode) -> dict:
     """Validate the inputs; return the derived sizes and the x layout."""
-    mode = check_mode(OP, mode, MODES)
-    for name, arr in (("x", x), ("w", w), ("scales", scales), ("indices", indices)):
-        require_array(OP, name, arr)
-    check_mode_arrays(OP, mode, scales, biases)
+    group_size, bits, mode = check_quantized(OP, x, w, scales, biases, indices, group_size,
+                                             bits, mode)
     affine = mode == "affine"
-    group_size, bits = resolve_sizes(OP, mode, group_size, bits)
-    if affine:
-        require_array(OP, "biases", biases)
-        bits = _check_int_choice("bits", bits, SUPPORTED_BITS)
-        group_size = _check_int_choice("group_size", group_size, SUPPORTED_GROUP_SIZES)
     coded = (("scales", scales), ("biases", biases)) if affine else (("scales", scales),)
-
-    # dtypes
-    if w.dtype != mx.uint32:
-        raise TypeError(f"[{OP}] w must be uint32 (packed as mx.quantize returns it), "
-                        f"got {dtype_name(w.dtype)}")
-    require_float(OP, "x", x)
-    for name, arr in coded if affine else ():  # fp modes: uint8 scales (checked above)
-        if arr.dtype != x.dtype:
-            raise TypeError(f"[{OP}] {name} must have x's dtype {dtype_name(x.dtype)}, "
-                            f"got {dtype_name(arr.dtype)}")
-    if indices.dtype not in INDEX_TYPES:
-        raise TypeError(f"[{OP}] indices must be uint32 or int32, got "
-                        f"{dtype_name(indices.dtype)}")
 
     # weights: w [E, N, K*bits/32], scales/biases [E, N, K/group_size]
     for name, arr in (("w", w), *coded):
@@ -181,10 +148,15 @@ def expert_qmv_reference(x: mx.array, w: mx.array, scales: mx.array, biases: mx.
     scales of the fp modes stay as they are).
     """
     info = _check_expert_qmv(x, w, scales, biases, indices, group_size, bits, mode)
-    affine = info["mode"] == "affine"
     out_shape = _out_shape(info)
     if 0 in out_shape:
         return mx.zeros(out_shape, dtype=x.dtype)
+    return _reference(x, w, scales, biases, indices, info)
+
+
+def _reference(x, w, scales, biases, indices, info: dict) -> mx.array:
+    affine = info["mode"] == "affine"
+    out_shape = _out_shape(info)
     valid = indices < info["n_experts"]
     if indices.dtype == mx.int32:
         valid = valid & (indices >= 0)
@@ -206,36 +178,6 @@ def expert_qmv_reference(x: mx.array, w: mx.array, scales: mx.array, biases: mx.
     y = mx.squeeze(y, axis=-2)
     y = mx.where(valid[..., None], y, mx.array(float("nan"), dtype=y.dtype))
     return mx.broadcast_to(y, out_shape).astype(x.dtype)
-
-
-def _template(dtype: mx.Dtype, bits: int, group_size: int,
-              mode: str) -> tuple[tuple[str, object], ...]:
-    return (("T", dtype), ("BITS", bits), ("GROUP_SIZE", group_size), ("MODE", MODE_IDS[mode]))
-
-
-def instantiations(spec: KernelSpec) -> tuple:
-    """Every instantiation ``_launch`` can make (for compile checks of other backends)."""
-    from .._registry import KernelInstance  # defined by the registry of the CUDA layer
-
-    del spec
-    # (bits, group_size, mode, scale dtype or None for x's): affine, then the fp modes
-    # (uint8 scales, passed again as the unread biases).
-    formats = [(bits, gs, "affine", None) for bits in SUPPORTED_BITS
-               for gs in SUPPORTED_GROUP_SIZES]
-    formats += [(bits, gs, mode, mx.uint8) for mode, gs, bits in FP_MODES]
-    out = []
-    for t in FLOAT_TYPES:
-        for bits, group_size, mode, st in formats:
-            st = st or t
-            for idx in INDEX_TYPES:
-                out.append(KernelInstance(
-                    template=_template(t, bits, group_size, mode),
-                    inputs=(("x", t, 2), ("w", mx.uint32, 3), ("scales", st, 3),
-                            ("biases", st, 3), ("indices", idx, 1), ("bcast", mx.uint32, 1),
-                            *((name, mx.uint32, 0) for name in _INPUTS[6:])),
-                    outputs=(("out", t),),
-                ))
-    return tuple(out)
 
 
 def _row_strides(shape: tuple[int, ...], rank: int, unit: int) -> list[int]:
@@ -302,14 +244,16 @@ def _launch(x, w, scales, biases, indices, info: dict, backend: str) -> mx.array
     tg = backends.SIMD_WIDTH * SIMDGROUPS
     (out,) = backends.launch(
         SPEC, backend,
-        inputs=(xs, w, scales, biases, idx, _bcast_input(tuple(dims)),
-                scalar(info["n_experts"], mx.uint32), scalar(n_out, mx.uint32),
-                scalar(n_in, mx.uint32), scalar(k, mx.uint32),
-                scalar(0 if info["shared"] else 1, mx.uint32)),
-        input_names=_INPUTS, output_names=_OUTPUTS,
-        template=_template(x.dtype, info["bits"], info["group_size"], info["mode"]),
+        inputs={"x": xs, "w": w, "scales": scales, "biases": biases, "indices": idx,
+                "bcast": _bcast_input(tuple(dims)),
+                "n_experts": scalar(info["n_experts"], mx.uint32),
+                "n_out": scalar(n_out, mx.uint32), "k_in": scalar(n_in, mx.uint32),
+                "n_sel": scalar(k, mx.uint32),
+                "x_slot": scalar(0 if info["shared"] else 1, mx.uint32)},
+        template={"T": x.dtype, "BITS": info["bits"], "GROUP_SIZE": info["group_size"],
+                  "MODE": MODE_IDS[info["mode"]]},
+        outputs={"out": ((pairs, n_out), x.dtype)},
         grid=(tg, -(-n_out // ROWS_PER_THREADGROUP), pairs), threadgroup=(tg, 1, 1),
-        output_shapes=((pairs, n_out),), output_dtypes=(x.dtype,),
     )
     return out.reshape(_out_shape(info))
 
@@ -360,6 +304,5 @@ def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
         return mx.zeros(out_shape, dtype=x.dtype)
     backend = backends.resolve_backend()
     if backend == "reference":
-        return expert_qmv_reference(x, w, scales, biases, indices, group_size=group_size,
-                                    bits=bits, mode=mode)
+        return _reference(x, w, scales, biases, indices, info)
     return _launch(x, w, scales, biases, indices, info, backend)

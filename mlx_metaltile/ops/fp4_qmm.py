@@ -14,20 +14,31 @@ Kernels (``variant=``):
 
 from __future__ import annotations
 
+import itertools
 import math
-import numbers
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from .. import backends
-from .._registry import FLOAT_DTYPES, KernelInstance, KernelSpec, register
-from . import moe_gather_qmm
-from ._common import FLOAT_TYPES, dtype_name, require_array, require_float, round_up, scalar
-from ._modes import DEFAULTS, check_mode, check_mode_arrays, resolve_sizes
+from .. import _device, backends
+from .._registry import Arg, KernelSpec, register, scalars
+from ._common import (
+    DEFAULTS,
+    FLOAT_TYPES,
+    as_int,
+    check_mode,
+    check_mode_arrays,
+    choose_variant,
+    dtype_name,
+    require_array,
+    require_float,
+    resolve_sizes,
+    round_up,
+    scalar,
+)
 
 OP = "fp4_qmm"
+__all__ = ["fp4_dequantize_reference", "fp4_qmm", "fp4_qmm_reference"]
 QMV_MAX_M = 8  # auto picks the GEMV-shaped kernel up to this many rows of x
 QMV_THREADS, QMV_ROWS_PER_TG = 64, 8
 TILE = 32  # BM = BN = BK of the tile kernels
@@ -39,23 +50,57 @@ SCALE_FLOAT, SCALE_E8M0, SCALE_E4M3 = 0, 1, 2
 MODES = ("mxfp4", "nvfp4")  # MLX's fp4 modes (uint8 scales); mode=None reads the scales
 _MAX_DIM = 2**31
 
+
+
+def _scale_formats() -> list[tuple[mx.Dtype, int, int]]:
+    """(scale dtype as the kernels see it, group size, SCALE_MODE) of every accepted format
+    (float16 / bfloat16 scales reach the kernels as float32)."""
+    formats = [(mx.uint8, 32, SCALE_E8M0), (mx.uint8, 16, SCALE_E4M3)]
+    return formats + [(mx.float32, gs, SCALE_FLOAT) for gs in FLOAT_SCALE_GROUPS]
+
+
+def _bindings(**extra):
+    """T: x / output dtype; ST, GS, SCALE_MODE: a scale format; ``extra``: name -> the
+    values it takes for each T (a function of T)."""
+    def bindings():
+        for t in FLOAT_TYPES:
+            for st, gs, mode in _scale_formats():
+                base = {"T": t, "ST": st, "GS": gs, "SCALE_MODE": mode}
+                choices = [[(name, v) for v in values(t)] for name, values in extra.items()]
+                for combo in itertools.product(*choices):
+                    yield {**base, **dict(combo)}
+    return bindings
+
+
+# x [M, K], w [N, K/8] (8 E2M1 codes a word), scales [N, K/group_size]; sizes at run time.
+_ARGS = (Arg("x", "T", 2), Arg("w", "uint32", 2), Arg("scales", "ST", 2),
+         *scalars("m_rows", "n_cols", "k_cols"))
+_OUT = (Arg("out", "T", 2),)
+
 QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC = register(
     KernelSpec(
-        op=OP, variant="qmv", template="fp4_qmm_qmv.metal", dtypes=FLOAT_DTYPES,
+        op=OP, variant="qmv", template="fp4_qmm_qmv.metal",
+        inputs=(*_ARGS, *scalars("gs_shift")), outputs=_OUT,
+        params=("T", "ST", "SCALE_MODE", "MB"), bindings=_bindings(MB=lambda t: (1, 2, 4, 8)),
         geometry="auto for M <= 8: threadgroup (64, 1, 1) = 2 simdgroups x 4 rows of w; "
                  "grid (64, N/8, ceil(M/MB)), MB = next power of two >= min(M, 8)",
         notes="template: T, ST, SCALE_MODE, MB (rows of x per threadgroup); group size runtime",
     ),
     KernelSpec(
-        op=OP, variant="simdgroup", template="fp4_qmm_simdgroup.metal", dtypes=FLOAT_DTYPES,
+        op=OP, variant="simdgroup", template="fp4_qmm_simdgroup.metal",
+        inputs=(*_ARGS, *scalars("gs_shift", "k_part")), outputs=(Arg("out", "OT", 3),),
+        params=("T", "ST", "SCALE_MODE", "OT"),
+        bindings=_bindings(OT=lambda t: (t, mx.float32)),
         geometry="32x32 output tile per threadgroup of 128 (4 simdgroups x 16x16 on "
                  "simdgroup_float8x8), BK = 32; grid (128 * N/32, ceil(M/32), parts): K split "
                  "in parts of whole 32-steps, the last one possibly shorter (float32 partials "
                  "+ fp4_qmm_splitk_sum) until ~512 threadgroups",
     ),
     KernelSpec(
-        op=OP, variant="mpp", template="fp4_qmm_mpp.metal", dtypes=FLOAT_DTYPES,
-        backends=("metal", "emulator"),
+        op=OP, variant="mpp", template="fp4_qmm_mpp.metal",
+        inputs=_ARGS, outputs=_OUT, params=("T", "ST", "GS", "SCALE_MODE"),
+        bindings=_bindings(),
+        backends=("metal", "emulator"), features=(_device.MPP,),
         geometry="32x32 output tile per threadgroup of 128 (4 simdgroups, each a "
                  "matmul2d(16, 16, 32) on cooperative tensors), BK = 32; "
                  "grid (128 * N/32, ceil(M/32), 1); macOS >= 26.2, GPU generation >= 17",
@@ -63,19 +108,14 @@ QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC = register(
 )
 (SPLITK_SUM_SPEC,) = register(
     KernelSpec(
-        op=OP, variant="splitk_sum", template="fp4_qmm_splitk_sum.metal", dtypes=FLOAT_DTYPES,
+        op=OP, variant="splitk_sum", template="fp4_qmm_splitk_sum.metal",
+        inputs=(Arg("partial", "float32", 3), *scalars("n_parts", "n_out")), outputs=_OUT,
+        params=("T",), bindings=lambda: ({"T": t} for t in FLOAT_TYPES),
         geometry="second pass of a split-K simdgroup call: threadgroup (256, 1, 1), 4 outputs "
                  "per thread; grid (round_up(M*N/4, 256), 1, 1)",
     ),
 )
-VARIANTS = {spec.variant: spec for spec in (QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC)}
-_INPUTS = ("x", "w", "scales", "m_rows", "n_cols", "k_cols")
-_QMV_INPUTS = (*_INPUTS, "gs_shift")
-_SPLIT_INPUTS = (*_INPUTS, "gs_shift", "k_part")
-# The emulator runs the mpp variant once it models MetalPerformancePrimitives (this header).
-_EMULATOR_MPP_HEADER = (Path(__file__).resolve().parent.parent / "emulator" / "include"
-                        / "MetalPerformancePrimitives" / "MetalPerformancePrimitives.h")
-_OUTPUTS = ("out",)
+VARIANT_SPECS = {spec.variant: spec for spec in (QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC)}
 
 
 # ---- checks ---------------------------------------------------------------------------
@@ -89,9 +129,7 @@ def _group_size(scales: mx.array, k: int, group_size, mode) -> int:
         check_mode_arrays(OP, mode, scales, None)
         return resolve_sizes(OP, mode, group_size, None)[0]
     if group_size is not None:
-        if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
-            raise TypeError(f"[{OP}] group_size must be an int, got {type(group_size).__name__}")
-        return int(group_size)  # NumPy integers too
+        return as_int(OP, "group_size", group_size)  # NumPy integers too
     groups = scales.shape[-1] if scales.ndim else 0
     inferred = k // groups if groups and k % groups == 0 else 0
     allowed = ((DEFAULTS["mxfp4"][0], DEFAULTS["nvfp4"][0]) if scales.dtype == mx.uint8
@@ -190,9 +228,12 @@ def _table(name: str) -> mx.array:
 def fp4_dequantize_reference(w: mx.array, scales: mx.array, group_size: int | None = None,
                              mode: str | None = None) -> mx.array:
     """The float32 weights [N, K] that ``fp4_qmm`` multiplies by (pure MLX)."""
+    group_size = _group_size(scales, w.shape[1] * 8, group_size, mode)
+    return _dequantize(w, scales, group_size, _scale_mode(scales, group_size))
+
+
+def _dequantize(w, scales, group_size: int, mode: int) -> mx.array:
     n, kw = w.shape
-    group_size = _group_size(scales, kw * 8, group_size, mode)
-    mode = _scale_mode(scales, group_size)
     shifts = mx.arange(0, 32, 4, dtype=mx.uint32)
     codes = ((w[:, :, None] >> shifts) & 0xF).reshape(n, kw * 8)
     values = mx.take(_table("e2m1"), codes)
@@ -211,97 +252,33 @@ def fp4_qmm_reference(x: mx.array, w: mx.array, scales: mx.array, *,
     The weights are decoded by tables that equal ``mx.dequantize(mode=...)`` bit for bit
     (tested) and also serve the float scales, which no MLX mode takes.
     """
-    group_size = _check_fp4_qmm(x, w, scales, group_size, mode)[4]
-    wdq = fp4_dequantize_reference(w, scales, group_size)
+    _, _, _, scale_mode, group_size = _check_fp4_qmm(x, w, scales, group_size, mode)
+    return _reference(x, w, scales, group_size, scale_mode)
+
+
+def _reference(x, w, scales, group_size: int, scale_mode: int) -> mx.array:
+    wdq = _dequantize(w, scales, group_size, scale_mode)
     out = mx.matmul(x.astype(mx.float32), wdq.T)
     return out.astype(x.dtype)
 
 
 # ---- variant choice and launch --------------------------------------------------------
 
-def _metal_mpp_reason() -> str | None:
-    """None if this Metal device has MetalPerformancePrimitives' matrix units, else why not:
-    the rule of MLX's NAX kernels (macOS >= 26.2, GPU generation >= 17, >= 18 for phone GPUs),
-    as moe_gather_qmm reads it (the real macOS version also where Python reports 16.x)."""
-    return moe_gather_qmm.mpp_unavailable_reason()
+def _auto(backend: str, m: int) -> str:
+    """The variant ``auto`` picks: the GEMV for few rows, else mpp where the Metal device
+    has matrix units, else simdgroup."""
+    if m <= QMV_MAX_M:
+        return "qmv"
+    return "mpp" if backend == "metal" and _device.metal_mpp_reason() is None else "simdgroup"
 
 
-def mpp_unavailable_reason(backend: str) -> str | None:
-    """None if the mpp variant can run on ``backend`` here, else why not."""
-    if backend == "metal":
-        return _metal_mpp_reason()
-    if backend == "emulator":
-        if not _EMULATOR_MPP_HEADER.is_file():
-            return "this build of the emulator has no MetalPerformancePrimitives model"
-        return None
-    return f"the {backend} backend has no MetalPerformancePrimitives"
-
-
-def _choose(backend: str, m: int, variant: str | None) -> KernelSpec:
-    if variant is None:
-        if m <= QMV_MAX_M:
-            return QMV_SPEC
-        if backend == "metal" and _metal_mpp_reason() is None:
-            return MPP_SPEC
-        return SIMDGROUP_SPEC
-    if not isinstance(variant, str) or variant not in VARIANTS:
-        raise ValueError(f"[{OP}] variant must be None or one of {tuple(VARIANTS)}, "
-                         f"got {variant!r}")
-    if variant == "mpp":
-        reason = mpp_unavailable_reason(backend)
-        if reason is not None:
-            raise ValueError(f"[{OP}] variant 'mpp' is unavailable on the {backend} backend: "
-                             f"{reason}")
-    return VARIANTS[variant]
+def _choose(backend: str, m: int, variant) -> KernelSpec | None:
+    return choose_variant(OP, VARIANT_SPECS, variant, backend, lambda: _auto(backend, m))
 
 
 def _qmv_rows(m: int) -> int:
     """Rows of x per threadgroup of the qmv kernel: next power of two >= min(M, 8)."""
     return 1 << (min(m, QMV_MAX_M) - 1).bit_length()
-
-
-def _scale_formats() -> list[tuple[mx.Dtype, int, int]]:
-    """(scale dtype as the kernels see it, group size, SCALE_MODE) of every accepted format
-    (float16 / bfloat16 scales reach the kernels as float32)."""
-    formats = [(mx.uint8, 32, SCALE_E8M0), (mx.uint8, 16, SCALE_E4M3)]
-    return formats + [(mx.float32, gs, SCALE_FLOAT) for gs in FLOAT_SCALE_GROUPS]
-
-
-def _template(spec: KernelSpec, t: mx.Dtype, st: mx.Dtype, gs: int, mode: int) -> list:
-    """Template arguments common to the matmul kernels (the group size is a runtime input of
-    qmv and simdgroup, a template argument of mpp, whose code depends on it)."""
-    if spec.variant.startswith("mpp"):
-        return [("T", t), ("ST", st), ("GS", gs), ("SCALE_MODE", mode)]
-    return [("T", t), ("ST", st), ("SCALE_MODE", mode)]
-
-
-def instantiations(spec: KernelSpec) -> tuple[KernelInstance, ...]:
-    """Every instantiation ``_launch`` can make (for compile checks of other backends)."""
-    out = {}
-    for t in FLOAT_TYPES:
-        if spec.variant == "splitk_sum":
-            out[t] = KernelInstance(
-                template=(("T", t),),
-                inputs=(("partial", mx.float32, 3), ("n_parts", mx.uint32, 0),
-                        ("n_out", mx.uint32, 0)),
-                outputs=(("out", t),))
-            continue
-        for st, gs, mode in _scale_formats():
-            base = tuple(_template(spec, t, st, gs, mode))
-            names = {"qmv": _QMV_INPUTS, "simdgroup": _SPLIT_INPUTS}.get(spec.variant, _INPUTS)
-            inputs = (("x", t, 2), ("w", mx.uint32, 2), ("scales", st, 2),
-                      *((name, mx.uint32, 0) for name in names[3:]))
-            if spec.variant == "qmv":
-                for mb in (1, 2, 4, 8):
-                    out[base, mb] = KernelInstance(template=(*base, ("MB", mb)), inputs=inputs,
-                                                   outputs=(("out", t),))
-            elif spec.variant == "simdgroup":
-                for ot in (t, mx.float32):
-                    out[base, ot] = KernelInstance(template=(*base, ("OT", ot)), inputs=inputs,
-                                                   outputs=(("out", ot),))
-            else:  # mpp
-                out[base] = KernelInstance(template=base, inputs=inputs, outputs=(("out", t),))
-    return tuple(out.values())
 
 
 def _split_k(m: int, n: int, k: int) -> tuple[int, int]:
@@ -320,43 +297,47 @@ def _split_k(m: int, n: int, k: int) -> tuple[int, int]:
 def _launch(spec: KernelSpec, x2, w, scales, m, n, k, mode, group_size, backend):
     if scales.dtype in (mx.float16, mx.bfloat16):
         scales = scales.astype(mx.float32)  # exact; one kernel build serves all float scales
-    template = _template(spec, x2.dtype, scales.dtype, group_size, mode)
-    inputs = [x2, w, scales, scalar(m, mx.uint32), scalar(n, mx.uint32), scalar(k, mx.uint32)]
-    names, parts, out_dtype = _INPUTS, 1, x2.dtype
+    t = x2.dtype
+    # the group size is a runtime input of qmv and simdgroup, a template argument of mpp
+    template = {"T": t, "ST": scales.dtype}
+    if spec.variant == "mpp":
+        template["GS"] = group_size
+    template["SCALE_MODE"] = mode
+    inputs = {"x": x2, "w": w, "scales": scales, "m_rows": scalar(m, mx.uint32),
+              "n_cols": scalar(n, mx.uint32), "k_cols": scalar(k, mx.uint32)}
+    parts, out_dtype = 1, t
     gs_shift = scalar(group_size.bit_length() - 1, mx.uint32)
-    if spec.variant.startswith("qmv"):
+    if spec.variant == "qmv":
         mb = _qmv_rows(m)
-        template.append(("MB", mb))
-        inputs.append(gs_shift)
-        names = _QMV_INPUTS
+        template["MB"] = mb
+        inputs["gs_shift"] = gs_shift
         grid = (QMV_THREADS, n // QMV_ROWS_PER_TG, -(-m // mb))
         threadgroup, tg_mem = (QMV_THREADS, 1, 1), 0
     else:
         threadgroup = (TILE_THREADS, 1, 1)
-        if spec.variant.startswith("simdgroup"):
+        if spec.variant == "simdgroup":
             parts, k_part = _split_k(m, n, k)
-            out_dtype = x2.dtype if parts == 1 else mx.float32
-            template.append(("OT", out_dtype))
-            inputs += [gs_shift, scalar(k_part, mx.uint32)]
-            names = _SPLIT_INPUTS
+            out_dtype = t if parts == 1 else mx.float32
+            template["OT"] = out_dtype
+            inputs.update(gs_shift=gs_shift, k_part=scalar(k_part, mx.uint32))
             tg_mem = 2 * TILE * (TILE + 4) * 4  # x and w tiles, float, rows padded to 36
         else:
             tg_mem = TILE * (TILE + 8) * 2 + 2 * TILE * 4  # half w tile + 2 x 32 scales
         grid = (TILE_THREADS * (n // TILE), -(-m // TILE), parts)
     (out,) = backends.launch(
-        spec, backend, inputs=inputs, input_names=names, output_names=_OUTPUTS,
-        template=template, grid=grid, threadgroup=threadgroup, threadgroup_memory=tg_mem,
-        output_shapes=((parts, m, n) if parts > 1 else (m, n),), output_dtypes=(out_dtype,),
+        spec, backend, inputs=inputs, template=template,
+        outputs={"out": ((parts, m, n) if parts > 1 else (m, n), out_dtype)},
+        grid=grid, threadgroup=threadgroup, threadgroup_memory=tg_mem,
     )
     if parts == 1:
         return out
     total = m * n
     (out,) = backends.launch(
         SPLITK_SUM_SPEC, backend,
-        inputs=(out, scalar(parts, mx.uint32), scalar(total, mx.uint32)),
-        input_names=("partial", "n_parts", "n_out"), output_names=_OUTPUTS,
-        template=(("T", x2.dtype),), grid=(round_up(-(-total // 4), SUM_THREADS), 1, 1),
-        threadgroup=(SUM_THREADS, 1, 1), output_shapes=((m, n),), output_dtypes=(x2.dtype,),
+        inputs={"partial": out, "n_parts": scalar(parts, mx.uint32),
+                "n_out": scalar(total, mx.uint32)},
+        template={"T": t}, outputs={"out": ((m, n), t)},
+        grid=(round_up(-(-total // 4), SUM_THREADS), 1, 1), threadgroup=(SUM_THREADS, 1, 1),
     )
     return out
 
@@ -388,12 +369,9 @@ def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | Non
     m, n, k, scale_mode, group_size = _check_fp4_qmm(x, w, scales, group_size, mode)
     out_shape = (*x.shape[:-1], n)
     backend = backends.resolve_backend()
-    if backend == "reference":
-        if variant is not None:
-            raise ValueError(f"[{OP}] variant={variant!r} needs a kernel backend (metal, cuda, "
-                             "emulator); the reference backend runs the pure-MLX composite")
-        return fp4_qmm_reference(x, w, scales, group_size=group_size, mode=mode)
     spec = _choose(backend, m, variant)
+    if spec is None:
+        return _reference(x, w, scales, group_size, scale_mode)
     if m == 0:
         return mx.zeros(out_shape, dtype=x.dtype)
     out = _launch(spec, x.reshape(m, k), w, scales, m, n, k, scale_mode, group_size, backend)

@@ -11,7 +11,7 @@ import math
 import mlx.core as mx
 
 from .. import backends
-from .._registry import FLOAT_DTYPES, KernelInstance, KernelSpec, register
+from .._registry import Arg, KernelSpec, register, scalars
 from ._common import (
     FLOAT_TYPES,
     dtype_name,
@@ -23,32 +23,44 @@ from ._common import (
 )
 
 OP = "gated_rms_norm"
+__all__ = ["gated_rms_norm", "gated_rms_norm_reference"]
 N_READS = 4  # elements of a row held by each thread (matches the templates)
 MAX_REGISTER_ROW = 1024 * N_READS  # longest row held in registers in one pass
 MAX_SIMD_ROW = 32 * N_READS  # longest row one SIMD-group holds
 SIMD_ROWS_PER_GROUP = 8
 
+_ARGS = (Arg("y", "YT", 2), Arg("z", "T", 2), Arg("w", "T", 1))
+_OUTPUTS = (Arg("out", "T", 2),)
+_EPS = Arg("eps", "float32")
+
+
+def _bindings():
+    """T: z / weight / output dtype; YT: y's dtype, float32 or T."""
+    return ({"T": t, "YT": yt} for t in FLOAT_TYPES for yt in dict.fromkeys((mx.float32, t)))
+
+
+_COMMON = dict(outputs=_OUTPUTS, params=("T", "YT"), bindings=_bindings)
+
 SIMD_ROWS_SPEC, REGISTER_SPEC, LOOPED_SPEC = register(
     KernelSpec(
         op=OP, variant="simd_rows", template="gated_rms_norm_simd_rows.metal",
-        dtypes=FLOAT_DTYPES,
+        inputs=(*_ARGS, *scalars("n_cols", "n_rows"), _EPS), **_COMMON,
         geometry="n <= 128: one SIMD-group per row, 8 rows per threadgroup of (32, 8, 1); "
                  "grid (32, round_up(rows, 8), 1)",
     ),
     KernelSpec(
-        op=OP, variant="row", template="gated_rms_norm.metal", dtypes=FLOAT_DTYPES,
+        op=OP, variant="row", template="gated_rms_norm.metal",
+        inputs=(*_ARGS, *scalars("n_cols"), _EPS), **_COMMON,
         geometry="128 < n <= 4096: one threadgroup per row, TG = round_up(ceil(n/4), 32); "
                  "grid (TG, rows, 1)",
     ),
     KernelSpec(
-        op=OP, variant="looped", template="gated_rms_norm_looped.metal", dtypes=FLOAT_DTYPES,
+        op=OP, variant="looped", template="gated_rms_norm_looped.metal",
+        inputs=(*_ARGS, *scalars("n_cols"), _EPS), **_COMMON,
         geometry="n > 4096: one threadgroup of 1024 per row, row looped in 4096-chunks; "
                  "grid (1024, rows, 1)",
     ),
 )
-_INPUTS = ("y", "z", "w", "n_cols", "eps")
-_SIMD_ROWS_INPUTS = ("y", "z", "w", "n_cols", "n_rows", "eps")
-_OUTPUTS = ("out",)
 
 
 def _check_gated_rms_norm(y, z, weight, eps) -> tuple[int, int, float]:
@@ -86,7 +98,11 @@ def _check_gated_rms_norm(y, z, weight, eps) -> tuple[int, int, float]:
 def gated_rms_norm_reference(y: mx.array, z: mx.array, weight: mx.array,
                              eps: float = 1e-5) -> mx.array:
     """Pure-MLX composite of the same math (float32 inside, rounded once)."""
-    _check_gated_rms_norm(y, z, weight, eps)
+    _, _, eps = _check_gated_rms_norm(y, z, weight, eps)
+    return _reference(y, z, weight, eps)
+
+
+def _reference(y, z, weight, eps: float) -> mx.array:
     yf = y.astype(mx.float32)
     zf = z.astype(mx.float32)
     inv_rms = mx.rsqrt(mx.mean(yf * yf, axis=-1, keepdims=True) + eps)
@@ -94,43 +110,23 @@ def gated_rms_norm_reference(y: mx.array, z: mx.array, weight: mx.array,
     return out.astype(z.dtype)
 
 
-def _template(z_dtype: mx.Dtype, y_dtype: mx.Dtype) -> tuple[tuple[str, mx.Dtype], ...]:
-    return (("T", z_dtype), ("YT", y_dtype))
-
-
-def instantiations(spec: KernelSpec) -> tuple[KernelInstance, ...]:
-    """Every instantiation ``_launch`` can make (all variants take the same template)."""
-    scalars = (("n_cols", mx.uint32, 0), ("n_rows", mx.uint32, 0), ("eps", mx.float32, 0))
-    if spec is not SIMD_ROWS_SPEC:
-        scalars = (scalars[0], scalars[2])
-    out = []
-    for t in FLOAT_TYPES:
-        for yt in dict.fromkeys((mx.float32, t)):
-            out.append(KernelInstance(
-                template=_template(t, yt),
-                inputs=(("y", yt, 2), ("z", t, 2), ("w", t, 1), *scalars),
-                outputs=(("out", t),),
-            ))
-    return tuple(out)
-
-
 def _launch(y, z, weight, n: int, rows: int, eps: float, backend: str) -> mx.array:
     z_dtype = z.dtype
-    n_arr, eps_arr = scalar(n, mx.uint32), scalar(eps, mx.float32)
+    inputs = {"y": y, "z": z, "w": weight, "n_cols": scalar(n, mx.uint32)}
     if n <= MAX_SIMD_ROW:
-        spec, names = SIMD_ROWS_SPEC, _SIMD_ROWS_INPUTS
-        inputs = (y, z, weight, n_arr, scalar(rows, mx.uint32), eps_arr)
+        spec = SIMD_ROWS_SPEC
+        inputs["n_rows"] = scalar(rows, mx.uint32)
         grid = (32, round_up(rows, SIMD_ROWS_PER_GROUP), 1)
         threadgroup, tg_memory = (32, SIMD_ROWS_PER_GROUP, 1), 0
     else:
         tg = round_up(-(-n // N_READS), 32) if n <= MAX_REGISTER_ROW else 1024
         spec = REGISTER_SPEC if n <= MAX_REGISTER_ROW else LOOPED_SPEC
-        names, inputs = _INPUTS, (y, z, weight, n_arr, eps_arr)
         grid, threadgroup, tg_memory = (tg, rows, 1), (tg, 1, 1), 32 * 4
+    inputs["eps"] = scalar(eps, mx.float32)
     (out,) = backends.launch(
-        spec, backend, inputs=inputs, input_names=names, output_names=_OUTPUTS,
-        template=_template(z_dtype, y.dtype), grid=grid, threadgroup=threadgroup,
-        threadgroup_memory=tg_memory, output_shapes=(z.shape,), output_dtypes=(z_dtype,),
+        spec, backend, inputs=inputs, template={"T": z_dtype, "YT": y.dtype},
+        outputs={"out": (z.shape, z_dtype)}, grid=grid, threadgroup=threadgroup,
+        threadgroup_memory=tg_memory,
     )
     return out
 
@@ -151,5 +147,5 @@ def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float = 1e-5
         return mx.zeros(z.shape, dtype=z.dtype)
     backend = backends.resolve_backend()
     if backend == "reference":
-        return gated_rms_norm_reference(y, z, weight, eps)
+        return _reference(y, z, weight, eps)
     return _launch(y, z, weight, n, rows, eps, backend)

@@ -15,45 +15,42 @@ the fp modes run the simdgroup path).
 
 from __future__ import annotations
 
-import functools
-import platform
-import subprocess
-
 import mlx.core as mx
 
-from .. import backends
-from .._registry import FLOAT_DTYPES, KernelInstance, KernelSpec, register
+from .. import _device, backends
+from .._registry import Arg, KernelSpec, register, scalars
 from ._common import (
-    FLOAT_TYPES,
-    INDEX_TYPES,
-    dtype_name,
-    require_array,
-    require_float,
+    MODE_IDS,
+    MODES,
+    QUANTIZED_INPUTS,
+    QUANTIZED_PARAMS,
+    check_quantized,
+    choose_variant,
+    quantized_bindings,
     require_ndim,
     scalar,
 )
-from ._modes import MODE_IDS, check_mode, check_mode_arrays, resolve_sizes
 
 OP = "moe_gather_qmm"
+__all__ = ["moe_gather_qmm", "moe_gather_qmm_reference"]
 BM = 8  # rows per tile (both paths)
 BN = 32  # output columns per threadgroup (both paths)
 K_TILE = 32  # K must be a multiple of this tile depth (both paths)
 SLOTS = BM  # threadgroups per (tile, column block): one per possible run start
-BITS = (4, 8)
-GROUP_SIZES = (32, 64, 128)
-MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
-# (mode, group size, bits) of the fp modes (uint8 scales, no biases), as mx.quantize
-FP_MODES = (("mxfp4", 32, 4), ("nvfp4", 16, 4), ("mxfp8", 32, 8))
-VARIANTS = ("simdgroup", "mpp")
 SIMDGROUP_THREADS = 128  # 4 simdgroups split K
 SIMDGROUP_TG_MEMORY = (4 * 8 * 16 + 4 * 16 * 36) * 4  # bytes, as in the template
 MPP_THREADS = 32  # one simdgroup: the matmul2d execution_simdgroup scope
 MAX_DIM = 2**31 - 1
 
+_SIGNATURE = dict(
+    inputs=(*QUANTIZED_INPUTS, *scalars("n_rows", "n_experts", "n_cols", "k_dim")),
+    outputs=(Arg("out", "T", 2),), params=QUANTIZED_PARAMS,
+)
+
 SIMDGROUP_SPEC, MPP_SPEC = register(
     KernelSpec(
-        op=OP, variant="simdgroup", template="moe_gather_qmm_simdgroup.metal",
-        dtypes=FLOAT_DTYPES,
+        op=OP, variant="simdgroup", template="moe_gather_qmm_simdgroup.metal", **_SIGNATURE,
+        bindings=quantized_bindings(MODES),
         geometry="threadgroup (128,1,1) = 4 simdgroups splitting K; grid (128*N/32, 8, "
                  "ceil(M/8)): (32-column block, run slot, 8-row tile); one run per "
                  "threadgroup, empty slots exit",
@@ -61,46 +58,24 @@ SIMDGROUP_SPEC, MPP_SPEC = register(
               "mxfp8",
     ),
     KernelSpec(
-        op=OP, variant="mpp", template="moe_gather_qmm_mpp.metal", dtypes=FLOAT_DTYPES,
+        op=OP, variant="mpp", template="moe_gather_qmm_mpp.metal", **_SIGNATURE,
+        bindings=quantized_bindings(("affine",)),
         geometry="threadgroup (32,1,1) = one simdgroup; grid (32*N/32, 8, ceil(M/8)): "
                  "(32-column block, run slot, 8-row tile); matmul2d (8, 32, 16)",
-        backends=("metal", "emulator"),
+        backends=("metal", "emulator"), features=(_device.MPP,),
         notes="MetalPerformancePrimitives matmul2d; Metal 4, macOS >= 26.2, GPU gen >= 17; "
               "affine only",
     ),
 )
-_SPECS = {"simdgroup": SIMDGROUP_SPEC, "mpp": MPP_SPEC}
-_INPUTS = ("x", "w", "scales", "biases", "indices", "n_rows", "n_experts", "n_cols", "k_dim")
-_OUTPUTS = ("out",)
+VARIANT_SPECS = {"simdgroup": SIMDGROUP_SPEC, "mpp": MPP_SPEC}
 
 
 def _check_moe_gather_qmm(x, w, scales, biases, indices, group_size, bits, mode):
-    """Validate the inputs; return (M, N, K, E, group_size, bits)."""
-    mode = check_mode(OP, mode, MODES)
-    for name, arr in (("x", x), ("w", w), ("scales", scales), ("indices", indices)):
-        require_array(OP, name, arr)
-    check_mode_arrays(OP, mode, scales, biases)
-    affine = mode == "affine"
-    group_size, bits = resolve_sizes(OP, mode, group_size, bits)
-    coded = (("scales", scales), ("biases", biases)) if affine else (("scales", scales),)
-    if affine:
-        require_array(OP, "biases", biases)
-        if bits not in BITS:
-            raise ValueError(f"[{OP}] bits must be one of {BITS}, got {bits}")
-        if group_size not in GROUP_SIZES:
-            raise ValueError(f"[{OP}] group_size must be one of {GROUP_SIZES}, "
-                             f"got {group_size}")
-    require_float(OP, "x", x)
-    for name, arr in coded if affine else ():  # fp modes: uint8 scales (checked above)
-        if arr.dtype != x.dtype:
-            raise TypeError(f"[{OP}] {name} must have x's dtype {dtype_name(x.dtype)}, "
-                            f"got {dtype_name(arr.dtype)}")
-    if w.dtype != mx.uint32:
-        raise TypeError(f"[{OP}] w must be uint32 (packed as mx.quantize returns it), "
-                        f"got {dtype_name(w.dtype)}")
-    if indices.dtype not in INDEX_TYPES:
-        raise TypeError(f"[{OP}] indices must be uint32 or int32, "
-                        f"got {dtype_name(indices.dtype)}")
+    """Validate the inputs; return (M, N, K, E, group_size, bits, mode)."""
+    group_size, bits, mode = check_quantized(OP, x, w, scales, biases, indices, group_size,
+                                             bits, mode)
+    coded = (("scales", scales), ("biases", biases)) if mode == "affine" else \
+        (("scales", scales),)
     require_ndim(OP, "x", x, 2)
     require_ndim(OP, "w", w, 3)
     for name, arr in coded:
@@ -134,7 +109,7 @@ def _check_moe_gather_qmm(x, w, scales, biases, indices, group_size, bits, mode)
     for name, value in (("M", M), ("N", N), ("K", K), ("E", E)):
         if value > MAX_DIM:
             raise ValueError(f"[{OP}] {name} must be < 2^31, got {value}")
-    return M, N, K, E, group_size, bits
+    return M, N, K, E, group_size, bits, mode
 
 
 def _unpack_codes(w: mx.array, bits: int) -> mx.array:
@@ -168,8 +143,12 @@ def moe_gather_qmm_reference(x, w, scales, biases, indices, *, group_size: int |
     big shapes; it is the test oracle's twin and the fallback, not a fast path). MLX's
     ``mx.gather_qmm`` is not used: it does not round each weight to x's dtype first.
     """
-    M, N, K, E, group_size, bits = _check_moe_gather_qmm(x, w, scales, biases, indices,
-                                                          group_size, bits, mode)
+    M, N, K, E, group_size, bits, mode = _check_moe_gather_qmm(x, w, scales, biases, indices,
+                                                                group_size, bits, mode)
+    return _reference(x, w, scales, biases, indices, M, N, E, group_size, bits, mode)
+
+
+def _reference(x, w, scales, biases, indices, M, N, E, group_size, bits, mode) -> mx.array:
     if M == 0:
         return mx.zeros((0, N), dtype=x.dtype)
     valid = indices < E
@@ -189,127 +168,27 @@ def moe_gather_qmm_reference(x, w, scales, biases, indices, *, group_size: int |
     return out.astype(x.dtype)
 
 
-def _parse_version(release: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(p) for p in release.strip().split(".")) if release.strip() else ()
-    except ValueError:
-        return ()
+def _auto(backend: str) -> str:
+    """The variant ``auto`` picks: mpp where the Metal device has matrix units."""
+    return "mpp" if backend == "metal" and _device.metal_mpp_reason() is None else "simdgroup"
 
 
-def _sysctl(name: str) -> str:
-    try:
-        return subprocess.run(["sysctl", "-n", name], capture_output=True, text=True,
-                              timeout=5).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-@functools.lru_cache(maxsize=1)
-def _macos_version() -> tuple[int, ...]:
-    version = _parse_version(platform.mac_ver()[0])
-    if version[:1] == (16,):
-        # macOS 26 shows Python builds linked against an older SDK the compatibility version
-        # 16.x; the kernel's product version is the real one.
-        version = _parse_version(_sysctl("kern.osproductversion")) or version
-    return version
-
-
-@functools.cache
-def _device_architecture() -> str:
-    """The Metal device's architecture name, e.g. 'applegpu_g17s' (read once per process)."""
-    info_fn = getattr(mx, "device_info", None) or mx.metal.device_info
-    try:
-        arch = info_fn().get("architecture", "")
-    except Exception:  # no Metal device (or an MLX without the call)
-        return ""
-    return arch if isinstance(arch, str) else ""
-
-
-def _architecture_generation(arch: str) -> int:
-    """'applegpu_g17s' -> 17: the two digits before the last character, as MLX reads them."""
-    if len(arch) < 3:
-        return 0
-    tens, ones = arch[-3], arch[-2]
-    return int(tens) * 10 + int(ones) if (tens + ones).isdigit() else 0
-
-
-def mpp_unavailable_reason() -> str | None:
-    """None if this Metal device runs the MPP (matrix-unit) path, else why not.
-
-    The rule MLX uses for its NAX kernels: macOS >= 26.2 and GPU generation >= 17
-    (>= 18 for phone-class GPUs, architecture names ending in 'p').
-    """
-    if not backends._metal_available():
-        return "no Metal device"
-    mac = _macos_version()
-    if mac < (26, 2):
-        shown = ".".join(map(str, mac)) or "unknown"
-        return f"needs macOS >= 26.2 (MetalPerformancePrimitives), got {shown}"
-    arch = _device_architecture()
-    gen = _architecture_generation(arch)
-    need = 18 if arch.endswith("p") else 17
-    if gen < need:
-        return f"needs GPU generation >= {need} (matrix units, M5 or later), got {arch or 'unknown'}"
-    return None
-
-
-def _check_variant(variant) -> None:
-    if variant is not None and (not isinstance(variant, str) or variant not in VARIANTS):
-        raise ValueError(f"[{OP}] variant must be one of {VARIANTS} or None, got {variant!r}")
-
-
-def _select_variant(variant: str | None, backend: str, mode: str = "affine") -> str:
-    """The kernel variant to run on ``backend`` (a kernel backend) for ``mode`` (the mpp
-    kernel is affine only: the fp modes run the simdgroup kernel)."""
+def _select_variant(variant, backend: str, mode: str = "affine") -> KernelSpec | None:
+    """The kernel for ``mode`` (the mpp kernel is affine only: the fp modes run the
+    simdgroup kernel)."""
     if mode != "affine":
-        if variant == "mpp":
+        if variant == "mpp" and backend != "reference":
             raise ValueError(f"[{OP}] variant 'mpp' runs mode 'affine' only, got mode "
                              f"{mode!r}; use variant='simdgroup' (or None)")
-        return "simdgroup"
-    if backend == "metal":
-        reason = mpp_unavailable_reason()
-        if variant == "mpp" and reason is not None:
-            raise ValueError(f"[{OP}] variant 'mpp' is unavailable on this device: {reason}; "
-                             "use variant='simdgroup'")
-        return variant or ("mpp" if reason is None else "simdgroup")
-    if variant == "mpp" and backend not in MPP_SPEC.backends:
-        raise ValueError(f"[{OP}] variant 'mpp' does not run on the {backend} backend "
-                         f"(only on {MPP_SPEC.backends}); use variant='simdgroup'")
-    return variant or "simdgroup"
-
-
-def _template(dtype: mx.Dtype, bits: int, group_size: int, mode: str) -> tuple:
-    return (("T", dtype), ("BITS", bits), ("GROUP_SIZE", group_size), ("MODE", MODE_IDS[mode]))
-
-
-def instantiations(spec: KernelSpec) -> tuple[KernelInstance, ...]:
-    """Every instantiation ``_launch`` can make (for compile checks of other backends)."""
-    # (bits, group_size, mode, scale dtype or None for x's): affine (both variants), then the
-    # fp modes (simdgroup only; uint8 scales, passed again as the unread biases).
-    formats = [(bits, gs, "affine", None) for bits in BITS for gs in GROUP_SIZES]
-    if spec.variant == "simdgroup":
-        formats += [(bits, gs, mode, mx.uint8) for mode, gs, bits in FP_MODES]
-    out = []
-    for dtype in FLOAT_TYPES:
-        for bits, group_size, mode, st in formats:
-            st = st or dtype
-            for index_dtype in INDEX_TYPES:
-                out.append(KernelInstance(
-                    template=_template(dtype, bits, group_size, mode),
-                    inputs=(("x", dtype, 2), ("w", mx.uint32, 3), ("scales", st, 3),
-                            ("biases", st, 3), ("indices", index_dtype, 1),
-                            *((name, mx.uint32, 0) for name in _INPUTS[5:])),
-                    outputs=(("out", dtype),),
-                ))
-    return tuple(out)
+        return choose_variant(OP, VARIANT_SPECS, variant, backend, lambda: "simdgroup")
+    return choose_variant(OP, VARIANT_SPECS, variant, backend, lambda: _auto(backend))
 
 
 def _launch(x, w, scales, biases, indices, M, N, K, E, group_size, bits, backend,
-            variant, mode) -> mx.array:
-    spec = _SPECS[variant]
+            spec, mode) -> mx.array:
     if biases is None:  # fp modes: the kernel never reads its biases input
         biases = scales
-    if variant == "simdgroup":
+    if spec.variant == "simdgroup":
         threads, tg_memory = SIMDGROUP_THREADS, SIMDGROUP_TG_MEMORY
     else:
         threads = MPP_THREADS
@@ -317,13 +196,14 @@ def _launch(x, w, scales, biases, indices, M, N, K, E, group_size, bits, backend
     n_tiles = -(-M // BM)
     (out,) = backends.launch(
         spec, backend,
-        inputs=(x, w, scales, biases, indices, scalar(M, mx.uint32), scalar(E, mx.uint32),
-                scalar(N, mx.uint32), scalar(K, mx.uint32)),
-        input_names=_INPUTS, output_names=_OUTPUTS,
-        template=_template(x.dtype, bits, group_size, mode),
+        inputs={"x": x, "w": w, "scales": scales, "biases": biases, "indices": indices,
+                "n_rows": scalar(M, mx.uint32), "n_experts": scalar(E, mx.uint32),
+                "n_cols": scalar(N, mx.uint32), "k_dim": scalar(K, mx.uint32)},
+        template={"T": x.dtype, "BITS": bits, "GROUP_SIZE": group_size,
+                  "MODE": MODE_IDS[mode]},
+        outputs={"out": ((M, N), x.dtype)},
         grid=(threads * (N // BN), SLOTS, n_tiles), threadgroup=(threads, 1, 1),
         threadgroup_memory=tg_memory,
-        output_shapes=((M, N),), output_dtypes=(x.dtype,),
     )
     return out
 
@@ -369,18 +249,11 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
     bits, group_size, index dtype), plus one more the first time M < 8: MLX passes inputs of
     fewer than 8 elements in Metal's ``constant`` address space, a different kernel source.
     """
-    M, N, K, E, group_size, bits = _check_moe_gather_qmm(x, w, scales, biases, indices,
-                                                          group_size, bits, mode)
-    _check_variant(variant)
+    M, N, K, E, group_size, bits, mode = _check_moe_gather_qmm(x, w, scales, biases, indices,
+                                                                group_size, bits, mode)
     backend = backends.resolve_backend()
-    if backend == "reference" and variant is not None:
-        raise ValueError(f"[{OP}] variant={variant!r} needs a kernel backend (metal, cuda, "
-                         "emulator); the reference backend runs the pure-MLX composite")
-    chosen = _select_variant(variant, backend, mode) if backend != "reference" else None
-    if M == 0:
-        return mx.zeros((0, N), dtype=x.dtype)
-    if backend == "reference":
-        return moe_gather_qmm_reference(x, w, scales, biases, indices,
-                                        group_size=group_size, bits=bits, mode=mode)
+    spec = _select_variant(variant, backend, mode)
+    if spec is None or M == 0:
+        return _reference(x, w, scales, biases, indices, M, N, E, group_size, bits, mode)
     return _launch(x, w, scales, biases, indices, M, N, K, E, group_size, bits, backend,
-                   chosen, mode)
+                   spec, mode)

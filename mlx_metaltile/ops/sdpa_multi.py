@@ -14,7 +14,7 @@ import numbers
 import mlx.core as mx
 
 from .. import backends
-from .._registry import FLOAT_DTYPES, KernelInstance, KernelSpec, register
+from .._registry import Arg, KernelSpec, grid, register, scalars
 from ._common import (
     FLOAT_TYPES,
     dtype_name,
@@ -25,6 +25,7 @@ from ._common import (
 )
 
 OP = "sdpa_multi"
+__all__ = ["sdpa_multi", "sdpa_multi_reference"]
 HEAD_DIMS = (64, 96, 128, 256)
 ROW_TILE = 32  # query rows per threadgroup (L * Hq/Hkv rows share one KV head)
 KEY_BLOCK = 32  # keys per staged block (one per lane)
@@ -42,25 +43,47 @@ MAX_SPLITS = 128
 LOG2E = 1.4426950408889634
 MAX_SCALE = 3.4028234663852886e38 / LOG2E  # scale * log2(e) stays a finite float32
 
+
+
+def _tiles(D: int, dtype: mx.Dtype) -> tuple[int, int]:
+    """(RS rows per simdgroup, DC staged columns) of the split kernel for (D, dtype)."""
+    rows_per_simdgroup = 4 if D > 128 else 8
+    itemsize = dtype.size
+    staged = D if KEY_BLOCK * D * itemsize <= STAGE_BYTES else D // 2
+    return rows_per_simdgroup, staged
+
+
+def _split_bindings():
+    for t in FLOAT_TYPES:
+        for d in HEAD_DIMS:
+            rs, dc = _tiles(d, t)
+            yield {"T": t, "D": d, "RS": rs, "DC": dc}
+
+
 SPLIT_SPEC, COMBINE_SPEC = register(
     KernelSpec(
-        op=OP, variant="split", template="sdpa_multi.metal", dtypes=FLOAT_DTYPES,
+        op=OP, variant="split", template="sdpa_multi.metal",
+        inputs=(Arg("q", "T", 4), Arg("k", "T", 4), Arg("v", "T", 4),
+                *scalars("n_q", "group", "kv_len", "kv_rows", "chunk", "causal"),
+                Arg("scale", "float32")),
+        outputs=(Arg("o_part", "float32", 3), Arg("ml_part", "float32", 3)),
+        params=("T", "D", "RS", "DC"), bindings=_split_bindings,
         geometry="rows = L*Hq/Hkv per KV head, tiles of 32; TG = 32*(32/RS) threads "
                  "(RS = 8, or 4 for D=256); grid (TG*n_splits, ceil(rows/32), B*Hkv); "
                  "each TG reads its KV slice once (staged 32 keys at a time)",
         notes="template T, D, RS, DC; L, kv_len, S, G, chunk, causal, scale are runtime",
     ),
     KernelSpec(
-        op=OP, variant="combine", template="sdpa_multi_combine.metal", dtypes=FLOAT_DTYPES,
+        op=OP, variant="combine", template="sdpa_multi_combine.metal",
+        inputs=(Arg("o_part", "float32", 3), Arg("ml_part", "float32", 3),
+                *scalars("n_rows", "n_splits")),
+        outputs=(Arg("out", "T", 4),), params=("T", "D"),
+        bindings=grid(T=FLOAT_TYPES, D=HEAD_DIMS),
         geometry="one simdgroup per output row, 4 rows per TG; grid (128*ceil(rows/4), 1, 1)",
         notes="template T, D; n_rows, n_splits are runtime",
     ),
 )
-_SPLIT_INPUTS = ("q", "k", "v", "n_q", "group", "kv_len", "kv_rows", "chunk", "causal",
-                 "scale")
-_SPLIT_OUTPUTS = ("o_part", "ml_part")
-_COMBINE_INPUTS = ("o_part", "ml_part", "n_rows", "n_splits")
-_COMBINE_OUTPUTS = ("out",)
+
 
 def _check_sdpa_multi(q, k, v, scale, causal, kv_len):
     """Validate the inputs; return (B, Hq, Hkv, L, S, D, kv_len, scale, causal)."""
@@ -119,6 +142,10 @@ def sdpa_multi_reference(q: mx.array, k: mx.array, v: mx.array, *, scale: float,
     """Pure-MLX composite of the same math (float32 inside, rounded once to q's dtype)."""
     B, Hq, Hkv, L, S, D, kv_len, scale, causal = _check_sdpa_multi(q, k, v, scale, causal,
                                                                    kv_len)
+    return _reference(q, k, v, B, Hq, Hkv, L, D, kv_len, scale, causal)
+
+
+def _reference(q, k, v, B, Hq, Hkv, L, D, kv_len, scale, causal) -> mx.array:
     G = Hq // Hkv
     qf = q.astype(mx.float32).reshape(B, Hkv, G * L, D)
     kf = k[:, :, :kv_len].astype(mx.float32)
@@ -132,14 +159,6 @@ def sdpa_multi_reference(q: mx.array, k: mx.array, v: mx.array, *, scale: float,
     probs = mx.softmax(scores, axis=-1, precise=True)
     out = (probs @ vf).reshape(B, Hq, L, D)
     return out.astype(q.dtype)
-
-
-def _tiles(D: int, dtype: mx.Dtype) -> tuple[int, int]:
-    """(RS rows per simdgroup, DC staged columns) of the split kernel for (D, dtype)."""
-    rows_per_simdgroup = 4 if D > 128 else 8
-    itemsize = dtype.size
-    staged = D if KEY_BLOCK * D * itemsize <= STAGE_BYTES else D // 2
-    return rows_per_simdgroup, staged
 
 
 def plan(B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int, dtype: mx.Dtype) -> dict:
@@ -165,53 +184,29 @@ def plan(B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int, dtype: mx.Dtype
     }
 
 
-def instantiations(spec: KernelSpec) -> tuple[KernelInstance, ...]:
-    """Every instantiation ``_launch`` can make (for compile checks of other backends)."""
-    out = []
-    for t in FLOAT_TYPES:
-        for d in HEAD_DIMS:
-            if spec is SPLIT_SPEC:
-                rs, dc = _tiles(d, t)
-                out.append(KernelInstance(
-                    template=(("T", t), ("D", d), ("RS", rs), ("DC", dc)),
-                    inputs=(("q", t, 4), ("k", t, 4), ("v", t, 4),
-                            *((name, mx.uint32, 0) for name in _SPLIT_INPUTS[3:-1]),
-                            ("scale", mx.float32, 0)),
-                    outputs=(("o_part", mx.float32), ("ml_part", mx.float32)),
-                ))
-            else:
-                out.append(KernelInstance(
-                    template=(("T", t), ("D", d)),
-                    inputs=(("o_part", mx.float32, 3), ("ml_part", mx.float32, 3),
-                            ("n_rows", mx.uint32, 0), ("n_splits", mx.uint32, 0)),
-                    outputs=(("out", t),),
-                ))
-    return tuple(out)
-
-
 def _launch(q, k, v, B, Hq, Hkv, L, S, D, kv_len, scale, causal, backend) -> mx.array:
     p = plan(B, Hq, Hkv, L, D, kv_len, q.dtype)
     n_out = B * Hq * L
     o_part, ml_part = backends.launch(
         SPLIT_SPEC, backend,
-        inputs=(q, k, v, scalar(L, mx.uint32), scalar(Hq // Hkv, mx.uint32),
-                scalar(kv_len, mx.uint32), scalar(S, mx.uint32), scalar(p["chunk"], mx.uint32),
-                scalar(int(causal), mx.uint32), scalar(scale * LOG2E, mx.float32)),
-        input_names=_SPLIT_INPUTS, output_names=_SPLIT_OUTPUTS,
-        template=(("T", q.dtype), ("D", D), ("RS", p["rs"]), ("DC", p["dc"])),
+        inputs={"q": q, "k": k, "v": v, "n_q": scalar(L, mx.uint32),
+                "group": scalar(Hq // Hkv, mx.uint32), "kv_len": scalar(kv_len, mx.uint32),
+                "kv_rows": scalar(S, mx.uint32), "chunk": scalar(p["chunk"], mx.uint32),
+                "causal": scalar(int(causal), mx.uint32),
+                "scale": scalar(scale * LOG2E, mx.float32)},
+        template={"T": q.dtype, "D": D, "RS": p["rs"], "DC": p["dc"]},
+        outputs={"o_part": ((n_out, p["n_splits"], D), mx.float32),
+                 "ml_part": ((n_out, p["n_splits"], 2), mx.float32)},
         grid=p["grid"], threadgroup=p["threadgroup"],
         threadgroup_memory=p["threadgroup_memory"],
-        output_shapes=((n_out, p["n_splits"], D), (n_out, p["n_splits"], 2)),
-        output_dtypes=(mx.float32, mx.float32),
     )
     n_tg = -(-n_out // COMBINE_ROWS)
     (out,) = backends.launch(
         COMBINE_SPEC, backend,
-        inputs=(o_part, ml_part, scalar(n_out, mx.uint32), scalar(p["n_splits"], mx.uint32)),
-        input_names=_COMBINE_INPUTS, output_names=_COMBINE_OUTPUTS,
-        template=(("T", q.dtype), ("D", D)),
+        inputs={"o_part": o_part, "ml_part": ml_part, "n_rows": scalar(n_out, mx.uint32),
+                "n_splits": scalar(p["n_splits"], mx.uint32)},
+        template={"T": q.dtype, "D": D}, outputs={"out": (q.shape, q.dtype)},
         grid=(32 * COMBINE_ROWS * n_tg, 1, 1), threadgroup=(32 * COMBINE_ROWS, 1, 1),
-        output_shapes=(q.shape,), output_dtypes=(q.dtype,),
     )
     return out
 
@@ -248,5 +243,5 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
         return mx.zeros(q.shape, dtype=q.dtype)
     backend = backends.resolve_backend()
     if backend == "reference":
-        return sdpa_multi_reference(q, k, v, scale=scale, causal=causal, kv_len=kv_len)
+        return _reference(q, k, v, B, Hq, Hkv, L, D, kv_len, scale, causal)
     return _launch(q, k, v, B, Hq, Hkv, L, S, D, kv_len, scale, causal, backend)

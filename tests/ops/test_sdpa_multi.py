@@ -5,17 +5,17 @@ from __future__ import annotations
 import importlib
 import itertools
 import math
-import zlib
-from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import backend_params
-from tolerances import assert_close, to_f64
+from support import backend_params, require_backend
 
 import mlx_metaltile as mt
-from mlx_metaltile import _templates, backends
+from mlx_metaltile import backends
+from mlx_metaltile._registry import instantiations
+from mlx_metaltile.cases import assert_close, to_f64
+from mlx_metaltile.cases.sdpa_multi import launch_counts, make_inputs, oracle, run_and_check
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 op_module = importlib.import_module("mlx_metaltile.ops.sdpa_multi")
@@ -23,70 +23,6 @@ op_module = importlib.import_module("mlx_metaltile.ops.sdpa_multi")
 
 def dtype_id(d):
     return str(d).split(".")[-1]
-
-
-def oracle(q, k, v, scale, causal, kv_len):
-    """(out, magnitude) in float64 from the definition.
-
-    out[b, h, l] = softmax_j(scale * q[b, h, l] . k[b, h // G, j]) @ v[b, h // G, j] over the
-    visible keys j (j < kv_len; j <= kv_len - L + l when causal). ``magnitude`` is the sum
-    of |terms| behind each output for the float32 accumulation bound:
-    sum_j p_j * |v_j[d]| * (1 + |scale| * sum_d' |q_d' * k_j,d'|) (the second factor covers
-    the rounding of the score, which moves p_j).
-    """
-    q, k, v = to_f64(q), to_f64(k), to_f64(v)
-    B, Hq, L, D = q.shape
-    Hkv = k.shape[1]
-    G = Hq // Hkv
-    # query head h = kvh * G + g reads KV head kvh = h // G. np.einsum (its own loops, one
-    # thread) rather than BLAS: on a loaded CI machine threaded BLAS is many times slower.
-    qg = q.reshape(B, Hkv, G, L, D)
-    kk, vv = k[:, :, :kv_len], v[:, :, :kv_len]
-    s = scale * np.einsum("bkgld,bkjd->bkglj", qg, kk)
-    if causal:
-        visible = np.arange(kv_len)[None, :] <= (kv_len - L + np.arange(L))[:, None]
-        s = np.where(visible, s, -np.inf)
-    p = np.exp(s - s.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    out = np.einsum("bkglj,bkjd->bkgld", p, vv)
-    score_mag = abs(scale) * np.einsum("bkgld,bkjd->bkglj", np.abs(qg), np.abs(kk))
-    magnitude = np.einsum("bkglj,bkjd->bkgld", p * (1.0 + score_mag), np.abs(vv))
-    return out.reshape(B, Hq, L, D), magnitude.reshape(B, Hq, L, D)
-
-
-def make_inputs(rng, B, Hq, Hkv, L, S, D, dtype, qk_scale=1.0):
-    def arr(shape, s=1.0):
-        return mx.array((rng.standard_normal(shape) * s).astype(np.float32)).astype(dtype)
-
-    return arr((B, Hq, L, D), qk_scale), arr((B, Hkv, S, D), qk_scale), arr((B, Hkv, S, D))
-
-
-def _counts(backend):
-    return (backends.launch_count(op_module.SPLIT_SPEC.name, backend),
-            backends.launch_count(op_module.COMBINE_SPEC.name, backend))
-
-
-def run_and_check(q, k, v, *, scale, causal, kv_len, backend, what=""):
-    before = _counts(backend)
-    out = mt.sdpa_multi(q, k, v, scale=scale, causal=causal, kv_len=kv_len)
-    mx.eval(out)
-    if backend != "reference":  # prove both kernels ran (never the reference vs itself)
-        assert _counts(backend) == (before[0] + 1, before[1] + 1)
-    assert out.dtype == q.dtype and tuple(out.shape) == tuple(q.shape)
-    want, magnitude = oracle(q, k, v, scale, causal, kv_len)
-    assert_close(out, want, q.dtype, magnitude, what=f"sdpa_multi[{backend}]{what}")
-    return out
-
-
-# One checked call per registered kernel variant of this op (tests/test_registry.py runs
-# them for every registered variant on each kernel backend, so a variant added to the
-# registry fails there until it has one here).
-def _variant_call(backend, rng):
-    q, k, v = make_inputs(rng, 1, 8, 2, 4, 96, 64, mx.bfloat16)
-    run_and_check(q, k, v, scale=0.125, causal=True, kv_len=80, backend=backend)
-
-
-VARIANT_CALLS = {"split": _variant_call, "combine": _variant_call}  # one call runs both
 
 
 # (B, Hq, Hkv, L, kv_len, S, D, causal): L in {1, 8, 16, 33}, GQA 1/2/4/8, with and
@@ -226,11 +162,11 @@ def test_huge_finite_scores(any_backend, poisoned_outputs, monkeypatch, rng, dty
         # scores are exact, so the float32 accumulation bound needs only sum_j p_j |v_j|
         want, _ = oracle(q, k, v, scale, causal, kv_len)
         magnitude, _ = oracle(q, k, mx.abs(v), scale, causal, kv_len)
-        before = _counts(any_backend)
+        before = launch_counts(any_backend)
         out = mt.sdpa_multi(q, k, v, scale=scale, causal=causal, kv_len=kv_len)
         mx.eval(out)
         if any_backend != "reference":  # both kernels ran, over several KV slices
-            assert _counts(any_backend) == (before[0] + 1, before[1] + 1)
+            assert launch_counts(any_backend) == (before[0] + 1, before[1] + 1)
             assert op_module.plan(B, Hq, Hkv, L, D, kv_len, dtype)["n_splits"] > 1
         assert_close(out, want, dtype, magnitude,
                      what=f"sdpa_multi[{any_backend}] scale {scale:g} kv_len {kv_len} "
@@ -265,12 +201,12 @@ def test_combine_of_empty_and_extreme_slices(kernel_backend, poisoned_outputs, r
     before = backends.launch_count(op_module.COMBINE_SPEC.name, kernel_backend)
     (out,) = backends.launch(
         op_module.COMBINE_SPEC, kernel_backend,
-        inputs=(mx.array(o), mx.array(ml), mx.array(n_rows, dtype=mx.uint32),
-                mx.array(n_splits, dtype=mx.uint32)),
-        input_names=op_module._COMBINE_INPUTS, output_names=op_module._COMBINE_OUTPUTS,
-        template=(("T", dtype), ("D", D)), grid=(32 * op_module.COMBINE_ROWS, 1, 1),
-        threadgroup=(32 * op_module.COMBINE_ROWS, 1, 1), output_shapes=((n_rows, D),),
-        output_dtypes=(dtype,), init_value=float("nan"))
+        inputs={"o_part": mx.array(o), "ml_part": mx.array(ml),
+                "n_rows": mx.array(n_rows, dtype=mx.uint32),
+                "n_splits": mx.array(n_splits, dtype=mx.uint32)},
+        template={"T": dtype, "D": D}, outputs={"out": ((n_rows, D), dtype)},
+        grid=(32 * op_module.COMBINE_ROWS, 1, 1),
+        threadgroup=(32 * op_module.COMBINE_ROWS, 1, 1), init_value=float("nan"))
     mx.eval(out)
     assert backends.launch_count(op_module.COMBINE_SPEC.name, kernel_backend) == before + 1
     assert_close(out, want, dtype, magnitude, what=f"sdpa_multi combine[{kernel_backend}]")
@@ -313,32 +249,11 @@ def test_non_contiguous_inputs(any_backend, poisoned_outputs, rng, dtype):
     run_and_check(q, k, v, scale=0.125, causal=False, kv_len=77, backend=any_backend)
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """Records each sdpa_multi launch: (kernel name, template args, emulator stats or None)."""
-    records = []
-    real_launch = backends.launch
-
-    def spy(spec, backend, **kwargs):
-        outs = real_launch(spec, backend, **kwargs)
-        stats = None
-        if backend == "emulator":  # eager: the launch has run
-            stats = importlib.import_module("mlx_metaltile.emulator").last_launch_stats()
-        records.append((spec.name, tuple(kwargs["template"]), stats))
-        return outs
-
-    monkeypatch.setattr(backends, "launch", spy)
-    return records
-
-
 def _emulator_instantiations():
     """Distinct instantiations the emulator compiled for the two sdpa_multi kernel objects."""
     total = 0
-    for spec, ins, outs in ((op_module.SPLIT_SPEC, op_module._SPLIT_INPUTS,
-                             op_module._SPLIT_OUTPUTS),
-                            (op_module.COMBINE_SPEC, op_module._COMBINE_INPUTS,
-                             op_module._COMBINE_OUTPUTS)):
-        kernel = backends.get_kernel(spec, "emulator", ins, outs)
+    for spec in (op_module.SPLIT_SPEC, op_module.COMBINE_SPEC):
+        kernel = backends.get_kernel(spec, "emulator")
         total += len(kernel._modules)  # one compiled module per generated source
     return total
 
@@ -356,7 +271,7 @@ def test_kv_len_l_and_batch_do_not_rebuild(kernel_backend, launches, rng):
         q2, k2, v2 = make_inputs(rng, B, 8, 2, L, S, 64, mx.float16)
         run_and_check(q2, k2, v2, scale=0.3, causal=False, kv_len=120, backend=kernel_backend)
     assert backends.built_kernels() == built
-    assert len({(name, template) for name, template, _ in launches}) == 2
+    assert len({(launch.name, launch.template) for launch in launches}) == 2
     assert len({op_module.plan(1, 8, 2, 4, 64, n, mx.float16)["n_splits"]
                 for n in (4, 650)}) == 2  # the loop did change the launch geometry
     if kernel_backend == "emulator":
@@ -366,14 +281,14 @@ def test_kv_len_l_and_batch_do_not_rebuild(kernel_backend, launches, rng):
 def test_launches_are_declared_instantiations(kernel_backend, launches, rng):
     """Every template the launcher uses is one that ``instantiations`` declares (the CUDA
     compile check builds exactly those)."""
-    declared = {spec.name: {inst.template for inst in op_module.instantiations(spec)}
+    declared = {spec.name: {inst.template for inst in instantiations(spec)}
                 for spec in (op_module.SPLIT_SPEC, op_module.COMBINE_SPEC)}
     for dtype in DTYPES:
         for D in op_module.HEAD_DIMS:
             q, k, v = make_inputs(rng, 1, 2, 1, 1, 40, D, dtype)
             run_and_check(q, k, v, scale=0.1, causal=False, kv_len=40, backend=kernel_backend)
     assert len(launches) == 2 * len(DTYPES) * len(op_module.HEAD_DIMS)
-    for name, template, _ in launches:
+    for name, template in ((launch.name, launch.template) for launch in launches):
         assert template in declared[name], (name, template)
 
 
@@ -398,7 +313,7 @@ TRAFFIC_CASES = [
 def test_emulator_strict_shuffled(monkeypatch, rng, case, dtype, seed):
     """Strict mode (no read of threadgroup memory before it is written, no race on it) with
     the threads and threadgroups run in a permuted order: the result must not change."""
-    require_backend_here("emulator")
+    require_backend("emulator")
     from mlx_metaltile import emulator
 
     monkeypatch.setattr(op_module, "MIN_SPLIT_BLOCKS", 1)
@@ -415,18 +330,16 @@ def test_emulator_strict_shuffled(monkeypatch, rng, case, dtype, seed):
         emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
 
 
-def test_negative_control_missing_barrier(monkeypatch, rng):
+def test_negative_control_missing_barrier(broken_kernel, rng):
     """Reading the staged keys without waiting for the whole block to be staged must be
     caught by strict mode (the harness above can fail)."""
-    require_backend_here("emulator")
+    require_backend("emulator")
     from mlx_metaltile import emulator
 
     staged = ("tid, n_threads);\n    threadgroup_barrier(mem_flags::mem_threadgroup);\n"
               "    if (nr > 0u) {\n      for (int i = 0; i < LPC")
-    broken = _broken_template(monkeypatch, op_module.SPLIT_SPEC, staged,
-                              staged.replace("threadgroup_barrier(mem_flags::mem_threadgroup);",
-                                             ""))
-    monkeypatch.setattr(op_module, "SPLIT_SPEC", broken)
+    broken_kernel(op_module.SPLIT_SPEC,
+                  (staged, staged.replace("threadgroup_barrier(mem_flags::mem_threadgroup);", "")))
     q, k, v = make_inputs(rng, 1, 4, 1, 33, 80, 64, mx.float16)
     previous = emulator.configure(strict=True, shuffle_seed=1)
     try:
@@ -435,7 +348,6 @@ def test_negative_control_missing_barrier(monkeypatch, rng):
             mx.eval(mt.sdpa_multi(q, k, v, scale=0.125, causal=True, kv_len=70))
     finally:
         emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
-        _templates.render.cache_clear()
 
 
 def cache_bytes_read(B, Hq, Hkv, L, kv_len, D, causal, itemsize):
@@ -452,7 +364,7 @@ def cache_bytes_read(B, Hq, Hkv, L, kv_len, D, causal, itemsize):
 
 def _run_traffic_case(launches, monkeypatch, rng, case, dtype):
     """One emulator run of ``case``; checks its per-buffer device traffic."""
-    require_backend_here("emulator")
+    require_backend("emulator")
     B, Hq, Hkv, L, kv_len, S, D, causal, one_block = case
     if one_block:
         monkeypatch.setattr(op_module, "MIN_SPLIT_BLOCKS", 1)
@@ -463,7 +375,7 @@ def _run_traffic_case(launches, monkeypatch, rng, case, dtype):
     with backends.use_backend("emulator"):
         run_and_check(q, k, v, scale=D ** -0.5, causal=causal, kv_len=kv_len,
                       backend="emulator")
-    (name1, _, split), (name2, _, combine) = launches
+    (name1, split), (name2, combine) = ((launch.name, launch.stats) for launch in launches)
     assert (name1, name2) == (op_module.SPLIT_SPEC.name, op_module.COMBINE_SPEC.name)
     ideal = B * Hkv * kv_len * D * dtype.size  # the visible cache of k (or v), once
     rows = L * Hq // Hkv
@@ -497,18 +409,14 @@ def test_cache_is_read_once_per_row_tile(launches, monkeypatch, rng, case, dtype
     _run_traffic_case(launches, monkeypatch, rng, case, dtype)
 
 
-def test_negative_control_traffic(launches, monkeypatch, rng):
+def test_negative_control_traffic(launches, broken_kernel, monkeypatch, rng):
     """A split kernel whose causal tiles read the whole cache (same results, more bytes)
     must fail the traffic check."""
-    broken = _broken_template(monkeypatch, op_module.SPLIT_SPEC,
-                              "k_end = min(k_end, kvn - L + l_max + 1u);", "(void)l_max;")
-    monkeypatch.setattr(op_module, "SPLIT_SPEC", broken)
-    try:
-        with pytest.raises(AssertionError, match="k: read"):
-            _run_traffic_case(launches, monkeypatch, rng, (1, 2, 2, 64, 64, 64, 64, True, True),
-                              mx.float32)
-    finally:
-        _templates.render.cache_clear()
+    broken_kernel(op_module.SPLIT_SPEC,
+                  ("k_end = min(k_end, kvn - L + l_max + 1u);", "(void)l_max;"))
+    with pytest.raises(AssertionError, match="k: read"):
+        _run_traffic_case(launches, monkeypatch, rng, (1, 2, 2, 64, 64, 64, 64, True, True),
+                          mx.float32)
 
 
 def test_plan_meets_the_traffic_bound_and_limits():
@@ -537,12 +445,6 @@ def test_plan_meets_the_traffic_bound_and_limits():
         assert p["dc"] % 32 == 0 and D % p["dc"] == 0 and 32 * p["dc"] * dtype.size <= 16384
 
 
-def require_backend_here(name):
-    reason = backends.unavailable_reason(name)
-    if reason is not None:
-        pytest.skip(f"backend {name} unavailable: {reason}")
-
-
 def test_empty_does_not_dispatch(any_backend):
     """Zero batch, zero query heads or zero queries: an empty result of q's shape and dtype,
     no kernel launched."""
@@ -560,7 +462,7 @@ def test_empty_does_not_dispatch(any_backend):
 def test_op_is_lazy_and_compiles(no_host_sync, rng, backend):
     """No evaluation inside the op (the emulator, eager by design, is left out); it traces
     under mx.compile, and a compiled call gives the oracle's result."""
-    require_backend_here(backend)
+    require_backend(backend)
     q, k, v = make_inputs(rng, 1, 4, 2, 8, 40, 64, mx.float32)
 
 
@@ -611,75 +513,41 @@ def test_kernel_path_is_lazy(monkeypatch, no_host_sync, rng):
 
 # ---- negative controls: a deliberately wrong variant must fail the harness ----------------
 
-def _broken_template(monkeypatch, spec, old: str, new: str):
-    """A copy of ``spec`` whose template has ``old`` replaced by ``new`` (its own variant
-    name per change: built kernel objects are cached by variant)."""
-    text = _templates.read_text(spec.template)
-    assert old in text
-    tag = f"broken{zlib.crc32((old + new).encode()):08x}"
-    fake_name = spec.template.replace(".metal", f"_{tag}.metal")
-    real_read = _templates.read_text
-
-    def read_text(name):
-        return text.replace(old, new) if name == fake_name else real_read(name)
-
-    monkeypatch.setattr(_templates, "read_text", read_text)
-    _templates.render.cache_clear()
-    return replace(spec, variant=f"{spec.variant}_{tag}", template=fake_name)
-
-
-def test_negative_control_causal_off_by_one(kernel_backend, monkeypatch, rng):
+def test_negative_control_causal_off_by_one(kernel_backend, broken_kernel, rng):
     """Letting each causal query see one key too many must fail the oracle check."""
-    broken = _broken_template(monkeypatch, op_module.SPLIT_SPEC,
-                              "kvn - L + r % L + 1u", "kvn - L + r % L + 2u")
-    monkeypatch.setattr(op_module, "SPLIT_SPEC", broken)
+    broken_kernel(op_module.SPLIT_SPEC, ("kvn - L + r % L + 1u", "kvn - L + r % L + 2u"))
     q, k, v = make_inputs(rng, 1, 4, 2, 8, 40, 64, mx.float32)
-    try:
-        with pytest.raises(AssertionError, match="out of tolerance"):
-            run_and_check(q, k, v, scale=0.125, causal=True, kv_len=30, backend=kernel_backend)
-    finally:
-        _templates.render.cache_clear()
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check(q, k, v, scale=0.125, causal=True, kv_len=30, backend=kernel_backend)
 
 
-def test_negative_control_combine_without_rescale(kernel_backend, monkeypatch, rng):
+def test_negative_control_combine_without_rescale(kernel_backend, broken_kernel, rng):
     """Merging KV slices without rescaling by 2^(m_s - M) must fail the oracle check."""
-    broken = _broken_template(monkeypatch, op_module.COMBINE_SPEC,
-                              "exp2(m_s - m_max)", "1.0f")
-    monkeypatch.setattr(op_module, "COMBINE_SPEC", broken)
+    broken_kernel(op_module.COMBINE_SPEC, ("exp2(m_s - m_max)", "1.0f"))
     q, k, v = make_inputs(rng, 1, 4, 2, 1, 600, 64, mx.float32)
     assert op_module.plan(1, 4, 2, 1, 64, 600, mx.float32)["n_splits"] > 1
-    try:
-        with pytest.raises(AssertionError, match="out of tolerance"):
-            run_and_check(q, k, v, scale=0.125, causal=False, kv_len=600,
-                          backend=kernel_backend)
-    finally:
-        _templates.render.cache_clear()
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check(q, k, v, scale=0.125, causal=False, kv_len=600, backend=kernel_backend)
 
 
-def test_negative_control_unwritten_row(kernel_backend, poisoned_outputs, monkeypatch, rng):
+def test_negative_control_unwritten_row(kernel_backend, poisoned_outputs, broken_kernel, rng):
     """A combine pass that never writes the last output row must fail (the poisoned
     outputs are what catches it)."""
-    broken = _broken_template(monkeypatch, op_module.COMBINE_SPEC,
-                              "if (row >= n_rows)", "if (row + 1u >= n_rows)")
-    monkeypatch.setattr(op_module, "COMBINE_SPEC", broken)
+    broken_kernel(op_module.COMBINE_SPEC, ("if (row >= n_rows)", "if (row + 1u >= n_rows)"))
     q, k, v = make_inputs(rng, 1, 4, 2, 3, 40, 64, mx.float32)
-    try:
-        with pytest.raises(AssertionError, match="out of tolerance"):
-            run_and_check(q, k, v, scale=0.125, causal=False, kv_len=40,
-                          backend=kernel_backend)
-    finally:
-        _templates.render.cache_clear()
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check(q, k, v, scale=0.125, causal=False, kv_len=40, backend=kernel_backend)
 
 
 def test_negative_control_reference_off_by_one(monkeypatch, rng):
     """The oracle harness rejects a composite whose causal bound is off by one."""
-    real = op_module.sdpa_multi_reference
+    real = op_module._reference
 
-    def shifted(q, k, v, *, scale, causal=False, kv_len=None):
+    def shifted(q, k, v, B, Hq, Hkv, L, D, kv_len, scale, causal):
         # each query sees one key fewer at the end: the block is treated as one step earlier
-        return real(q, k, v, scale=scale, causal=causal, kv_len=kv_len - 1)
+        return real(q, k, v, B, Hq, Hkv, L, D, kv_len - 1, scale, causal)
 
-    monkeypatch.setattr(op_module, "sdpa_multi_reference", shifted)
+    monkeypatch.setattr(op_module, "_reference", shifted)
     q, k, v = make_inputs(rng, 1, 4, 2, 8, 40, 64, mx.float32)
     with backends.use_backend("reference"), pytest.raises(AssertionError, match="out of tol"):
         run_and_check(q, k, v, scale=0.125, causal=True, kv_len=30, backend="reference")

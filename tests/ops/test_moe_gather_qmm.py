@@ -2,127 +2,24 @@
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
-from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import backend_params, input_space, record_emulator_sources, require_backend
-from tolerances import assert_close, to_f64
+from support import backend_params, input_space, record_emulator_sources, require_backend
 
 import mlx_metaltile as mt
-from mlx_metaltile import _templates, backends
+from mlx_metaltile import _device, backends
+from mlx_metaltile.cases import assert_close, to_f64
+from mlx_metaltile.cases.moe_gather_qmm import make_case, oracle, run_and_check
 
 op_module = importlib.import_module("mlx_metaltile.ops.moe_gather_qmm")
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 DTYPE_IDS = ("float32", "float16", "bfloat16")
-VARIANTS = ("simdgroup", "mpp")
-
-
-# ---- the oracle, from the math ---------------------------------------------------------
-
-def round_to(values: np.ndarray, dtype) -> np.ndarray:
-    """float64 -> nearest value of ``dtype`` (ties to even), back in float64."""
-    if dtype == mx.float32:
-        return values.astype(np.float32).astype(np.float64)
-    if dtype == mx.float16:
-        return values.astype(np.float16).astype(np.float64)
-    # bfloat16: 8 significant bits; the exponent range of float32 (no subnormal values here).
-    mant, expo = np.frexp(values)
-    return np.ldexp(np.rint(mant * 256.0) / 256.0, expo)
-
-
-def unpack_codes(w: np.ndarray, bits: int) -> np.ndarray:
-    """[..., K*bits/32] uint32 words -> [..., K] codes, low bits first."""
-    per_word = 32 // bits
-    shifts = np.arange(per_word, dtype=np.uint64) * bits
-    codes = (w.astype(np.uint64)[..., None] >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(*w.shape[:-1], w.shape[-1] * per_word).astype(np.float64)
-
-
-def oracle(x, w, scales, biases, indices, group_size, bits, dtype):
-    """out[m] = W[e_m] @ x[m], W = dtype(scale * q + bias); NaN rows for e_m outside [0, E).
-
-    Returns (out, magnitude): magnitude[m, n] = sum_k |x[m, k] * W[e_m, n, k]|.
-    """
-    xf = to_f64(x)
-    ids = np.array(indices).astype(np.int64)
-    wn = np.array(w)
-    E, N = wn.shape[:2]
-    M, K = xf.shape
-    s = to_f64(scales)
-    b = to_f64(biases)
-    out = np.full((M, N), np.nan)
-    mag = np.zeros((M, N))
-    cache = {}
-    for m in range(M):
-        e = int(ids[m])
-        if not 0 <= e < E:
-            continue
-        if e not in cache:
-            q = unpack_codes(wn[e], bits)
-            wd = q * np.repeat(s[e], group_size, axis=-1) + np.repeat(b[e], group_size, axis=-1)
-            cache[e] = round_to(wd, dtype)
-        out[m] = cache[e] @ xf[m]
-        mag[m] = np.abs(cache[e]) @ np.abs(xf[m])
-    return out, mag
-
-
-# ---- inputs ----------------------------------------------------------------------------
-
-def make_weights(rng, E, N, K, group_size, bits, dtype):
-    """Random codes and per-group scales/biases in mx.quantize's layout (scales of both signs)."""
-    w = mx.array(rng.integers(0, 2**32, size=(E, N, K * bits // 32), dtype=np.uint32))
-    scales = rng.standard_normal((E, N, K // group_size)) * 0.05
-    biases = rng.standard_normal((E, N, K // group_size)) * 0.5
-    return (w, mx.array(scales.astype(np.float32)).astype(dtype),
-            mx.array(biases.astype(np.float32)).astype(dtype))
-
-
-def make_case(rng, E, M, N, K, group_size, bits, dtype, ids=None, index_dtype=mx.uint32):
-    if ids is None:
-        ids = np.sort(rng.integers(0, E, size=M))
-    x = mx.array(rng.standard_normal((M, K)).astype(np.float32)).astype(dtype)
-    w, scales, biases = make_weights(rng, E, N, K, group_size, bits, dtype)
-    return x, w, scales, biases, mx.array(np.asarray(ids), dtype=index_dtype)
-
-
-def run_and_check(case, group_size, bits, dtype, backend, variant=None, what=""):
-    x, w, scales, biases, indices = case
-    name = op_module._SPECS[variant or "simdgroup"].name  # the kernel that must run
-    before = backends.launch_count(backend=backend)
-    before_all = backends.launch_count()
-    before_name = backends.launch_count(name, backend)
-    out = mt.moe_gather_qmm(x, w, scales, biases, indices, group_size=group_size, bits=bits,
-                            variant=variant)
-    mx.eval(out)
-    if backend != "reference":  # prove the kernel ran (never the reference against itself)
-        assert backends.launch_count(name, backend) == before_name + 1, name
-        assert backends.launch_count(backend=backend) == before + 1
-    else:  # the composite of native ops dispatches no kernel of ours
-        assert backends.launch_count() == before_all
-    assert out.dtype == dtype and tuple(out.shape) == (x.shape[0], w.shape[1])
-    want, mag = oracle(x, w, scales, biases, indices, group_size, bits, dtype)
-    valid = ~np.isnan(want[:, 0])
-    got = to_f64(out)
-    assert np.isnan(got[~valid]).all(), f"{what}: rows with an out-of-range expert must be NaN"
-    assert_close(got[valid], want[valid], dtype, magnitude=mag[valid],
-                 what=f"moe_gather_qmm[{backend}/{variant}]{what}")
-    if backend == "emulator":
-        # The emulator poisons outputs with NaN, the value of an out-of-range row: the byte
-        # counter proves every output element was written, and exactly once.
-        from mlx_metaltile import emulator
-
-        stats = emulator.last_launch_stats()
-        assert stats.kernel.startswith(f"mt_{name}"), stats.kernel
-        assert stats.bytes_written["out"] == out.size * dtype.size, (
-            f"{what}: {stats.bytes_written['out']} bytes written to out, "
-            f"expected each of the {out.size} elements once")
-    return out
+VARIANTS = tuple(op_module.VARIANT_SPECS)
 
 
 @pytest.fixture(params=backend_params("reference", "emulator", "metal", "cuda"))
@@ -141,25 +38,12 @@ def variant(request, backend):
             pytest.skip("the reference backend has no kernel variants")
         return None
     if backend == "metal" and name == "mpp":
-        reason = op_module.mpp_unavailable_reason()
+        reason = _device.metal_mpp_reason()
         if reason is not None:
             pytest.skip(f"mpp path unavailable: {reason}")
-    if backend not in op_module._SPECS[name].backends:
+    if backend not in op_module.VARIANT_SPECS[name].backends:
         pytest.skip(f"variant {name} does not run on {backend}")
     return name
-
-
-# One checked call per registered kernel variant of this op (tests/test_registry.py runs
-# them for every registered variant on each kernel backend, so a variant added to the
-# registry fails there until it has one here).
-def _variant_call(variant, backend, rng):
-    if backend == "metal" and variant == "mpp" and op_module.mpp_unavailable_reason():
-        pytest.skip(f"mpp path unavailable: {op_module.mpp_unavailable_reason()}")
-    case = make_case(rng, 4, 13, 64, 128, 64, 4, mx.bfloat16)
-    run_and_check(case, 64, 4, mx.bfloat16, backend, variant)
-
-
-VARIANT_CALLS = {v: functools.partial(_variant_call, v) for v in VARIANTS}
 
 
 # (E, M, N, K, group_size, ids or None for sorted random), the shapes that break kernels
@@ -247,8 +131,8 @@ def test_sizes_do_not_rebuild(monkeypatch, rng, variant_name):
     compile nothing new: exactly one instantiation per (index dtype, address space of the
     ids) served the whole test (x, w and scales always hold at least 32 elements)."""
     require_backend("emulator")
-    spec = op_module._SPECS[variant_name]
-    kernel = backends.get_kernel(spec, "emulator", op_module._INPUTS, op_module._OUTPUTS)
+    spec = op_module.VARIANT_SPECS[variant_name]
+    kernel = backends.get_kernel(spec, "emulator")
     sources = record_emulator_sources(monkeypatch, kernel)
     with backends.use_backend("emulator"):
         for index_dtype in (mx.uint32, mx.int32):
@@ -374,14 +258,14 @@ def test_no_host_sync_in_the_op_module():
 ])
 def test_mpp_rule(monkeypatch, mac, arch, ok):
     monkeypatch.setattr(backends, "_metal_available", lambda: True)
-    monkeypatch.setattr(op_module, "_macos_version", lambda: mac)
-    monkeypatch.setattr(op_module, "_device_architecture", lambda: arch)
-    reason = op_module.mpp_unavailable_reason()
+    monkeypatch.setattr(_device, "macos_version", lambda: mac)
+    monkeypatch.setattr(_device, "device_architecture", lambda: arch)
+    reason = _device.metal_mpp_reason()
     assert (reason is None) == ok, reason
-    assert op_module._select_variant(None, "metal") == ("mpp" if ok else "simdgroup")
-    assert op_module._select_variant("simdgroup", "metal") == "simdgroup"
+    assert op_module._select_variant(None, "metal").variant == ("mpp" if ok else "simdgroup")
+    assert op_module._select_variant("simdgroup", "metal").variant == "simdgroup"
     if ok:
-        assert op_module._select_variant("mpp", "metal") == "mpp"
+        assert op_module._select_variant("mpp", "metal").variant == "mpp"
     else:
         with pytest.raises(ValueError, match=r"^\[moe_gather_qmm\] variant 'mpp' is unavail"):
             op_module._select_variant("mpp", "metal")
@@ -395,52 +279,36 @@ def test_mpp_rule(monkeypatch, mac, arch, ok):
     ("", "", ()),
 ])
 def test_macos_version(monkeypatch, mac_ver, sysctl, want):
-    monkeypatch.setattr(op_module.platform, "mac_ver", lambda: (mac_ver, ("", "", ""), ""))
-    monkeypatch.setattr(op_module, "_sysctl", lambda name: sysctl)
-    op_module._macos_version.cache_clear()
+    monkeypatch.setattr(_device.platform, "mac_ver", lambda: (mac_ver, ("", "", ""), ""))
+    monkeypatch.setattr(_device, "_sysctl", lambda name: sysctl)
+    _device.macos_version.cache_clear()
     try:
-        assert op_module._macos_version() == want
+        assert _device.macos_version() == want
     finally:
-        op_module._macos_version.cache_clear()
+        _device.macos_version.cache_clear()
 
 
 def test_variant_defaults_off_metal():
-    assert op_module._select_variant(None, "emulator") == "simdgroup"
-    assert op_module._select_variant("mpp", "emulator") == "mpp"
-    assert op_module._select_variant(None, "cuda") == "simdgroup"
-    with pytest.raises(ValueError, match=r"^\[moe_gather_qmm\] variant 'mpp' does not run on "
+    assert op_module._select_variant(None, "emulator").variant == "simdgroup"
+    assert op_module._select_variant("mpp", "emulator").variant == "mpp"
+    assert op_module._select_variant(None, "cuda").variant == "simdgroup"
+    with pytest.raises(ValueError, match=r"^\[moe_gather_qmm\] variant 'mpp' is unavailable on "
                                          r"the cuda backend"):
         op_module._select_variant("mpp", "cuda")
 
 
 def test_mpp_unavailable_without_metal(monkeypatch):
     monkeypatch.setattr(backends, "_metal_available", lambda: False)
-    assert op_module.mpp_unavailable_reason() == "no Metal device"
+    assert _device.metal_mpp_reason() == "no Metal device"
 
 
 def test_architecture_generation():
-    gen = op_module._architecture_generation
+    gen = _device.architecture_generation
     assert gen("applegpu_g17s") == 17 and gen("applegpu_g13g") == 13
     assert gen("") == 0 and gen("ab") == 0 and gen("applegpu_gxxs") == 0
 
 
 # ---- negative controls: a deliberately wrong variant must fail the harness -------------
-
-def _broken_spec(monkeypatch, spec, old: str, new: str, tag: str):
-    """A copy of ``spec`` whose template has ``old`` replaced by ``new`` (its own kernel
-    name ``..._broken_<tag>``: kernel objects are cached by name)."""
-    text = _templates.read_text(spec.template)
-    assert text.count(old) == 1, old
-    fake_name = spec.template.replace(".metal", f"_broken_{tag}.metal")
-    real_read = _templates.read_text
-
-    def read_text(name):
-        return text.replace(old, new) if name == fake_name else real_read(name)
-
-    monkeypatch.setattr(_templates, "read_text", read_text)
-    _templates.render.cache_clear()
-    return replace(spec, variant=f"{spec.variant}_broken_{tag}", template=fake_name)
-
 
 # (what breaks, text replaced, replacement, ids of the case, what the harness must raise)
 BREAKAGES = {
@@ -459,7 +327,7 @@ BREAKAGES = {
 
 @pytest.mark.parametrize("variant_name", VARIANTS)
 @pytest.mark.parametrize("breakage", list(BREAKAGES))
-def test_negative_control(monkeypatch, rng, variant_name, breakage):
+def test_negative_control(broken_kernel, rng, variant_name, breakage):
     """A deliberately broken kernel must fail the harness: wrong values, an output row
     written twice or a stray read (the emulator's bounds checks)."""
     backend = "emulator"
@@ -467,16 +335,11 @@ def test_negative_control(monkeypatch, rng, variant_name, breakage):
     from mlx_metaltile import emulator
 
     old, new, ids, expect = BREAKAGES[breakage]
-    spec = op_module._SPECS[variant_name]
-    broken = _broken_spec(monkeypatch, spec, old, new, breakage)
-    monkeypatch.setitem(op_module._SPECS, variant_name, broken)
+    broken_kernel(op_module.VARIANT_SPECS[variant_name], (old, new))
     case = make_case(rng, 4, len(ids), 64, 64, 32, 8, mx.float32, ids)
     errors = (AssertionError, emulator.KernelHazard)
-    try:
-        with backends.use_backend(backend), pytest.raises(errors) as caught:
-            run_and_check(case, 32, 8, mx.float32, backend, variant_name)
-    finally:
-        _templates.render.cache_clear()
+    with backends.use_backend(backend), pytest.raises(errors) as caught:
+        run_and_check(case, 32, 8, mx.float32, backend, variant_name)
     if expect == "OutOfBounds":
         assert isinstance(caught.value, emulator.OutOfBoundsAccess), caught.value
     elif expect is not None:
@@ -485,12 +348,12 @@ def test_negative_control(monkeypatch, rng, variant_name, breakage):
 
 def test_negative_control_reference_without_bias(monkeypatch, rng):
     """The oracle harness rejects a composite that forgets the biases."""
-    real = op_module.moe_gather_qmm_reference
+    real = op_module._reference
 
-    def no_bias(x, w, scales, biases, indices, **kw):
-        return real(x, w, scales, mx.zeros_like(biases), indices, **kw)
+    def no_bias(x, w, scales, biases, indices, *args):
+        return real(x, w, scales, mx.zeros_like(biases), indices, *args)
 
-    monkeypatch.setattr(op_module, "moe_gather_qmm_reference", no_bias)
+    monkeypatch.setattr(op_module, "_reference", no_bias)
     case = make_case(rng, 4, 8, 64, 64, 32, 8, mx.float32)
     with backends.use_backend("reference"), pytest.raises(AssertionError,
                                                           match="out of tolerance"):
@@ -571,10 +434,10 @@ def test_bad_k_tile_and_group():
 
 @pytest.mark.parametrize("kw, exc, match", [
     (dict(bits=3), ValueError, r"bits must be one of \(4, 8\), got 3"),
-    (dict(bits=8.0), TypeError, "bits must be an int, got float"),
-    (dict(bits=True), TypeError, "bits must be an int, got bool"),
+    (dict(bits=8.0), TypeError, r"bits must be an int in \(4, 8\), got float"),
+    (dict(bits=True), TypeError, r"bits must be an int in \(4, 8\), got bool"),
     (dict(group_size=16), ValueError, r"group_size must be one of \(32, 64, 128\), got 16"),
-    (dict(variant="nax"), ValueError, r"variant must be one of \('simdgroup', 'mpp'\) or None"),
+    (dict(variant="nax"), ValueError, r"variant must be None or one of \('simdgroup', 'mpp'\)"),
 ])
 def test_bad_options(kw, exc, match):
     with pytest.raises(exc, match=r"^\[moe_gather_qmm\] " + match):
@@ -595,14 +458,15 @@ def test_variant_requests_on_the_reference_backend(variant):
 
 def test_mpp_request_on_cuda_raises(monkeypatch):
     monkeypatch.setattr(backends, "resolve_backend", lambda name=None: "cuda")
-    with pytest.raises(ValueError, match=r"^\[moe_gather_qmm\] variant 'mpp' does not run"):
+    with pytest.raises(ValueError, match=r"^\[moe_gather_qmm\] variant 'mpp' is unavailable "
+                                         r"on the cuda backend"):
         _call(_ok(), variant="mpp")
 
 
 def test_mpp_request_on_metal_without_it_raises(monkeypatch):
     monkeypatch.setattr(backends, "resolve_backend", lambda name=None: "metal")
     monkeypatch.setattr(backends, "_metal_available", lambda: True)
-    monkeypatch.setattr(op_module, "_macos_version", lambda: (15, 6))
+    monkeypatch.setattr(_device, "macos_version", lambda: (15, 6))
     with pytest.raises(ValueError, match=r"^\[moe_gather_qmm\] variant 'mpp' is unavailable "
-                                         r"on this device: needs macOS >= 26.2"):
+                                         r"on the metal backend: needs macOS >= 26.2"):
         _call(_ok(), variant="mpp")

@@ -5,16 +5,15 @@ backend here, and the errors for a mode that contradicts its arrays."""
 from __future__ import annotations
 
 import importlib
-from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import require_backend
-from tolerances import assert_close, to_f64
+from support import require_backend
 
 import mlx_metaltile as mt
-from mlx_metaltile import _templates, backends
+from mlx_metaltile import backends
+from mlx_metaltile.cases import assert_close, to_f64
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 FP_MODES = ("mxfp4", "nvfp4", "mxfp8")
@@ -422,18 +421,6 @@ def test_instantiations_cover_the_fp_launches(launch_recorder, rng):
     launch_recorder.assert_declared()
 
 
-def _broken_spec(monkeypatch, spec, old: str, new: str, tag: str):
-    """A copy of ``spec`` whose template has ``old`` replaced by ``new`` (its own name)."""
-    text = _templates.read_text(spec.template)
-    assert text.count(old) == 1, old
-    fake = spec.template.replace(".metal", f"_broken_{tag}.metal")
-    real_read = _templates.read_text
-    monkeypatch.setattr(_templates, "read_text",
-                        lambda name: text.replace(old, new) if name == fake else real_read(name))
-    _templates.render.cache_clear()
-    return replace(spec, variant=f"{spec.variant}_broken_{tag}", template=fake)
-
-
 # (op, what breaks, text replaced, replacement, the modes whose decode it breaks)
 BREAKAGES = [
     ("expert_qmv", "e2m1_sign_dropped", "float2(mt_e2m1x2(word >> (4 * i)))",
@@ -456,23 +443,18 @@ BROKEN_CASES = [pytest.param(op, tag, old, new, mode, id=f"{op}-{tag}-{mode}")
 
 
 @pytest.mark.parametrize("op, tag, old, new, mode", BROKEN_CASES)
-def test_negative_control_broken_decode(monkeypatch, poisoned_outputs, rng, op, tag, old, new,
-                                        mode):
+def test_negative_control_broken_decode(poisoned_outputs, broken_kernel, rng, op, tag, old,
+                                        new, mode):
     """A deliberately broken fp decode in the kernel must fail the oracle."""
     require_backend("emulator")
     w, s = make_fp(rng, 3, 32, 64, mode)
     x = make_x(rng, (4, 64), mx.float32)
     ids = mx.array([2, 0, 1, 2], dtype=mx.uint32)
-    try:
-        with backends.use_backend("emulator"), pytest.raises(AssertionError,
-                                                             match="out of tolerance"):
-            if op == "expert_qmv":
-                broken = _broken_spec(monkeypatch, qmv_module.SPEC, old, new, tag)
-                monkeypatch.setattr(qmv_module, "SPEC", broken)
-                run_qmv(x[:2], w, s, ids.reshape(2, 2), mode, "emulator", kernel=broken.name)
-            else:
-                broken = _broken_spec(monkeypatch, gqmm_module.SIMDGROUP_SPEC, old, new, tag)
-                monkeypatch.setitem(gqmm_module._SPECS, "simdgroup", broken)
-                run_gqmm(x, w, s, ids, mode, "emulator", kernel=broken.name)
-    finally:
-        _templates.render.cache_clear()
+    with backends.use_backend("emulator"), pytest.raises(AssertionError,
+                                                         match="out of tolerance"):
+        if op == "expert_qmv":
+            broken_kernel(qmv_module.SPEC, (old, new))
+            run_qmv(x[:2], w, s, ids.reshape(2, 2), mode, "emulator")
+        else:
+            broken_kernel(gqmm_module.SIMDGROUP_SPEC, (old, new))
+            run_gqmm(x, w, s, ids, mode, "emulator")

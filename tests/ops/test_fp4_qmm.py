@@ -2,129 +2,34 @@
 
 from __future__ import annotations
 
-import functools
 import importlib
-from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import require_backend
-from tolerances import assert_close, to_f64
+from support import require_backend
 
 import mlx_metaltile as mt
-from mlx_metaltile import _templates, backends
+from mlx_metaltile import _device, backends
+from mlx_metaltile.cases import assert_close
+from mlx_metaltile.cases.fp4_qmm import (
+    dequantize64,
+    make_case,
+    make_scales,
+    make_w,
+    make_x,
+    oracle,
+    run_and_check,
+)
+from mlx_metaltile.ops._common import variant_reason
 
 op_module = importlib.import_module("mlx_metaltile.ops.fp4_qmm")
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-VARIANTS = ("qmv", "simdgroup", "mpp")
-SPEC_ATTR = {"qmv": "QMV_SPEC", "simdgroup": "SIMDGROUP_SPEC", "mpp": "MPP_SPEC"}
+VARIANTS = tuple(op_module.VARIANT_SPECS)
 # (scale kind, group size): the scale formats fp4_qmm accepts.
 SCALE_KINDS = (("e8m0", 32), ("e4m3", 16), ("float32", 32), ("float16", 64),
                ("bfloat16", 128), ("float32", 16))
 dtype_id = lambda d: str(d).rsplit(".", 1)[-1]  # noqa: E731
-
-
-# ---- the oracle, from the format's definition ------------------------------------------
-
-def e2m1_value(code: np.ndarray) -> np.ndarray:
-    """E2M1: bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa; exponent 0 subnormal."""
-    code = code.astype(np.int64)
-    sign = np.where(code & 8, -1.0, 1.0)
-    e, m = (code >> 1) & 3, code & 1
-    mag = np.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * np.exp2(e - 1.0))
-    return sign * mag
-
-
-def scale_value(scales: np.ndarray, kind: str) -> np.ndarray:
-    if kind == "e8m0":  # 2^(s - 127)
-        return np.exp2(scales.astype(np.float64) - 127.0)
-    if kind == "e4m3":  # 1 sign, 4 exponent bits (bias 7), 3 mantissa bits; 0x7F/0xFF as 480
-        b = scales.astype(np.int64)
-        e, m = (b >> 3) & 0xF, b & 7
-        mag = np.where(e == 0, m * 2.0**-9, (1.0 + m / 8.0) * np.exp2(e - 7.0))
-        return np.where(b & 0x80, -mag, mag)
-    return to_f64(scales)
-
-
-def dequantize64(w, scales, kind: str, group_size: int) -> np.ndarray:
-    words = np.array(w).astype(np.uint64)
-    n = words.shape[0]
-    codes = (words[:, :, None] >> (4 * np.arange(8, dtype=np.uint64))) & 0xF
-    values = e2m1_value(codes.reshape(n, -1))
-    s = np.repeat(scale_value(np.array(scales) if kind in ("e8m0", "e4m3") else scales, kind),
-                  group_size, axis=1)
-    return values * s
-
-
-def oracle(x, w, scales, kind, group_size):
-    """(out, magnitude): x @ W^T in float64 and the sum of |terms| behind each output."""
-    wdq = dequantize64(w, scales, kind, group_size)
-    xf = to_f64(x).reshape(-1, wdq.shape[1])
-    out = (xf @ wdq.T).reshape(*x.shape[:-1], wdq.shape[0])
-    mag = (np.abs(xf) @ np.abs(wdq).T).reshape(out.shape)
-    return out, mag
-
-
-# ---- inputs ---------------------------------------------------------------------------
-
-ALL_CODES = (0x76543210, 0xFEDCBA98)  # the 16 codes, -0 (0x8) included
-
-
-def make_w(rng, n, k) -> mx.array:
-    words = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint64).astype(np.uint32)
-    words[0, :2] = ALL_CODES
-    words[-1, -2:] = ALL_CODES[::-1]
-    return mx.array(words)
-
-
-def make_scales(rng, n, k, kind, group_size, spread=12) -> mx.array:
-    shape = (n, k // group_size)
-    if kind == "e8m0":  # exponents over [-spread, spread/2]: many binades in one matrix
-        return mx.array((127 + rng.integers(-spread, spread // 2 + 1, size=shape)).astype(np.uint8))
-    if kind == "e4m3":  # any finite E4M3 byte, both signs, subnormals included
-        b = rng.integers(0, 0x7F, size=shape)
-        return mx.array((b | (rng.integers(0, 2, size=shape) << 7)).astype(np.uint8))
-    # plain float scales over several binades, both signs
-    s = rng.choice((-1.0, 1.0), size=shape) * np.exp2(rng.uniform(-spread, spread / 2, shape))
-    return mx.array(s.astype(np.float32)).astype(getattr(mx, kind))
-
-
-def make_x(rng, lead, k, dtype, scale=1.0) -> mx.array:
-    return mx.array((rng.standard_normal((*lead, k)) * scale).astype(np.float32)).astype(dtype)
-
-
-def make_case(rng, m, n, k, dtype, kind="e8m0", group_size=32, lead=None):
-    lead = (m,) if lead is None else lead
-    return (make_x(rng, lead, k, dtype), make_w(rng, n, k),
-            make_scales(rng, n, k, kind, group_size))
-
-
-def run_and_check(x, w, scales, kind, group_size, backend, variant=None, expect=None):
-    """Run fp4_qmm, prove the expected kernel(s) ran, compare with the float64 oracle."""
-    dtype = x.dtype
-    n, k = w.shape[0], w.shape[1] * 8
-    m = x.size // k
-    spec = None if backend == "reference" else op_module._choose(backend, m, variant)
-    launches = 1
-    if spec is not None and spec.variant.startswith("simdgroup") and \
-            op_module._split_k(m, n, k)[0] > 1:
-        launches = 2  # the tile kernel's float32 partial sums, then fp4_qmm_splitk_sum
-    names = [] if expect is None else [f"fp4_qmm_{expect}"] + (
-        ["fp4_qmm_splitk_sum"] if launches == 2 else [])
-    before = backends.launch_count(backend=backend)
-    before_named = [backends.launch_count(name, backend) for name in names]
-    out = mt.fp4_qmm(x, w, scales, group_size=group_size, variant=variant)
-    mx.eval(out)
-    if backend != "reference":  # prove a kernel ran (never the reference against itself)
-        assert backends.launch_count(backend=backend) == before + launches
-        for name, count in zip(names, before_named, strict=True):
-            assert backends.launch_count(name, backend) == count + 1, name
-    assert out.dtype == dtype and tuple(out.shape) == (*x.shape[:-1], w.shape[0])
-    want, mag = oracle(x, w, scales, kind, group_size)
-    assert_close(out, want, dtype, magnitude=mag,
-                 what=f"fp4_qmm[{backend}, {variant or 'auto'}, {kind}/{group_size}]")
-    return out
 
 
 @pytest.fixture
@@ -136,28 +41,9 @@ def no_split(monkeypatch):
 def kernel_variant(backend: str, variant: str) -> None:
     """Skip a variant the backend cannot run here (mpp needs an M5-class Mac or emulator MPP)."""
     if variant == "mpp":
-        reason = op_module.mpp_unavailable_reason(backend)
+        reason = variant_reason(op_module.MPP_SPEC, backend)
         if reason is not None:
             pytest.skip(f"mpp on {backend}: {reason}")
-
-
-# One checked call per registered kernel variant of this op (tests/test_registry.py runs
-# them for every registered variant on each kernel backend, so a variant added to the
-# registry fails there until it has one here).
-def _variant_call(variant, backend, rng):
-    """M = 9, N = 64, K = 256 forced onto a variant; the simdgroup kernel splits K in 8 here
-    and launches fp4_qmm_splitk_sum after it."""
-    kernel_variant(backend, variant)
-    x, w, s = make_case(rng, 9, 64, 256, mx.bfloat16)
-    run_and_check(x, w, s, "e8m0", 32, backend, variant=variant, expect=variant)
-
-
-VARIANT_CALLS = {
-    "qmv": functools.partial(_variant_call, "qmv"),
-    "simdgroup": functools.partial(_variant_call, "simdgroup"),
-    "mpp": functools.partial(_variant_call, "mpp"),
-    "splitk_sum": functools.partial(_variant_call, "simdgroup"),
-}
 
 
 # ---- the kernels against the oracle ---------------------------------------------------
@@ -437,11 +323,11 @@ def test_auto_choice_by_backend_and_m(monkeypatch):
     assert choose("emulator", 8, None) is op_module.QMV_SPEC
     assert choose("emulator", 9, None) is op_module.SIMDGROUP_SPEC
     assert choose("cuda", 512, None) is op_module.SIMDGROUP_SPEC
-    monkeypatch.setattr(op_module, "_metal_mpp_reason", lambda: None)
+    monkeypatch.setattr(_device, "metal_mpp_reason", lambda: None)
     assert choose("metal", 8, None) is op_module.QMV_SPEC
     assert choose("metal", 9, None) is op_module.MPP_SPEC
     assert choose("metal", 9, "simdgroup") is op_module.SIMDGROUP_SPEC
-    monkeypatch.setattr(op_module, "_metal_mpp_reason",
+    monkeypatch.setattr(_device, "metal_mpp_reason",
                         lambda: "needs macOS >= 26.2 (MetalPerformancePrimitives), got 15.6")
     assert choose("metal", 512, None) is op_module.SIMDGROUP_SPEC
     with pytest.raises(ValueError, match=r"^\[fp4_qmm\] variant 'mpp' is unavailable on the "
@@ -462,15 +348,14 @@ def test_auto_choice_by_backend_and_m(monkeypatch):
     ("16.0", "26.2\n", "applegpu_g17s", True), ("16.0", "26.1\n", "applegpu_g17s", False),
 ])
 def test_mpp_detection(monkeypatch, release, sysctl, arch, expected):
-    """The device rule of MLX's NAX kernels, read as moe_gather_qmm reads it (shared)."""
-    moe = importlib.import_module("mlx_metaltile.ops.moe_gather_qmm")
+    """The device rule of MLX's NAX kernels, as mlx_metaltile._device states it."""
     monkeypatch.setattr(backends, "_metal_available", lambda: True)
-    monkeypatch.setattr(moe.platform, "mac_ver", lambda: (release, ("", "", ""), "arm64"))
-    monkeypatch.setattr(moe, "_sysctl", lambda name: sysctl)
-    monkeypatch.setattr(moe, "_device_architecture", lambda: arch)
-    moe._macos_version.cache_clear()
+    monkeypatch.setattr(_device.platform, "mac_ver", lambda: (release, ("", "", ""), "arm64"))
+    monkeypatch.setattr(_device, "_sysctl", lambda name: sysctl)
+    monkeypatch.setattr(_device, "device_architecture", lambda: arch)
+    _device.macos_version.cache_clear()
     try:
-        reason = op_module.mpp_unavailable_reason("metal")
+        reason = variant_reason(op_module.MPP_SPEC, "metal")
         assert (reason is None) is expected, reason
         assert (op_module._choose("metal", 64, None) is op_module.MPP_SPEC) is expected
         if not expected:
@@ -478,7 +363,7 @@ def test_mpp_detection(monkeypatch, release, sysctl, arch, expected):
                                                  r"on the metal backend: needs "):
                 op_module._choose("metal", 64, "mpp")
     finally:
-        moe._macos_version.cache_clear()
+        _device.macos_version.cache_clear()
 
 
 def test_variant_requests_on_the_reference_backend(rng):
@@ -528,7 +413,7 @@ def test_sizes_do_not_rebuild(kernel_backend, rng, variant):
 def test_instantiations_match_the_launches(launch_recorder, monkeypatch, rng):
     """The instantiations hook (CUDA compile check) describes what the launcher passes:
     every variant, scale format, dtype, M block and split (recorded, nothing runs)."""
-    monkeypatch.setattr(op_module, "_metal_mpp_reason", lambda: None)
+    monkeypatch.setattr(_device, "metal_mpp_reason", lambda: None)
     for dtype in DTYPES:
         for kind, gs in SCALE_KINDS:
             x, w, s = make_case(rng, 40, 64, 128, dtype, kind, gs)
@@ -561,26 +446,6 @@ def test_op_is_lazy_and_compiles(no_host_sync, rng, kind, group_size):
 
 # ---- negative controls: a deliberately wrong kernel must fail the harness ----------------
 
-def _broken_spec(monkeypatch, spec, old, new, tag: str = "broken"):
-    """A copy of ``spec`` whose template has ``old`` replaced by ``new`` (strings, or tuples of
-    strings replaced pairwise; variant and template names carry ``tag``: kernels are cached
-    by name, so each break needs its own)."""
-    text = _templates.read_text(spec.template)
-    olds, news = (old, new) if isinstance(old, tuple) else ((old,), (new,))
-    for o, n in zip(olds, news, strict=True):
-        assert o in text, f"{o!r} not in {spec.template}"
-        text = text.replace(o, n)
-    fake_name = spec.template.replace(".metal", f"_{tag}.metal")
-    real_read = _templates.read_text
-
-    def read_text(name):
-        return text if name == fake_name else real_read(name)
-
-    monkeypatch.setattr(_templates, "read_text", read_text)
-    _templates.render.cache_clear()
-    return replace(spec, variant=f"{spec.variant}_{tag}", template=fake_name)
-
-
 # Each breaks one thing a weaker harness could miss: the decode's pair order (qmv), the
 # scale (simdgroup), the last k-slice of each step (mpp).
 BREAKS = {
@@ -592,18 +457,12 @@ BREAKS = {
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_negative_control_broken_kernel(kernel_backend, monkeypatch, rng, variant):
+def test_negative_control_broken_kernel(kernel_backend, broken_kernel, rng, variant):
     kernel_variant(kernel_backend, variant)
-    attr = SPEC_ATTR[variant]
-    broken = _broken_spec(monkeypatch, getattr(op_module, attr), *BREAKS[variant])
-    monkeypatch.setattr(op_module, attr, broken)
-    monkeypatch.setitem(op_module.VARIANTS, variant, broken)
+    broken_kernel(op_module.VARIANT_SPECS[variant], BREAKS[variant])
     x, w, s = make_case(rng, 5 if variant == "qmv" else 33, 64, 64, mx.float32)
-    try:
-        with pytest.raises(AssertionError, match="out of tolerance"):
-            run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant)
-    finally:
-        _templates.render.cache_clear()
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant)
 
 
 # Split-K breaks: the sum drops the last part; the tile kernel drops the last K step of a
@@ -618,25 +477,19 @@ SPLIT_BREAKS = {
 
 
 @pytest.mark.parametrize("brk", SPLIT_BREAKS)
-def test_negative_control_broken_split_k(kernel_backend, monkeypatch, rng, brk):
+def test_negative_control_broken_split_k(kernel_backend, monkeypatch, broken_kernel, rng, brk):
     attr, old, new, exc = SPLIT_BREAKS[brk]
     if isinstance(exc, str):  # a fault only the emulator reports
         if kernel_backend != "emulator":
             pytest.skip("out-of-bounds reads are reported by the emulator")
         from mlx_metaltile import emulator
         exc = getattr(emulator, exc)
-    broken = _broken_spec(monkeypatch, getattr(op_module, attr), old, new, tag=brk)
-    monkeypatch.setattr(op_module, attr, broken)
-    if attr == "SIMDGROUP_SPEC":
-        monkeypatch.setitem(op_module.VARIANTS, "simdgroup", broken)
+    broken_kernel(getattr(op_module, attr), (old, new))
     monkeypatch.setattr(op_module, "SPLITK_TARGET_TGS", 6)
     x, w, s = make_case(rng, 9, 64, 160, mx.float32)  # 3 parts of 64, 64, 32
     assert op_module._split_k(9, 64, 160) == (3, 64)
-    try:
-        with pytest.raises(exc, match="out of tolerance" if exc is AssertionError else None):
-            run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant="simdgroup")
-    finally:
-        _templates.render.cache_clear()
+    with pytest.raises(exc, match="out of tolerance" if exc is AssertionError else None):
+        run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant="simdgroup")
 
 
 # The row guards of a ragged M, removed one at a time: each must fault on the emulator.
@@ -653,22 +506,18 @@ UNGUARDED = {
 
 
 @pytest.mark.parametrize("brk", UNGUARDED)
-def test_negative_control_unguarded_rows_fault_on_the_emulator(monkeypatch, rng, brk):
+def test_negative_control_unguarded_rows_fault_on_the_emulator(broken_kernel, rng, brk):
     """Without a row guard, a ragged M reads past x or writes past out: the emulator says so."""
     require_backend("emulator")
     variant, old, new = UNGUARDED[brk]
     kernel_variant("emulator", variant)
     from mlx_metaltile import emulator
 
-    broken = _broken_spec(monkeypatch, getattr(op_module, SPEC_ATTR[variant]), old, new,
-                          tag=brk.replace("-", "_"))
-    monkeypatch.setitem(op_module.VARIANTS, variant, broken)
+    edits = zip(old, new, strict=True) if isinstance(old, tuple) else [(old, new)]
+    broken_kernel(op_module.VARIANT_SPECS[variant], *edits)
     x, w, s = make_case(rng, 5 if variant == "qmv" else 33, 32, 64, mx.float32)
-    try:
-        with backends.use_backend("emulator"), pytest.raises(emulator.OutOfBoundsAccess):
-            mx.eval(mt.fp4_qmm(x, w, s, variant=variant))
-    finally:
-        _templates.render.cache_clear()
+    with backends.use_backend("emulator"), pytest.raises(emulator.OutOfBoundsAccess):
+        mx.eval(mt.fp4_qmm(x, w, s, variant=variant))
 
 
 def test_negative_control_reference_decode(monkeypatch, rng):

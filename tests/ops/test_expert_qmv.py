@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import importlib
-import zlib
-from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import input_space, record_emulator_sources
-from tolerances import assert_close, to_f64
+from support import input_space, record_emulator_sources
 
 import mlx_metaltile as mt
-from mlx_metaltile import _templates, backends
+from mlx_metaltile import backends
+from mlx_metaltile.cases import assert_close, to_f64
+from mlx_metaltile.cases.expert_qmv import (
+    make_packed,
+    make_weights,
+    make_x,
+    oracle,
+    run_and_check,
+)
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 op_module = importlib.import_module("mlx_metaltile.ops.expert_qmv")
@@ -21,92 +26,6 @@ op_module = importlib.import_module("mlx_metaltile.ops.expert_qmv")
 
 def _dname(d):
     return str(d).rsplit(".", 1)[-1]
-
-
-# ---- oracle (from the math: dequantize, then matmul, in float64) --------------------------
-
-def dequantize_f64(w, scales, biases, group_size, bits):
-    """W[..., n, k] = scale[..., n, k // gs] * q[..., n, k] + bias[..., n, k // gs], float64."""
-    words = np.asarray(w).astype(np.uint64)
-    pack = 32 // bits
-    shifts = (np.arange(pack, dtype=np.uint64) * bits)
-    q = (words[..., None] >> shifts) & np.uint64((1 << bits) - 1)  # [..., K/pack, pack]
-    q = q.reshape(*words.shape[:-1], -1).astype(np.float64)
-    s = np.repeat(np.asarray(scales), group_size, axis=-1)
-    b = np.repeat(np.asarray(biases), group_size, axis=-1)
-    return s * q + b
-
-
-def oracle(x, w, scales, biases, indices, group_size, bits):
-    """(expected [..., k, N] with NaN rows for ids outside [0, E), magnitude sum |x * W|)."""
-    n_experts = w.shape[0]
-    ids = np.array(indices).astype(np.int64)
-    xs = to_f64(x)
-    k = ids.shape[-1]
-    n_in = xs.shape[-1]
-    if xs.ndim != ids.ndim + 1:  # shared: one activation per token (any other rank)
-        xs = xs[..., None, :]
-    lead = np.broadcast_shapes(xs.shape[:-2], ids.shape[:-1])
-    xs = np.broadcast_to(xs, (*lead, xs.shape[-2], n_in))
-    xs = np.broadcast_to(xs, (*lead, k, n_in))
-    ids = np.broadcast_to(ids, (*lead, k))
-    valid = (ids >= 0) & (ids < n_experts)
-    # Dequantize only the experts that are used (the stacks can be large).
-    used, pos = np.unique(np.where(valid, ids, 0), return_inverse=True)
-    wd = dequantize_f64(np.array(w)[used], to_f64(scales)[used], to_f64(biases)[used],
-                        group_size, bits)
-    we = wd[pos.reshape(ids.shape)]  # [..., k, N, K]
-    want = np.einsum("...k,...nk->...n", xs, we)
-    mag = np.einsum("...k,...nk->...n", np.abs(xs), np.abs(we))
-    want[~valid] = np.nan
-    return want, mag, valid
-
-
-def make_weights(rng, n_experts, n_out, n_in, dtype, group_size, bits, scale=1.0):
-    wf = rng.standard_normal((n_experts, n_out, n_in)).astype(np.float32) * scale
-    w, s, b = mx.quantize(mx.array(wf).astype(dtype), group_size=group_size, bits=bits)
-    return w, s, b
-
-
-def make_packed(rng, n_experts, n_out, n_in, dtype, group_size, bits):
-    """Random packed words (every q value equally likely) and signed scales and biases."""
-    w = rng.integers(0, 2**32, size=(n_experts, n_out, n_in * bits // 32), dtype=np.uint32)
-    g = (n_experts, n_out, n_in // group_size)
-    s = rng.standard_normal(g).astype(np.float32) / (1 << bits)
-    b = rng.standard_normal(g).astype(np.float32) * 0.5
-    return mx.array(w), mx.array(s).astype(dtype), mx.array(b).astype(dtype)
-
-
-def make_x(rng, shape, dtype, scale=1.0):
-    return mx.array((rng.standard_normal(shape) * scale).astype(np.float32)).astype(dtype)
-
-
-def run_and_check(x, w, s, b, ids, group_size, bits, backend, *, launches=1):
-    dtype = x.dtype
-    before = backends.launch_count(backend=backend)
-    out = mt.expert_qmv(x, w, s, b, ids, group_size=group_size, bits=bits)
-    mx.eval(out)
-    if backend != "reference":  # prove a kernel ran (never the reference compared with itself)
-        assert backends.launch_count(backend=backend) == before + launches
-    want, mag, valid = oracle(x, w, s, b, ids, group_size, bits)
-    assert out.dtype == dtype and tuple(out.shape) == want.shape
-    got = to_f64(out)
-    assert np.isnan(got[~valid]).all(), "an out-of-range id must give a NaN row"
-    assert_close(got[valid], want[valid], dtype, magnitude=mag[valid],
-                 what=f"expert_qmv[{backend}]")
-    return out
-
-
-# One checked call per registered kernel variant of this op (tests/test_registry.py runs
-# them for every registered variant on each kernel backend, so a variant added to the
-# registry fails there until it has one here).
-def _variant_call(backend, rng):
-    w, s, b = make_packed(rng, 6, 13, 128, mx.bfloat16, 64, 4)
-    ids = mx.array([[0, 5], [2, 2]], dtype=mx.uint32)
-    run_and_check(make_x(rng, (2, 128), mx.bfloat16), w, s, b, ids, 64, 4, backend)
-
-
-VARIANT_CALLS = {"simd_rows": _variant_call}
 
 
 # ---- correctness ----------------------------------------------------------------------
@@ -169,20 +88,12 @@ RANK_BROADCASTS = [
 
 
 @pytest.mark.parametrize("x_lead, idx_shape, per_expert, copied", RANK_BROADCASTS, ids=str)
-def test_leading_dims_of_other_ranks_broadcast(any_backend, poisoned_outputs, monkeypatch, rng, x_lead,
-                                               idx_shape, per_expert, copied):
+def test_leading_dims_of_other_ranks_broadcast(any_backend, poisoned_outputs, launches, rng,
+                                               x_lead, idx_shape, per_expert, copied):
     """NumPy broadcasting of the leading dims, ranks included, with the shape that
     mx.gather_qmm gives for x[..., None, None, :] (shared) or x[..., None, :] (per expert);
     the kernel gets x and indices as given (no broadcast copy) unless broadcasts alternate
     over more dimensions than it walks."""
-    seen = []
-    real_launch = backends.launch
-
-    def spy(spec, backend, **kwargs):
-        seen.append(kwargs["inputs"])
-        return real_launch(spec, backend, **kwargs)
-
-    monkeypatch.setattr(backends, "launch", spy)
     n_experts, n_out, n_in, k = 5, 16, 64, idx_shape[-1]
     w, s, b = make_weights(rng, n_experts, n_out, n_in, mx.float32, 32, 4)
     ids = mx.array(rng.integers(0, n_experts, size=idx_shape).astype(np.uint32))
@@ -194,7 +105,7 @@ def test_leading_dims_of_other_ranks_broadcast(any_backend, poisoned_outputs, mo
     native = mx.gather_qmm(xq, w, s, b, rhs_indices=ids, transpose=True, group_size=32, bits=4)
     assert tuple(out.shape) == tuple(native.shape[:-2]) + (n_out,)
     if any_backend != "reference":
-        (inputs,) = seen
+        (inputs,) = (launch.inputs for launch in launches)
         pairs = out.size // n_out
         assert inputs[0].size == (pairs * n_in // (1 if per_expert else k) if copied
                                   else x.size)
@@ -333,25 +244,17 @@ def test_emulator_strict_shuffled(poisoned_outputs, rng, seed):
 
 # ---- build once, stay lazy ---------------------------------------------------------------
 
-def test_sizes_do_not_rebuild(kernel_backend, monkeypatch, rng):
+def test_sizes_do_not_rebuild(kernel_backend, monkeypatch, launches, rng):
     """E, N, K, k, the token count, the broadcast pattern and the x layout are runtime
     inputs. MLX passes an input of fewer than 8 elements in the constant address space,
     which generates another source: after one call per index dtype with fewer than 8 and
     one with at least 8 ids, calls of other sizes build no kernel object, pass the same
     template arguments and (emulator) compile nothing new: exactly one instantiation per
     (index dtype, address space) served the whole test."""
-    templates = []
-    real_launch = backends.launch
-
-    def spy(spec, backend, **kwargs):
-        templates.append(tuple(kwargs["template"]))
-        return real_launch(spec, backend, **kwargs)
-
-    monkeypatch.setattr(backends, "launch", spy)
     sources = None
     if kernel_backend == "emulator":
-        sources = record_emulator_sources(monkeypatch, backends.get_kernel(
-            op_module.SPEC, "emulator", op_module._INPUTS, op_module._OUTPUTS))
+        sources = record_emulator_sources(monkeypatch,
+                                          backends.get_kernel(op_module.SPEC, "emulator"))
     w, s, b = make_weights(rng, 4, 8, 128, mx.float16, 64, 4)
     for idx_dtype in (mx.uint32, mx.int32):
         for tokens in (1, 4):  # 2 ids (constant), 8 ids (device)
@@ -372,8 +275,8 @@ def test_sizes_do_not_rebuild(kernel_backend, monkeypatch, rng):
             x = make_x(rng, (*x_lead, n_in) if shared else (*x_lead, k, n_in), mx.float16)
             run_and_check(x, w, s, b, ids, 64, 4, kernel_backend)
     assert backends.built_kernels() == built
-    assert set(templates) == {(("T", mx.float16), ("BITS", 4), ("GROUP_SIZE", 64),
-                              ("MODE", 0))}
+    assert {launch.template for launch in launches} == {
+        (("T", mx.float16), ("BITS", 4), ("GROUP_SIZE", 64), ("MODE", 0))}
     if sources is not None:
         new = set(sources) - warm
         assert not new, f"new instantiations: {[input_space(src, 'indices') for src in new]}"
@@ -463,25 +366,6 @@ def test_empty_does_not_dispatch(kernel_backend, rng):
 
 # ---- negative controls: a deliberately wrong variant must fail the harness ----------------
 
-def _broken_spec(monkeypatch, old: str, new: str):
-    """Make the op launch a copy of its kernel with ``old`` replaced by ``new``."""
-    spec = op_module.SPEC
-    text = _templates.read_text(spec.template)
-    assert old in text
-    # A name of its own per patch: kernels are cached per (backend, variant name).
-    tag = f"broken{zlib.crc32((old + new).encode()):08x}"
-    fake_name = spec.template.replace(".metal", f"_{tag}.metal")
-    real_read = _templates.read_text
-
-    def read_text(name):
-        return text.replace(old, new) if name == fake_name else real_read(name)
-
-    monkeypatch.setattr(_templates, "read_text", read_text)
-    _templates.render.cache_clear()
-    broken = replace(spec, variant=f"{spec.variant}_{tag}", template=fake_name)
-    monkeypatch.setattr(op_module, "SPEC", broken)
-
-
 @pytest.mark.parametrize("old, new", [
     ("acc[r] += s * dot + b * x_sum;", "acc[r] += s * dot;"),  # forgets the biases
     ("const uint group = chunk / LANES_PER_GROUP;",
@@ -491,41 +375,36 @@ def _broken_spec(monkeypatch, old: str, new: str):
     ("const uint rows = metal::min(ROWS, n_rows_total - row0);",
      "const uint rows = metal::min(ROWS - 1, n_rows_total - row0);"),  # leaves rows unwritten
 ], ids=("no_bias", "wrong_group", "wrong_shuffle", "unwritten_rows"))
-def test_negative_control_broken_kernel(kernel_backend, poisoned_outputs, monkeypatch, rng, old, new):
-    _broken_spec(monkeypatch, old, new)
+def test_negative_control_broken_kernel(kernel_backend, poisoned_outputs, broken_kernel, rng,
+                                        old, new):
+    broken_kernel(op_module.SPEC, (old, new))
     w, s, b = make_weights(rng, 4, 16, 256, mx.float32, 32, 4)
     ids = mx.array([[1, 3]], dtype=mx.uint32)
-    try:
-        with pytest.raises(AssertionError, match="out of tolerance"):
-            run_and_check(make_x(rng, (1, 256), mx.float32), w, s, b, ids, 32, 4, kernel_backend)
-    finally:
-        _templates.render.cache_clear()
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check(make_x(rng, (1, 256), mx.float32), w, s, b, ids, 32, 4, kernel_backend)
 
 
-def test_negative_control_unguarded_id_is_a_hazard(monkeypatch, rng):
+def test_negative_control_unguarded_id_is_a_hazard(broken_kernel, rng):
     """Without the in-kernel id guard, an out-of-range id reads out of bounds: the emulator
     must report it (so the guarded kernel's clean runs above mean something)."""
     emulator = pytest.importorskip("mlx_metaltile.emulator")
     if backends.unavailable_reason("emulator") is not None:
         pytest.skip("emulator unavailable")
-    _broken_spec(monkeypatch, "if (expert >= n_experts) {", "if (false) {")
+    broken_kernel(op_module.SPEC, ("if (expert >= n_experts) {", "if (false) {"))
     w, s, b = make_weights(rng, 4, 16, 128, mx.float32, 64, 4)
     ids = mx.array([[1, 4000]], dtype=mx.uint32)
-    try:
-        with backends.use_backend("emulator"), pytest.raises(emulator.OutOfBoundsAccess):
-            mx.eval(mt.expert_qmv(make_x(rng, (1, 128), mx.float32), w, s, b, ids))
-    finally:
-        _templates.render.cache_clear()
+    with backends.use_backend("emulator"), pytest.raises(emulator.OutOfBoundsAccess):
+        mx.eval(mt.expert_qmv(make_x(rng, (1, 128), mx.float32), w, s, b, ids))
 
 
 def test_negative_control_reference_wrong_expert(monkeypatch, rng):
     """The oracle harness rejects a composite that applies the wrong experts."""
-    real = op_module.expert_qmv_reference
+    real = op_module._reference
 
-    def shifted(x, w, scales, biases, indices, **kw):
-        return real(x, w, scales, biases, (indices + 1) % w.shape[0], **kw)
+    def shifted(x, w, scales, biases, indices, info):
+        return real(x, w, scales, biases, (indices + 1) % w.shape[0], info)
 
-    monkeypatch.setattr(op_module, "expert_qmv_reference", shifted)
+    monkeypatch.setattr(op_module, "_reference", shifted)
     w, s, b = make_weights(rng, 4, 16, 128, mx.float32, 64, 4)
     ids = mx.array([[0, 2]], dtype=mx.uint32)
     with backends.use_backend("reference"), pytest.raises(AssertionError, match="out of tolerance"):

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import functools
 import importlib
 import math
-import zlib
 from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from tolerances import assert_close, to_f64
 
 import mlx_metaltile as mt
-from mlx_metaltile import _templates, backends
+from mlx_metaltile import backends
+from mlx_metaltile.cases import assert_close
+from mlx_metaltile.cases.gated_rms_norm import make_inputs, oracle, run_and_check
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 LENGTHS = (1, 3, 31, 32, 33, 128, 512, 1000, 4096, 4097, 8192)
@@ -22,68 +21,8 @@ LEADING = ((), (5,), (2, 3))
 op_module = importlib.import_module("mlx_metaltile.ops.gated_rms_norm")
 
 
-def oracle(y, z, w, eps):
-    """out = w * y * rsqrt(mean(y^2) + eps) * silu(z), in float64."""
-    y, z, w = to_f64(y), to_f64(z), to_f64(w)
-    inv_rms = 1.0 / np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + eps)
-    with np.errstate(over="ignore"):
-        silu = z / (1.0 + np.exp(-z))
-    return w * y * inv_rms * silu
-
-
-def float32_error_scales(y, z, w, eps, want):
-    """How float32 evaluation error scales, per output: (magnitude, underflow_scale) of
-    tolerances.assert_close.
-
-    magnitude: |want| times 1 + |z|, since exp(-z) in float32 starts from -z rounded to
-    float32 (a relative error that grows with |z|). underflow_scale: |w * y * inv_rms * z|,
-    which multiplies sigmoid(z); below z ~ -87 sigmoid(z) is under float32's normal range
-    (a float32 exp(-z) overflows, and the gate comes out as 0).
-    """
-    y, z, w = to_f64(y), to_f64(z), to_f64(w)
-    inv_rms = 1.0 / np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + eps)
-    return np.abs(want) * (1.0 + np.abs(z)), np.abs(w * y * inv_rms * z)
-
-
-def make_inputs(rng, lead, n, dtype, y_dtype):
-    shape = (*lead, n)
-    # Row magnitudes spread over [1e-3, 1] (large ones: large_inputs).
-    row_scale = 10.0 ** rng.uniform(-3, 0, size=(*lead, 1))
-    y = mx.array((rng.standard_normal(shape) * row_scale).astype(np.float32)).astype(y_dtype)
-    z = mx.array((rng.standard_normal(shape) * 4.0).astype(np.float32)).astype(dtype)
-    w = mx.array(rng.uniform(-2, 2, size=(n,)).astype(np.float32)).astype(dtype)
-    return y, z, w
-
-
 # Every kernel output in this module starts as NaN (conftest.poisoned_outputs).
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
-
-
-def run_and_check(y, z, w, eps, dtype, backend):
-    before = backends.launch_count(backend=backend)
-    out = mt.gated_rms_norm(y, z, w, eps=eps)
-    mx.eval(out)
-    if backend != "reference":  # prove a kernel ran (never the reference compared with itself)
-        assert backends.launch_count(backend=backend) == before + 1
-    assert out.dtype == dtype and tuple(out.shape) == tuple(z.shape)
-    want = oracle(y, z, w, eps)
-    magnitude, underflow_scale = float32_error_scales(y, z, w, eps, want)
-    assert_close(out, want, dtype, magnitude=magnitude, underflow_scale=underflow_scale,
-                 what=f"gated_rms_norm[{backend}]")
-
-
-# One checked call per registered kernel variant of this op (tests/test_registry.py runs
-# them for every registered variant on each kernel backend, so a variant added to the
-# registry fails there until it has one here).
-VARIANT_N = {"simd_rows": 100, "row": 1000, "looped": 5000}  # n that selects each
-
-
-def _variant_call(n, backend, rng):
-    y, z, w = make_inputs(rng, (3,), n, mx.bfloat16, mx.float32)
-    run_and_check(y, z, w, 1e-5, mx.bfloat16, backend)
-
-
-VARIANT_CALLS = {v: functools.partial(_variant_call, n) for v, n in VARIANT_N.items()}
 
 
 @pytest.mark.parametrize("lead", LEADING, ids=lambda s: "lead" + "x".join(map(str, s)))
@@ -114,37 +53,20 @@ def test_large_magnitudes(any_backend, rng, dtype, y_f32, n):
     run_and_check(y, z, w, 1e-6, dtype, any_backend)
 
 
-@pytest.fixture
-def launched(monkeypatch):
-    """Records each gated_rms_norm launch as an instantiation key: (kernel name, template
-    arguments, (dtype, ndim) of every input): what makes a new compiled kernel."""
-    records = []
-    real_launch = backends.launch
-
-    def spy(spec, backend, **kwargs):
-        records.append((spec.name, tuple(kwargs["template"]),
-                        tuple((a.dtype, a.ndim) for a in kwargs["inputs"])))
-        return real_launch(spec, backend, **kwargs)
-
-    monkeypatch.setattr(backends, "launch", spy)
-    return records
-
-
 def _emulator_modules() -> int:
     """Instantiations the emulator compiled for the simd_rows kernel object (one module per
     generated source: a new template argument or input signature is a new one)."""
     spec = op_module.SIMD_ROWS_SPEC
-    return len(backends.get_kernel(spec, "emulator", op_module._SIMD_ROWS_INPUTS,
-                                   op_module._OUTPUTS)._modules)
+    return len(backends.get_kernel(spec, "emulator")._modules)
 
 
 EPS_LOOP = (1e-5, 0.0, 1e-6, 0.5, 3.0)
 N_ROWS_LOOP = ((64, 3), (100, 7), (128, 1), (33, 16))  # all in the simd_rows variant
 
 
-def _eps_and_n_loop(backend, rng, launched):
+def _eps_and_n_loop(backend, rng, launches):
     """Calls over several eps, n and row counts within one variant. Returns (kernel objects
-    built, distinct instantiations launched, emulator modules compiled after the first call
+    built, distinct instantiations launches, emulator modules compiled after the first call
     or None on other backends)."""
     y, z, w = make_inputs(rng, (3,), 64, mx.float16, mx.float32)
     run_and_check(y, z, w, EPS_LOOP[0], mx.float16, backend)
@@ -154,36 +76,34 @@ def _eps_and_n_loop(backend, rng, launched):
         for n, rows in N_ROWS_LOOP:
             y, z, w = make_inputs(rng, (rows,), n, mx.float16, mx.float32)
             run_and_check(y, z, w, eps, mx.float16, backend)
-    assert {name for name, *_ in launched} == {op_module.SIMD_ROWS_SPEC.name}
-    assert len(launched) == 1 + len(EPS_LOOP) * len(N_ROWS_LOOP)
+    assert {launch.name for launch in launches} == {op_module.SIMD_ROWS_SPEC.name}
+    assert len(launches) == 1 + len(EPS_LOOP) * len(N_ROWS_LOOP)
     new_built = len(backends.built_kernels()) - len(built)
     new_modules = None if modules is None else _emulator_modules() - modules
-    return new_built, len(set(launched)), new_modules
+    return new_built, len({launch.key for launch in launches}), new_modules
 
 
-def test_eps_and_n_changes_do_not_rebuild(kernel_backend, rng, launched):
+def test_eps_and_n_changes_do_not_rebuild(kernel_backend, rng, launches):
     """eps, n and the row count are runtime inputs: one instantiation serves them all."""
-    new_built, instantiations, new_modules = _eps_and_n_loop(kernel_backend, rng, launched)
+    new_built, instantiations, new_modules = _eps_and_n_loop(kernel_backend, rng, launches)
     assert new_built == 0
     assert instantiations == 1
     if kernel_backend == "emulator":
         assert new_modules == 0
 
 
-def test_negative_control_eps_as_template_argument(kernel_backend, monkeypatch, rng, launched):
+def test_negative_control_eps_as_template_argument(kernel_backend, monkeypatch, rng, launches):
     """A launcher that bakes eps into a template argument makes one instantiation per eps
     value: the counts above must see it."""
-    real_launch, real_template = op_module._launch, op_module._template
+    real_launch = backends.launch
 
-    def launch(y, z, weight, n, rows, eps, backend):
-        bits = int(np.array(eps, dtype=np.float32).view(np.int32))
-        with monkeypatch.context() as m:
-            m.setattr(op_module, "_template",
-                      lambda zt, yt: (*real_template(zt, yt), ("EPS_BITS", bits)))
-            return real_launch(y, z, weight, n, rows, eps, backend)
+    def launch(spec, backend, *, template, **kwargs):
+        bits = int(np.array(kwargs["inputs"]["eps"]).view(np.int32))
+        spec = replace(spec, params=(*spec.params, "EPS_BITS"))
+        return real_launch(spec, backend, template={**template, "EPS_BITS": bits}, **kwargs)
 
-    monkeypatch.setattr(op_module, "_launch", launch)
-    _, instantiations, new_modules = _eps_and_n_loop(kernel_backend, rng, launched)
+    monkeypatch.setattr(backends, "launch", launch)
+    _, instantiations, new_modules = _eps_and_n_loop(kernel_backend, rng, launches)
     assert instantiations == len(EPS_LOOP)
     if kernel_backend == "emulator":
         assert new_modules == len(EPS_LOOP) - 1  # the first eps was compiled before the loop
@@ -220,42 +140,18 @@ def test_op_is_lazy_and_compiles(no_host_sync, rng):
 
 # ---- negative controls: a deliberately wrong variant must fail the harness ----------------
 
-def _broken_template(monkeypatch, spec, old: str, new: str):
-    """Register a copy of ``spec`` whose template has ``old`` replaced by ``new``."""
-    text = _templates.read_text(spec.template)
-    assert old in text
-    # A name of its own per patch: kernels are cached per (backend, variant name), and a
-    # kernel built by another control must never stand in for this one.
-    tag = f"broken{zlib.crc32((old + new).encode()):08x}"
-    fake_name = spec.template.replace(".metal", f"_{tag}.metal")
-    real_read = _templates.read_text
-
-    def read_text(name):
-        return text.replace(old, new) if name == fake_name else real_read(name)
-
-    monkeypatch.setattr(_templates, "read_text", read_text)
-    _templates.render.cache_clear()
-    broken = replace(spec, variant=f"{spec.variant}_{tag}", template=fake_name)
-    return broken
-
-
 @pytest.mark.parametrize("attr, n", [("SIMD_ROWS_SPEC", 100), ("REGISTER_SPEC", 200),
                                      ("LOOPED_SPEC", 5000)])
 @pytest.mark.parametrize("old, new", [
     ("mt_silu(", "("),  # silu(z) replaced by z
     ("if (col < n) {", "if (col + 1 < n) {"),  # the last column never written: poison shows
 ], ids=("without_gate", "leaving_the_last_column"))
-def test_negative_control_broken_kernel(kernel_backend, monkeypatch, rng, attr, n, old, new):
+def test_negative_control_broken_kernel(kernel_backend, broken_kernel, rng, attr, n, old, new):
     """A kernel broken in each variant: the harness must notice."""
-    spec = getattr(op_module, attr)
-    broken = _broken_template(monkeypatch, spec, old, new)
-    monkeypatch.setattr(op_module, attr, broken)
+    broken_kernel(getattr(op_module, attr), (old, new))
     y, z, w = make_inputs(rng, (3,), n, mx.float32, mx.float32)
-    try:
-        with pytest.raises(AssertionError, match="out of tolerance"):
-            run_and_check(y, z, w, 1e-5, mx.float32, kernel_backend)
-    finally:
-        _templates.render.cache_clear()
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check(y, z, w, 1e-5, mx.float32, kernel_backend)
 
 
 @pytest.mark.parametrize("attr, n, old", [
@@ -263,21 +159,16 @@ def test_negative_control_broken_kernel(kernel_backend, monkeypatch, rng, attr, 
     ("REGISTER_SPEC", 1000, "y_reg[j] * y_reg[j]"),
     ("LOOPED_SPEC", 4097, "v * v"),
 ])
-def test_negative_control_kernel_squaring_in_y_dtype(kernel_backend, monkeypatch, rng, attr, n,
-                                                      old):
+def test_negative_control_kernel_squaring_in_y_dtype(kernel_backend, broken_kernel, rng, attr,
+                                                      n, old):
     """y^2 rounded to y's own dtype (float16 overflows past |y| = 256): the large-magnitude
     check with y in z's dtype must notice; with y in float32 the change is a no-op."""
-    spec = getattr(op_module, attr)
-    broken = _broken_template(monkeypatch, spec, old, f"float(YT({old}))")
-    monkeypatch.setattr(op_module, attr, broken)
-    try:
-        y, z, w = large_inputs(rng, n, mx.float16, mx.float16)
-        with pytest.raises(AssertionError, match="out of tolerance"):
-            run_and_check(y, z, w, 1e-6, mx.float16, kernel_backend)
-        y, z, w = large_inputs(rng, n, mx.float16, mx.float32)
+    broken_kernel(getattr(op_module, attr), (old, f"float(YT({old}))"))
+    y, z, w = large_inputs(rng, n, mx.float16, mx.float16)
+    with pytest.raises(AssertionError, match="out of tolerance"):
         run_and_check(y, z, w, 1e-6, mx.float16, kernel_backend)
-    finally:
-        _templates.render.cache_clear()
+    y, z, w = large_inputs(rng, n, mx.float16, mx.float32)
+    run_and_check(y, z, w, 1e-6, mx.float16, kernel_backend)
 
 
 def test_negative_control_reference_squaring_in_y_dtype(monkeypatch, rng):
@@ -289,7 +180,7 @@ def test_negative_control_reference_squaring_in_y_dtype(monkeypatch, rng):
         out = w.astype(mx.float32) * y.astype(mx.float32) * inv_rms * (zf * mx.sigmoid(zf))
         return out.astype(z.dtype)
 
-    monkeypatch.setattr(op_module, "gated_rms_norm_reference", square_in_y_dtype)
+    monkeypatch.setattr(op_module, "_reference", square_in_y_dtype)
     y, z, w = large_inputs(rng, 128, mx.float16, mx.float16)
     with backends.use_backend("reference"), pytest.raises(AssertionError, match="out of tolerance"):
         run_and_check(y, z, w, 1e-6, mx.float16, "reference")
@@ -322,7 +213,7 @@ def test_negative_control_reference_without_gate(monkeypatch, rng):
         yf = y.astype(mx.float32)
         return (w * yf * mx.rsqrt(mx.mean(yf * yf, axis=-1, keepdims=True) + eps)).astype(z.dtype)
 
-    monkeypatch.setattr(op_module, "gated_rms_norm_reference", no_gate)
+    monkeypatch.setattr(op_module, "_reference", no_gate)
     y, z, w = make_inputs(rng, (4,), 64, mx.float32, mx.float32)
     with backends.use_backend("reference"), pytest.raises(AssertionError, match="out of tolerance"):
         run_and_check(y, z, w, 1e-5, mx.float32, "reference")

@@ -1,0 +1,170 @@
+"""fp4_qmm: float64 oracle from the formats' definitions, benchmark cases, checked calls."""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import numpy as np
+
+import mlx_metaltile as mt
+
+from .. import backends
+from ..ops.fp4_qmm import _choose, _split_k
+from ._base import DTYPES, BenchCase, assert_close, to_f64
+
+OP = "fp4_qmm"
+
+
+# ---- the oracle, from the format's definition ------------------------------------------
+
+def e2m1_value(code: np.ndarray) -> np.ndarray:
+    """E2M1: bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa; exponent 0 subnormal."""
+    code = code.astype(np.int64)
+    sign = np.where(code & 8, -1.0, 1.0)
+    e, m = (code >> 1) & 3, code & 1
+    mag = np.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * np.exp2(e - 1.0))
+    return sign * mag
+
+
+def scale_value(scales: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "e8m0":  # 2^(s - 127)
+        return np.exp2(scales.astype(np.float64) - 127.0)
+    if kind == "e4m3":  # 1 sign, 4 exponent bits (bias 7), 3 mantissa bits; 0x7F/0xFF as 480
+        b = scales.astype(np.int64)
+        e, m = (b >> 3) & 0xF, b & 7
+        mag = np.where(e == 0, m * 2.0**-9, (1.0 + m / 8.0) * np.exp2(e - 7.0))
+        return np.where(b & 0x80, -mag, mag)
+    return to_f64(scales)
+
+
+def dequantize64(w, scales, kind: str, group_size: int) -> np.ndarray:
+    words = np.array(w).astype(np.uint64)
+    n = words.shape[0]
+    codes = (words[:, :, None] >> (4 * np.arange(8, dtype=np.uint64))) & 0xF
+    values = e2m1_value(codes.reshape(n, -1))
+    s = np.repeat(scale_value(np.array(scales) if kind in ("e8m0", "e4m3") else scales, kind),
+                  group_size, axis=1)
+    return values * s
+
+
+def oracle(x, w, scales, kind, group_size):
+    """(out, magnitude): x @ W^T in float64 and the sum of |terms| behind each output."""
+    wdq = dequantize64(w, scales, kind, group_size)
+    xf = to_f64(x).reshape(-1, wdq.shape[1])
+    out = (xf @ wdq.T).reshape(*x.shape[:-1], wdq.shape[0])
+    mag = (np.abs(xf) @ np.abs(wdq).T).reshape(out.shape)
+    return out, mag
+
+
+# ---- inputs ---------------------------------------------------------------------------
+
+ALL_CODES = (0x76543210, 0xFEDCBA98)  # the 16 codes, -0 (0x8) included
+
+
+def make_w(rng, n, k) -> mx.array:
+    words = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint64).astype(np.uint32)
+    words[0, :2] = ALL_CODES
+    words[-1, -2:] = ALL_CODES[::-1]
+    return mx.array(words)
+
+
+def make_scales(rng, n, k, kind, group_size, spread=12) -> mx.array:
+    shape = (n, k // group_size)
+    if kind == "e8m0":  # exponents over [-spread, spread/2]: many binades in one matrix
+        return mx.array((127 + rng.integers(-spread, spread // 2 + 1, size=shape)).astype(np.uint8))
+    if kind == "e4m3":  # any finite E4M3 byte, both signs, subnormals included
+        b = rng.integers(0, 0x7F, size=shape)
+        return mx.array((b | (rng.integers(0, 2, size=shape) << 7)).astype(np.uint8))
+    # plain float scales over several binades, both signs
+    s = rng.choice((-1.0, 1.0), size=shape) * np.exp2(rng.uniform(-spread, spread / 2, shape))
+    return mx.array(s.astype(np.float32)).astype(getattr(mx, kind))
+
+
+def make_x(rng, lead, k, dtype, scale=1.0) -> mx.array:
+    return mx.array((rng.standard_normal((*lead, k)) * scale).astype(np.float32)).astype(dtype)
+
+
+def make_case(rng, m, n, k, dtype, kind="e8m0", group_size=32, lead=None):
+    lead = (m,) if lead is None else lead
+    return (make_x(rng, lead, k, dtype), make_w(rng, n, k),
+            make_scales(rng, n, k, kind, group_size))
+
+
+def run_and_check(x, w, scales, kind, group_size, backend, variant=None, expect=None):
+    """Run fp4_qmm, prove the expected kernel(s) ran, compare with the float64 oracle."""
+    dtype = x.dtype
+    n, k = w.shape[0], w.shape[1] * 8
+    m = x.size // k
+    spec = None if backend == "reference" else _choose(backend, m, variant)
+    launches = 1
+    if spec is not None and spec.variant.startswith("simdgroup") and \
+            _split_k(m, n, k)[0] > 1:
+        launches = 2  # the tile kernel's float32 partial sums, then fp4_qmm_splitk_sum
+    names = [] if expect is None else [f"fp4_qmm_{expect}"] + (
+        ["fp4_qmm_splitk_sum"] if launches == 2 else [])
+    before = backends.launch_count(backend=backend)
+    before_named = [backends.launch_count(name, backend) for name in names]
+    out = mt.fp4_qmm(x, w, scales, group_size=group_size, variant=variant)
+    mx.eval(out)
+    if backend != "reference":  # prove a kernel ran (never the reference against itself)
+        assert backends.launch_count(backend=backend) == before + launches
+        for name, count in zip(names, before_named, strict=True):
+            assert backends.launch_count(name, backend) == count + 1, name
+    assert out.dtype == dtype and tuple(out.shape) == (*x.shape[:-1], w.shape[0])
+    want, mag = oracle(x, w, scales, kind, group_size)
+    assert_close(out, want, dtype, magnitude=mag,
+                 what=f"fp4_qmm[{backend}, {variant or 'auto'}, {kind}/{group_size}]")
+    return out
+
+
+# One checked call per registered kernel variant (tests/test_registry.py runs them for
+# every registered variant on each kernel backend where it can run, so a variant added to
+# the registry fails there until it has one here).
+def _variant_call(variant, backend, rng):
+    """M = 9, N = 64, K = 256 forced onto a variant; the simdgroup kernel splits K in 8 here
+    and launches fp4_qmm_splitk_sum after it."""
+    x, w, s = make_case(rng, 9, 64, 256, mx.bfloat16)
+    run_and_check(x, w, s, "e8m0", 32, backend, variant=variant, expect=variant)
+
+
+VARIANT_CALLS = {
+    "qmv": functools.partial(_variant_call, "qmv"),
+    "simdgroup": functools.partial(_variant_call, "simdgroup"),
+    "mpp": functools.partial(_variant_call, "mpp"),
+    "splitk_sum": functools.partial(_variant_call, "simdgroup"),
+}
+
+
+# ---- benchmarks (mxfp4 weights, as mx.quantize(W, mode="mxfp4") makes them) -----------
+
+def _bench_oracle(x, w, scales):
+    return oracle(x, w, scales, "e8m0", 32)[0]
+
+
+def _bench_magnitude(x, w, scales):
+    return oracle(x, w, scales, "e8m0", 32)[1]
+
+
+def _native(x, w, scales):
+    return mx.quantized_matmul(x, w, scales, transpose=True, group_size=32, bits=4,
+                               mode="mxfp4")
+
+
+def bench_cases() -> list[BenchCase]:
+    out = []
+    for n, k in ((4096, 4096), (14336, 4096)):
+        for m in (1, 8, 32, 512):
+            for dtype in DTYPES:
+                def make(rng, m=m, n=n, k=k, dtype=dtype):
+                    wf = mx.array(rng.standard_normal((n, k), dtype=np.float32) * 0.02)
+                    w, scales = mx.quantize(wf, mode="mxfp4")[:2]
+                    x = mx.array(rng.standard_normal((m, k), dtype=np.float32)).astype(dtype)
+                    return dict(x=x, w=w, scales=scales)
+                nbytes = m * k * dtype.size + n * k // 2 + n * k // 32 + m * n * dtype.size
+                out.append(BenchCase(
+                    op=OP, label=f"M{m}-N{n}-K{k}", dtype=dtype, make=make,
+                    ours=mt.fp4_qmm, native=_native, oracle=_bench_oracle,
+                    nbytes=nbytes, flops=2 * m * n * k, magnitude=_bench_magnitude,
+                    quick=n == k and m in (1, 32) and dtype == mx.bfloat16))
+    return out

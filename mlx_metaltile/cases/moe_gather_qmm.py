@@ -1,0 +1,220 @@
+"""moe_gather_qmm: float64 oracle from the math, benchmark cases, checked calls."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from functools import partial
+
+import mlx.core as mx
+import numpy as np
+
+import mlx_metaltile as mt
+
+from .. import backends
+from ..ops.moe_gather_qmm import VARIANT_SPECS
+from . import _mxfp4
+from ._base import BenchCase, assert_close, to_f64
+
+OP = "moe_gather_qmm"
+
+
+# ---- the oracle, from the math ---------------------------------------------------------
+
+def round_to(values: np.ndarray, dtype) -> np.ndarray:
+    """float64 -> nearest value of ``dtype`` (ties to even), back in float64."""
+    if dtype == mx.float32:
+        return values.astype(np.float32).astype(np.float64)
+    if dtype == mx.float16:
+        return values.astype(np.float16).astype(np.float64)
+    # bfloat16: 8 significant bits; the exponent range of float32 (no subnormal values here).
+    mant, expo = np.frexp(values)
+    return np.ldexp(np.rint(mant * 256.0) / 256.0, expo)
+
+
+def unpack_codes(w: np.ndarray, bits: int) -> np.ndarray:
+    """[..., K*bits/32] uint32 words -> [..., K] codes, low bits first."""
+    per_word = 32 // bits
+    shifts = np.arange(per_word, dtype=np.uint64) * bits
+    codes = (w.astype(np.uint64)[..., None] >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*w.shape[:-1], w.shape[-1] * per_word).astype(np.float64)
+
+
+def oracle(x, w, scales, biases, indices, group_size, bits, dtype):
+    """out[m] = W[e_m] @ x[m], W = dtype(scale * q + bias); NaN rows for e_m outside [0, E).
+
+    Returns (out, magnitude): magnitude[m, n] = sum_k |x[m, k] * W[e_m, n, k]|. One expert
+    is dequantized at a time (the stacks of the benchmarks are large).
+    """
+    xf = to_f64(x)
+    ids = np.array(indices).astype(np.int64)
+    wn = np.array(w)
+    E, N = wn.shape[:2]
+    s = to_f64(scales)
+    b = to_f64(biases)
+    out = np.full((xf.shape[0], N), np.nan)
+    mag = np.zeros((xf.shape[0], N))
+    for e in np.unique(ids):
+        if not 0 <= e < E:
+            continue
+        q = unpack_codes(wn[e], bits)
+        wd = q * np.repeat(s[e], group_size, axis=-1) + np.repeat(b[e], group_size, axis=-1)
+        wt = round_to(wd, dtype)
+        rows = ids == e
+        out[rows] = xf[rows] @ wt.T
+        mag[rows] = np.abs(xf[rows]) @ np.abs(wt).T
+    return out, mag
+
+
+# ---- inputs ----------------------------------------------------------------------------
+
+def make_weights(rng, E, N, K, group_size, bits, dtype):
+    """Random codes and per-group scales/biases in mx.quantize's layout (scales of both signs)."""
+    w = mx.array(rng.integers(0, 2**32, size=(E, N, K * bits // 32), dtype=np.uint32))
+    scales = rng.standard_normal((E, N, K // group_size)) * 0.05
+    biases = rng.standard_normal((E, N, K // group_size)) * 0.5
+    return (w, mx.array(scales.astype(np.float32)).astype(dtype),
+            mx.array(biases.astype(np.float32)).astype(dtype))
+
+
+def make_case(rng, E, M, N, K, group_size, bits, dtype, ids=None, index_dtype=mx.uint32):
+    if ids is None:
+        ids = np.sort(rng.integers(0, E, size=M))
+    x = mx.array(rng.standard_normal((M, K)).astype(np.float32)).astype(dtype)
+    w, scales, biases = make_weights(rng, E, N, K, group_size, bits, dtype)
+    return x, w, scales, biases, mx.array(np.asarray(ids), dtype=index_dtype)
+
+
+def run_and_check(case, group_size, bits, dtype, backend, variant=None, what=""):
+    x, w, scales, biases, indices = case
+    name = VARIANT_SPECS[variant or "simdgroup"].name  # the kernel that must run
+    before = backends.launch_count(backend=backend)
+    before_all = backends.launch_count()
+    before_name = backends.launch_count(name, backend)
+    out = mt.moe_gather_qmm(x, w, scales, biases, indices, group_size=group_size, bits=bits,
+                            variant=variant)
+    mx.eval(out)
+    if backend != "reference":  # prove the kernel ran (never the reference against itself)
+        assert backends.launch_count(name, backend) == before_name + 1, name
+        assert backends.launch_count(backend=backend) == before + 1
+    else:  # the composite of native ops dispatches no kernel of ours
+        assert backends.launch_count() == before_all
+    assert out.dtype == dtype and tuple(out.shape) == (x.shape[0], w.shape[1])
+    want, mag = oracle(x, w, scales, biases, indices, group_size, bits, dtype)
+    valid = ~np.isnan(want[:, 0])
+    got = to_f64(out)
+    assert np.isnan(got[~valid]).all(), f"{what}: rows with an out-of-range expert must be NaN"
+    assert_close(got[valid], want[valid], dtype, magnitude=mag[valid],
+                 what=f"moe_gather_qmm[{backend}/{variant}]{what}")
+    if backend == "emulator":
+        # The emulator poisons outputs with NaN, the value of an out-of-range row: the byte
+        # counter proves every output element was written, and exactly once.
+        from mlx_metaltile import emulator
+
+        stats = emulator.last_launch_stats()
+        assert stats.kernel.startswith(f"mt_{name}"), stats.kernel
+        assert stats.bytes_written["out"] == out.size * dtype.size, (
+            f"{what}: {stats.bytes_written['out']} bytes written to out, "
+            f"expected each of the {out.size} elements once")
+    return out
+
+
+# One checked call per registered kernel variant (tests/test_registry.py runs them for
+# every registered variant on each kernel backend where it can run, so a variant added to
+# the registry fails there until it has one here).
+def _variant_call(variant, backend, rng):
+    case = make_case(rng, 4, 13, 64, 128, 64, 4, mx.bfloat16)
+    run_and_check(case, 64, 4, mx.bfloat16, backend, variant)
+
+
+VARIANT_CALLS = {v: functools.partial(_variant_call, v) for v in VARIANT_SPECS}
+
+
+# ---- benchmarks -------------------------------------------------------------------------
+
+def _bench_oracle(x, w, scales, biases, indices, *, group_size, bits):
+    return oracle(x, w, scales, biases, indices, group_size, bits, x.dtype)[0]
+
+
+def _bench_magnitude(x, w, scales, biases, indices, *, group_size, bits):
+    return oracle(x, w, scales, biases, indices, group_size, bits, x.dtype)[1]
+
+
+def _native(x, w, scales, biases, indices, *, group_size, bits):
+    # MLX's own call for sorted MoE rows (x as [M, 1, K]): per-pair matvecs unless every
+    # expert has >= 4 rows on average, then its tiled kernel.
+    out = mx.gather_qmm(x[:, None, :], w, scales, biases, rhs_indices=indices, transpose=True,
+                        group_size=group_size, bits=bits, sorted_indices=True)
+    return out.reshape(x.shape[0], w.shape[1])
+
+
+def _routing(tokens: int, n_experts: int, top_k: int, seed: int) -> np.ndarray:
+    """Sorted expert ids of ``tokens`` tokens, each routed to ``top_k`` distinct experts."""
+    rng = np.random.default_rng(seed)
+    ids = [rng.choice(n_experts, size=top_k, replace=False) for _ in range(tokens)]
+    return np.sort(np.concatenate(ids)).astype(np.uint32)
+
+
+def bench_cases() -> list[BenchCase]:
+    out = []
+    E, top_k, group_size = 128, 8, 64
+    for n, k in ((768, 2048), (2048, 768)):
+        for rows in (8, 32, 128, 1024):
+            for bits, dtype in itertools.product((4, 8), (mx.bfloat16, mx.float32)):
+                if dtype == mx.float32 and not (bits == 4 and n == 768 and rows in (8, 128)):
+                    continue  # float32: a few cases (MLX's CPU gather_qmm is exact only there)
+                ids = _routing(rows // top_k, E, top_k, seed=rows * 7 + n)
+
+                def make(rng, n=n, k=k, bits=bits, ids=ids, dtype=dtype):
+                    # Positive data: no cancellation, so the relative check of the suite holds.
+                    m = ids.shape[0]
+                    words = rng.integers(0, 2**32, size=(E, n, k * bits // 32), dtype=np.uint64)
+                    shape = (E, n, k // group_size)
+                    return dict(
+                        x=mx.array(rng.uniform(0.5, 1.0, (m, k)).astype(np.float32)).astype(dtype),
+                        w=mx.array(words.astype(np.uint32)),
+                        scales=mx.array(rng.uniform(0.5, 1.0, shape).astype(np.float32)
+                                        / (1 << bits)).astype(dtype),
+                        biases=mx.array(rng.uniform(0.0, 0.5, shape).astype(np.float32)).astype(dtype),
+                        indices=mx.array(ids))
+
+                touched = len(np.unique(ids))
+                w_bytes = touched * n * (k * bits // 8 + 2 * (k // group_size) * dtype.size)
+                nbytes = rows * k * dtype.size + w_bytes + rows * 4 + rows * n * dtype.size
+                kw = dict(group_size=group_size, bits=bits)
+                out.append(BenchCase(
+                    op=OP, label=f"M{rows}-N{n}-K{k}-E{E}-b{bits}", dtype=dtype,
+                    make=make, ours=partial(mt.moe_gather_qmm, **kw),
+                    native=partial(_native, **kw), oracle=partial(_bench_oracle, **kw),
+                    magnitude=partial(_bench_magnitude, **kw),
+                    nbytes=nbytes, flops=2 * rows * n * k,
+                    quick=rows in (8, 128) and n == 768 and bits == 4 and dtype == mx.bfloat16))
+    return out + _mxfp4_cases()
+
+
+def _mxfp4_native(x, w, scales, indices):
+    y = mx.gather_qmm(x[:, None, :], w, scales, None, rhs_indices=indices, transpose=True,
+                      mode="mxfp4", sorted_indices=True)
+    return y.reshape(x.shape[0], w.shape[1])
+
+
+def _mxfp4_cases(dtype=mx.bfloat16) -> list[BenchCase]:
+    """gpt-oss-20b's mxfp4 experts: expert-sorted rows of tokens x top_k (verification
+    blocks, prefill)."""
+    E, top_k, n, k = (_mxfp4.GPT_OSS_20B[key] for key in ("E", "top_k", "n", "k"))
+    out = []
+    for rows in (8, 32, 128):
+        ids = np.sort(_mxfp4.routing(rows // top_k, E, top_k, seed=rows).reshape(-1))
+        touched = len(np.unique(ids))
+        nbytes = (rows * k * dtype.size + touched * n * (k // 2 + k // 32) + rows * 4
+                  + rows * n * dtype.size)
+        out.append(BenchCase(
+            op=OP, label=f"gpt-oss-20b-mxfp4-M{rows}-N{n}-K{k}-E{E}",
+            dtype=dtype, make=partial(_mxfp4.make, rows_x=(rows,), ids=ids, dtype=dtype, E=E,
+                                      n=n, k=k),
+            ours=partial(mt.moe_gather_qmm, biases=None, mode="mxfp4", group_size=32,
+                         bits=4), native=_mxfp4_native,
+            oracle=partial(_mxfp4.products, rounded=True, absolute=False),
+            magnitude=partial(_mxfp4.products, rounded=True, absolute=True),
+            nbytes=nbytes, flops=2 * rows * n * k, quick=rows == 32))
+    return out
