@@ -1,7 +1,7 @@
 """Compile the CUDA translation of every registered kernel, without a GPU (test tooling).
 
-Each kernel template gives one translation unit holding all its instantiations (the op
-module's ``instantiations(spec)`` hook), in exactly the text MLX's cuda_kernel builds, plus
+Each kernel template gives one translation unit holding all its instantiations (those its
+spec declares, ``instantiations(spec)``), in exactly the text MLX's cuda_kernel builds, plus
 one instantiation with the overhanging-grid guard. Two compilers can check it:
 
   * nvcc, device code only (``-cubin``: front end, optimiser and ptxas, so shared-memory and

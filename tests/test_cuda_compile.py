@@ -1,7 +1,7 @@
 """Every registered kernel, translated for MLX's CUDA backend, compiles for sm_90.
 
 No GPU is needed: this catches translation errors in CI. Each kernel template makes one
-translation unit with all the instantiations its op module declares
+translation unit with all the instantiations its spec declares
 (``instantiations(spec)``), in the exact text MLX's cuda_kernel builds; the units compile in
 parallel with nvcc (device code only, -cubin) and, where libnvrtc is found, also with NVRTC
 under the options MLX's JIT uses.
