@@ -22,6 +22,36 @@ inline float mt_threadgroup_sum(float value, threadgroup float* scratch, uint si
   return simd_sum(total);
 }
 
+// Maximum of one float per thread over the whole threadgroup; as mt_threadgroup_sum (every
+// thread calls it, `scratch` a kernel-scope `threadgroup float[32]`, all threads get it).
+inline float mt_threadgroup_max(float value, threadgroup float* scratch, uint simd_lane,
+                                uint simd_group, uint n_simd_groups) {
+  value = simd_max(value);
+  if (simd_lane == 0) {
+    scratch[simd_group] = value;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float top = simd_lane < n_simd_groups ? scratch[simd_lane] : 0.0f;
+  return simd_max(top);
+}
+
+// RMS normalisation that keeps the range of the math. With m > 0 the row's max |y| (1 for
+// an all-zero row) and ss = sum_j (y_j / m)^2 (in [1, n], or 0 for a zero row), returns k
+// such that y * rsqrt(mean(y^2) + eps) == (y / m) * k. Never forms mean(y^2) itself, which
+// overflows float32 from |y| ~ 1.8e19 / sqrt(n) and underflows for tiny y: k is finite
+// whenever the RMS of y is a finite float32 and the row is not all zero with eps = 0 (that
+// row gives NaN, the math's 0/0, as mx.fast.rms_norm does).
+inline float mt_rms_factor(float m, float ss, uint n, float eps) {
+  const float ms = ss / float(n);                   // mean((y/m)^2), in [1/n, 1]
+  const float r = m * metal::precise::sqrt(ms);     // the row's RMS
+  const float se = metal::precise::sqrt(eps);
+  if (r >= se) {  // m / sqrt(r^2 + eps) = rsqrt(ms) / sqrt(1 + eps / r^2), eps / r^2 <= 1
+    return metal::precise::rsqrt(ms) * metal::precise::rsqrt(1.0f + (eps / r) / r);
+  }
+  const float t = r / se;  // eps dominates: m / sqrt(eps) / sqrt(1 + r^2 / eps), m/se < sqrt(n)
+  return (m / se) * metal::precise::rsqrt(1.0f + t * t);
+}
+
 // silu(z) = z * sigmoid(z) = z / (1 + exp(-z)); exp(-z) = inf for very negative z gives -0.
 inline float mt_silu(float z) {
   return z / (1.0f + metal::exp(-z));
