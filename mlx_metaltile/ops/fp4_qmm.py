@@ -166,6 +166,16 @@ def _table(name: str) -> mx.array:
 
 def fp4_dequantize_reference(w: mx.array, scales: mx.array, group_size: int = 32) -> mx.array:
     """The float32 weights [N, K] that ``fp4_qmm`` multiplies by (pure MLX)."""
+    return _dequantize(w, scales, group_size, 1.0)
+
+
+# code * scale overflows float32 for scales above FLT_MAX / 6 (E8M0 bytes 252..254): the
+# products run on weights times WEIGHT_FACTOR (a power of two, exact; |code| <= 6 < 8) and
+# the result is divided by it, so every result below float32's max stays finite.
+WEIGHT_FACTOR = 0.125
+
+
+def _dequantize(w: mx.array, scales: mx.array, group_size: int, factor: float) -> mx.array:
     mode = _scale_mode(scales, group_size)
     n, kw = w.shape
     shifts = mx.arange(0, 32, 4, dtype=mx.uint32)
@@ -175,7 +185,7 @@ def fp4_dequantize_reference(w: mx.array, scales: mx.array, group_size: int = 32
         s = scales.astype(mx.float32)
     else:
         s = mx.take(_table("e8m0" if mode == SCALE_E8M0 else "e4m3"), scales.astype(mx.uint32))
-    values = values.reshape(n, -1, group_size) * s[:, :, None]
+    values = values.reshape(n, -1, group_size) * (s * factor)[:, :, None]
     return values.reshape(n, kw * 8)
 
 
@@ -183,8 +193,8 @@ def fp4_qmm_reference(x: mx.array, w: mx.array, scales: mx.array, *,
                       group_size: int = 32) -> mx.array:
     """Pure-MLX composite of the same math (float32 products and sums, rounded once)."""
     _check_fp4_qmm(x, w, scales, group_size)
-    wdq = fp4_dequantize_reference(w, scales, group_size)
-    out = mx.matmul(x.astype(mx.float32), wdq.T)
+    wdq = _dequantize(w, scales, group_size, WEIGHT_FACTOR)
+    out = mx.matmul(x.astype(mx.float32), wdq.T) * (1.0 / WEIGHT_FACTOR)
     return out.astype(x.dtype)
 
 
