@@ -2,11 +2,13 @@
 // results of sdpa_multi.metal into the output rows.
 //
 // MATH (per output row, float32, base-2 exponentials, rounded once to T):
-//   M = max_s m_s;  w_s = 2^(m_s - M);  out[d] = (sum_s w_s * o_s[d]) / (sum_s w_s * lsum_s)
-//   w_s is taken as 1 when m_s == M. A slice that saw no key of the row has
+//   M = max_s m_s;  w_s = 2^(m_s - M) lsum_s;  out[d] = sum_s (w_s / sum_t w_t) * o_s[d]
+//   (o_s is the slice's softmax @ v, already divided by lsum_s); 2^(m_s - M) is taken as 1
+//   when m_s == M. The weights w_s / sum_t w_t sum to 1, so no partial sum exceeds max |v|
+//   (COST: one more loop over the (m, lsum) pairs of the row, no extra read of o_part). A slice that saw no key of the row has
 //   m_s = -INFINITY, lsum_s = 0, o_s = 0, so w_s = 2^-inf = 0 once any slice saw a key
 //   (whatever the finite scores: M may be anything down to -FLT_MAX), and no
-//   2^(-inf - -inf) = NaN is formed when none did; a row with sum_s w_s * lsum_s == 0
+//   2^(-inf - -inf) = NaN is formed when none did; a row with sum_s w_s == 0
 //   (never produced by the wrapper, since every row sees key 0) is written as 0, not NaN.
 //   Relies on IEEE infinities, as sdpa_multi.metal does (MLX's default "safe" math mode).
 //
@@ -22,8 +24,8 @@
 //   No threadgroup memory.
 //
 // REDUCTION ORDER: slices are merged in increasing slice order.
-// TRAFFIC: every lane reads each (m, lsum) of its row at the same address (the emulator's
-//   counters see 32 reads of it); o_part is read once, out written once.
+// TRAFFIC: every lane reads each (m, lsum) of its row at the same address, in three loops (the
+//   emulator's counters see 32 reads per loop); o_part is read once, out written once.
 // Checked only on a Mac: that Apple's compiler accepts the body, and the speed.
 // ---- kernel body ----
 constexpr int DPL = D / 32;
@@ -43,21 +45,25 @@ for (uint s = 0; s < ns; ++s) {
   m_max = max(m_max, ml_part[(first + s) * 2u]);
 }
 
+float w_sum = 0.0f;
+for (uint s = 0; s < ns; ++s) {
+  const float m_s = ml_part[(first + s) * 2u];
+  w_sum += (m_s == m_max ? 1.0f : exp2(m_s - m_max)) * ml_part[(first + s) * 2u + 1u];
+}
+const float inv = w_sum > 0.0f ? 1.0f / w_sum : 0.0f;
+
 float acc[DPL];
 for (int c = 0; c < DPL; ++c) {
   acc[c] = 0.0f;
 }
-float l_sum = 0.0f;
 for (uint s = 0; s < ns; ++s) {
   const size_t entry = first + s;
   const float m_s = ml_part[entry * 2u];
-  const float w = m_s == m_max ? 1.0f : exp2(m_s - m_max);
-  l_sum += w * ml_part[entry * 2u + 1u];
+  const float w = (m_s == m_max ? 1.0f : exp2(m_s - m_max)) * ml_part[entry * 2u + 1u] * inv;
   for (int c = 0; c < DPL; ++c) {
     acc[c] += w * o_part[entry * D + lane + 32u * uint(c)];
   }
 }
-const float inv = l_sum > 0.0f ? 1.0f / l_sum : 0.0f;
 for (int c = 0; c < DPL; ++c) {
-  out[size_t(row) * D + lane + 32u * uint(c)] = T(acc[c] * inv);
+  out[size_t(row) * D + lane + 32u * uint(c)] = T(acc[c]);
 }

@@ -256,8 +256,9 @@ def test_combine_of_empty_and_extreme_slices(kernel_backend, poisoned_outputs, r
     m_max = m.max(axis=1, keepdims=True)
     with np.errstate(invalid="ignore"):  # -inf - -inf in the all-empty row, masked here
         w = np.where(m == -inf, 0.0, np.exp2(m - m_max))
+    w = w * ml[..., 1]  # o of a slice is its softmax @ v, already divided by its lsum
     num = np.einsum("rs,rsd->rd", w, o.astype(np.float64))
-    den = (w * ml[..., 1]).sum(axis=1)[:, None]
+    den = w.sum(axis=1)[:, None]
     want = np.divide(num, den, out=np.zeros_like(num), where=den > 0)
     magnitude = np.divide(np.einsum("rs,rsd->rd", w, np.abs(o)), den,
                           out=np.zeros_like(num), where=den > 0)
