@@ -312,9 +312,9 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
       group_size: 32, 64 or 128. bits: 4 or 8.
       variant: None (choose from the device), ``"simdgroup"`` or ``"mpp"``: a kernel
         backend's choice; a variant that cannot run on the current backend, or any variant
-        on the reference backend, raises ValueError (as in ``fp4_qmm``). The ``mpp``
-        path stages float16/bfloat16 operands as half: bfloat16 activations beyond half's
-        range (|x| > 65504) overflow there; ``simdgroup`` has no such limit.
+        on the reference backend, raises ValueError (as in ``fp4_qmm``). Both variants
+        stage x and the weights in x's own dtype (exact), so the same inputs give the same
+        products on either; ``mpp`` needs MetalPerformancePrimitives (macOS >= 26.2).
 
     Requires N % 32 == 0 and K % 32 == 0. Each weight is dequantised as
     ``T(scale * q + bias)`` (rounded once to x's dtype, as MLX's quantized kernels see it)
