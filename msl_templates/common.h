@@ -57,6 +57,22 @@ inline float mt_silu(float z) {
   return z / (1.0f + metal::exp(-z));
 }
 
+// Attention scores in two factors, so that scores beyond float32's range still order keys:
+// c = a * b with b a power of two (exact) and |a| < 4. Returns (a, b): (c, 1) for |c| < 1,
+// else b = 2^min(e + 1, 126) for c = f * 2^e (1 <= |f| < 2; 2^-126 is the smallest normal
+// reciprocal). A kernel keeps its scores as d = a * q.k (|a * q| < 4|q|, where c * q
+// overflows float32 for c = 1e38 and q = 3) and weighs a key by
+// 2^(b * (d - max d)); b * (d - max d) equals c * q.k - max exactly (b is a power of two)
+// wherever c * q.k is finite, and is -inf (weight 0) where the difference is out of range.
+inline float2 mt_score_unit(float c) {
+  const uint e = (as_type<uint>(c) >> 23) & 0xFFu;  // biased exponent of c
+  if (e < 127u) {  // |c| < 1 (the common case: scale ~ 1/sqrt(D))
+    return float2(c, 1.0f);
+  }
+  const uint k = min(e - 126u, 126u);
+  return float2(c * as_type<float>((127u - k) << 23), as_type<float>((127u + k) << 23));
+}
+
 // ---- fp4 (E2M1) weights and their block scales (MLX's mxfp4 / nvfp4 layouts) ----------
 //
 // E2M1 code (4 bits): bit 3 sign, bits 2-1 exponent, bit 0 mantissa; magnitudes

@@ -204,6 +204,31 @@ def test_sdpa_multi_large_values_low_precision(backend, rng, dtype):
     assert_close(out, want, dtype, mag, what=f"sdpa_multi[{backend}] {dtype}")
 
 
+@pytest.mark.parametrize("backend", backend_params(*ALL_BACKENDS))
+@pytest.mark.parametrize("dtype", (mx.float32, mx.bfloat16), ids=("float32", "bfloat16"))
+@pytest.mark.parametrize("scale", (1e38, -1e38, 2.3e38, 1e30), ids=lambda s: f"scale{s:g}")
+def test_sdpa_multi_scores_beyond_float32(backend, monkeypatch, rng, dtype, scale):
+    """scale up to the limit with ordinary q, k: scale * q.k beyond float32's range, but the
+    softmax is exactly one-hot (score gaps of ~1e28 and more), so the output is v of the
+    best key; over several KV slices (the combine merges maxima of such scores)."""
+    require_backend(backend)
+    monkeypatch.setattr(sdpa, "MIN_SPLIT_BLOCKS", 1)  # 32-key slices
+    monkeypatch.setattr(sdpa, "MIN_KEYS_PER_ROW", 0)
+    monkeypatch.setattr(sdpa, "TARGET_THREADS", 1 << 30)
+    q, k, v = (mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+               for shape in ((1, 2, 4, 64), (1, 2, 96, 64), (1, 2, 96, 64)))
+    with backends.use_backend(backend):
+        before = backends.launch_count(backend=backend)
+        out = mt.sdpa_multi(q, k, v, scale=scale)
+        mx.eval(out)
+        launched(backend, before)
+    if backend != "reference":
+        assert sdpa.plan(1, 2, 2, 4, 64, 96, dtype)["n_splits"] == 3
+    want, _ = sdpa_oracle(q, k, v, scale)
+    magnitude, _ = sdpa_oracle(q, k, mx.abs(v), scale)  # one-hot: no score rounding term
+    assert_close(out, want, dtype, magnitude, what=f"sdpa_multi[{backend}] scale {scale:g}")
+
+
 # ---- fp4_qmm ---------------------------------------------------------------------------
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
@@ -321,11 +346,18 @@ def sweep_gated_rms_norm(backend, rng):
 
 def sweep_sdpa_multi(backend, rng):
     bad = total = 0
-    for e in range(-36, 39, 6):
+    for e in range(-36, 39, 6):  # |v|, over 2048 keys
         q, k, v = sdpa_inputs(rng, 2048, 10.0**e)
         with backends.use_backend(backend):
             out = mt.sdpa_multi(q, k, v, scale=0.125)
         b, t = silent(out, sdpa_oracle(q, k, v, 0.125)[0])
+        bad, total = bad + b, total + t
+    for e in range(-30, 39, 4):  # scale, with ordinary q and k
+        q, k, v = sdpa_inputs(rng, 96, 1.0)
+        scale = 2.3 * 10.0**e if e == 38 else 10.0**e
+        with backends.use_backend(backend):
+            out = mt.sdpa_multi(q, k, v, scale=scale)
+        b, t = silent(out, sdpa_oracle(q, k, v, scale)[0])
         bad, total = bad + b, total + t
     return bad, total
 

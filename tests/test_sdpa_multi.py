@@ -267,7 +267,8 @@ def test_combine_of_empty_and_extreme_slices(kernel_backend, poisoned_outputs, r
     (out,) = backends.launch(
         op_module.COMBINE_SPEC, kernel_backend,
         inputs=(mx.array(o), mx.array(ml), mx.array(n_rows, dtype=mx.uint32),
-                mx.array(n_splits, dtype=mx.uint32)),
+                mx.array(n_splits, dtype=mx.uint32),
+                mx.array(0.5)),  # a scale below 1: the maxima are the base-2 scores as given
         input_names=op_module._COMBINE_INPUTS, output_names=op_module._COMBINE_OUTPUTS,
         template=(("T", dtype), ("D", D)), grid=(32 * op_module.COMBINE_ROWS, 1, 1),
         threadgroup=(32 * op_module.COMBINE_ROWS, 1, 1), output_shapes=((n_rows, D),),
@@ -645,7 +646,7 @@ def test_negative_control_causal_off_by_one(kernel_backend, monkeypatch, rng):
 def test_negative_control_combine_without_rescale(kernel_backend, monkeypatch, rng):
     """Merging KV slices without rescaling by 2^(m_s - M) must fail the oracle check."""
     broken = _broken_template(monkeypatch, op_module.COMBINE_SPEC,
-                              "exp2(m_s - m_max)", "1.0f")
+                              "exp2(unit * (m_s - m_max))", "1.0f")
     monkeypatch.setattr(op_module, "COMBINE_SPEC", broken)
     q, k, v = make_inputs(rng, 1, 4, 2, 1, 600, 64, mx.float32)
     assert op_module.plan(1, 4, 2, 1, 64, 600, mx.float32)["n_splits"] > 1
