@@ -153,8 +153,11 @@ def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float = 1e-5
       z: ``[..., n]`` float32/float16/bfloat16 (the gate); sets the output dtype.
       weight: ``[n]`` in z's dtype.
       eps: finite, >= 0; a runtime input (changing it does not rebuild the kernel).
+        With eps = 0 an all-zero row gives NaN (the math's 0/0, as mx.fast.rms_norm).
 
-    Returns: an array of z's shape and dtype, computed in float32 and rounded once.
+    Returns: an array of z's shape and dtype, computed in float32 and rounded once. Each row
+    is scaled by its max |y| before squaring, so any row whose RMS is a finite float32 (from
+    subnormal y to |y| near float32's max) is normalised right.
     """
     n, rows, eps = _check_gated_rms_norm(y, z, weight, eps)
     if rows == 0:
