@@ -22,9 +22,55 @@ inline float mt_threadgroup_sum(float value, threadgroup float* scratch, uint si
   return simd_sum(total);
 }
 
+// Maximum of one float per thread over the whole threadgroup; as mt_threadgroup_sum (every
+// thread calls it, `scratch` a kernel-scope `threadgroup float[32]`, all threads get it).
+inline float mt_threadgroup_max(float value, threadgroup float* scratch, uint simd_lane,
+                                uint simd_group, uint n_simd_groups) {
+  value = simd_max(value);
+  if (simd_lane == 0) {
+    scratch[simd_group] = value;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float top = simd_lane < n_simd_groups ? scratch[simd_lane] : 0.0f;
+  return simd_max(top);
+}
+
+// RMS normalisation that keeps the range of the math. With m > 0 the row's max |y| (1 for
+// an all-zero row) and ss = sum_j (y_j / m)^2 (in [1, n], or 0 for a zero row), returns k
+// such that y * rsqrt(mean(y^2) + eps) == (y / m) * k. Never forms mean(y^2) itself, which
+// overflows float32 from |y| ~ 1.8e19 / sqrt(n) and underflows for tiny y: k is finite
+// whenever the RMS of y is a finite float32 and the row is not all zero with eps = 0 (that
+// row gives NaN, the math's 0/0, as mx.fast.rms_norm does).
+inline float mt_rms_factor(float m, float ss, uint n, float eps) {
+  const float ms = ss / float(n);                   // mean((y/m)^2), in [1/n, 1]
+  const float r = m * metal::precise::sqrt(ms);     // the row's RMS
+  const float se = metal::precise::sqrt(eps);
+  if (r >= se) {  // m / sqrt(r^2 + eps) = rsqrt(ms) / sqrt(1 + eps / r^2), eps / r^2 <= 1
+    return metal::precise::rsqrt(ms) * metal::precise::rsqrt(1.0f + (eps / r) / r);
+  }
+  const float t = r / se;  // eps dominates: m / sqrt(eps) / sqrt(1 + r^2 / eps), m/se < sqrt(n)
+  return (m / se) * metal::precise::rsqrt(1.0f + t * t);
+}
+
 // silu(z) = z * sigmoid(z) = z / (1 + exp(-z)); exp(-z) = inf for very negative z gives -0.
 inline float mt_silu(float z) {
   return z / (1.0f + metal::exp(-z));
+}
+
+// Attention scores in two factors, so that scores beyond float32's range still order keys:
+// c = a * b with b a power of two (exact) and |a| < 4. Returns (a, b): (c, 1) for |c| < 1,
+// else b = 2^min(e + 1, 126) for c = f * 2^e (1 <= |f| < 2; 2^-126 is the smallest normal
+// reciprocal). A kernel keeps its scores as d = a * q.k (|a * q| < 4|q|, where c * q
+// overflows float32 for c = 1e38 and q = 3) and weighs a key by
+// 2^(b * (d - max d)); b * (d - max d) equals c * q.k - max exactly (b is a power of two)
+// wherever c * q.k is finite, and is -inf (weight 0) where the difference is out of range.
+inline float2 mt_score_unit(float c) {
+  const uint e = (as_type<uint>(c) >> 23) & 0xFFu;  // biased exponent of c
+  if (e < 127u) {  // |c| < 1 (the common case: scale ~ 1/sqrt(D))
+    return float2(c, 1.0f);
+  }
+  const uint k = min(e - 126u, 126u);
+  return float2(c * as_type<float>((127u - k) << 23), as_type<float>((127u + k) << 23));
 }
 
 // ---- fp4 (E2M1) weights and their block scales (MLX's mxfp4 / nvfp4 layouts) ----------

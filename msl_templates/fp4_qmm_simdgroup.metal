@@ -11,6 +11,12 @@
 //   wdq is exact in float32 for E8M0 / E4M3 scales (a code times a power of two or a 4-bit
 //   mantissa) and one float32 rounding for float scales; nothing is rounded to T before the
 //   products, so no scale exponent can overflow a half staging buffer.
+// RANGE: code * scale overflows float32 for scales above FLT_MAX / 6 (E8M0 bytes 252..254,
+//   2^125..2^127), though the result may be far below it: the tiles are staged as
+//   wdq / 8 (|code| <= 6 < 8; exact, a power of two) and the accumulator is multiplied by 8
+//   when stored, so any result that is finite in float32 comes out finite. COST: one
+//   multiply per stored output. (wdq / 8 is subnormal for E8M0 bytes 1..3: exact where the
+//   GPU keeps float32 subnormals, as the emulator does.)
 //
 // LAYOUT (row-contiguous): x [M, K] T; w [N, K / 8] uint32 (code j of a word at bits
 //   [4j, 4j + 4)); scales [N, K / GS] ST; out [parts, M, N] OT. m_rows, n_cols, k_cols,
@@ -90,7 +96,7 @@ for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
     xv[j] = x_row_ok ? float(x[x_off + k0 + j]) : 0.0f;
   }
   const uint word = w[w_off + k0 / 8];
-  const float s = mt_fp4_scale<SCALE_MODE>(scales[s_off + ((k0 + lc) >> gs_shift)]);
+  const float s = 0.125f * mt_fp4_scale<SCALE_MODE>(scales[s_off + ((k0 + lc) >> gs_shift)]);
 
   threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous step's loads are done
   for (uint j = 0; j < 8; ++j) {
@@ -128,6 +134,6 @@ threadgroup_barrier(mem_flags::mem_threadgroup);
 if (x_row_ok) {
   const size_t o_off = (size_t(threadgroup_position_in_grid.z) * M + m_tile + lr) * N + n_tile + lc;
   for (uint j = 0; j < 8; ++j) {
-    out[o_off + j] = OT(xs[lr * LD + lc + j]);
+    out[o_off + j] = OT(8.0f * xs[lr * LD + lc + j]);  // undoes the staged wdq / 8
   }
 }

@@ -5,9 +5,10 @@
 //   e        = indices[m]
 //   W[n, k]  = T(scale[e, n, k / gs] * q[e, n, k] + bias[e, n, k / gs])  (rounded once to T)
 //   out[m,n] = T( sum_k float(x[m, k]) * float(W[n, k]) )  if e < E, else NaN
-//   Operands are staged in ST = float for float32 and half for float16 and bfloat16: a
-//   bfloat16 weight, already rounded to bfloat16, is exact in half; a bfloat16 activation is
-//   exact in half within half's range (|x| <= 65504, and above 2^-14 for full precision).
+//   Operands are staged in T itself (float, half or bfloat: matmul2d takes (bfloat, bfloat,
+//   float) as it takes (half, half, float)), so x and the weights, already rounded to T, are
+//   staged exactly: a bfloat16 weight or activation keeps its range (half would overflow
+//   beyond +-65504 and lose bits below 2^-14), and every variant gives the same products.
 //
 // LAYOUTS: as moe_gather_qmm_simdgroup.metal (x [M, K], w [E, N, K * BITS / 32] uint32,
 //   scales/biases [E, N, K / GROUP_SIZE], indices [M], out [M, N]; n_rows, n_experts,
@@ -33,7 +34,7 @@
 //   threadgroup = (32, 1, 1): one simdgroup (the matmul's execution_simdgroup scope)
 //   grid        = (32 * N / 32, 8, ceil(M / 8)) threads
 //   N % 32 == 0, K % 32 == 0, GROUP_SIZE % 32 == 0 (a 32-wide K block is in one group)
-//   threadgroup memory: 2 x (8 x 16 + 32 x 16) ST = 2,560 bytes (half) or 5,120 (float)
+//   threadgroup memory: 2 x (8 x 16 + 32 x 16) ST = 2,560 bytes (half, bfloat) or 5,120 (float)
 //   Built only where the wrapper found MetalPerformancePrimitives (macOS >= 26.2, GPU
 //   generation >= 17); without Metal 4 the body is an #error, never an empty kernel.
 //
@@ -44,7 +45,7 @@
 //   the slots of a tile that lead no run exit after those reads.
 //
 // ONLY CHECKED ON A MAC: that Apple's compiler accepts the tensor views and the (8, 32, 16)
-//   descriptor with half / float operands on threadgroup memory (MLX's NAX kernels use
+//   descriptor with half / bfloat / float operands on threadgroup memory (MLX's NAX kernels use
 //   (16, 32, 16) with cooperative-tensor operands and relaxed precision; M = 8 rows and
 //   threadgroup-memory operands are this kernel's design, and Apple's published headers do
 //   not say whether the matrix units run them at full rate), the cooperative-tensor layout
@@ -59,16 +60,6 @@
 #include <metal_tensor>
 #include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>
 #endif
-
-// The staging (operand) type of activation dtype T: float for float32, else half.
-template <typename T>
-struct mt_moe_stage {
-  using type = half;
-};
-template <>
-struct mt_moe_stage<float> {
-  using type = float;
-};
 
 // Dequantise 16 consecutive codes of one weight row that lie in one quantisation group,
 // rounding each weight once to T (returned as float). `words` points at the first word.
@@ -86,7 +77,7 @@ inline void mt_moe_dequant16(WordPtr words, float scale, float bias, thread floa
 }
 // ---- kernel body ----
 #if defined(__METAL_VERSION__) && __METAL_VERSION__ >= 400
-using ST = typename mt_moe_stage<T>::type;
+using ST = T;  // the staging (operand) type: exact for x and for weights rounded to T
 constexpr uint BM = 8;     // rows per tile (matmul M)
 constexpr uint BN = 32;    // output columns per threadgroup (matmul N)
 constexpr uint BK = 32;    // K block staged per iteration

@@ -7,11 +7,22 @@
 //   row r = g * L + l is query l of query head kvh * G + g (G = Hq / Hkv)
 //   visible keys: j < kv_len, and j <= kv_len - L + l when causal (bottom-right aligned)
 //   s_j = (scale * log2(e)) * dot(q_r, k_j)             (`scale` arrives pre-multiplied)
+//   held as d_j = a * dot(q_r, k_j) with (a, b) = mt_score_unit(scale * log2(e)) (common.h):
+//   s_j - m = b * (d_j - max d), exact; m below is kept in units of d (b = 1 for |scale *
+//   log2(e)| < 1, where d = s), so scores beyond float32's range (scale 1e38, ordinary q, k)
+//   still weigh their keys right.
 //   for the visible keys j of this slice: m = max_j s_j,  lsum = sum_j 2^(s_j - m),
-//   o[d] = sum_j 2^(s_j - m) * v_j[d]                   (not divided by lsum)
-//   softmax(scale * q.k) @ v == (sum_s 2^(m_s - M) o_s) / (sum_s 2^(m_s - M) lsum_s) over
-//   the slices s, M = max_s m_s. A slice that sees no key of a row writes m = -INFINITY,
-//   lsum = 0, o = 0.
+//   o[d] = sum_j 2^(s_j - m) * v_j[d] / lsum            (the slice's softmax @ v)
+//   softmax(scale * q.k) @ v == sum_s (2^(m_s - M) lsum_s / W) o_s, W = sum_s 2^(m_s - M)
+//   lsum_s, over the slices s, M = max_s m_s. A slice that sees no key of a row writes
+//   m = -INFINITY, lsum = 0, o = 0.
+//
+// RANGE: o is kept divided by the running lsum (after each 32-key block, the old o and the
+//   block's p_j are weighted by lsum_old * alpha / lsum_new and p_j / lsum_new, which sum to
+//   1), so every partial sum is a convex combination of v rows: it never exceeds max |v|,
+//   where sum_j p_j v_j overflows float32 once kv_len * |v| does. COST: per row and block,
+//   one simd_sum (the block's sum of p, which the lanes kept apart before) and a division;
+//   per score one more multiply (by b, in the exponent); no extra pass over K or V.
 //
 // SPECIAL VALUES: masked keys and the running maximum before the first visible key are
 //   -INFINITY, so any finite score (down to -FLT_MAX) is above them. The rescale factor
@@ -29,6 +40,7 @@
 //   o_part [B*Hq*L, n_splits, D] float32, ml_part [B*Hq*L, n_splits, 2] float32 (m, lsum)
 //   0-d runtime inputs: n_q (L), group (G), kv_len, kv_rows (S), chunk (keys per slice,
 //   a multiple of 32), causal (0/1) as uint, scale (float, times log2(e)).
+//   ml_part's m is in units of d (as above): the combine takes the same scale to undo them.
 //   Template: T, D (head dim, multiple of 32), RS (rows per simdgroup), DC (columns
 //   staged at a time: D or D/2, a multiple of 32, with 32 * DC * sizeof(T) <= 16 KiB).
 //
@@ -56,7 +68,7 @@
 //   measured). A larger row tile would pay off with a simdgroup_matrix variant.
 //
 // REDUCTION ORDER: scores accumulate over d in increasing order; l and o accumulate over the
-//   keys of a slice in increasing block order; lanes' partial l are summed with simd_sum.
+//   keys of a slice in increasing block order; a block's p are summed with simd_sum.
 //
 // Checked only on a Mac: that Apple's compiler accepts the body as written (the register
 //   arrays are indexed with compile-time indices once the constant-trip loops unroll;
@@ -108,7 +120,9 @@ const uint n_rows = group * L;                // query rows that share this KV h
 const uint kvn = min(kv_len, kv_rows);     // the wrapper ensures kv_len <= S; never read past S
 const uint chunk_keys = chunk;
 const bool is_causal = causal != 0u;
-const float q_scale = scale;
+const float2 score_unit = mt_score_unit(scale);
+const float q_scale = score_unit.x;  // scores in units of b = score_unit.y
+const float unit = score_unit.y;
 
 // Rows of this simdgroup: row0 .. row0 + nr - 1 (nr may be 0 in a ragged last tile).
 const uint tile_row0 = tile_idx * 32u;
@@ -146,11 +160,11 @@ for (int rr = 0; rr < RS; ++rr) {
 
 // Running softmax state; o: lane holds columns lane + 32 * c.
 float m[RS];
-float l_part[RS];  // this lane's share of the row's sum of exponentials
+float l_sum[RS];  // the row's sum of exponentials so far (the same in every lane)
 float o[RS][DPL];
 for (int rr = 0; rr < RS; ++rr) {
   m[rr] = -INFINITY;  // no visible key seen yet
-  l_part[rr] = 0.0f;
+  l_sum[rr] = 0.0f;
   for (int c = 0; c < DPL; ++c) {
     o[rr][c] = 0.0f;
   }
@@ -195,19 +209,23 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
   }
 
   // Online softmax over this block (base 2); masked keys get probability exactly 0.
-  // p goes to this simdgroup's rows of p_tile; the barriers below publish it.
+  // p / lsum goes to this simdgroup's rows of p_tile; the barriers below publish it.
   for (int rr = 0; rr < RS; ++rr) {
     if (uint(rr) < nr) {
       const bool ok = kb + lane < min(lim[rr], k_end);
       const float sc = ok ? s[rr] : -INFINITY;
       const float m_new = max(m[rr], simd_max(sc));  // -INFINITY while no key was visible
-      const float alpha = m[rr] == m_new ? 1.0f : exp2(m[rr] - m_new);
-      const float p = ok ? exp2(sc - m_new) : 0.0f;
-      p_rows[uint(rr) * 32u + lane] = p;
-      l_part[rr] = l_part[rr] * alpha + p;
+      const float alpha = m[rr] == m_new ? 1.0f : exp2(unit * (m[rr] - m_new));
+      const float p = ok ? exp2(unit * (sc - m_new)) : 0.0f;
+      const float l_old = l_sum[rr] * alpha;
+      const float l_new = l_old + simd_sum(p);
+      const float inv_l = l_new > 0.0f ? 1.0f / l_new : 0.0f;  // 0 until a key was visible
+      p_rows[uint(rr) * 32u + lane] = p * inv_l;
+      const float keep = l_old * inv_l;  // weight of the old o: keep + sum_j p_j / l_new = 1
       for (int c = 0; c < DPL; ++c) {
-        o[rr][c] *= alpha;
+        o[rr][c] *= keep;
       }
+      l_sum[rr] = l_new;
       m[rr] = m_new;
     }
   }
@@ -240,14 +258,13 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
 // Partial results of this slice, one (row, slice) entry each.
 for (int rr = 0; rr < RS; ++rr) {
   if (uint(rr) < nr) {
-    const float l_sum = simd_sum(l_part[rr]);
     const size_t entry = (q_row0 + row0 + uint(rr)) * n_splits + split;
     for (int c = 0; c < DPL; ++c) {
       o_part[entry * D + lane + 32u * uint(c)] = o[rr][c];
     }
     if (lane == 0u) {
       ml_part[entry * 2u] = m[rr];
-      ml_part[entry * 2u + 1u] = l_sum;
+      ml_part[entry * 2u + 1u] = l_sum[rr];
     }
   }
 }

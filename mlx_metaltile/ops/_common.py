@@ -46,7 +46,11 @@ def require_finite_scalar(op: str, name: str, value, *, minimum: float | None = 
     if type(value) is not float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"[{op}] {name} must be a Python float, got {type(value).__name__}")
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an int beyond float's range (e.g. 10**400)
+            raise ValueError(f"[{op}] {name} must be finite, got an int of "
+                             f"{value.bit_length()} bits (beyond float's range)") from None
     if not math.isfinite(value):
         raise ValueError(f"[{op}] {name} must be finite, got {value}")
     if minimum is not None and value < minimum:

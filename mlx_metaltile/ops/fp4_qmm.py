@@ -229,10 +229,16 @@ def fp4_dequantize_reference(w: mx.array, scales: mx.array, group_size: int | No
                              mode: str | None = None) -> mx.array:
     """The float32 weights [N, K] that ``fp4_qmm`` multiplies by (pure MLX)."""
     group_size = _group_size(scales, w.shape[1] * 8, group_size, mode)
-    return _dequantize(w, scales, group_size, _scale_mode(scales, group_size))
+    return _dequantize(w, scales, group_size, _scale_mode(scales, group_size), 1.0)
 
 
-def _dequantize(w, scales, group_size: int, mode: int) -> mx.array:
+# code * scale overflows float32 for scales above FLT_MAX / 6 (E8M0 bytes 252..254): the
+# products run on weights times WEIGHT_FACTOR (a power of two, exact; |code| <= 6 < 8) and
+# the result is divided by it, so every result below float32's max stays finite.
+WEIGHT_FACTOR = 0.125
+
+
+def _dequantize(w, scales, group_size: int, mode: int, factor: float) -> mx.array:
     n, kw = w.shape
     shifts = mx.arange(0, 32, 4, dtype=mx.uint32)
     codes = ((w[:, :, None] >> shifts) & 0xF).reshape(n, kw * 8)
@@ -241,7 +247,7 @@ def _dequantize(w, scales, group_size: int, mode: int) -> mx.array:
         s = scales.astype(mx.float32)
     else:
         s = mx.take(_table("e8m0" if mode == SCALE_E8M0 else "e4m3"), scales.astype(mx.uint32))
-    values = values.reshape(n, -1, group_size) * s[:, :, None]
+    values = values.reshape(n, -1, group_size) * (s * factor)[:, :, None]
     return values.reshape(n, kw * 8)
 
 
@@ -257,8 +263,8 @@ def fp4_qmm_reference(x: mx.array, w: mx.array, scales: mx.array, *,
 
 
 def _reference(x, w, scales, group_size: int, scale_mode: int) -> mx.array:
-    wdq = _dequantize(w, scales, group_size, scale_mode)
-    out = mx.matmul(x.astype(mx.float32), wdq.T)
+    wdq = _dequantize(w, scales, group_size, scale_mode, WEIGHT_FACTOR)
+    out = mx.matmul(x.astype(mx.float32), wdq.T) * (1.0 / WEIGHT_FACTOR)
     return out.astype(x.dtype)
 
 

@@ -97,7 +97,9 @@ def _check_gated_rms_norm(y, z, weight, eps) -> tuple[int, int, float]:
 
 def gated_rms_norm_reference(y: mx.array, z: mx.array, weight: mx.array,
                              eps: float = 1e-5) -> mx.array:
-    """Pure-MLX composite of the same math (float32 inside, rounded once)."""
+    """Pure-MLX composite of the same math (float32 inside, rounded once), scaled by the
+    row's max |y| as the kernels are (msl_templates/common.h, mt_rms_factor), so any row
+    whose RMS is a finite float32 is right; an all-zero row with eps = 0 gives NaN (0/0)."""
     _, _, eps = _check_gated_rms_norm(y, z, weight, eps)
     return _reference(y, z, weight, eps)
 
@@ -105,8 +107,16 @@ def gated_rms_norm_reference(y: mx.array, z: mx.array, weight: mx.array,
 def _reference(y, z, weight, eps: float) -> mx.array:
     yf = y.astype(mx.float32)
     zf = z.astype(mx.float32)
-    inv_rms = mx.rsqrt(mx.mean(yf * yf, axis=-1, keepdims=True) + eps)
-    out = weight.astype(mx.float32) * yf * inv_rms * (zf * mx.sigmoid(zf))
+    row_max = mx.max(mx.abs(yf), axis=-1, keepdims=True)
+    m = mx.where(row_max > 0, row_max, 1.0)
+    u = yf / m
+    ms = mx.mean(u * u, axis=-1, keepdims=True)  # in [1/n, 1]
+    r = m * mx.sqrt(ms)  # the row's RMS
+    se = math.sqrt(eps)
+    t = r / se if se > 0 else mx.zeros_like(r)
+    k = mx.where(r >= se, mx.rsqrt(ms) * mx.rsqrt(1.0 + (eps / r) / r),
+                 (m / se if se > 0 else m) * mx.rsqrt(1.0 + t * t))
+    out = weight.astype(mx.float32) * u * k * (zf * mx.sigmoid(zf))
     return out.astype(z.dtype)
 
 
@@ -121,7 +131,7 @@ def _launch(y, z, weight, n: int, rows: int, eps: float, backend: str) -> mx.arr
     else:
         tg = round_up(-(-n // N_READS), 32) if n <= MAX_REGISTER_ROW else 1024
         spec = REGISTER_SPEC if n <= MAX_REGISTER_ROW else LOOPED_SPEC
-        grid, threadgroup, tg_memory = (tg, rows, 1), (tg, 1, 1), 32 * 4
+        grid, threadgroup, tg_memory = (tg, rows, 1), (tg, 1, 1), 2 * 32 * 4
     inputs["eps"] = scalar(eps, mx.float32)
     (out,) = backends.launch(
         spec, backend, inputs=inputs, template={"T": z_dtype, "YT": y.dtype},
@@ -139,8 +149,11 @@ def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float = 1e-5
       z: ``[..., n]`` float32/float16/bfloat16 (the gate); sets the output dtype.
       weight: ``[n]`` in z's dtype.
       eps: finite, >= 0; a runtime input (changing it does not rebuild the kernel).
+        With eps = 0 an all-zero row gives NaN (the math's 0/0, as mx.fast.rms_norm).
 
-    Returns: an array of z's shape and dtype, computed in float32 and rounded once.
+    Returns: an array of z's shape and dtype, computed in float32 and rounded once. Each row
+    is scaled by its max |y| before squaring, so any row whose RMS is a finite float32 (from
+    subnormal y to |y| near float32's max) is normalised right.
     """
     n, rows, eps = _check_gated_rms_norm(y, z, weight, eps)
     if rows == 0:

@@ -234,10 +234,10 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
         (biases, scale dtype, group count) raises.
       variant: None (choose from the device), ``"simdgroup"`` or ``"mpp"``: a kernel
         backend's choice; a variant that cannot run on the current backend, or any variant
-        on the reference backend, raises ValueError (as in ``fp4_qmm``). The ``mpp``
-        path stages float16/bfloat16 operands as half: bfloat16 activations beyond half's
-        range (|x| > 65504) overflow there; ``simdgroup`` has no such limit. The fp modes
-        run ``simdgroup`` (``mpp`` is affine only; asking for it raises).
+        on the reference backend, raises ValueError (as in ``fp4_qmm``). Both variants
+        stage x and the weights in x's own dtype (exact), so the same inputs give the same
+        products on either; ``mpp`` needs MetalPerformancePrimitives (macOS >= 26.2). The
+        fp modes run ``simdgroup`` (``mpp`` is affine only; asking for it raises).
 
     Requires N % 32 == 0 and K % 32 == 0. Each weight is dequantised as
     ``T(scale * q + bias)`` (fp modes: ``T(scale * fp(q))``) (rounded once to x's dtype, as MLX's quantized kernels see it)

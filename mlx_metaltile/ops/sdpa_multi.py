@@ -76,11 +76,11 @@ SPLIT_SPEC, COMBINE_SPEC = register(
     KernelSpec(
         op=OP, variant="combine", template="sdpa_multi_combine.metal",
         inputs=(Arg("o_part", "float32", 3), Arg("ml_part", "float32", 3),
-                *scalars("n_rows", "n_splits")),
+                *scalars("n_rows", "n_splits"), Arg("scale", "float32")),
         outputs=(Arg("out", "T", 4),), params=("T", "D"),
         bindings=grid(T=FLOAT_TYPES, D=HEAD_DIMS),
         geometry="one simdgroup per output row, 4 rows per TG; grid (128*ceil(rows/4), 1, 1)",
-        notes="template T, D; n_rows, n_splits are runtime",
+        notes="template T, D; n_rows, n_splits, scale are runtime",
     ),
 )
 
@@ -150,15 +150,29 @@ def _reference(q, k, v, B, Hq, Hkv, L, D, kv_len, scale, causal) -> mx.array:
     qf = q.astype(mx.float32).reshape(B, Hkv, G * L, D)
     kf = k[:, :, :kv_len].astype(mx.float32)
     vf = v[:, :, :kv_len].astype(mx.float32)
-    scores = (qf * scale) @ kf.swapaxes(-1, -2)  # [B, Hkv, G*L, kv_len]
+    # Scores as the kernels hold them (msl_templates/common.h, mt_score_unit): scale = a * b,
+    # b a power of two, |a| < 4, so a * q.k stays finite where scale * q.k would not; the
+    # softmax takes b * (d - max d), exact wherever scale * q.k is finite.
+    a, b = _score_unit(scale)
+    scores = (qf * a) @ kf.swapaxes(-1, -2)  # [B, Hkv, G*L, kv_len]
     if causal:
         limit = mx.arange(kv_len - L, kv_len).reshape(L, 1)  # query l sees keys <= limit[l]
         visible = mx.arange(kv_len).reshape(1, kv_len) <= limit
         visible = mx.tile(visible, (G, 1))  # rows ordered (g, l)
         scores = mx.where(visible, scores, -math.inf)
+    if b != 1.0:
+        scores = (scores - mx.max(scores, axis=-1, keepdims=True)) * b
     probs = mx.softmax(scores, axis=-1, precise=True)
     out = (probs @ vf).reshape(B, Hq, L, D)
     return out.astype(q.dtype)
+
+
+def _score_unit(scale: float) -> tuple[float, float]:
+    """(a, b) with scale = a * b, b a power of two, |a| < 4: (scale, 1) for |scale| < 1."""
+    if abs(scale) < 1.0:
+        return scale, 1.0
+    e = min(math.frexp(scale)[1], 126)  # |scale| < 2^e
+    return math.ldexp(scale, -e), math.ldexp(1.0, e)
 
 
 def plan(B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int, dtype: mx.Dtype) -> dict:
@@ -187,13 +201,13 @@ def plan(B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int, dtype: mx.Dtype
 def _launch(q, k, v, B, Hq, Hkv, L, S, D, kv_len, scale, causal, backend) -> mx.array:
     p = plan(B, Hq, Hkv, L, D, kv_len, q.dtype)
     n_out = B * Hq * L
+    scale2 = scalar(scale * LOG2E, mx.float32)
     o_part, ml_part = backends.launch(
         SPLIT_SPEC, backend,
         inputs={"q": q, "k": k, "v": v, "n_q": scalar(L, mx.uint32),
                 "group": scalar(Hq // Hkv, mx.uint32), "kv_len": scalar(kv_len, mx.uint32),
                 "kv_rows": scalar(S, mx.uint32), "chunk": scalar(p["chunk"], mx.uint32),
-                "causal": scalar(int(causal), mx.uint32),
-                "scale": scalar(scale * LOG2E, mx.float32)},
+                "causal": scalar(int(causal), mx.uint32), "scale": scale2},
         template={"T": q.dtype, "D": D, "RS": p["rs"], "DC": p["dc"]},
         outputs={"o_part": ((n_out, p["n_splits"], D), mx.float32),
                  "ml_part": ((n_out, p["n_splits"], 2), mx.float32)},
@@ -204,7 +218,7 @@ def _launch(q, k, v, B, Hq, Hkv, L, S, D, kv_len, scale, causal, backend) -> mx.
     (out,) = backends.launch(
         COMBINE_SPEC, backend,
         inputs={"o_part": o_part, "ml_part": ml_part, "n_rows": scalar(n_out, mx.uint32),
-                "n_splits": scalar(p["n_splits"], mx.uint32)},
+                "n_splits": scalar(p["n_splits"], mx.uint32), "scale": scale2},
         template={"T": q.dtype, "D": D}, outputs={"out": (q.shape, q.dtype)},
         grid=(32 * COMBINE_ROWS * n_tg, 1, 1), threadgroup=(32 * COMBINE_ROWS, 1, 1),
     )
@@ -221,9 +235,11 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
       k, v: ``[B, Hkv, S, D]`` in q's dtype (S >= kv_len: the cache may be preallocated);
         Hq must be a multiple of Hkv (query head h reads KV head h // (Hq/Hkv)).
       scale: Python float multiplying q.k, with |scale| <= 3.4e38 / log2(e) (about
-        2.36e38). Wherever the scores (times log2(e)) are finite in float32, however large
-        or small, the result is the softmax of the definition: masked keys and empty KV
-        slices are -inf inside the kernels, below every finite score.
+        2.36e38). The scores may lie beyond float32's range (scale 1e38 with ordinary q, k):
+        the kernels hold them as a * q.k with scale * log2(e) = a * 2^j, |a| < 4, so
+        wherever that product is finite in float32 the result is the softmax of the
+        definition: masked keys and empty KV slices are -inf inside the kernels, below every
+        finite score.
       causal: False: every query sees keys ``[0, kv_len)``; True: query r sees
         ``[0, kv_len - L + r]`` (bottom-right aligned, as ``mask="causal"`` in
         ``mx.fast.scaled_dot_product_attention``).

@@ -192,8 +192,9 @@ def test_combine_of_empty_and_extreme_slices(kernel_backend, poisoned_outputs, r
     m_max = m.max(axis=1, keepdims=True)
     with np.errstate(invalid="ignore"):  # -inf - -inf in the all-empty row, masked here
         w = np.where(m == -inf, 0.0, np.exp2(m - m_max))
+    w = w * ml[..., 1]  # o of a slice is its softmax @ v, already divided by its lsum
     num = np.einsum("rs,rsd->rd", w, o.astype(np.float64))
-    den = (w * ml[..., 1]).sum(axis=1)[:, None]
+    den = w.sum(axis=1)[:, None]
     want = np.divide(num, den, out=np.zeros_like(num), where=den > 0)
     magnitude = np.divide(np.einsum("rs,rsd->rd", w, np.abs(o)), den,
                           out=np.zeros_like(num), where=den > 0)
@@ -203,7 +204,8 @@ def test_combine_of_empty_and_extreme_slices(kernel_backend, poisoned_outputs, r
         op_module.COMBINE_SPEC, kernel_backend,
         inputs={"o_part": mx.array(o), "ml_part": mx.array(ml),
                 "n_rows": mx.array(n_rows, dtype=mx.uint32),
-                "n_splits": mx.array(n_splits, dtype=mx.uint32)},
+                "n_splits": mx.array(n_splits, dtype=mx.uint32),
+                "scale": mx.array(0.5)},  # below 1: the maxima are the base-2 scores as given
         template={"T": dtype, "D": D}, outputs={"out": ((n_rows, D), dtype)},
         grid=(32 * op_module.COMBINE_ROWS, 1, 1),
         threadgroup=(32 * op_module.COMBINE_ROWS, 1, 1), init_value=float("nan"))
@@ -523,7 +525,7 @@ def test_negative_control_causal_off_by_one(kernel_backend, broken_kernel, rng):
 
 def test_negative_control_combine_without_rescale(kernel_backend, broken_kernel, rng):
     """Merging KV slices without rescaling by 2^(m_s - M) must fail the oracle check."""
-    broken_kernel(op_module.COMBINE_SPEC, ("exp2(m_s - m_max)", "1.0f"))
+    broken_kernel(op_module.COMBINE_SPEC, ("exp2(unit * (m_s - m_max))", "1.0f"))
     q, k, v = make_inputs(rng, 1, 4, 2, 1, 600, 64, mx.float32)
     assert op_module.plan(1, 4, 2, 1, 64, 600, mx.float32)["n_splits"] > 1
     with pytest.raises(AssertionError, match="out of tolerance"):
