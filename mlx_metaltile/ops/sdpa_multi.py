@@ -160,10 +160,18 @@ def _reference(q, k, v, B, Hq, Hkv, L, D, kv_len, scale, causal) -> mx.array:
         visible = mx.arange(kv_len).reshape(1, kv_len) <= limit
         visible = mx.tile(visible, (G, 1))  # rows ordered (g, l)
         scores = mx.where(visible, scores, -math.inf)
-    if b != 1.0:
-        scores = (scores - mx.max(scores, axis=-1, keepdims=True)) * b
-    probs = mx.softmax(scores, axis=-1, precise=True)
-    out = (probs @ vf).reshape(B, Hq, L, D)
+    # exp(b * (d - max d)) summed within blocks of KEY_BLOCK keys, then across blocks: one
+    # float32 sum over thousands of keys (mx.softmax, a matmul) drifts past the tolerance.
+    e = mx.exp((scores - mx.max(scores, axis=-1, keepdims=True)) * b)
+    pad = -kv_len % KEY_BLOCK
+    if pad:
+        e = mx.pad(e, [(0, 0)] * 3 + [(0, pad)])
+        vf = mx.pad(vf, [(0, 0), (0, 0), (0, pad), (0, 0)])
+    nb = (kv_len + pad) // KEY_BLOCK
+    eb = e.reshape(B, Hkv, G * L, nb, KEY_BLOCK)
+    den = mx.sum(mx.sum(eb, axis=-1), axis=-1)[..., None, None]
+    pb = (eb / den).transpose(0, 1, 3, 2, 4)  # probabilities: no partial exceeds max |v|
+    out = mx.sum(pb @ vf.reshape(B, Hkv, nb, KEY_BLOCK, D), axis=2).reshape(B, Hq, L, D)
     return out.astype(q.dtype)
 
 
