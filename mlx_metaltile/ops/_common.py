@@ -150,11 +150,15 @@ def check_quantized(op: str, x, w, scales, biases, indices, group_size, bits,
     for name, arr in (("x", x), ("w", w), ("scales", scales), ("indices", indices)):
         require_array(op, name, arr)
     check_mode_arrays(op, mode, scales, biases)
-    group_size, bits = resolve_sizes(op, mode, group_size, bits)
-    if mode == "affine":
+    if mode == "affine":  # None: mx.quantize's default; else an int among the supported ones
         require_array(op, "biases", biases)
-        bits = require_int_choice(op, "bits", bits, BITS)
-        group_size = require_int_choice(op, "group_size", group_size, GROUP_SIZES)
+        default_gs, default_bits = DEFAULTS[mode]
+        bits = require_int_choice(op, "bits", default_bits if bits is None else bits, BITS)
+        group_size = require_int_choice(op, "group_size",
+                                        default_gs if group_size is None else group_size,
+                                        GROUP_SIZES)
+    else:
+        group_size, bits = resolve_sizes(op, mode, group_size, bits)
     if w.dtype != mx.uint32:
         raise TypeError(f"[{op}] w must be uint32 (packed as mx.quantize returns it), "
                         f"got {dtype_name(w.dtype)}")
