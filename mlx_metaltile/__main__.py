@@ -178,6 +178,9 @@ def main(argv=None) -> int:
     bench.set_defaults(fn=cmd_bench)
     kernels = sub.add_parser("kernels", help="list the kernel registry")
     kernels.set_defaults(fn=cmd_kernels)
+    from mlx_metaltile import model_bench
+
+    model_bench.add_parser(sub)
     args = parser.parse_args(argv)
     return args.fn(args)
 
