@@ -14,6 +14,9 @@ this bound, so both models pick the same experts.)
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -318,3 +321,11 @@ def test_report_prints_as_table():
     for kind in ("gated_rms_norm", "switch_glu", "attention"):
         assert kind in text and f"<td>{kind}</td>" in page
     assert page.count("<tr>") == len(report.rows()) + 1
+
+
+def test_package_imports_without_mlx_lm():
+    code = ("import sys; sys.modules['mlx_lm'] = None; import mlx_metaltile as mt; "
+            "import mlx.nn as nn; print(len(mt.patch(nn.Linear(4, 4)).entries))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0 and out.stdout.strip() == "0", out.stderr
