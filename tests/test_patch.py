@@ -329,3 +329,30 @@ def test_package_imports_without_mlx_lm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 0 and out.stdout.strip() == "0", out.stderr
+
+
+def test_lora_on_a_patched_model(op_calls):
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model = tiny_model("qwen3_moe")
+    report = mt.patch(model)
+    keys = ["self_attn.q_proj", "mlp.switch_mlp.up_proj"]  # attention and experts
+    linear_to_lora_layers(model, 2, {"rank": 4, "scale": 2.0, "dropout": 0.0, "keys": keys})
+    model.update(_rescaled_lora(model))  # non-zero adapters, so they change the output
+    assert "LoRASwitchLinear" in mtnn.switch_glu_unserved(model.model.layers[0].mlp.switch_mlp)
+    adapted = forward(model)  # attention on sdpa_multi, adapted experts on mlx-lm's path
+    assert op_calls["sdpa_multi"] > 0 and op_calls["expert_qmv"] == 0
+    mt.unpatch(model)  # the adapters stay; the original modules run them
+    got, base = forward(model), forward(model_for("qwen3_moe"))
+    for g, a, b in zip(got, adapted, base, strict=True):
+        assert mx.abs(g - a).max().item() <= logits_bound(report, g)
+        assert mx.abs(g - b).max().item() > 1e-3
+
+
+def _rescaled_lora(model):
+    from mlx.utils import tree_map_with_path
+
+    def grow(path, a):
+        return mx.full(a.shape, 0.05, a.dtype) if path.endswith("lora_b") else a
+
+    return tree_map_with_path(grow, model.trainable_parameters())
