@@ -133,17 +133,23 @@ class SwitchGLU(nn.Module):
     scales, run mlx-lm's own ``SwitchGLU`` computation.
     """
 
-    def __init__(self, gate_proj, up_proj, down_proj, activation):
-        super().__init__()
-        self.gate_proj = gate_proj
-        self.up_proj = up_proj
-        self.down_proj = down_proj
-        self.activation = activation
+    def __init__(self, input_dims: int, hidden_dims: int, num_experts: int,
+                 activation=None, bias: bool = False):
+        from mlx_lm.models.switch_layers import SwiGLU, SwitchLinear
+
+        super().__init__()  # as mlx-lm's constructor: nn.quantize makes the experts served
+        self.gate_proj = SwitchLinear(input_dims, hidden_dims, num_experts, bias=bias)
+        self.up_proj = SwitchLinear(input_dims, hidden_dims, num_experts, bias=bias)
+        self.down_proj = SwitchLinear(hidden_dims, input_dims, num_experts, bias=bias)
+        self.activation = SwiGLU() if activation is None else activation
 
     @classmethod
     def from_module(cls, module) -> SwitchGLU:
         """A stand-in sharing ``module``'s children and activation object."""
-        new = cls(module.gate_proj, module.up_proj, module.down_proj, module.activation)
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        for name in ("gate_proj", "up_proj", "down_proj", "activation"):
+            setattr(new, name, getattr(module, name))
         new.train(module.training)
         return new
 

@@ -7,6 +7,7 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten, tree_map
 
 import mlx_metaltile as mt
 from mlx_metaltile import backends
@@ -67,3 +68,34 @@ def test_switch_glu_unserved_reasons():
     glu = SwitchGLU(64, 64, 4)
     nn.quantize(glu, group_size=64, bits=6)
     assert "bits=6" in mtnn.switch_glu_unserved(glu)
+
+
+@pytest.mark.parametrize("backend", ("reference", "emulator"))
+@pytest.mark.parametrize("tokens", (3, 40))  # decode (expert_qmv) and sorted (moe_gather_qmm)
+def test_switch_glu_built_like_mlx_lm(backend, tokens):
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    mx.random.seed(2)
+    ours = mtnn.SwitchGLU(64, 96, 4, bias=True)  # mlx-lm's constructor and parameter tree
+    theirs = SwitchGLU(64, 96, 4, bias=True)
+    assert ({k: v.shape for k, v in tree_flatten(ours.parameters())}
+            == {k: v.shape for k, v in tree_flatten(theirs.parameters())})
+    ours.update(tree_map(lambda a: a + 0.01 * mx.random.normal(a.shape), ours.parameters()))
+    theirs.update(ours.parameters())
+    for m in (ours, theirs):
+        nn.quantize(m, group_size=32, bits=8)
+    theirs.update(ours.parameters())
+    x = mx.random.normal((1, tokens, 64))
+    ids = mx.random.randint(0, 4, (1, tokens, 2)).astype(mx.uint32)
+    want = theirs(x, ids)
+    with mt.use_backend(backend):
+        before = backends.launch_count(backend="emulator")
+        got = ours(x, ids)
+        assert backend == "reference" or backends.launch_count(backend="emulator") > before
+    tol = TOLERANCES["float32"]
+    # A generous stand-in for the magnitude of the float32 sums (K = 96 terms of about
+    # max|want| each); a wrong expert, row order or bias gives errors of order |want|.
+    err = mx.abs(got - want)
+    bound = tol.atol + tol.rtol * mx.abs(want) + tol.accum * 96 * mx.abs(want).max()
+    assert got.shape == want.shape and bool(mx.all(err <= bound).item()), err.max().item()
