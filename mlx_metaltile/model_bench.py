@@ -253,11 +253,14 @@ def run(args) -> int:
     native = measure(model, vocab, context, prefill, iters)
     report = mt.patch(model)
     print(report)
+    fallbacks_before = mtnn.fallbacks.copy()
     _progress("patched: decode, verify, prefill")
     patched = measure(model, vocab, context, prefill, iters)
     _progress("patched: per-op split of a decode step")
     ops = op_split(model, vocab, context, iters)
     mt.unpatch(model)
+    fallbacks = mtnn.fallbacks - fallbacks_before
+    ops["fallbacks"] = {f"{kind}: {why}": n for (kind, why), n in fallbacks.items()}
     diff = max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
                for a, b in zip(native.pop("logits"), patched.pop("logits"), strict=True))
     print(f"{'':<16}{'native':>12}{'patched':>12}{'ratio':>8}")
@@ -269,6 +272,8 @@ def run(args) -> int:
     print(f"max |logit difference| (bfloat16 model, decode and prefill): {diff:.4g}")
     print("kernel launches in one patched decode step: "
           + (", ".join(f"{k} x{v}" for k, v in sorted(ops["launches"].items())) or "none"))
+    for what, n in ops["fallbacks"].items():
+        print(f"  ran mlx-lm's path {n} times ({what})")
     for name, s in ops["split"].items():
         print(f"  {name:<16} {s['calls']:>3} calls  {s['ms']:8.3f} ms "
               f"({100 * s['ms'] / patched['decode_ms']:.0f}% of the decode step)")

@@ -11,6 +11,8 @@ mlx-lm is needed only for the fallbacks that run mlx-lm's code (imported when us
 
 from __future__ import annotations
 
+from collections import Counter
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -25,6 +27,8 @@ _EXPERT_BITS = (4, 8)  # expert_qmv / moe_gather_qmm
 _EXPERT_GROUP_SIZES = (32, 64, 128)
 _MGQ_TILE = 32  # moe_gather_qmm needs N and K multiples of this
 SDPA_HEAD_DIMS = (64, 96, 128, 256)  # sdpa_multi
+# Calls of stand-ins (and routed attention) that ran mlx-lm's path: (kind, why) -> count.
+fallbacks: Counter = Counter()
 
 
 def _class_name(obj) -> str:
@@ -162,9 +166,11 @@ class SwitchGLU(nn.Module):
         return reason
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        if self.unserved(x) is not None:
+        reason = self.unserved(x)
+        if reason is not None:
             from mlx_lm.models.switch_layers import SwitchGLU as _MlxLmSwitchGLU
 
+            fallbacks["switch_glu", reason] += 1
             return _MlxLmSwitchGLU.__call__(self, x, indices)
         indices = mx.stop_gradient(indices)
         if indices.size >= PREFILL_MIN_PAIRS and self._sorted_path_fits():

@@ -94,9 +94,11 @@ def _router(original):
     """The function installed in a model module in place of mlx-lm's sdpa function."""
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if (_in_patched_attention.get()
-                and mtnn.sdpa_unserved(queries, keys, values, cache, mask, sinks) is None):
-            return mtnn.cached_attention(queries, keys, values, cache, scale, mask)
+        if _in_patched_attention.get():
+            reason = mtnn.sdpa_unserved(queries, keys, values, cache, mask, sinks)
+            if reason is None:
+                return mtnn.cached_attention(queries, keys, values, cache, scale, mask)
+            mtnn.fallbacks["attention", reason] += 1
         return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention.__wrapped__ = original

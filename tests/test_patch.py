@@ -283,11 +283,15 @@ def test_unserved_cache_falls_back(op_calls):
 
     want = forward(model, cache=rotating())
     mt.patch(model)
+    before = mtnn.fallbacks.copy()
     try:
         got = forward(model, cache=rotating())
     finally:
         mt.unpatch(model)
     assert op_calls["sdpa_multi"] == 0
+    ran = mtnn.fallbacks - before  # every call, each with its reason (the mask comes first)
+    assert sum(ran.values()) == 4 * len(model.layers)
+    assert ran["attention", "cache RotatingKVCache"] > 0, ran
     assert all(mx.array_equal(a, b).item() for a, b in zip(want, got, strict=True))
 
 
