@@ -12,12 +12,10 @@ from dataclasses import replace
 
 import mlx.core as mx
 import pytest
-from conftest import PROVIDERS, run_case
+from conftest import PROVIDERS, case_ids, get_case, run_case
 
-from mlx_metaltile._bench_cases import _expert_qmv_host_loop, cases
+from mlx_metaltile._bench_cases import _expert_qmv_host_loop
 from mlx_metaltile.ops.expert_qmv import expert_qmv_reference
-
-CASES = cases("expert_qmv")
 
 
 def _reference(x, w, scales, biases, indices, host_ids, group_size, bits):
@@ -33,15 +31,17 @@ def _skip_inexact_native(case):
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", case_ids("expert_qmv"))
 def test_expert_qmv(benchmark, case, provider):
+    case = get_case("expert_qmv", case)
     if provider == "mlx_native":
         _skip_inexact_native(case)
     run_case(benchmark, case, provider, _reference)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", case_ids("expert_qmv"))
 def test_expert_qmv_host_loop(benchmark, case):
+    case = get_case("expert_qmv", case)
     _skip_inexact_native(case)
-    run_case(benchmark, replace(case, native=_expert_qmv_host_loop), "mlx_native", _reference)
-    benchmark.extra_info["provider"] = "mlx_host_loop"
+    run_case(benchmark, replace(case, native=_expert_qmv_host_loop), "mlx_native", _reference,
+             provider_name="mlx_host_loop")

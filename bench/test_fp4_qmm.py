@@ -7,15 +7,12 @@ float16 / bfloat16 / float32 activations, weights from mx.quantize(W, mode="mxfp
 from __future__ import annotations
 
 import pytest
-from conftest import PROVIDERS, run_case
+from conftest import PROVIDERS, case_ids, get_case, run_case
 
-from mlx_metaltile._bench_cases import cases
 from mlx_metaltile.ops.fp4_qmm import fp4_qmm_reference
-
-CASES = cases("fp4_qmm")
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", case_ids("fp4_qmm"))
 def test_fp4_qmm(benchmark, case, provider):
-    run_case(benchmark, case, provider, fp4_qmm_reference)
+    run_case(benchmark, get_case("fp4_qmm", case), provider, fp4_qmm_reference)

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from conftest import PROVIDERS, run_case
+from conftest import PROVIDERS, case_ids, get_case, run_case
 
 import mlx_metaltile as mt
 from mlx_metaltile import backends
-from mlx_metaltile._bench_cases import cases, gated_rms_norm_native
+from mlx_metaltile._bench_cases import gated_rms_norm_native
 from mlx_metaltile.ops.gated_rms_norm import gated_rms_norm_reference
-
-CASES = cases("gated_rms_norm")
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", case_ids("gated_rms_norm"))
 def test_gated_rms_norm(benchmark, case, provider):
-    run_case(benchmark, case, provider, gated_rms_norm_reference)
+    run_case(benchmark, get_case("gated_rms_norm", case), provider, gated_rms_norm_reference)
 
 
 # ---- Python overhead of building one call (no eval; kernel cached) -----------------------
@@ -32,6 +30,7 @@ class _LazyStandIn:
 
 @pytest.mark.parametrize("provider", ("metaltile", "mlx_native"))
 def test_call_overhead(benchmark, monkeypatch, provider):
+    benchmark.group = "gated_rms_norm call overhead (no eval)"
     y = mx.zeros((32, 128), dtype=mx.float32)
     z = mx.zeros((32, 128), dtype=mx.bfloat16)
     w = mx.ones((128,), dtype=mx.bfloat16)

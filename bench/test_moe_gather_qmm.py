@@ -12,17 +12,15 @@ from functools import partial
 
 import mlx.core as mx
 import pytest
-from conftest import PROVIDERS, run_case
+from conftest import PROVIDERS, case_ids, get_case, run_case
 
-from mlx_metaltile._bench_cases import cases
 from mlx_metaltile.ops.moe_gather_qmm import moe_gather_qmm_reference
-
-CASES = cases("moe_gather_qmm")
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", case_ids("moe_gather_qmm"))
 def test_moe_gather_qmm(benchmark, case, provider):
+    case = get_case("moe_gather_qmm", case)
     if provider == "mlx_native" and case.dtype != mx.float32 and not mx.metal.is_available():
         # MLX's CPU gather_qmm accumulates bfloat16 in bfloat16 (hundreds of ulps off at
         # K=2048): the suite's correctness check rejects it, so only float32 is timed here.

@@ -7,19 +7,13 @@ Run: python -m pytest bench/test_sdpa_multi.py --benchmark-only (-k "kv4k and L8
 
 from __future__ import annotations
 
-import itertools
-
-import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import PROVIDERS, ROTATE, provider_fn
+from conftest import PROVIDERS, case_ids, get_case, run_case
 
-from mlx_metaltile import _device
-from mlx_metaltile._bench_cases import cases, f64, sdpa_multi_terms
+from mlx_metaltile._bench_cases import f64, sdpa_multi_terms
 from mlx_metaltile._registry import TOLERANCES
 from mlx_metaltile.ops.sdpa_multi import sdpa_multi_reference
-
-CASES = cases("sdpa_multi")
 
 
 def _check(case, provider, got, inputs):
@@ -37,15 +31,7 @@ def _check(case, provider, got, inputs):
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", case_ids("sdpa_multi"))
 def test_sdpa_multi(benchmark, case, provider):
-    fn = provider_fn(case, provider, sdpa_multi_reference)
-    rng = np.random.default_rng(0)
-    inputs = [case.make(rng) for _ in range(ROTATE)]
-    _check(case, provider, fn(**inputs[0]), inputs[0])
-    cycle = itertools.cycle(inputs)
-    benchmark.extra_info.update(bytes=case.nbytes, flops=case.flops, op=case.op,
-                                shape=case.label, dtype=case.dtype_name, provider=provider,
-                                device=_device.device_name())
-    benchmark.pedantic(lambda: mx.eval(fn(**next(cycle))), rounds=20, iterations=1,
-                       warmup_rounds=3)
+    run_case(benchmark, get_case("sdpa_multi", case), provider, sdpa_multi_reference,
+             check=_check)

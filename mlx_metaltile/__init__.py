@@ -1,7 +1,8 @@
 """mlx-metaltile: hand-written Metal kernels as drop-in MLX ops."""
 
 from . import nn
-from ._registry import KernelSpec, kernels
+from ._registry import KernelSpec
+from ._show import current_backend, kernels, launches
 from .backends import available_backends, get_backend, set_backend, use_backend
 from .ops import expert_qmv, fp4_qmm, gated_rms_norm, moe_gather_qmm, sdpa_multi
 from .patch import PatchReport, patch, unpatch
@@ -12,11 +13,13 @@ __all__ = [
     "KernelSpec",
     "PatchReport",
     "available_backends",
+    "current_backend",
     "expert_qmv",
     "fp4_qmm",
     "gated_rms_norm",
     "get_backend",
     "kernels",
+    "launches",
     "moe_gather_qmm",
     "nn",
     "patch",

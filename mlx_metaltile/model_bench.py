@@ -303,7 +303,7 @@ def add_parser(sub) -> None:
                    "(default 512 on a GPU, 8 elsewhere)")
     p.add_argument("--iters", type=int, help="timed samples (default 10 on a GPU, 1 elsewhere)")
     p.add_argument("--json", metavar="PATH", help="save results with device and versions")
-    p.set_defaults(fn=run)
+    p.set_defaults(fn=run, parser=p)
 
 
 def main(argv=None) -> int:

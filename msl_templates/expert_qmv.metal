@@ -1,10 +1,18 @@
-// expert_qmv.metal: MoE decode GEMV, affine 4/8-bit experts chosen by GPU-resident ids.
+// expert_qmv.metal: MoE decode GEMV, quantized experts (affine 4/8-bit, mxfp4, nvfp4,
+// mxfp8) chosen by GPU-resident ids.
 //
 // MATH (pair p = (token t, slot j), e = ids(t, j), n in [0, N)):
+//   MODE 0 (affine):
 //   out[p, n] = sum_{k < K} x_p[k] * (scale[e, n, g] * q[e, n, k] + bias[e, n, g]),  g = k / GS
 //   q[e, n, k] = (w[e, n, k / PACK] >> (BITS * (k % PACK))) & (2^BITS - 1),  PACK = 32 / BITS
+//   MODE 1 (mxfp4) / 2 (nvfp4), BITS = 4, no bias:
+//   out[p, n] = sum_{k < K} x_p[k] * mt_fp4_scale<MODE>(scale[e, n, g]) * e2m1(q[e, n, k])
+//   (scales uint8: E8M0, group 32 / E4M3, group 16; decoded by common.h's helpers)
+//   MODE 3 (mxfp8), BITS = 8, no bias: the same with E8M0 scales (group 32) and E4M3
+//   elements, decoded by common.h's E4M3 helper (0x7F / 0xFF read as +-480 like MLX's Metal
+//   decoder; MLX's CPU reads NaN; mx.quantize writes neither)
 //   Evaluated per lane chunk of VALS values (one group holds GS / VALS chunks) as
-//     scale * sum_i q_i * x_i + bias * sum_i x_i
+//     scale * sum_i q_i * x_i + bias * sum_i x_i   (affine; fp modes: scale * sum_i v_i * x_i)
 //   in float32, then reduced over the SIMD-group and rounded once to T. x_p is x's row
 //   xrow(t, j) and ids(t, j) is indices[irow(t) + j] (BROADCAST below).
 //   REDUCTION ORDER: lane l accumulates chunks l, l + 32, l + 64, ... in order; the 32 lane
@@ -18,13 +26,16 @@
 //                              (x_slot = 1); tokens may share rows (broadcast)
 //   w       [E, N, K / PACK]   uint32, element i of a word at bits [i*BITS, (i+1)*BITS)
 //   scales  [E, N, K / GS] T,  biases [E, N, K / GS] T   (scales may be negative)
+//           fp modes: scales uint8; biases is not read (the wrapper passes scales again)
 //   indices [I_ROWS * k] uint32 or int32, k ids per row; tokens may share rows (broadcast)
 //   bcast   [3 * BCAST_DIMS] uint: (size, x row stride, indices stride) per dimension of the
 //           token grid, outermost first, unused outer ones (1, 0, 0)
 //   out     [P, N] T, P = tokens * k pairs, token-major (the broadcast token grid)
 //   n_experts (E), n_out (N), k_in (K), n_sel (k), x_slot: 0-d uint runtime inputs, so
 //   changing any of them (or the broadcast pattern) never builds a new kernel.
-//   Template: T, BITS in {4, 8}, GS in {32, 64, 128}.
+//   Template: T, BITS in {4, 8}, GS in {32, 64, 128}, MODE 0 (affine);
+//             MODE 1 (mxfp4): BITS 4, GS 32; MODE 2 (nvfp4): BITS 4, GS 16;
+//             MODE 3 (mxfp8): BITS 8, GS 32.
 //
 // BROADCAST: the leading dimensions of x and indices broadcast against each other (NumPy
 //   rules; the wrapper merges them into at most BCAST_DIMS dimensions, or materialises
@@ -48,11 +59,12 @@
 //   [(y * SIMDGROUPS + s) * ROWS, + ROWS) clipped to N: each (pair, row) is written by exactly
 //   one lane, and each word/scale/bias of the selected expert's rows is read by exactly one
 //   lane (the group's scale/bias by its first lane, passed to the others by simd_shuffle).
-//   K % GS == 0 and K % 32 == 0 (so a lane chunk never straddles a group or the row end).
+//   K % GS == 0 with GS a multiple of VALS (so a lane chunk never straddles a group or the
+//   row end; nvfp4's K need only be a multiple of 16).
 //   No threadgroup memory, no threadgroup barrier; every early return is uniform over a
 //   SIMD-group, so simd_sum / simd_shuffle always see a full SIMD-group.
 //
-// TRAFFIC PER CALL: w, scales and biases of each valid pair's expert once (the selected
+// TRAFFIC PER CALL: w, scales and (affine) biases of each valid pair's expert once (the selected
 //   experts' bytes; unselected experts and out-of-range ids read nothing), out once. x is
 //   loaded once per SIMD-group (K values per 4 rows), i.e. from cache after the first tile of
 //   a pair, as in MLX's qmv kernels; the pair's id and the 12 bcast words are broadcast
@@ -66,17 +78,29 @@
 #include "common.h"
 
 // q * x summed over the VALS values a lane holds: WORDS packed uint32 words of BITS-bit
-// unsigned integers against VALS float activations. `words` points to device or constant
-// memory (MLX passes inputs of fewer than 8 elements in the constant address space).
-template <int BITS, int WORDS, typename WordPtr>
+// codes against VALS float activations; q is the unsigned integer (MODE 0), the E2M1 value
+// (MODE 1, 2; BITS 4) or the E4M3 value (MODE 3; BITS 8). `words` points to device or constant memory (MLX passes inputs
+// of fewer than 8 elements in the constant address space).
+template <int MODE, int BITS, int WORDS, typename WordPtr>
 inline float mt_expert_qdot(WordPtr words, thread const float* xv) {
   constexpr int PACK = 32 / BITS;
   constexpr uint MASK = (1u << BITS) - 1u;
   float dot = 0.0f;
   for (int wi = 0; wi < WORDS; ++wi) {
     const uint word = words[wi];
-    for (int i = 0; i < PACK; ++i) {
-      dot += float((word >> (BITS * i)) & MASK) * xv[wi * PACK + i];
+    if constexpr (MODE == 0) {
+      for (int i = 0; i < PACK; ++i) {
+        dot += float((word >> (BITS * i)) & MASK) * xv[wi * PACK + i];
+      }
+    } else if constexpr (MODE == 3) {
+      for (int i = 0; i < 4; ++i) {
+        dot += mt_fp4_scale<2>(word >> (8 * i)) * xv[wi * 4 + i];
+      }
+    } else {
+      for (int i = 0; i < 4; ++i) {  // codes i and i + 4 of the word at once
+        const float2 v = float2(mt_e2m1x2(word >> (4 * i)));
+        dot += v.x * xv[wi * 8 + i] + v.y * xv[wi * 8 + i + 4];
+      }
     }
   }
   return dot;
@@ -87,7 +111,8 @@ constexpr uint ROWS = 4;               // output rows per SIMD-group
 constexpr uint PACK = 32 / BITS;       // values per uint32 word
 constexpr int WORDS = 2;               // words per lane per step
 constexpr uint VALS = WORDS * PACK;    // values per lane per step: 16 (4-bit), 8 (8-bit)
-constexpr uint LANES_PER_GROUP = GROUP_SIZE / VALS;  // 2..16, divides 32
+constexpr uint LANES_PER_GROUP = GROUP_SIZE / VALS;  // 1..16, divides 32
+constexpr int SCALE_FORMAT = MODE == 3 ? 1 : MODE;  // mt_fp4_scale's: mxfp8 scales are E8M0
 
 const uint lane = thread_index_in_simdgroup;
 const uint pair = threadgroup_position_in_grid.z;
@@ -155,15 +180,21 @@ for (uint base = 0; base < n_chunks; base += 32) {  // trip count uniform over t
     float s = 0.0f;
     float b = 0.0f;
     if (active && loads_group) {
-      s = float(s_rows[r * groups_per_row + group]);
-      b = float(b_rows[r * groups_per_row + group]);
+      s = mt_fp4_scale<SCALE_FORMAT>(s_rows[r * groups_per_row + group]);  // 0: float(s)
+      if constexpr (MODE == 0) {
+        b = float(b_rows[r * groups_per_row + group]);
+      }
     }
     s = simd_shuffle(s, group_leader);
     b = simd_shuffle(b, group_leader);
     if (active) {
-      const float dot =
-          mt_expert_qdot<BITS, WORDS>(w_rows + size_t(r) * words_per_row + chunk * WORDS, xv);
-      acc[r] += s * dot + b * x_sum;
+      const float dot = mt_expert_qdot<MODE, BITS, WORDS>(
+          w_rows + size_t(r) * words_per_row + chunk * WORDS, xv);
+      if constexpr (MODE == 0) {
+        acc[r] += s * dot + b * x_sum;
+      } else {
+        acc[r] += s * dot;  // no bias term (0 * an infinite x_sum would be NaN)
+      }
     }
   }
 }

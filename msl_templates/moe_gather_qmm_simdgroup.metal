@@ -1,19 +1,26 @@
-// moe_gather_qmm_simdgroup.metal: MoE grouped affine-quantized matmul over expert-sorted
-// rows, 8x8 simdgroup_matrix products (every Apple GPU since M1).
+// moe_gather_qmm_simdgroup.metal: MoE grouped quantized matmul (affine 4/8-bit, mxfp4,
+// nvfp4, mxfp8) over expert-sorted rows, 8x8 simdgroup_matrix products (every Apple GPU since M1).
 //
 // MATH (rows m in [0, M), output columns n in [0, N), float32 accumulation, rounded once):
 //   e        = indices[m]                                  (the expert of row m)
 //   W[n, k]  = T(scale[e, n, k / gs] * q[e, n, k] + bias[e, n, k / gs])
 //              (the dequantised weight, rounded once to the activation dtype T, as MLX's
 //               quantized kernels see it; q = the BITS-bit code, low bits first)
+//              MODE 1 (mxfp4) / 2 (nvfp4): W[n, k] = T(mt_fp4_scale<MODE>(scale[e, n, k / gs])
+//              * e2m1(q[e, n, k])), BITS 4, no bias (common.h's E8M0 / E4M3 / E2M1 decode)
+//              MODE 3 (mxfp8): the same with E8M0 scales and E4M3 elements (common.h's E4M3
+//              helper: 0x7F / 0xFF read as +-480 like MLX's Metal decoder), BITS 8
 //   out[m,n] = T( sum_k float(x[m, k]) * float(W[n, k]) )  if e < E, else NaN
 //
 // LAYOUTS (row-contiguous; mx.quantize of a stacked [E, N, K] weight):
 //   x [M, K] T; w [E, N, K * BITS / 32] uint32 (32 / BITS codes per word, low bits first);
 //   scales, biases [E, N, K / GROUP_SIZE] T; indices [M] uint32 or int32 (a negative int32
-//   reads as a huge uint and is out of range); out [M, N] T.
+//   reads as a huge uint and is out of range); out [M, N] T. fp modes: scales uint8 (E8M0,
+//   group 32 / E4M3, group 16); biases is not read (the wrapper passes scales again).
 //   n_rows (M), n_experts (E), n_cols (N), k_dim (K) are 0-d uint runtime inputs: changing
-//   them never builds a new kernel. Template: T, BITS (4 or 8), GROUP_SIZE (32, 64, 128).
+//   them never builds a new kernel. Template: T, BITS (4 or 8), GROUP_SIZE (32, 64, 128),
+//   MODE 0 (affine); MODE 1: BITS 4, GROUP_SIZE 32; MODE 2: BITS 4, GROUP_SIZE 16;
+//   MODE 3: BITS 8, GROUP_SIZE 32.
 //   ADDRESS SPACES: MLX passes an input of fewer than 8 elements in the `constant` address
 //   space, a different generated source: indices of M < 8 rows compile a second
 //   instantiation next to the `device` one, once per process and (T, BITS, GROUP_SIZE,
@@ -44,7 +51,8 @@
 //   indices are read only for rows < M; expert ids are checked against E before any access.
 //
 // TRAFFIC per call: for each (tile, distinct expert in the tile): N * K * BITS / 8 bytes of
-//   codes and 2 * N * K / GROUP_SIZE scale/bias elements (a group cut by a K-split boundary
+//   codes and 2 * N * K / GROUP_SIZE scale/bias elements (fp modes: N * K / GROUP_SIZE
+//   scale bytes, no bias) (a group cut by a K-split boundary
 //   is loaded by both simdgroups: at most 3 extra per weight row); x rows are read N / 32
 //   times (once per column block; the other reads hit cache); out written once (M * N).
 //   Each thread also reads its slot's id and the tile's <= 8 ids (36 bytes, cache hits);
@@ -57,15 +65,29 @@
 
 // Dequantise 16 consecutive codes of one weight row that lie in one quantisation group,
 // rounding each weight once to T (returned as float). `words` points at the first word.
-template <typename T, int BITS, typename WordPtr>
+// MODE 0: scale * q + bias; MODE 1, 2 (BITS 4): scale * e2m1(q); MODE 3 (BITS 8):
+// scale * e4m3(q); the fp modes have no bias.
+template <typename T, int MODE, int BITS, typename WordPtr>
 inline void mt_moe_dequant16(WordPtr words, float scale, float bias, thread float* dst) {
   constexpr int PER_WORD = 32 / BITS;
   constexpr uint MASK = (1u << BITS) - 1u;
   for (int j = 0; j < 16 / PER_WORD; ++j) {
     const uint word = words[j];
-    for (int i = 0; i < PER_WORD; ++i) {
-      const float q = float((word >> (BITS * i)) & MASK);
-      dst[j * PER_WORD + i] = float(T(metal::fma(scale, q, bias)));
+    if constexpr (MODE == 0) {
+      for (int i = 0; i < PER_WORD; ++i) {
+        const float q = float((word >> (BITS * i)) & MASK);
+        dst[j * PER_WORD + i] = float(T(metal::fma(scale, q, bias)));
+      }
+    } else if constexpr (MODE == 3) {
+      for (int i = 0; i < 4; ++i) {
+        dst[j * 4 + i] = float(T(scale * mt_fp4_scale<2>(word >> (8 * i))));
+      }
+    } else {
+      for (int i = 0; i < 4; ++i) {  // codes i and i + 4 of the word at once
+        const float2 v = float2(mt_e2m1x2(word >> (4 * i)));
+        dst[j * 8 + i] = float(T(scale * v.x));
+        dst[j * 8 + i + 4] = float(T(scale * v.y));
+      }
     }
   }
 }
@@ -76,6 +98,7 @@ constexpr uint BN = 32;          // output columns per threadgroup
 constexpr uint BK = 16;          // K step of a simdgroup
 constexpr uint WS_LD = BN + 4;   // padded row length of the staged W^T block
 constexpr uint PER_WORD = 32 / BITS;
+constexpr int SCALE_FORMAT = MODE == 3 ? 1 : MODE;  // mt_fp4_scale's: mxfp8 scales are E8M0
 threadgroup float xs[SG][BM * BK];
 threadgroup float ws[SG][BK * WS_LD];
 
@@ -153,14 +176,16 @@ for (uint step = step_begin; step < step_end; ++step) {
   const uint k0 = step * BK;
   if (k0 / GROUP_SIZE != group) {
     group = k0 / GROUP_SIZE;
-    scale = float(w_scales[group]);
-    bias = float(w_biases[group]);
+    scale = mt_fp4_scale<SCALE_FORMAT>(w_scales[group]);  // 0: float(scale)
+    if constexpr (MODE == 0) {
+      bias = float(w_biases[group]);
+    }
   }
   for (uint i = 0; i < 4; ++i) {
     my_x[xr * BK + xk + i] = xq[i];
   }
   float wv[BK];
-  mt_moe_dequant16<T, BITS>(wq, scale, bias, wv);
+  mt_moe_dequant16<T, MODE, BITS>(wq, scale, bias, wv);
   for (uint i = 0; i < BK; ++i) {
     my_w[i * WS_LD + lane] = wv[i];
   }

@@ -13,18 +13,18 @@ import importlib
 import time
 
 import mlx.core as mx
+import nvcc_check
 import pytest
 
 import mlx_metaltile as mt
 from mlx_metaltile import _registry
-from mlx_metaltile.cuda import _nvcc
 
 SPECS = tuple(s for s in mt.kernels() if "cuda" in s.backends)
 COMPILERS = (
     pytest.param("nvcc", id="nvcc", marks=pytest.mark.skipif(
-        _nvcc.find_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME)")),
+        nvcc_check.find_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME)")),
     pytest.param("nvrtc", id="nvrtc", marks=pytest.mark.skipif(
-        _nvcc.load_nvrtc() is None, reason=f"libnvrtc not found (set {_nvcc.NVRTC_ENV})")),
+        nvcc_check.load_nvrtc() is None, reason=f"libnvrtc not found (set {nvcc_check.NVRTC_ENV})")),
 )
 
 
@@ -33,7 +33,7 @@ def _units() -> tuple[dict[str, str], dict[str, str]]:
     units, errors = {}, {}
     for spec in SPECS:
         try:
-            units[spec.name] = _nvcc.spec_unit(spec)
+            units[spec.name] = nvcc_check.spec_unit(spec)
         except Exception as exc:  # noqa: BLE001 - reported by that kernel's test
             errors[spec.name] = f"{type(exc).__name__}: {exc}"
     return units, errors
@@ -48,11 +48,11 @@ def compile_all(compiler: str, config) -> tuple[dict, dict]:
         units, errors = _units()
         start = time.perf_counter()
         if compiler == "nvcc":
-            results = _nvcc.compile_units(units)
-            what = f"nvcc -arch={_nvcc.DEFAULT_ARCH}"
+            results = nvcc_check.compile_units(units)
+            what = f"nvcc -arch={nvcc_check.DEFAULT_ARCH}"
         else:
-            results = _nvcc.nvrtc_compile_units(units)
-            what = f"NVRTC {_nvcc.DEFAULT_ARCH}a (MLX's JIT options)"
+            results = nvcc_check.nvrtc_compile_units(units)
+            what = f"NVRTC {nvcc_check.DEFAULT_ARCH}a (MLX's JIT options)"
         elapsed = time.perf_counter() - start
         slowest = max(results.values(), key=lambda r: r.seconds, default=None)
         report(config, f"[cuda compile] {len(results)} translation units, {what}, "

@@ -16,7 +16,7 @@ from emulator_util import requires_emulator, run
 
 import mlx_metaltile as mt
 from mlx_metaltile import emulator as em
-from mlx_metaltile._msl_signature import METAL_ATTRIBUTES
+from mlx_metaltile._msl.signature import METAL_ATTRIBUTES
 
 pytestmark = requires_emulator
 
@@ -270,10 +270,12 @@ def test_concurrent_processes_build_a_cold_cache(tmp_path):
     cache = tmp_path / "cache"
     _race(tmp_path, {"MLX_METALTILE_CACHE": str(cache)}, 2)
     root = cache / "emulator"
-    assert len(list(root.glob("mt_runtime-*.so"))) == 1
+    assert len(list(root.glob("runtime-*/mt_runtime-*.so"))) == 1
     pch = list(root.glob("pch-*"))
     assert len(pch) == 1 and (pch[0] / "mt_pch.h.gch").is_file()
-    assert len(list((root / "kernels").glob("*.so"))) == 1
+    assert len(list((root / "kernels").glob("*/kernel.so"))) == 1
+    assert all((entry / "record.json").is_file()
+               for entry in [*root.glob("runtime-*"), *pch, *(root / "kernels").iterdir()])
     leftovers = [p.name for p in root.rglob("*build*")]
     assert not leftovers, leftovers
 

@@ -263,21 +263,61 @@ def test_hazard_in_a_header_helper_names_the_header_line():
     assert err.location == "header line 2"
 
 
-def test_without_addr2line_a_hazard_says_why_its_line_is_missing(monkeypatch):
-    from mlx_metaltile.emulator import _kernel
+def test_unreadable_debug_information_a_hazard_says_why_its_line_is_missing(monkeypatch):
+    from mlx_metaltile.emulator import _dwarf
 
-    monkeypatch.setattr(_kernel, "ADDR2LINE", "mt-emulator-no-such-tool")
-    _kernel._addr2line.cache_clear()
-    try:
-        with pytest.raises(em.OutOfBoundsAccess) as info:
-            run("out[thread_position_in_grid.x + 1] = 0.0f;", D, {"out": ((64,), mx.float32)},
-                (64, 1, 1), (64, 1, 1), name="broken")
-    finally:
-        _kernel._addr2line.cache_clear()
+    monkeypatch.setattr(_dwarf, "line_table", lambda path: None)
+    with pytest.raises(em.OutOfBoundsAccess) as info:
+        run("out[thread_position_in_grid.x + 1] = 0.0f;", D, {"out": ((64,), mx.float32)},
+            (64, 1, 1), (64, 1, 1), name="broken")
     err = info.value
     assert err.location is None and err.thread == (63, 0, 0)
-    assert str(err).endswith("source line unavailable: addr2line (GNU binutils) was not "
-                             "found; install binutils to see it"), str(err)
+    assert str(err).endswith("source line unavailable: the kernel module's debug "
+                             "information could not be read"), str(err)
+
+
+PRIVATE_ARRAY = """
+  uint t = thread_position_in_grid.x;
+  float a[4];
+  for (int i = 0; i < 4; ++i) a[i] = inp[i] + float(t);
+  out[t] = a[uint(inp[4])];
+"""
+
+
+def test_out_of_bounds_index_into_a_per_thread_array():
+    inp = np.array([1, 2, 3, 4, 9], np.float32)
+    err = hazard(em.OutOfBoundsAccess, PRIVATE_ARRAY, {"inp": inp})
+    assert err.location == "body line 5" and err.source_line == "out[t] = a[uint(inp[4])];"
+    assert err.thread == (0, 0, 0)
+    assert "out-of-bounds index 9 into an array of type 'float [4]'" in str(err)
+    # the same kernel with an index inside the array runs (the check raised, not the kernel)
+    (out,) = run(PRIVATE_ARRAY, {"inp": np.array([1, 2, 3, 4, 2], np.float32)},
+                 {"out": ((64,), mx.float32)}, (64, 1, 1), (64, 1, 1), name="in_bounds")
+    np.testing.assert_array_equal(out, 3.0 + np.arange(64))
+
+
+def test_builtin_memcpy_reading_past_a_buffer_end():
+    source = ("uint t = thread_position_in_grid.x;\n"
+              "float v[2];\n"
+              "__builtin_memcpy(v, inp + t, n * sizeof(float));\n"
+              "out[t] = v[0] + v[1];")
+    inp = np.arange(64, dtype=np.float32)
+    err = hazard(em.OutOfBoundsAccess, source, {"inp": inp, "n": np.uint32(2)})
+    assert err.location == "body line 3" and err.thread == (63, 0, 0)
+    assert "out-of-bounds read of 8 bytes on buffer 'inp'" in str(err)
+    (out,) = run(source, {"inp": inp, "n": np.uint32(2)}, {"out": ((63,), mx.float32)},
+                 (63, 1, 1), (63, 1, 1), name="memcpy_in_bounds")
+    np.testing.assert_array_equal(out, inp[:63] + inp[1:])
+    assert em.last_launch_stats().bytes_read["inp"] <= 63 * 8  # the check counts nothing
+
+
+def test_write_through_a_const_cast_input_pointer():
+    err = hazard(em.InputBufferWrite,
+                 "const_cast<device float*>(inp)[thread_position_in_grid.x] = 0.0f;\n"
+                 "out[thread_position_in_grid.x] = 1.0f;",
+                 {"inp": np.ones(64, np.float32)})
+    assert err.location == "body line 1"
+    assert "write of 4 bytes to the input buffer 'inp'" in str(err)
 
 
 def test_the_emulator_recovers_after_a_hazard():

@@ -20,10 +20,12 @@ def test_wheel_carries_the_emulator(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     pkg = "mlx_metaltile/emulator/"
     expected = [pkg + f for f in ("__init__.py", "_kernel.py", "_toolchain.py",
-                                  "_translate.py", "src/runtime.cpp", "README.md",
+                                  "_abi.py", "_settings.py", "_dwarf.py",
+                                  "_translate.py", "src/runtime.cpp", "src/fibers.inc",
+                                  "include/mt_emu/launch.h", "README.md",
                                   "include/metal_stdlib", "include/metal_simdgroup",
                                   "include/mt_emu/kernel.h", "include/mt_emu/abi.h")]
-    expected.append("mlx_metaltile/_msl_signature.py")
+    expected.append("mlx_metaltile/_msl/signature.py")
     missing = [n for n in expected if n not in names]
     assert not missing, f"missing from the wheel: {missing}"
     source_headers = {p.relative_to(ROOT / "mlx_metaltile").as_posix()

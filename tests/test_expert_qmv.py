@@ -372,7 +372,8 @@ def test_sizes_do_not_rebuild(kernel_backend, monkeypatch, rng):
             x = make_x(rng, (*x_lead, n_in) if shared else (*x_lead, k, n_in), mx.float16)
             run_and_check(x, w, s, b, ids, 64, 4, kernel_backend)
     assert backends.built_kernels() == built
-    assert set(templates) == {(("T", mx.float16), ("BITS", 4), ("GROUP_SIZE", 64))}
+    assert set(templates) == {(("T", mx.float16), ("BITS", 4), ("GROUP_SIZE", 64),
+                              ("MODE", 0))}
     if sources is not None:
         new = set(sources) - warm
         assert not new, f"new instantiations: {[input_space(src, 'indices') for src in new]}"
@@ -439,7 +440,8 @@ def test_kernel_path_is_lazy(monkeypatch, no_host_sync, rng):
         out = mt.expert_qmv(x, w, s, b, ids, group_size=64, bits=4)
     assert out.shape == (2, 3, 2, 40) and out.dtype == mx.bfloat16
     assert seen["grid"] == (64, 5, 12) and seen["threadgroup"] == (64, 1, 1)
-    assert seen["template"] == [("T", mx.bfloat16), ("BITS", 4), ("GROUP_SIZE", 64)]
+    assert seen["template"] == [("T", mx.bfloat16), ("BITS", 4), ("GROUP_SIZE", 64),
+                                ("MODE", 0)]
 
 
 def test_empty_does_not_dispatch(kernel_backend, rng):

@@ -723,7 +723,7 @@ def _ok():
      "group_size must be one of"),
     (lambda x, w, s: (x, w, s.astype(mx.float32)), {"group_size": -32}, ValueError,
      "group_size must be one of"),
-    (lambda x, w, s: (x, w, s), {"group_size": None}, TypeError, "group_size must be an int"),
+    (lambda x, w, s: (x, w, s), {"group_size": "32"}, TypeError, "group_size must be an int"),
     (lambda x, w, s: (x, w.reshape(-1), s), {}, ValueError,
      r"w must have 2 dimensions \[N, K/8\], got 1"),
     (lambda x, w, s: (x, w, s.reshape(-1)), {}, ValueError,

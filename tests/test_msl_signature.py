@@ -1,4 +1,4 @@
-"""The kernel source MLX's metal_kernel generates, reproduced by mlx_metaltile._msl_signature
+"""The kernel source MLX's metal_kernel generates, reproduced by mlx_metaltile._msl.signature
 (shared by the emulator and the CUDA layer)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlx_metaltile._msl_signature import (
+from mlx_metaltile._msl.signature import (
     METAL_ATTRIBUTES,
     InputInfo,
     generate,

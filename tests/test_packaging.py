@@ -26,6 +26,11 @@ for name in names:
     if name.endswith(".metal"):
         tpl = _templates.render(name)
         assert tpl.body.strip() and '#include "' not in tpl.header
+from mlx_metaltile._msl import kernel as _msl_kernel  # the MSL core ships
+from mlx_metaltile.cuda import _translate as cuda_translate
+header = cuda_translate.compat_header()  # the CUDA header's parts ship and are inlined
+assert "include/mt_cuda/" not in header and "simdgroup_matrix" in header
+assert str(pkg / "cuda" / "include" / "mt_cuda") in cuda_translate.compat_include()
 print("rendered", len(names), "templates for", len(mt.kernels()), "kernels")
 """
 

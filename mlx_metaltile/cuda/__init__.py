@@ -1,9 +1,11 @@
 """The CUDA backend: MSL kernel bodies on MLX's CUDA build through ``mx.fast.cuda_kernel``.
 
 ``metal_kernel(...)`` takes exactly what ``mx.fast.metal_kernel`` takes and returns a callable
-with its call signature. The MSL source is translated once (``_translate.py``: the shared
-threadgroup pre-pass, MSL built-ins from CUDA indices, Metal-style scalar and atomic
-arguments) and compiled by MLX's CUDA JIT against ``msl_compat.cuh``.
+with its call signature and MLX's argument checks (``mlx_metaltile._msl``, the MSL core it
+shares with the emulator). The MSL source is translated once (``_translate.py``: the shared
+source rewrites, MSL built-ins from CUDA indices, Metal-style scalar and atomic arguments)
+and compiled by MLX's CUDA JIT against ``msl_compat.cuh`` (its parts in include/mt_cuda/).
+Swizzles and packed vectors are refused when the kernel is made (``_msl/capabilities.py``).
 
 Where it differs from Metal (by construction, documented in msl_compat.cuh and the README):
   * a grid that is not a whole number of threadgroups launches whole CUDA blocks; the extra
@@ -21,6 +23,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from .._msl.kernel import Launch, MetalKernel
 from ._translate import (
     GRID_INPUT,
     Body,
@@ -75,26 +78,20 @@ def _grid_array(grid: tuple[int, int, int]) -> mx.array:
     return mx.array(grid, dtype=mx.uint32)
 
 
-class CudaKernel:
+class CudaKernel(MetalKernel):
     """An MSL kernel on MLX's CUDA backend, called like ``mx.fast.metal_kernel``'s result.
 
-    One ``mx.fast.cuda_kernel`` object is made per call signature (which inputs are 0-d,
-    whether the grid overhangs the blocks); MLX then JIT-compiles per template instantiation
-    and caches the module.
+    The argument checks are the base class's (MLX's). One ``mx.fast.cuda_kernel`` object is
+    made per call signature (which inputs are 0-d, whether the grid overhangs the blocks);
+    MLX then JIT-compiles per template instantiation and caches the module.
     """
 
-    def __init__(self, name: str, input_names: Sequence[str], output_names: Sequence[str],
-                 source: str, header: str = "", ensure_row_contiguous: bool = True,
-                 atomic_outputs: bool = False) -> None:
-        if not output_names:
-            raise ValueError(f"[cuda] kernel {name!r} needs at least one output")
-        self.name = name
-        self.input_names = tuple(input_names)
-        self.output_names = tuple(output_names)
-        self.ensure_row_contiguous = ensure_row_contiguous
-        self.atomic_outputs = atomic_outputs
-        self.header = translate_header(header)
-        self.body = prepass_body(source)
+    executor = "cuda"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.cuda_header = translate_header(self.header)
+        self.body = prepass_body(self.source)
         self._variants: dict[tuple, tuple[Body, object]] = {}
 
     def translate(self, scalar_inputs: Sequence[bool], guarded: bool = False) -> Body:
@@ -113,33 +110,28 @@ class CudaKernel:
                 input_names=list(body.input_names),
                 output_names=list(body.output_names),
                 source=body.source,
-                header=self.header,
+                header=self.cuda_header,
                 ensure_row_contiguous=self.ensure_row_contiguous,
             )
             entry = self._variants[key] = (body, kernel)
         return entry
 
-    def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup,
-                 template=None, init_value=None, verbose=False, stream=None):
-        if len(inputs) != len(self.input_names):
-            raise ValueError(f"[cuda] kernel {self.name!r} expects {len(self.input_names)} "
-                             f"inputs, got {len(inputs)}")
-        inputs = [x if isinstance(x, mx.array) else mx.array(x) for x in inputs]
-        grid = tuple(int(g) for g in grid)
-        threadgroup = tuple(int(t) for t in threadgroup)
-        guarded = not grid_is_whole(grid, threadgroup)
+    def _run(self, launch: Launch) -> list[mx.array]:
+        inputs = list(launch.inputs)
+        guarded = not grid_is_whole(launch.grid, launch.threadgroup)
         _, kernel = self._variant(tuple(x.ndim == 0 for x in inputs), guarded)
         if guarded:
-            inputs.append(_grid_array(grid))
-        return kernel(inputs=inputs, output_shapes=list(output_shapes),
-                      output_dtypes=list(output_dtypes), grid=grid, threadgroup=threadgroup,
-                      template=list(template) if template else None, init_value=init_value,
-                      verbose=verbose, stream=stream)
+            inputs.append(_grid_array(launch.grid))
+        return kernel(inputs=inputs, output_shapes=launch.output_shapes,
+                      output_dtypes=launch.output_dtypes, grid=launch.grid,
+                      threadgroup=launch.threadgroup, template=launch.template or None,
+                      init_value=launch.init_value, verbose=launch.verbose,
+                      stream=launch.stream)
 
 
 def metal_kernel(name: str, input_names: Sequence[str], output_names: Sequence[str],
                  source: str, header: str = "", ensure_row_contiguous: bool = True,
-                 atomic_outputs: bool = False) -> CudaKernel:
+                 atomic_outputs: bool = False, compile_options=None) -> CudaKernel:
     """``mx.fast.metal_kernel``'s contract, executed by ``mx.fast.cuda_kernel``."""
     return CudaKernel(name, input_names, output_names, source, header,
-                      ensure_row_contiguous, atomic_outputs)
+                      ensure_row_contiguous, atomic_outputs, compile_options)

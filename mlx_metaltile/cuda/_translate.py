@@ -32,57 +32,27 @@ from functools import cache
 from importlib import resources
 from pathlib import Path
 
-from .._msl_source import rewrite_threadgroup_declarations
-
-SIMD_WIDTH = 32
+from .._msl.builtins import BUILTINS, SIMD_WIDTH
+from .._msl.dtypes import cuda_type, type_string
+from .._msl.source import rewrite_literals, rewrite_threadgroup_declarations
 
 # The text MLX's cuda_kernel puts in front of every kernel's header.
 MLX_DEFAULT_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
 
-# MLX dtype name -> the CUDA type MLX writes in the signature and in ``using`` lines.
-CUDA_TYPES = {
-    "bool": "bool",
-    "int8": "int8_t",
-    "int16": "int16_t",
-    "int32": "int32_t",
-    "int64": "int64_t",
-    "uint8": "uint8_t",
-    "uint16": "uint16_t",
-    "uint32": "uint32_t",
-    "uint64": "uint64_t",
-    "float16": "__half",
-    "bfloat16": "__nv_bfloat16",
-    "float32": "float",
-    "float64": "double",
-    "complex64": "mlx::core::cu::complex64_t",
-}
-# MLX dtype name -> the spelling MLX uses in kernel names (its get_type_string).
-_TYPE_STRINGS = {
-    "bool": "bool", "int8": "int8_t", "int16": "int16_t", "int32": "int32_t",
-    "int64": "int64_t", "uint8": "uint8_t", "uint16": "uint16_t", "uint32": "uint32_t",
-    "uint64": "uint64_t", "float16": "float16_t", "bfloat16": "bfloat16_t",
-    "float32": "float", "float64": "double", "complex64": "complex64_t",
-}
-
 GRID_INPUT = "mt_grid"  # uint32[3]: Metal's grid (threads), passed only when blocks overhang it
 
 
-def dtype_name(dtype) -> str:
-    """'float16' for mx.float16 (or for the string 'float16')."""
-    return str(dtype).rsplit(".", 1)[-1]
+_PART_INCLUDE = re.compile(r'^#include "(include/mt_cuda/\w+\.cuh)"$', re.M)
 
 
-def cuda_type(dtype) -> str:
-    name = dtype_name(dtype)
-    if name not in CUDA_TYPES:
-        raise TypeError(f"[cuda] no CUDA type for dtype {name}")
-    return CUDA_TYPES[name]
+def _read(relative: str) -> str:
+    return resources.files(__package__).joinpath(relative).read_text(encoding="utf-8")
 
 
 @cache
 def compat_header() -> str:
-    """The text of msl_compat.cuh (package data)."""
-    return resources.files(__package__).joinpath("msl_compat.cuh").read_text(encoding="utf-8")
+    """The text of msl_compat.cuh with its parts (include/mt_cuda/*.cuh) inlined."""
+    return _PART_INCLUDE.sub(lambda m: _read(m.group(1)), _read("msl_compat.cuh"))
 
 
 @cache
@@ -91,25 +61,20 @@ def compat_include() -> str:
 
     MLX hashes the whole kernel source on every launch (its JIT module key), so ~45 KB of
     header text inlined in each kernel cost several microseconds per call. An #include of
-    the installed file by absolute path keeps the source small; its digest is written next to
-    it so that MLX's on-disk PTX cache (keyed by that hash) never outlives a changed header.
-    Inlined where the package is not a plain folder on disk.
+    the installed files by absolute path keeps the source small (each part by its own path:
+    a JIT compiler need not resolve includes relative to the including file); the digest of
+    the whole text is written next to it so that MLX's on-disk PTX cache (keyed by that
+    hash) never outlives a changed header. Inlined where the package is not a plain folder
+    on disk.
     """
-    path = Path(__file__).resolve().with_name("msl_compat.cuh")
+    folder = Path(__file__).resolve().parent
+    parts = [folder / part for part in _PART_INCLUDE.findall(_read("msl_compat.cuh"))]
     text = compat_header()
-    if not path.is_file() or any(c in str(path) for c in '"\n\\'):
+    if not all(p.is_file() for p in parts) or any(c in str(folder) for c in '"\n\\'):
         return text
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    return f'// msl_compat.cuh sha256:{digest}\n#include "{path}"\n'
-
-
-def stub_include_dir() -> Path:
-    """A folder holding a stand-in for MLX's ``mlx/backend/cuda/device/utils.cuh``.
-
-    MLX embeds its device headers in libmlx (they are not files of the wheel); for a
-    standalone nvcc check the stub declares what the generated signatures use.
-    """
-    return Path(str(resources.files(__package__).joinpath("stub")))
+    return (f"// msl_compat.cuh sha256:{digest}\n"
+            + "".join(f'#include "{p}"\n' for p in parts))
 
 
 # ---- source rewrites shared by header and body -------------------------------------------
@@ -118,8 +83,6 @@ _METAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*<metal_\w+>[ \t]*$', re
 _PRAGMA_ONCE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+once[ \t]*$", re.M)
 _CLANG_UNROLL = re.compile(r"#[ \t]*pragma[ \t]+clang[ \t]+loop[ \t]+unroll\(full\)")
 _CLANG_UNROLL_OP = re.compile(r'_Pragma\(\s*"clang loop unroll\(full\)"\s*\)')
-# 1.0h, 2h, .5h, 1e-3h: MSL half literals (no C++ equivalent).
-_HALF_LITERAL = re.compile(r"(?<![\w.])((?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?)[hH]\b")
 _COMMENT_LINE = re.compile(r"^[ \t]*//.*\n", re.M)
 # Program-scope `constant` declarations (at column 0) become CUDA constant memory.
 _PROGRAM_CONSTANT = re.compile(r"^((?:static[ \t]+)?)constant\b", re.M)
@@ -133,7 +96,7 @@ def _common_rewrites(text: str) -> str:
     text = _METAL_INCLUDE.sub("", text)
     text = _CLANG_UNROLL.sub("#pragma unroll", text)
     text = _CLANG_UNROLL_OP.sub('_Pragma("unroll")', text)
-    return _HALF_LITERAL.sub(lambda m: f"half({m.group(1)}f)", text)
+    return rewrite_literals(text)
 
 
 def translate_header(msl_header: str) -> str:
@@ -165,9 +128,10 @@ def _uint3(parts: Iterable[str]) -> str:
     return "uint3(" + ", ".join(parts) + ")"
 
 
-def _builtins(guarded: bool) -> dict[str, tuple[str, str]]:
-    """MSL attribute name -> (type, CUDA expression). ``guarded``: the grid is an input."""
-    pos = [f"(blockIdx.{a} * blockDim.{a} + threadIdx.{a})" for a in _AXES]
+def _builtin_fields(guarded: bool) -> dict[str, str]:
+    """The CUDA expressions the built-in table's templates are written in.
+
+    ``guarded``: the grid is an input (blocks overhang Metal's grid)."""
     if guarded:
         grid = [f"{GRID_INPUT}[{i}]" for i in range(3)]
         # Edge threadgroups are partial in Metal: their size is what is left of the grid.
@@ -176,36 +140,29 @@ def _builtins(guarded: bool) -> dict[str, tuple[str, str]]:
     else:
         grid = [f"gridDim.{a} * blockDim.{a}" for a in _AXES]
         tptg = [f"blockDim.{a}" for a in _AXES]
-    linear = "((threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x)"
-    size = "(" + " * ".join(f"({t})" for t in tptg) + ")"
-    dispatch_size = "(blockDim.x * blockDim.y * blockDim.z)"
     return {
-        "thread_position_in_grid": ("uint3", _uint3(pos)),
-        "thread_position_in_threadgroup": ("uint3", _uint3(f"threadIdx.{a}" for a in _AXES)),
-        "threadgroup_position_in_grid": ("uint3", _uint3(f"blockIdx.{a}" for a in _AXES)),
-        "threadgroups_per_grid": ("uint3", _uint3(f"gridDim.{a}" for a in _AXES)),
-        "threads_per_grid": ("uint3", _uint3(grid)),
-        "grid_size": ("uint3", _uint3(grid)),
-        "grid_origin": ("uint3", "uint3(0u)"),
-        "threads_per_threadgroup": ("uint3", _uint3(tptg)),
-        "dispatch_threads_per_threadgroup": ("uint3", _uint3(f"blockDim.{a}" for a in _AXES)),
-        # Warps are cut from the linear thread index, so the lane is that index mod 32.
-        "thread_index_in_threadgroup": ("uint", linear),
-        "thread_index_in_simdgroup": ("uint", f"({linear} % {SIMD_WIDTH}u)"),
-        "simdgroup_index_in_threadgroup": ("uint", f"({linear} / {SIMD_WIDTH}u)"),
-        "simdgroups_per_threadgroup": ("uint", f"(({size} + {SIMD_WIDTH - 1}u) / {SIMD_WIDTH}u)"),
-        "dispatch_simdgroups_per_threadgroup":
-            ("uint", f"(({dispatch_size} + {SIMD_WIDTH - 1}u) / {SIMD_WIDTH}u)"),
-        "threads_per_simdgroup": ("uint", f"{SIMD_WIDTH}u"),
-        "thread_execution_width": ("uint", f"{SIMD_WIDTH}u"),
-        "thread_index_in_quadgroup": ("uint", f"({linear} % 4u)"),
-        "quadgroup_index_in_threadgroup": ("uint", f"({linear} / 4u)"),
-        "quadgroups_per_threadgroup": ("uint", f"(({size} + 3u) / 4u)"),
-        "dispatch_quadgroups_per_threadgroup": ("uint", f"(({dispatch_size} + 3u) / 4u)"),
+        "position": _uint3(f"(blockIdx.{a} * blockDim.{a} + threadIdx.{a})" for a in _AXES),
+        "thread_idx": _uint3(f"threadIdx.{a}" for a in _AXES),
+        "block_idx": _uint3(f"blockIdx.{a}" for a in _AXES),
+        "grid_dim": _uint3(f"gridDim.{a}" for a in _AXES),
+        "block_dim": _uint3(f"blockDim.{a}" for a in _AXES),
+        "grid": _uint3(grid),
+        "tptg": _uint3(tptg),
+        "linear": "((threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x)",
+        "size": "(" + " * ".join(f"({t})" for t in tptg) + ")",
+        "dispatch_size": "(blockDim.x * blockDim.y * blockDim.z)",
+        "width": str(SIMD_WIDTH),
+        "width_minus_1": str(SIMD_WIDTH - 1),
     }
 
 
-BUILTIN_NAMES = tuple(_builtins(False))
+def _builtins(guarded: bool) -> dict[str, tuple[str, str]]:
+    """MSL attribute name -> (type, CUDA expression)."""
+    fields = _builtin_fields(guarded)
+    return {b.name: (b.type, b.cuda.format(**fields)) for b in BUILTINS}
+
+
+BUILTIN_NAMES = tuple(b.name for b in BUILTINS)
 
 
 def used_builtins(body: str) -> list[str]:
@@ -298,7 +255,7 @@ def _template_hash(template: Sequence[tuple[str, object]]) -> str:
         elif isinstance(value, int):
             parts.append(f"_{value}")
         else:
-            parts.append("_" + _TYPE_STRINGS[dtype_name(value)])
+            parts.append("_" + type_string(value))
     return "".join(parts)
 
 

@@ -11,6 +11,7 @@ from ._errors import (
     ArithmeticFault,
     BarrierDivergence,
     EmulatorError,
+    InputBufferWrite,
     InvalidSimdLane,
     KernelCompileError,
     KernelHazard,
@@ -23,15 +24,8 @@ from ._errors import (
     ThreadgroupRace,
     UninitializedThreadgroupRead,
 )
-from ._kernel import (
-    EmulatedKernel,
-    LaunchStats,
-    Settings,
-    configure,
-    last_launch_stats,
-    metal_kernel,
-    settings,
-)
+from ._kernel import EmulatedKernel, LaunchStats, last_launch_stats, metal_kernel
+from ._settings import Settings, configure, settings
 from ._toolchain import unavailable_reason
 
 __all__ = [
@@ -39,6 +33,7 @@ __all__ = [
     "BarrierDivergence",
     "EmulatedKernel",
     "EmulatorError",
+    "InputBufferWrite",
     "InvalidSimdLane",
     "KernelCompileError",
     "KernelHazard",

@@ -1,4 +1,9 @@
-"""Call-site identities from a kernel module's debug information (ELF, DWARF 2-5).
+"""A kernel module's debug information (ELF, DWARF 2-5, read with pyelftools): the source
+lines of a code address, and call-site identities.
+
+``source_frames(line_table(path), offset)`` gives the inline chain of (file, line) of a code offset,
+innermost first (what ``addr2line -i`` prints): the line-table row of the address, then the
+call site of each inlined function containing it.
 
 Threads meet at a barrier or SIMD-group function when they call it through the same chain of
 call sites. The runtime sees that chain as return addresses (one per physical frame); the
@@ -147,3 +152,85 @@ def identity_at(table: tuple[list[int], list[int]], offset: int) -> int | None:
     starts, values = table
     k = bisect_right(starts, offset) - 1
     return values[k] if k >= 0 else None
+
+
+# ---- source lines ------------------------------------------------------------------------------
+
+def _file_name(program, index: int) -> str | None:
+    """The base name of file `index` of a line program (DWARF 5 counts files from 0)."""
+    entries = program.header["file_entry"]
+    k = index if program.header["version"] >= 5 else index - 1
+    if not 0 <= k < len(entries):
+        return None
+    name = entries[k].name
+    return Path(name.decode(errors="replace") if isinstance(name, bytes) else name).name
+
+
+def _read_lines(path: str | Path):
+    """(rows, calls): rows sorted by address as (address, file, line), file None at the end
+    of a sequence; calls as (lo, hi, depth, file, line) for every address range of every
+    inlined call (depth: how many inlined calls contain it)."""
+    from elftools.elf.elffile import ELFFile
+
+    with open(path, "rb") as f:
+        elf = ELFFile(f)
+        if not elf.has_dwarf_info(strict=True):
+            raise ValueError("no .debug_info")
+        dwarf = elf.get_dwarf_info(relocate_dwarf_sections=False, follow_links=False)
+        range_lists = dwarf.range_lists()
+        rows, calls = [], []
+        for cu in dwarf.iter_CUs():
+            program = dwarf.line_program_for_CU(cu)
+            if program is None:
+                continue
+            for entry in program.get_entries():
+                st = entry.state
+                if st is not None:
+                    rows.append((st.address, None if st.end_sequence else
+                                 _file_name(program, st.file), st.line))
+            top = cu.get_top_DIE()
+            base = top.attributes["DW_AT_low_pc"].value if "DW_AT_low_pc" in top.attributes else 0
+            stack = [(top, 0)]
+            while stack:
+                die, depth = stack.pop()
+                for child in die.iter_children():
+                    if child.tag.endswith("_type") or "DW_AT_declaration" in child.attributes:
+                        continue
+                    inner = depth
+                    if child.tag == "DW_TAG_inlined_subroutine":
+                        inner = depth + 1
+                        a = child.attributes
+                        file = _file_name(program, a["DW_AT_call_file"].value) \
+                            if "DW_AT_call_file" in a else None
+                        line = a["DW_AT_call_line"].value if "DW_AT_call_line" in a else 0
+                        calls += [(lo, hi, inner, file, line)
+                                  for lo, hi in _spans(range_lists, cu, child, base) if hi > lo]
+                    stack.append((child, inner))
+    rows.sort(key=lambda r: (r[0], r[1] is not None))
+    return rows, calls
+
+
+def line_table(path: str | Path):
+    """The source lines of a module's code, for source_frames; None when unreadable."""
+    from elftools.common.exceptions import DWARFError, ELFError
+
+    try:
+        return _read_lines(path)
+    except (OSError, ELFError, DWARFError, ArithmeticError, AssertionError, IndexError,
+            KeyError, ValueError):
+        return None
+
+
+def source_frames(table, offset: int) -> tuple[tuple[str, int], ...]:
+    """Inline chain (innermost first) of (file base name, line) for a code offset in a
+    line_table; () for code the debug information does not describe."""
+    rows, calls = table
+    k = bisect_right(rows, offset, key=lambda r: r[0]) - 1
+    if k < 0 or rows[k][1] is None:
+        return ()
+    frames = [(rows[k][1], rows[k][2])]
+    for _lo, _hi, _depth, file, line in sorted((c for c in calls if c[0] <= offset < c[1]),
+                                               key=lambda c: -c[2]):
+        if file is not None:
+            frames.append((file, line))
+    return tuple(frames)

@@ -79,16 +79,23 @@ class KernelTimeout(KernelHazard):
     other."""
 
 
+# By hazard kind: MT_HZ_<name> in include/mt_emu/launch.h.
+class InputBufferWrite(KernelHazard):
+    """A store into an input buffer (inputs are ``const device``; a write through a pointer
+    whose const was cast away would change the caller's array on a GPU)."""
+
+
 HAZARD_CLASSES = {
-    1: OutOfBoundsAccess,
-    2: ThreadgroupMemoryExceeded,
-    3: BarrierDivergence,
-    4: InvalidSimdLane,
-    5: UninitializedThreadgroupRead,
-    6: StackOverflow,
-    7: MemoryFault,
-    8: ArithmeticFault,
-    9: SimdgroupMatrixHazard,
-    10: KernelTimeout,
-    11: ThreadgroupRace,
+    "OUT_OF_BOUNDS": OutOfBoundsAccess,
+    "THREADGROUP_MEMORY": ThreadgroupMemoryExceeded,
+    "BARRIER": BarrierDivergence,
+    "SIMD_LANE": InvalidSimdLane,
+    "UNINITIALIZED_READ": UninitializedThreadgroupRead,
+    "STACK_OVERFLOW": StackOverflow,
+    "MEMORY_FAULT": MemoryFault,
+    "ARITHMETIC": ArithmeticFault,
+    "SIMDGROUP_MATRIX": SimdgroupMatrixHazard,
+    "TIMEOUT": KernelTimeout,
+    "RACE": ThreadgroupRace,
+    "INPUT_WRITE": InputBufferWrite,
 }

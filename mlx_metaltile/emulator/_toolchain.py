@@ -1,45 +1,47 @@
 """Compiling for the emulator: the host C++ compiler, the on-disk cache, the runtime library,
 the precompiled header and the kernel modules.
 
-Everything built is cached under ``$MLX_METALTILE_CACHE/emulator`` (default
-``~/.cache/mlx_metaltile/emulator``), keyed by a hash of what went into it (compiler version,
-flags, runtime sources, kernel source). Builds happen in a private temporary directory and are
-moved into place with an atomic rename, so concurrent test processes share the cache safely.
+Everything built is cached (``_cache``: where, who may write it, checked entries), keyed by a
+hash of what went into it (compiler version, flags, runtime sources, kernel source).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
 import platform
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
+import threading
 from pathlib import Path
 
+from . import _abi, _cache
 from ._errors import EmulatorError, KernelCompileError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 INCLUDE_DIR = PACKAGE_DIR / "include"
-RUNTIME_SOURCE = PACKAGE_DIR / "src" / "runtime.cpp"
-ABI_VERSION = 4
+RUNTIME_SOURCE = PACKAGE_DIR / "src" / "runtime.cpp"  # a unity build of the files beside it
+# Kernel modules are loaded with their symbols local; each names the runtime library (by its
+# soname) as a needed library, which resolves to the copy already loaded.
+MODULE_DLOPEN_MODE = ctypes.RTLD_LOCAL
 
 # Kernel code: -O1 keeps compile time low; the thread-sanitizer instrumentation reports every
 # load and store to the runtime (bounds checks, byte counters, threadgroup shadow memory);
-# -g1 gives the line tables that map a faulting address back to the kernel's source line;
-# DWARF 4, because binutils' addr2line (2.40) names the wrong file (kernel.cpp) for the code
-# of out-of-line helper functions in GCC 12's DWARF 5 line tables.
+# the bounds sanitizer checks indexing of fixed-size arrays (per-thread arrays, vectors);
+# its handler is in the runtime (src/ubsan.inc);
+# -g1 gives the line tables that map a faulting address back to the kernel's source line
+# (read with pyelftools, in the compiler's default DWARF version);
 # C++20 for std::source_location (barriers and SIMD functions are matched by source position,
 # column included); MSL itself is C++17-based. Frame pointers let the runtime walk the call
 # path of a thread waiting at a barrier or SIMD-group function (threads meet there only when
 # they called it through the same chain of calls).
 KERNEL_FLAGS = (
-    "-std=c++20", "-O1", "-g1", "-gdwarf-4", "-fno-omit-frame-pointer", "-fPIC",
+    "-std=c++20", "-O1", "-g1", "-fno-omit-frame-pointer", "-fPIC",
     "-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0",
+    "-fsanitize=bounds", "-fno-sanitize-recover=bounds",
     "-fno-strict-aliasing", "-fwrapv", "-ffp-contract=off", "-fno-math-errno",
     "-fno-exceptions", "-fstack-clash-protection",
     "-Wno-attributes", "-Wno-unknown-pragmas",
@@ -70,21 +72,11 @@ def unavailable_reason() -> str | None:
     if compiler() is None:
         wanted = " or ".join(_compiler_candidates())
         return f"no C++ compiler found (looked for {wanted}; set MLX_METALTILE_CXX)"
+    try:
+        _cache.root()
+    except (_cache.CacheError, OSError) as e:
+        return f"its cache cannot be used: {e}"
     return None
-
-
-def cache_root() -> Path:
-    base = os.environ.get("MLX_METALTILE_CACHE")
-    root = Path(base) if base else Path.home() / ".cache" / "mlx_metaltile"
-    return root / "emulator"
-
-
-def _digest(*parts: str | bytes) -> str:
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(part.encode() if isinstance(part, str) else part)
-        h.update(b"\0")
-    return h.hexdigest()[:24]
 
 
 @functools.cache
@@ -98,84 +90,97 @@ def _compiler_version() -> str:
 
 @functools.cache
 def runtime_sources_digest() -> str:
-    files = sorted(p for p in INCLUDE_DIR.rglob("*") if p.is_file()) + [RUNTIME_SOURCE]
+    files = sorted(p for p in [*INCLUDE_DIR.rglob("*"), *RUNTIME_SOURCE.parent.rglob("*")]
+                   if p.is_file())
     parts = []
     for p in files:
         parts += [str(p.relative_to(PACKAGE_DIR)), p.read_bytes()]
-    return _digest(*parts)
+    return _cache.digest(*parts)
 
 
 @functools.cache
 def toolchain_key() -> str:
-    return _digest(compiler() or "", _compiler_version(), " ".join(KERNEL_FLAGS),
-                   " ".join(RUNTIME_FLAGS), runtime_sources_digest(), str(ABI_VERSION),
+    return _cache.digest(compiler() or "", _compiler_version(), " ".join(KERNEL_FLAGS),
+                   " ".join(RUNTIME_FLAGS), runtime_sources_digest(), str(_abi.ABI_VERSION),
                    platform.machine())
+
+
+def _failed(proc: subprocess.CompletedProcess, folder: Path) -> Exception | None:
+    """The real cause of a failed compiler run outside the kernel's own code, if known."""
+    if "No space left on device" in proc.stderr:
+        return _cache.disk_full(folder)
+    if "while reading precompiled header" in proc.stderr:
+        return _cache.CacheError(f"[emulator] the precompiled header in the cache folder "
+                                 f"{folder} cannot be read (corrupt): delete its pch-* folder "
+                                 f"and it is rebuilt")
+    return None
 
 
 def _run(cmd: list[str], cwd: Path, what: str) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise EmulatorError(f"[emulator] building {what} failed:\n{proc.stderr[-4000:]}")
+        raise _failed(proc, cwd) or EmulatorError(f"[emulator] building {what} failed:\n"
+                                                  f"{proc.stderr[-4000:]}")
     return proc
 
 
-def _install(tmp: Path, final: Path) -> None:
-    """Move a finished build into the cache (another process may have won the race)."""
-    try:
-        os.replace(tmp, final)
-    except OSError:
-        if not final.exists():
-            raise
+# The runtime library's own name, by which kernel modules linked against it name it.
+_SONAME_FLAG = "-Wl,-install_name," if sys.platform == "darwin" else "-Wl,-soname,"
+
+
+def _runtime_name() -> str:
+    return f"mt_runtime-{toolchain_key()[:24]}.so"
+
+
+_runtime_lock = threading.Lock()
+_runtimes: dict[Path, Path] = {}  # cache folder -> its checked runtime library
+
+
+def runtime_path() -> Path:
+    """The emulator runtime library, built once per toolchain (checked once per process)."""
+    root = _cache.folder("")
+    with _runtime_lock:
+        if root not in _runtimes:
+            def build(tmp: Path) -> None:
+                _run([compiler(), *RUNTIME_FLAGS, _SONAME_FLAG + _runtime_name(),
+                      f"-I{INCLUDE_DIR}", str(RUNTIME_SOURCE), "-o", _runtime_name()], tmp,
+                     "the emulator runtime")
+
+            entry = _cache.entry(root, f"runtime-{toolchain_key()[:24]}", toolchain_key(), build)
+            _runtimes[root] = entry / _runtime_name()
+        return _runtimes[root]
 
 
 @functools.cache
-def runtime_library() -> ctypes.CDLL:
-    """The emulator runtime, built once per toolchain, loaded with its symbols global (the
-    kernel modules call into it)."""
-    root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"mt_runtime-{toolchain_key()}.so"
-    if not final.exists():
-        with tempfile.TemporaryDirectory(dir=root, prefix="build-") as tmp:
-            out = Path(tmp) / "mt_runtime.so"
-            _run([compiler(), *RUNTIME_FLAGS, f"-I{INCLUDE_DIR}", str(RUNTIME_SOURCE), "-o",
-                  str(out)], Path(tmp), "the emulator runtime")
-            _install(out, final)
-    lib = ctypes.CDLL(str(final), mode=ctypes.RTLD_GLOBAL)
-    if lib.mt_rt_abi_version() != ABI_VERSION:
-        raise EmulatorError("[emulator] runtime library ABI mismatch; clear the cache at "
-                            f"{root}")
-    return lib
+def runtime_library():
+    """The loaded runtime library (a cffi library object), one per process: kernel modules
+    built in any cache folder name it by its soname, which resolves to this copy."""
+    return _abi.load_runtime(runtime_path())
 
 
-@functools.cache
-def precompiled_header() -> Path | None:
-    """Directory holding mt_pch.h and its precompiled form (None if the compiler cannot
-    precompile; kernels then parse the headers each time)."""
-    root = cache_root()
-    final = root / f"pch-{toolchain_key()}"
-    if (final / "mt_pch.h").exists():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix="pch-build-"))
-    try:
-        (tmp / "mt_pch.h").write_text('#include "mt_emu/kernel.h"\n')
-        proc = subprocess.run([compiler(), *KERNEL_FLAGS, f"-I{INCLUDE_DIR}", "-x", "c++-header",
-                               "mt_pch.h", "-o", "mt_pch.h.gch"], cwd=tmp, capture_output=True,
-                              text=True)
-        if proc.returncode != 0:
-            # The headers themselves do not compile: report it (every kernel would fail).
-            raise EmulatorError(f"[emulator] the runtime headers do not compile:\n"
-                                f"{proc.stderr[-4000:]}")
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "mt_pch.h").exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+_pch: dict[Path, Path] = {}
+
+
+def precompiled_header() -> Path:
+    """Folder holding mt_pch.h and its precompiled form (checked once per process)."""
+    root = _cache.folder("")
+    with _runtime_lock:
+        if root not in _pch:
+            def build(tmp: Path) -> None:
+                (tmp / "mt_pch.h").write_text('#include "mt_emu/kernel.h"\n')
+                proc = subprocess.run([compiler(), *KERNEL_FLAGS, f"-I{INCLUDE_DIR}", "-x",
+                                       "c++-header", "mt_pch.h", "-o", "mt_pch.h.gch"], cwd=tmp,
+                                      capture_output=True, text=True)
+                if proc.returncode != 0:
+                    # The headers themselves do not compile: report it (every kernel would
+                    # fail), unless the cause is elsewhere.
+                    raise _failed(proc, root) or EmulatorError(
+                        f"[emulator] the runtime headers do not compile:\n"
+                        f"{proc.stderr[-4000:]}")
+
+            _pch[root] = _cache.entry(root, f"pch-{toolchain_key()[:24]}", toolchain_key(),
+                                      build)
+        return _pch[root]
 
 
 _DIAG_FILE = re.compile(r"(?:(?<=\s)|^)(?:\./)?(body|header)\.metal:(\d+)(?::(\d+))?", re.M)
@@ -215,29 +220,30 @@ def _map_diagnostics(stderr: str, name: str) -> tuple[str, str | None]:
 
 
 def build_kernel(cpp: str, header: str, body: str, name: str) -> Path:
-    """Compile one kernel instantiation into a shared module (cached); return its path."""
-    root = cache_root() / "kernels"
-    root.mkdir(parents=True, exist_ok=True)
-    key = _digest(toolchain_key(), cpp, header, body)
-    final = root / f"{key}.so"
-    if final.exists():
-        return final
-    pch = precompiled_header()
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix="build-"))
-    try:
+    """Compile one kernel instantiation into a shared module (cached, checked); return the
+    module's path."""
+    root = _cache.folder("kernels")
+    source = _cache.digest(toolchain_key(), cpp, header, body)
+    runtime = runtime_path()
+
+    def build(tmp: Path) -> None:
+        pch = precompiled_header()  # checked only when a kernel is compiled
         (tmp / "kernel.cpp").write_text(cpp)
         (tmp / "header.metal").write_text(header)
         (tmp / "body.metal").write_text(body)
-        include = ["-include", str(pch / "mt_pch.h")] if pch else ["-include", "mt_emu/kernel.h"]
-        cmd = [compiler(), *KERNEL_FLAGS, f"-I{INCLUDE_DIR}", *include,
+        cmd = [compiler(), *KERNEL_FLAGS, f"-I{INCLUDE_DIR}", "-include", str(pch / "mt_pch.h"),
                f"-fdebug-prefix-map={tmp}=.", "-c", "kernel.cpp", "-o", "kernel.o"]
         proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True)
         if proc.returncode != 0:
+            cause = _failed(proc, root)
+            if cause is not None:
+                raise cause
             text, first = _map_diagnostics(proc.stderr, name)
             raise KernelCompileError(f"[{name}] the kernel does not compile: "
                                      f"{first or 'see below'}\n{text}", kernel=name)
-        _run([compiler(), "-shared", "kernel.o", "-o", "kernel.so"], tmp, f"kernel {name}")
-        _install(tmp / "kernel.so", final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+        # linked against the runtime: the module names it (by soname) as a needed library
+        _run([compiler(), "-shared", "kernel.o", str(runtime), "-o", "kernel.so"], tmp,
+             f"kernel {name}")
+        os.unlink(tmp / "kernel.o")
+
+    return _cache.entry(root, source[:24], source, build) / "kernel.so"

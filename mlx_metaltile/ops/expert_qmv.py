@@ -24,10 +24,14 @@ from ._common import (
     require_float,
     scalar,
 )
+from ._modes import MODE_IDS, check_mode, check_mode_arrays, resolve_sizes
 
 OP = "expert_qmv"
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
+MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
+# (mode, group size, bits) of the fp modes (uint8 scales, no biases), as mx.quantize
+FP_MODES = (("mxfp4", 32, 4), ("nvfp4", 16, 4), ("mxfp8", 32, 8))
 SIMDGROUPS = 2  # SIMD-groups per threadgroup (matches the template)
 ROWS = 4  # output rows per SIMD-group (matches the template)
 ROWS_PER_THREADGROUP = SIMDGROUPS * ROWS
@@ -37,7 +41,8 @@ ROWS_PER_THREADGROUP = SIMDGROUPS * ROWS
         op=OP, variant="simd_rows", template="expert_qmv.metal", dtypes=FLOAT_DTYPES,
         geometry="threadgroup (64, 1, 1): 2 SIMD-groups x 4 output rows; "
                  "grid (64, ceil(N / 8), tokens * k): one threadgroup per (pair, 8-row tile)",
-        notes="bits 4/8, group_size 32/64/128; ids >= E (or < 0) give a NaN row",
+        notes="affine bits 4/8, group_size 32/64/128; mxfp4, nvfp4, mxfp8; ids >= E (or "
+              "< 0) give a NaN row",
     ),
 )
 _INPUTS = ("x", "w", "scales", "biases", "indices", "bcast", "n_experts", "n_out", "k_in",
@@ -71,20 +76,26 @@ def _broadcast_lead(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] |
     return tuple(out)
 
 
-def _check_expert_qmv(x, w, scales, biases, indices, group_size, bits) -> dict:
+def _check_expert_qmv(x, w, scales, biases, indices, group_size, bits, mode) -> dict:
     """Validate the inputs; return the derived sizes and the x layout."""
-    for name, arr in (("x", x), ("w", w), ("scales", scales), ("biases", biases),
-                      ("indices", indices)):
+    mode = check_mode(OP, mode, MODES)
+    for name, arr in (("x", x), ("w", w), ("scales", scales), ("indices", indices)):
         require_array(OP, name, arr)
-    bits = _check_int_choice("bits", bits, SUPPORTED_BITS)
-    group_size = _check_int_choice("group_size", group_size, SUPPORTED_GROUP_SIZES)
+    check_mode_arrays(OP, mode, scales, biases)
+    affine = mode == "affine"
+    group_size, bits = resolve_sizes(OP, mode, group_size, bits)
+    if affine:
+        require_array(OP, "biases", biases)
+        bits = _check_int_choice("bits", bits, SUPPORTED_BITS)
+        group_size = _check_int_choice("group_size", group_size, SUPPORTED_GROUP_SIZES)
+    coded = (("scales", scales), ("biases", biases)) if affine else (("scales", scales),)
 
     # dtypes
     if w.dtype != mx.uint32:
         raise TypeError(f"[{OP}] w must be uint32 (packed as mx.quantize returns it), "
                         f"got {dtype_name(w.dtype)}")
     require_float(OP, "x", x)
-    for name, arr in (("scales", scales), ("biases", biases)):
+    for name, arr in coded if affine else ():  # fp modes: uint8 scales (checked above)
         if arr.dtype != x.dtype:
             raise TypeError(f"[{OP}] {name} must have x's dtype {dtype_name(x.dtype)}, "
                             f"got {dtype_name(arr.dtype)}")
@@ -93,16 +104,16 @@ def _check_expert_qmv(x, w, scales, biases, indices, group_size, bits) -> dict:
                         f"{dtype_name(indices.dtype)}")
 
     # weights: w [E, N, K*bits/32], scales/biases [E, N, K/group_size]
-    for name, arr in (("w", w), ("scales", scales), ("biases", biases)):
+    for name, arr in (("w", w), *coded):
         if arr.ndim != 3:
             raise ValueError(f"[{OP}] {name} must have 3 dimensions [E, N, ...], got "
                              f"{arr.ndim} (shape {tuple(arr.shape)})")
     n_experts, n_out, words = w.shape
-    for name, arr in (("scales", scales), ("biases", biases)):
+    for name, arr in coded:
         if tuple(arr.shape[:2]) != (n_experts, n_out):
             raise ValueError(f"[{OP}] {name} must have shape ({n_experts}, {n_out}, K/group_size) "
                              f"to match w {tuple(w.shape)}, got {tuple(arr.shape)}")
-    if tuple(biases.shape) != tuple(scales.shape):
+    if affine and tuple(biases.shape) != tuple(scales.shape):
         raise ValueError(f"[{OP}] biases must have scales' shape {tuple(scales.shape)}, "
                          f"got {tuple(biases.shape)}")
     if n_experts < 1:
@@ -117,8 +128,8 @@ def _check_expert_qmv(x, w, scales, biases, indices, group_size, bits) -> dict:
     if n_groups * group_size != in_features:
         raise ValueError(f"[{OP}] scales must have K/group_size = {in_features}/{group_size} = "
                          f"{in_features // group_size} groups per row, got {n_groups} "
-                         f"(w packs K = {in_features} at bits={bits}; are bits and group_size "
-                         "the ones used to quantize?)")
+                         f"(w packs K = {in_features} at bits={bits}; are mode {mode!r}, bits "
+                         "and group_size the ones used to quantize?)")
 
     # ids and activations
     if indices.ndim < 1:
@@ -150,22 +161,27 @@ def _check_expert_qmv(x, w, scales, biases, indices, group_size, bits) -> dict:
         raise ValueError(f"[{OP}] too many (token, expert) pairs: {tokens * k} >= 2^32")
     return dict(n_experts=n_experts, n_out=n_out, in_features=in_features, k=k, lead=lead,
                 x_lead=x_lead, idx_lead=idx_lead, tokens=tokens, shared=shared,
-                x_k_axis=x.ndim == indices.ndim + 1, group_size=group_size, bits=bits)
+                x_k_axis=x.ndim == indices.ndim + 1, group_size=group_size, bits=bits,
+                mode=mode)
 
 
 def _out_shape(info: dict) -> tuple[int, ...]:
     return (*info["lead"], info["k"], info["n_out"])
 
 
-def expert_qmv_reference(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
-                         indices: mx.array, *, group_size: int = 64, bits: int = 4) -> mx.array:
-    """Pure-MLX composite (``mx.gather_qmm``) with the same contract, NaN rows included.
+def expert_qmv_reference(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None,
+                         indices: mx.array, *, group_size: int | None = None,
+                         bits: int | None = None, mode: str = "affine") -> mx.array:
+    """Pure-MLX composite (``mx.gather_qmm(..., mode=mode)``) with the same contract, NaN
+    rows included.
 
     Like the kernel it accumulates in float32 and rounds once: float16/bfloat16 inputs are
     widened first (only the selected experts' scales and biases when there are fewer
-    (token, expert) pairs than experts, as in decode; all of them otherwise).
+    (token, expert) pairs than experts, as in decode; all of them otherwise; the uint8
+    scales of the fp modes stay as they are).
     """
-    info = _check_expert_qmv(x, w, scales, biases, indices, group_size, bits)
+    info = _check_expert_qmv(x, w, scales, biases, indices, group_size, bits, mode)
+    affine = info["mode"] == "affine"
     out_shape = _out_shape(info)
     if 0 in out_shape:
         return mx.zeros(out_shape, dtype=x.dtype)
@@ -179,18 +195,22 @@ def expert_qmv_reference(x: mx.array, w: mx.array, scales: mx.array, biases: mx.
         if pairs < info["n_experts"]:
             ids_shape = (*info["lead"], info["k"])
             selected = mx.broadcast_to(safe, ids_shape).reshape(pairs)
-            w, scales, biases = w[selected], scales[selected], biases[selected]
+            w, scales = w[selected], scales[selected]
+            biases = biases[selected] if affine else None
             safe = mx.arange(pairs, dtype=mx.uint32).reshape(ids_shape)
-        xq, scales, biases = (a.astype(mx.float32) for a in (xq, scales, biases))
+        xq = xq.astype(mx.float32)
+        if affine:
+            scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
     y = mx.gather_qmm(xq, w, scales, biases, rhs_indices=safe, transpose=True,
-                      group_size=info["group_size"], bits=info["bits"])
+                      group_size=info["group_size"], bits=info["bits"], mode=info["mode"])
     y = mx.squeeze(y, axis=-2)
     y = mx.where(valid[..., None], y, mx.array(float("nan"), dtype=y.dtype))
     return mx.broadcast_to(y, out_shape).astype(x.dtype)
 
 
-def _template(dtype: mx.Dtype, bits: int, group_size: int) -> tuple[tuple[str, object], ...]:
-    return (("T", dtype), ("BITS", bits), ("GROUP_SIZE", group_size))
+def _template(dtype: mx.Dtype, bits: int, group_size: int,
+              mode: str) -> tuple[tuple[str, object], ...]:
+    return (("T", dtype), ("BITS", bits), ("GROUP_SIZE", group_size), ("MODE", MODE_IDS[mode]))
 
 
 def instantiations(spec: KernelSpec) -> tuple:
@@ -198,18 +218,23 @@ def instantiations(spec: KernelSpec) -> tuple:
     from .._registry import KernelInstance  # defined by the registry of the CUDA layer
 
     del spec
+    # (bits, group_size, mode, scale dtype or None for x's): affine, then the fp modes
+    # (uint8 scales, passed again as the unread biases).
+    formats = [(bits, gs, "affine", None) for bits in SUPPORTED_BITS
+               for gs in SUPPORTED_GROUP_SIZES]
+    formats += [(bits, gs, mode, mx.uint8) for mode, gs, bits in FP_MODES]
     out = []
     for t in FLOAT_TYPES:
-        for bits in SUPPORTED_BITS:
-            for group_size in SUPPORTED_GROUP_SIZES:
-                for idx in INDEX_TYPES:
-                    out.append(KernelInstance(
-                        template=_template(t, bits, group_size),
-                        inputs=(("x", t, 2), ("w", mx.uint32, 3), ("scales", t, 3),
-                                ("biases", t, 3), ("indices", idx, 1), ("bcast", mx.uint32, 1),
-                                *((name, mx.uint32, 0) for name in _INPUTS[6:])),
-                        outputs=(("out", t),),
-                    ))
+        for bits, group_size, mode, st in formats:
+            st = st or t
+            for idx in INDEX_TYPES:
+                out.append(KernelInstance(
+                    template=_template(t, bits, group_size, mode),
+                    inputs=(("x", t, 2), ("w", mx.uint32, 3), ("scales", st, 3),
+                            ("biases", st, 3), ("indices", idx, 1), ("bcast", mx.uint32, 1),
+                            *((name, mx.uint32, 0) for name in _INPUTS[6:])),
+                    outputs=(("out", t),),
+                ))
     return tuple(out)
 
 
@@ -272,6 +297,8 @@ def _launch(x, w, scales, biases, indices, info: dict, backend: str) -> mx.array
     # ensure_row_contiguous would copy them anyway).
     xs = x.reshape(-1, n_in)
     idx = indices.reshape(-1)
+    if biases is None:  # fp modes: the kernel never reads its biases input
+        biases = scales
     tg = backends.SIMD_WIDTH * SIMDGROUPS
     (out,) = backends.launch(
         SPEC, backend,
@@ -280,15 +307,16 @@ def _launch(x, w, scales, biases, indices, info: dict, backend: str) -> mx.array
                 scalar(n_in, mx.uint32), scalar(k, mx.uint32),
                 scalar(0 if info["shared"] else 1, mx.uint32)),
         input_names=_INPUTS, output_names=_OUTPUTS,
-        template=_template(x.dtype, info["bits"], info["group_size"]),
+        template=_template(x.dtype, info["bits"], info["group_size"], info["mode"]),
         grid=(tg, -(-n_out // ROWS_PER_THREADGROUP), pairs), threadgroup=(tg, 1, 1),
         output_shapes=((pairs, n_out),), output_dtypes=(x.dtype,),
     )
     return out.reshape(_out_shape(info))
 
 
-def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
-               indices: mx.array, *, group_size: int = 64, bits: int = 4) -> mx.array:
+def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None,
+               indices: mx.array, *, group_size: int | None = None, bits: int | None = None,
+               mode: str = "affine") -> mx.array:
     """Quantized GEMVs of the experts named by device-resident ``indices``, one dispatch.
 
     Args:
@@ -300,28 +328,38 @@ def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
         one activation per token. So a per-expert x has exactly as many leading dimensions
         as indices (add size-1 axes to line them up).
       w: ``[E, N, K * bits / 32]`` uint32, as ``mx.quantize`` returns it for ``W [E, N, K]``.
-      scales, biases: ``[E, N, K / group_size]`` in x's dtype; ``W ~ scale * q + bias``.
+      scales, biases: ``[E, N, K / group_size]``. mode "affine": both in x's dtype,
+        ``W ~ scale * q + bias``. mode "mxfp4" / "nvfp4": uint8 E8M0 / E4M3 scales and
+        ``biases=None``, ``W = scale * e2m1(q)`` (gpt-oss's experts as
+        ``nn.quantize(mode="mxfp4")`` stores them); "mxfp8": uint8 E8M0 scales,
+        ``W = scale * e4m3(q)`` (element bytes 0x7F / 0xFF, which mx.quantize never
+        writes, read as +-480 like MLX's Metal decoder; MLX's CPU and the reference
+        backend read NaN).
       indices: ``[..., k]`` uint32 or int32 expert ids, left on the device. The leading
         dimensions of x and indices broadcast with NumPy rules (aligned on the right, the
         shorter padded with 1s, sizes equal or 1), as ``mx.gather_qmm`` broadcasts them
         for ``x[..., None, None, :]`` (shared) or ``x[..., None, :]`` (per expert); the
         kernel reads broadcast arrays in place.
-      group_size: 32, 64 or 128. bits: 4 or 8.
+      group_size, bits: as ``mx.quantize`` for the mode; None takes its default. affine:
+        group_size 32, 64 (default) or 128, bits 4 (default) or 8; mxfp4: 32 and 4;
+        nvfp4: 16 and 4; mxfp8: 32 and 8.
+      mode: "affine" (default), "mxfp4", "nvfp4" or "mxfp8"; a mode that contradicts the arrays
+        (biases, scale dtype, group count) raises.
 
     Returns: ``[..., k, N]`` in x's dtype, accumulated in float32. An id outside ``[0, E)``
     gives a NaN output row (no out-of-bounds read; nothing is synced to check it).
 
     Sizes, k and the broadcast pattern are runtime inputs: one kernel instantiation per
-    (dtype, bits, group_size, index dtype), plus one more the first time ``indices`` holds
+    (dtype, mode, bits, group_size, index dtype), plus one more the first time ``indices`` holds
     fewer than 8 ids (for example k = 2 for one token): MLX passes such small inputs in
     Metal's ``constant`` address space, which is a different kernel source.
     """
-    info = _check_expert_qmv(x, w, scales, biases, indices, group_size, bits)
+    info = _check_expert_qmv(x, w, scales, biases, indices, group_size, bits, mode)
     out_shape = _out_shape(info)
     if 0 in out_shape:
         return mx.zeros(out_shape, dtype=x.dtype)
     backend = backends.resolve_backend()
     if backend == "reference":
-        return expert_qmv_reference(x, w, scales, biases, indices,
-                                    group_size=group_size, bits=bits)
+        return expert_qmv_reference(x, w, scales, biases, indices, group_size=group_size,
+                                    bits=bits, mode=mode)
     return _launch(x, w, scales, biases, indices, info, backend)

@@ -3,6 +3,7 @@
 Takes MLX's layouts as they are: ``w, scales = mx.quantize(W, mode="mxfp4")`` (uint8 E8M0
 scales, group 32), ``mode="nvfp4"`` (uint8 E4M3 scales, group 16, no global scale), or a plain
 floating-point scale per group (float32 / float16 / bfloat16; groups of 16, 32, 64 or 128).
+``mode=`` names MLX's mode; without it the format is read from the scales (dtype and groups).
 
 Kernels (``variant=``):
   qmv        GEMV-shaped, for small M (decode); auto for M <= 8
@@ -14,6 +15,7 @@ Kernels (``variant=``):
 from __future__ import annotations
 
 import math
+import numbers
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,6 +25,7 @@ from .. import backends
 from .._registry import FLOAT_DTYPES, KernelInstance, KernelSpec, register
 from . import moe_gather_qmm
 from ._common import FLOAT_TYPES, dtype_name, require_array, require_float, round_up, scalar
+from ._modes import DEFAULTS, check_mode, check_mode_arrays, resolve_sizes
 
 OP = "fp4_qmm"
 QMV_MAX_M = 8  # auto picks the GEMV-shaped kernel up to this many rows of x
@@ -33,6 +36,7 @@ SPLITK_TARGET_TGS = 512  # split K (simdgroup kernel) until about this many thre
 SUM_THREADS = 256
 FLOAT_SCALE_GROUPS = (16, 32, 64, 128)
 SCALE_FLOAT, SCALE_E8M0, SCALE_E4M3 = 0, 1, 2
+MODES = ("mxfp4", "nvfp4")  # MLX's fp4 modes (uint8 scales); mode=None reads the scales
 _MAX_DIM = 2**31
 
 QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC = register(
@@ -76,10 +80,27 @@ _OUTPUTS = ("out",)
 
 # ---- checks ---------------------------------------------------------------------------
 
+def _group_size(scales: mx.array, k: int, group_size, mode) -> int:
+    """The group size: the mode's (mx.quantize's; a contradicting group_size raises), else
+    group_size, else read from the arrays: K / scales' groups per row where that is a group
+    size of the scales' format, else 32."""
+    if mode is not None:
+        check_mode(OP, mode, MODES, or_none=True)
+        check_mode_arrays(OP, mode, scales, None)
+        return resolve_sizes(OP, mode, group_size, None)[0]
+    if group_size is not None:
+        if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
+            raise TypeError(f"[{OP}] group_size must be an int, got {type(group_size).__name__}")
+        return int(group_size)  # NumPy integers too
+    groups = scales.shape[-1] if scales.ndim else 0
+    inferred = k // groups if groups and k % groups == 0 else 0
+    allowed = ((DEFAULTS["mxfp4"][0], DEFAULTS["nvfp4"][0]) if scales.dtype == mx.uint8
+               else FLOAT_SCALE_GROUPS)
+    return inferred if inferred in allowed else 32
+
+
 def _scale_mode(scales: mx.array, group_size: int) -> int:
-    """The scale format, from the scale dtype and the group size (validated here)."""
-    if isinstance(group_size, bool) or not isinstance(group_size, int):
-        raise TypeError(f"[{OP}] group_size must be an int, got {type(group_size).__name__}")
+    """The scale format, from the scale dtype and the group size (an int, validated here)."""
     if scales.dtype == mx.uint8:
         if group_size == 32:
             return SCALE_E8M0
@@ -96,18 +117,19 @@ def _scale_mode(scales: mx.array, group_size: int) -> int:
                     f"bfloat16, got {dtype_name(scales.dtype)}")
 
 
-def _check_fp4_qmm(x, w, scales, group_size) -> tuple[int, int, int, int]:
-    """Validate the inputs; return (M, N, K, scale_mode)."""
+def _check_fp4_qmm(x, w, scales, group_size, mode=None) -> tuple[int, int, int, int, int]:
+    """Validate the inputs; return (M, N, K, scale_mode, group_size)."""
     for name, arr in (("x", x), ("w", w), ("scales", scales)):
         require_array(OP, name, arr)
     require_float(OP, "x", x)
     if w.dtype != mx.uint32:
         raise TypeError(f"[{OP}] w must be uint32 (8 E2M1 codes per word), "
                         f"got {dtype_name(w.dtype)}")
-    mode = _scale_mode(scales, group_size)
     if w.ndim != 2:
         raise ValueError(f"[{OP}] w must have 2 dimensions [N, K/8], got {w.ndim} "
                          f"(shape {tuple(w.shape)})")
+    group_size = _group_size(scales, w.shape[1] * 8, group_size, mode)
+    scale_mode = _scale_mode(scales, group_size)
     if x.ndim < 1:
         raise ValueError(f"[{OP}] x must have at least 1 dimension [..., K], got 0")
     n, k = w.shape[0], w.shape[1] * 8
@@ -123,12 +145,13 @@ def _check_fp4_qmm(x, w, scales, group_size) -> tuple[int, int, int, int]:
         raise ValueError(f"[{OP}] K = {k} must be a multiple of group_size {group_size}")
     want = (n, k // group_size)
     if tuple(scales.shape) != want:
-        raise ValueError(f"[{OP}] scales must have shape [N, K/group_size] = {want}, "
+        named = f" (group_size {group_size} of mode {mode!r})" if mode is not None else ""
+        raise ValueError(f"[{OP}] scales must have shape [N, K/group_size] = {want}{named}, "
                          f"got {tuple(scales.shape)}")
     m = math.prod(x.shape[:-1])
     if max(m * k, n * k, m * n) >= _MAX_DIM:
         raise ValueError(f"[{OP}] problem too large for 32-bit indexing: M={m}, N={n}, K={k}")
-    return m, n, k, mode
+    return m, n, k, scale_mode, group_size
 
 
 # ---- reference ------------------------------------------------------------------------
@@ -164,10 +187,12 @@ def _table(name: str) -> mx.array:
     return _TABLES[name]
 
 
-def fp4_dequantize_reference(w: mx.array, scales: mx.array, group_size: int = 32) -> mx.array:
+def fp4_dequantize_reference(w: mx.array, scales: mx.array, group_size: int | None = None,
+                             mode: str | None = None) -> mx.array:
     """The float32 weights [N, K] that ``fp4_qmm`` multiplies by (pure MLX)."""
-    mode = _scale_mode(scales, group_size)
     n, kw = w.shape
+    group_size = _group_size(scales, kw * 8, group_size, mode)
+    mode = _scale_mode(scales, group_size)
     shifts = mx.arange(0, 32, 4, dtype=mx.uint32)
     codes = ((w[:, :, None] >> shifts) & 0xF).reshape(n, kw * 8)
     values = mx.take(_table("e2m1"), codes)
@@ -180,9 +205,13 @@ def fp4_dequantize_reference(w: mx.array, scales: mx.array, group_size: int = 32
 
 
 def fp4_qmm_reference(x: mx.array, w: mx.array, scales: mx.array, *,
-                      group_size: int = 32) -> mx.array:
-    """Pure-MLX composite of the same math (float32 products and sums, rounded once)."""
-    _check_fp4_qmm(x, w, scales, group_size)
+                      group_size: int | None = None, mode: str | None = None) -> mx.array:
+    """Pure-MLX composite of the same math (float32 products and sums, rounded once).
+
+    The weights are decoded by tables that equal ``mx.dequantize(mode=...)`` bit for bit
+    (tested) and also serve the float scales, which no MLX mode takes.
+    """
+    group_size = _check_fp4_qmm(x, w, scales, group_size, mode)[4]
     wdq = fp4_dequantize_reference(w, scales, group_size)
     out = mx.matmul(x.astype(mx.float32), wdq.T)
     return out.astype(x.dtype)
@@ -332,8 +361,8 @@ def _launch(spec: KernelSpec, x2, w, scales, m, n, k, mode, group_size, backend)
     return out
 
 
-def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int = 32,
-            variant: str | None = None) -> mx.array:
+def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | None = None,
+            mode: str | None = None, variant: str | None = None) -> mx.array:
     """``x @ dequantize(w, scales).T`` with fp4 (E2M1) weights, float32 accumulation.
 
     Args:
@@ -343,7 +372,11 @@ def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int = 32,
       scales: ``[N, K/group_size]``: uint8 E8M0 exponents (mxfp4, group_size 32), uint8 E4M3
         (nvfp4, group_size 16), or float32 / float16 / bfloat16 (a plain per-group scale;
         group_size 16, 32, 64 or 128).
-      group_size: codes per scale.
+      group_size: codes per scale; None: the mode's (32 mxfp4, 16 nvfp4), else read from
+        the arrays (K / scales.shape[-1]).
+      mode: "mxfp4" or "nvfp4" as ``mx.quantize`` names them (uint8 scales; a contradicting
+        scale dtype, group_size or group count raises), or None to read the format from
+        the scales.
         Decoding follows MLX's Metal kernels bit for bit: E8M0 s -> 2^(s - 127) (0 -> 2^-127,
         255 -> inf); E4M3 without NaN (0x7F / 0xFF read as +-480, which mx.quantize never
         writes); nvfp4's optional global scale is not taken.
@@ -352,16 +385,16 @@ def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int = 32,
 
     Returns: ``[..., N]`` in x's dtype. N and K must be multiples of 32.
     """
-    m, n, k, mode = _check_fp4_qmm(x, w, scales, group_size)
+    m, n, k, scale_mode, group_size = _check_fp4_qmm(x, w, scales, group_size, mode)
     out_shape = (*x.shape[:-1], n)
     backend = backends.resolve_backend()
     if backend == "reference":
         if variant is not None:
             raise ValueError(f"[{OP}] variant={variant!r} needs a kernel backend (metal, cuda, "
                              "emulator); the reference backend runs the pure-MLX composite")
-        return fp4_qmm_reference(x, w, scales, group_size=group_size)
+        return fp4_qmm_reference(x, w, scales, group_size=group_size, mode=mode)
     spec = _choose(backend, m, variant)
     if m == 0:
         return mx.zeros(out_shape, dtype=x.dtype)
-    out = _launch(spec, x.reshape(m, k), w, scales, m, n, k, mode, group_size, backend)
+    out = _launch(spec, x.reshape(m, k), w, scales, m, n, k, scale_mode, group_size, backend)
     return out.reshape(out_shape)

@@ -5,6 +5,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "mt_emu/launch.h"  // hazard kinds
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -70,28 +72,14 @@ struct mt_coll {
 
 enum { MT_BARRIER_THREADGROUP = 0, MT_BARRIER_SIMDGROUP = 1 };
 
-// Hazard kinds (mirrored by the Python exception classes).
-enum {
-  MT_HZ_NONE = 0,
-  MT_HZ_OUT_OF_BOUNDS = 1,
-  MT_HZ_THREADGROUP_MEMORY = 2,
-  MT_HZ_BARRIER = 3,
-  MT_HZ_SIMD_LANE = 4,
-  MT_HZ_UNINITIALIZED_READ = 5,
-  MT_HZ_STACK_OVERFLOW = 6,
-  MT_HZ_MEMORY_FAULT = 7,
-  MT_HZ_ARITHMETIC = 8,
-  MT_HZ_SIMDGROUP_MATRIX = 9,
-  MT_HZ_TIMEOUT = 10,
-  MT_HZ_RACE = 11,
-};
-
 // Runtime entry points used by kernel code (through the headers).
 void mt_collective(mt_coll* c);
 void mt_barrier(int kind, const mt_site* site);
 void* mt_tg_alloc(size_t bytes, size_t align, int slot, const char* name);
 uint32_t mt_lane(void);
 int mt_strict(void);
+// Bounds (and input-write) checks of a range, without counting its bytes.
+void mt_check_range(const void* p, size_t n, int write);
 void mt_hazard(int kind, const char* message);  // from kernel code; never returns
 // Device and threadgroup atomics (bounds-checked and counted like other accesses).
 // kind: 0 unsigned, 1 signed, 2 float; op: see MT_ATOMIC_* in mt_emu/atomic.h.

@@ -17,6 +17,27 @@
 
 using namespace metal;
 
+// Kernel code's memory copies and fills, checked and counted as its loads and stores are
+// (the compiler's instrumentation leaves calls to the C library's memcpy unchecked). Defined
+// after the runtime headers, so only the kernel's own code goes through them.
+inline void* mt_checked_memcpy(void* d, const void* s, size_t n) {
+  mt_check_range(s, n, 0);
+  mt_check_range(d, n, 1);
+  return __builtin_memcpy(d, s, n);
+}
+inline void* mt_checked_memmove(void* d, const void* s, size_t n) {
+  mt_check_range(s, n, 0);
+  mt_check_range(d, n, 1);
+  return __builtin_memmove(d, s, n);
+}
+inline void* mt_checked_memset(void* d, int c, size_t n) {
+  mt_check_range(d, n, 1);
+  return __builtin_memset(d, c, n);
+}
+#define __builtin_memcpy(d, s, n) mt_checked_memcpy((d), (s), (n))
+#define __builtin_memmove(d, s, n) mt_checked_memmove((d), (s), (n))
+#define __builtin_memset(d, c, n) mt_checked_memset((d), (c), (n))
+
 // A kernel-scope `threadgroup T name[dims];` (rewritten by mlx_metaltile._msl_source): one
 // allocation per threadgroup, shared by its threads, poisoned when the threadgroup starts.
 #define MT_THREADGROUP_ARRAY(name, dims, ...)                                               \

@@ -2,7 +2,8 @@
 
 Shared by the executors that run MSL bodies without Metal (emulator, CUDA layer): they must
 see exactly the signature MLX generates, so that any body written for MLX works unchanged.
-Facts mirrored from MLX's ``metal_kernel`` (mlx/backend/common/metal_kernel.cpp):
+Facts mirrored from MLX's ``metal_kernel`` (mlx/backend/common/metal_kernel.cpp); the
+built-ins and dtype spellings come from ``builtins.py`` and ``dtypes.py``:
 
 * inputs with fewer than 8 elements go to the ``constant`` address space, others to
   ``device``; 0-d inputs are passed by reference (``const constant float& eps``);
@@ -25,56 +26,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .builtins import METAL_ATTRIBUTES
+from .dtypes import type_string
+
 MAX_CONSTANT_ARRAY_SIZE = 8
-
-# (attribute, type) in MLX's order
-METAL_ATTRIBUTES: tuple[tuple[str, str], ...] = (
-    ("dispatch_quadgroups_per_threadgroup", "uint"),
-    ("dispatch_simdgroups_per_threadgroup", "uint"),
-    ("dispatch_threads_per_threadgroup", "uint3"),
-    ("grid_origin", "uint3"),
-    ("grid_size", "uint3"),
-    ("quadgroup_index_in_threadgroup", "uint"),
-    ("quadgroups_per_threadgroup", "uint"),
-    ("simdgroup_index_in_threadgroup", "uint"),
-    ("simdgroups_per_threadgroup", "uint"),
-    ("thread_execution_width", "uint"),
-    ("thread_index_in_quadgroup", "uint"),
-    ("thread_index_in_simdgroup", "uint"),
-    ("thread_index_in_threadgroup", "uint"),
-    ("thread_position_in_grid", "uint3"),
-    ("thread_position_in_threadgroup", "uint3"),
-    ("threadgroup_position_in_grid", "uint3"),
-    ("threadgroups_per_grid", "uint3"),
-    ("threads_per_grid", "uint3"),
-    ("threads_per_simdgroup", "uint"),
-    ("threads_per_threadgroup", "uint3"),
-)
-
-_TYPE_STRINGS = {
-    mx.float32: "float",
-    mx.float16: "float16_t",
-    mx.bfloat16: "bfloat16_t",
-    mx.float64: "double",
-    mx.complex64: "complex64_t",
-    mx.bool_: "bool",
-    mx.int8: "int8_t",
-    mx.int16: "int16_t",
-    mx.int32: "int32_t",
-    mx.int64: "int64_t",
-    mx.uint8: "uint8_t",
-    mx.uint16: "uint16_t",
-    mx.uint32: "uint32_t",
-    mx.uint64: "uint64_t",
-}
-
-
-def type_string(dtype: mx.Dtype) -> str:
-    """The MSL spelling MLX uses for a dtype (float16 -> float16_t, ...)."""
-    try:
-        return _TYPE_STRINGS[dtype]
-    except KeyError:
-        raise TypeError(f"[metal_kernel] unsupported dtype {dtype}") from None
 
 
 @dataclass(frozen=True)

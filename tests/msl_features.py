@@ -1,8 +1,9 @@
-"""Small MSL kernels exercising each feature of the CUDA compatibility header.
+"""Small MSL kernels, one per language feature the executors must agree on.
 
-tests/test_cuda_layer.py compiles them with nvcc (no GPU); tests/test_cuda_gpu.py runs them
-through mlx_metaltile.cuda on a GPU and checks the results against NumPy.
-Each body is portable MSL (it would run under mx.fast.metal_kernel unchanged).
+tests/test_msl_conformance.py runs each on every executor available (emulator, cuda, metal)
+and checks the results against NumPy, or checks that the executors in ``refused_by`` refuse
+it with one message; tests/test_cuda_layer.py compiles the CUDA translations with nvcc (no
+GPU). Each body is portable MSL (it would run under mx.fast.metal_kernel unchanged).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class Feature:
     templates: tuple[tuple[tuple[str, object], ...], ...] = ((),)
     header: str = ""
     atomic_outputs: bool = False
+    refused_by: frozenset[str] = frozenset()  # executors that refuse it when it is made
     notes: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -197,8 +199,8 @@ gsum[i] = group_total;
              ("gsum", mx.float32)),
 )
 
-# A helper in the header (MSL `inline` function taking a threadgroup pointer) and template
-# int/bool arguments.
+# A helper in the header (MSL `inline` function taking a threadgroup pointer), template
+# int/bool arguments, half and bfloat literals.
 HEADER = Feature(
     name="header_helpers",
     header="""
@@ -226,7 +228,7 @@ const uint lid = thread_position_in_threadgroup.x;
 t[lid] = float(x[lid]);
 threadgroup_barrier(mem_flags::mem_threadgroup);
 const float s = sum_tile(t, WIDTH);
-out[lid] = twice(FLAG ? s * kScale[1] : s * kScale[0]) + 1.0h;
+out[lid] = twice(FLAG ? s * kScale[1] : s * kScale[0]) + (0.5h + float(0.5bf));
 """,
     inputs=(("x", "T", 1),),
     outputs=(("out", mx.float32),),
@@ -234,4 +236,38 @@ out[lid] = twice(FLAG ? s * kScale[1] : s * kScale[0]) + 1.0h;
                (("T", mx.bfloat16), ("WIDTH", 64), ("FLAG", False))),
 )
 
-FEATURES = (SIMD, MATRIX, SCALARS, ATOMIC_OUT, EDGE, HEADER)
+# Swizzles (read, written, as values): the CUDA layer has none (C++ has no member syntax
+# for them), so it refuses them when the kernel is made.
+SWIZZLES = Feature(
+    name="swizzles",
+    source="""
+const uint i = thread_position_in_grid.x;
+float4 v = float4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3]);
+const float2 a = v.xy + v.wz;
+v.xy = v.yx;
+const float3 b = v.zyx;
+out[4 * i] = a.x;
+out[4 * i + 1] = a.y;
+out[4 * i + 2] = b.x + b.z;
+out[4 * i + 3] = float4(v.rgba).r;
+""",
+    inputs=(("x", mx.float32, 1),),
+    outputs=(("out", mx.float32),),
+    refused_by=frozenset({"cuda"}),
+)
+
+# Packed vectors (3 elements without padding): refused by the CUDA layer as well.
+PACKED = Feature(
+    name="packed_vectors",
+    source="""
+const uint i = thread_position_in_grid.x;
+const packed_float3 p = packed_float3(x[3 * i], x[3 * i + 1], x[3 * i + 2]);
+const float3 f = float3(p);
+out[i] = f.x + 2.0f * f.y + 4.0f * f.z + float(sizeof(packed_float3));
+""",
+    inputs=(("x", mx.float32, 1),),
+    outputs=(("out", mx.float32),),
+    refused_by=frozenset({"cuda"}),
+)
+
+FEATURES = (SIMD, MATRIX, SCALARS, ATOMIC_OUT, EDGE, HEADER, SWIZZLES, PACKED)

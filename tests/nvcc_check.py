@@ -1,4 +1,4 @@
-"""Compile the CUDA translation of every registered kernel, without a GPU.
+"""Compile the CUDA translation of every registered kernel, without a GPU (test tooling).
 
 Each kernel template gives one translation unit holding all its instantiations (the op
 module's ``instantiations(spec)`` hook), in exactly the text MLX's cuda_kernel builds, plus
@@ -26,9 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._registry import KernelInstance, KernelSpec, instantiations
-from .._templates import render
-from . import _translate as tr
+from mlx_metaltile._registry import KernelInstance, KernelSpec, instantiations
+from mlx_metaltile._templates import render
+from mlx_metaltile.cuda import _translate as tr
 
 DEFAULT_ARCH = "sm_90"
 # Folder holding the real mlx/backend/cuda/device/*.cuh (else the bundled stub is used).
@@ -56,9 +56,18 @@ def find_nvcc() -> str | None:
     return None
 
 
+def stub_include_dir() -> Path:
+    """A folder holding a stand-in for MLX's ``mlx/backend/cuda/device/utils.cuh``.
+
+    MLX embeds its device headers in libmlx (they are not files of the wheel); for a
+    standalone nvcc check the stub declares what the generated signatures use.
+    """
+    return Path(__file__).resolve().with_name("cuda_stub")
+
+
 def device_include_dir() -> Path:
     env = os.environ.get(INCLUDE_ENV)
-    return Path(env) if env else tr.stub_include_dir()
+    return Path(env) if env else stub_include_dir()
 
 
 def spec_definitions(spec: KernelSpec, instances: Iterable[KernelInstance]) -> tuple[str, str]:

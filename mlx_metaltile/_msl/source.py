@@ -1,4 +1,9 @@
-"""The source pre-pass shared by the non-Metal executors (emulator, CUDA layer).
+"""The source rewrites shared by the non-Metal executors (emulator, CUDA layer).
+
+Both are line-preserving, so compiler messages and debug line tables name the kernel's lines.
+
+Half and bfloat literals (``1.0h``, ``2bf``) have no C++ spelling: they become
+``MT_HALF_LITERAL(1.0f)`` / ``MT_BFLOAT_LITERAL(2)``, which each executor's header defines.
 
 MSL declares threadgroup memory at kernel scope (``threadgroup float tile[8][33];``) and uses
 the same word as an address space on pointers (``threadgroup float* p``). A C++ or CUDA
@@ -35,6 +40,21 @@ def rewrite_threadgroup_declarations(source: str) -> str:
                 f"MT_THREADGROUP_ARRAY({m.group('name')}, {dims}, {type_});" + "\n" * lines)
 
     return _DECL.sub(replace, source)
+
+
+_HALF_LITERAL = re.compile(
+    r"(?<![\w.])((?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?)(h|H|bf|BF)\b")
+
+
+def rewrite_literals(source: str) -> str:
+    """Turn MSL half / bfloat literals into ``MT_HALF_LITERAL`` / ``MT_BFLOAT_LITERAL``."""
+
+    def replace(m: re.Match) -> str:
+        number = m.group(1)
+        macro = "MT_HALF_LITERAL" if m.group(2) in ("h", "H") else "MT_BFLOAT_LITERAL"
+        return f"{macro}({number}{'f' if '.' in number or 'e' in number.lower() else ''})"
+
+    return _HALF_LITERAL.sub(replace, source)
 
 
 def threadgroup_declarations(source: str) -> list[tuple[str, str, str]]:

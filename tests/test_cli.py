@@ -1,0 +1,155 @@
+"""``python -m mlx_metaltile bench|check|kernels``: what the table, the check and the registry
+listing print, and how they fail."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from mlx_metaltile import __main__ as cli
+from mlx_metaltile import _check, backends
+from mlx_metaltile._bench_cases import cases
+
+ROOT = Path(__file__).resolve().parent.parent
+EMULATOR = backends.unavailable_reason("emulator")
+needs_emulator = pytest.mark.skipif(EMULATOR is not None, reason=f"emulator: {EMULATOR}")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    """The CLI in a subprocess with stdout and stderr on pipes (not terminals)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "mlx_metaltile", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def _table(stdout: str) -> list[str]:
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("op "))
+    return [line for line in lines[start:] if line and not line.startswith("saved")]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--op", "nosuchop"], "unknown --op 'nosuchop'; choose from: gated_rms_norm, fp4_qmm"),
+    (["--op", "gated_rms_norm", "--shape", "999x1"],
+     "no case has a shape containing '999x1' (the short subset: --all for every shape); "
+     "shapes: 4096x128-yf32"),
+])
+def test_unknown_op_or_shape_is_a_usage_error_listing_the_choices(args, expected, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--backend", "reference", *args])
+    assert exc.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
+@needs_emulator
+def test_emulator_table_is_untimed_and_says_why(tmp_path):
+    out = tmp_path / "emu.json"
+    res = _run("bench", "--quick", "--op", "gated_rms_norm", "--shape", "1x2048",
+               "--backend", "emulator", "--json", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "\r" not in res.stdout + res.stderr  # no progress line off a terminal
+    assert "not timed: the emulator runs each kernel on the CPU when the op is called" in res.stdout
+    table = _table(res.stdout)
+    assert table[0].split() == ["op", "shape", "dtype", "abs", "err", "rel", "err", "ok"]
+    assert len(table) == 3 and all(row.endswith("✓") for row in table[1:])
+    data = json.loads(out.read_text())
+    assert data["meta"]["timed"] is False and "emulator" in data["meta"]["untimed_reason"]
+    assert all("ours_us" not in r and "speedup" not in r for r in data["results"])
+
+
+def test_reference_table_times_with_spread_legend_and_fitted_columns(tmp_path):
+    out = tmp_path / "ref.json"
+    res = _run("bench", "--op", "gated_rms_norm", "--shape", "1x2048", "--backend", "reference",
+               "--iters", "3", "--json", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "\r" not in res.stdout + res.stderr
+    assert "ratio = native / ours (medians; > 1: ours is faster)" in res.stdout
+    assert "rel err = abs err / the largest magnitude" in res.stdout
+    table = _table(res.stdout)
+    assert "native ms (min)" in table[0] and "ours ms (min)" in table[0]
+    # columns fit: every row ends in the header's last column (ok: one mark)
+    assert {len(row) for row in table[1:]} == {table[0].rindex("ok") + 1}
+    results = json.loads(out.read_text())["results"]
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["git_sha"] and meta["mlx_version"] and meta["package_version"]
+    for r in results:
+        assert len(r["ours_samples_us"]) == 3 and r["ours_min_us"] <= r["ours_us"]
+        assert 0 < r["rel_err"] < 1e-3 and r["within_tolerance"]
+    # the saved run prints again, fitted to its contents
+    again = _run("bench", "--from", str(out))
+    assert again.returncode == 0 and _table(again.stdout)[1].split()[:3] == \
+        table[1].split()[:3]
+
+
+def test_plot_from_saved_baselines(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "h200.png"
+    res = _run("bench", "--from", "bench/baselines/nvidia-h200.json",
+               "--from", "bench/baselines/nvidia-h200.json", "--plot", str(png))
+    assert res.returncode == 0, res.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_progress_only_on_a_terminal():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    plain, tty = io.StringIO(), Tty()
+    for stream in (plain, tty):
+        progress = cli.Progress(stream)
+        progress.show("[1/2] case")
+        progress.clear()
+    assert plain.getvalue() == "" and tty.getvalue().startswith("\r")
+
+
+def test_kernels_gives_the_reasons(capsys):
+    assert cli.main(["kernels"]) == 0
+    out = capsys.readouterr().out
+    for name, reason in backends.available_backends().items():
+        assert f"{name:<10} {'available' if reason is None else 'unavailable: ' + reason}" in out
+    assert "gated_rms_norm_row" in out and "geometry" in out
+
+
+def test_check_needs_a_kernel_backend(capsys, monkeypatch):
+    monkeypatch.setattr(backends, "resolve_backend", lambda name=None: "reference")
+    assert cli.main(["check"]) == 2
+    assert "no kernel backend selected" in capsys.readouterr().err
+
+
+@needs_emulator
+def test_check_reports_unchecked_and_failures_never_as_passes():
+    gated = min(cases("gated_rms_norm"), key=lambda c: c.nbytes)
+
+    def wrong_oracle(**inputs):
+        return gated.oracle(**inputs) + 1.0
+
+    def only_a_broken_gated_case(op=None, quick=False):
+        return [replace(gated, oracle=wrong_oracle)] if op == "gated_rms_norm" else []
+
+    results = {r.kernel: r for r in _check.check_variants("emulator", only_a_broken_gated_case)}
+    launched = [r for r in results.values() if r.case]
+    assert launched and all(r.status == "FAIL" and r.error.ratio > 1 for r in launched)
+    assert results["sdpa_multi_split"].status == "unchecked"
+    assert results["fp4_qmm_mpp"].status == "unchecked"
+    assert not any(r.status == "pass" for r in results.values())
+
+
+def test_plot_is_refused_before_an_untimed_or_unplottable_run(capsys, monkeypatch):
+    if EMULATOR is None:
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["bench", "--backend", "emulator", "--plot", "x.png"])
+        assert exc.value.code == 2 and "--plot needs timings" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--backend", "reference", "--plot", "x.png"])
+    assert exc.value.code == 2
+    assert "plotting needs matplotlib: pip install matplotlib" in capsys.readouterr().err
