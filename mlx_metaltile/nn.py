@@ -17,13 +17,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .ops import expert_qmv, gated_rms_norm, moe_gather_qmm, sdpa_multi
+from .ops._modes import DEFAULTS as _MODE_SIZES
 
 # (token, expert) pairs from which a SwitchGLU call runs the prefill path (moe_gather_qmm
 # over expert-sorted rows) instead of the decode path (expert_qmv). mlx-lm sorts from the
 # same count; the crossover of our two kernels is still to be measured on a GPU.
 PREFILL_MIN_PAIRS = 64
 
-_EXPERT_BITS = (4, 8)  # expert_qmv / moe_gather_qmm
+_EXPERT_BITS = (4, 8)  # expert_qmv / moe_gather_qmm, affine mode
 _EXPERT_GROUP_SIZES = (32, 64, 128)
 _MGQ_TILE = 32  # moe_gather_qmm needs N and K multiples of this
 SDPA_HEAD_DIMS = (64, 96, 128, 256)  # sdpa_multi
@@ -92,7 +93,8 @@ def switch_glu_unserved(module) -> str | None:
     """None if :class:`SwitchGLU` can run ``module``'s experts on the kernels, else why not.
 
     Served: ``gate_proj``, ``up_proj``, ``down_proj`` are mlx-lm ``QuantizedSwitchLinear``
-    in affine mode at bits 4/8 and group size 32/64/128 (expert_qmv and moe_gather_qmm),
+    in affine mode at bits 4/8 and group size 32/64/128, or in mode mxfp4, nvfp4 (without a
+    global scale) or mxfp8 at mx.quantize's sizes (expert_qmv and moe_gather_qmm),
     optionally with per-expert ``bias``; the activation is whatever the model holds.
     """
     projs = [module.get(name) for name in ("gate_proj", "up_proj", "down_proj")]
@@ -102,19 +104,31 @@ def switch_glu_unserved(module) -> str | None:
         if _class_name(p) != "QuantizedSwitchLinear":
             return f"experts are {_class_name(p)}, not QuantizedSwitchLinear (quantize first)"
         mode = getattr(p, "mode", "affine")
-        if mode != "affine":
-            return f"experts in mode {mode!r}: expert_qmv/moe_gather_qmm serve 'affine' only"
+        if mode not in _MODE_SIZES:
+            return f"experts in mode {mode!r} (served: {tuple(_MODE_SIZES)})"
         if p.get("global_scale") is not None:
             return "experts with a global scale"
-        if p.bits not in _EXPERT_BITS:
-            return f"experts at bits={p.bits} (served: {_EXPERT_BITS})"
-        if p.group_size not in _EXPERT_GROUP_SIZES:
-            return f"experts at group_size={p.group_size} (served: {_EXPERT_GROUP_SIZES})"
-        if p.get("biases") is None:
-            return "experts without affine biases"
+        group_size, bits = _sizes(p)
+        if mode == "affine":
+            if bits not in _EXPERT_BITS:
+                return f"experts at bits={bits} (served: {_EXPERT_BITS})"
+            if group_size not in _EXPERT_GROUP_SIZES:
+                return f"experts at group_size={group_size} (served: {_EXPERT_GROUP_SIZES})"
+            if p.get("biases") is None:
+                return "affine experts without biases"
+        elif (group_size, bits) != _MODE_SIZES[mode]:
+            return f"{mode} experts at group_size={group_size}, bits={bits}"
     if getattr(module, "activation", None) is None:
         return "no activation"
     return None
+
+
+def _sizes(proj) -> tuple[int, int]:
+    """(group_size, bits) of quantized experts; None (nn.quantize's default) is the mode's."""
+    default_gs, default_bits = _MODE_SIZES[getattr(proj, "mode", "affine")]
+    group_size, bits = getattr(proj, "group_size", None), getattr(proj, "bits", None)
+    return (default_gs if group_size is None else group_size,
+            default_bits if bits is None else bits)
 
 
 def _bias_rows(proj, indices: mx.array) -> mx.array | None:
@@ -123,7 +137,7 @@ def _bias_rows(proj, indices: mx.array) -> mx.array | None:
 
 
 def _qargs(proj) -> tuple:
-    return proj["weight"], proj["scales"], proj["biases"]
+    return proj["weight"], proj["scales"], proj.get("biases")
 
 
 class SwitchGLU(nn.Module):
@@ -160,9 +174,10 @@ class SwitchGLU(nn.Module):
     def unserved(self, x: mx.array | None = None) -> str | None:
         """None if this call runs on the kernels, else why not."""
         reason = switch_glu_unserved(self)
-        if reason is None and x is not None and x.dtype != self.up_proj["scales"].dtype:
-            reason = (f"activations in {x.dtype} but scales in "
-                      f"{self.up_proj['scales'].dtype}")
+        scales = self.up_proj["scales"] if reason is None else None
+        if x is not None and scales is not None and scales.dtype != mx.uint8 and (
+                x.dtype != scales.dtype):  # affine scales must be in x's dtype
+            reason = f"activations in {x.dtype} but scales in {scales.dtype}"
         return reason
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
@@ -184,7 +199,7 @@ class SwitchGLU(nn.Module):
     def _project(self, proj, x, indices, rows=None):
         """One projection; ``rows`` is None (decode: ids straight from the router) or the
         expert-sorted ids of the prefill rows."""
-        q = dict(group_size=proj.group_size, bits=proj.bits)
+        q = dict(group_size=proj.group_size, bits=proj.bits, mode=proj.mode)
         if rows is None:
             out = expert_qmv(x, *_qargs(proj), indices, **q)
             bias = _bias_rows(proj, indices)

@@ -56,8 +56,10 @@ CONFIGS = {
 }
 
 
-def tiny_model(arch: str, *, seed: int = 0, mode: str = "affine", layers: int | None = None):
-    """mlx-lm's ``Model`` for ``arch`` with random weights, ``nn.quantize``d (``mode``)."""
+def tiny_model(arch: str, *, seed: int = 0, mode: str = "affine", bits: int = 4,
+               layers: int | None = None):
+    """mlx-lm's ``Model`` for ``arch`` with random weights, ``nn.quantize``d: experts in
+    ``mode`` (affine: at ``bits``), every other layer affine 4-bit."""
     module = importlib.import_module(f"mlx_lm.models.{arch}")
     config = dict(CONFIGS[arch], model_type=arch)
     if "text_config" not in config:
@@ -68,12 +70,9 @@ def tiny_model(arch: str, *, seed: int = 0, mode: str = "affine", layers: int | 
     model = module.Model(module.ModelArgs.from_dict(config))
     # Random weights at a scale that keeps activations O(1) through the layers.
     model.update(_rescaled(model.parameters()))
-    if mode == "affine":
-        nn.quantize(model, group_size=64, bits=4)
-    else:  # fp4 experts as the published checkpoints (gpt-oss: mxfp4), the rest affine
-        nn.quantize(model, group_size=32, bits=4, mode=mode,
-                    class_predicate=lambda _, m: type(m).__name__ == "SwitchLinear")
-        nn.quantize(model, group_size=64, bits=4)
+    experts = dict(group_size=64, bits=bits) if mode == "affine" else dict(mode=mode)
+    nn.quantize(model, **experts, class_predicate=lambda _, m: type(m).__name__ == "SwitchLinear")
+    nn.quantize(model, group_size=64, bits=4)
     model.eval()
     mx.eval(model.parameters())
     return model
