@@ -16,7 +16,7 @@ from collections import Counter
 import mlx.core as mx
 import mlx.nn as nn
 
-from .ops import expert_qmv, gated_rms_norm, moe_gather_qmm, sdpa_multi
+from .ops import expert_qmv, fp4_qmm, gated_rms_norm, moe_gather_qmm, sdpa_multi
 from .ops._modes import DEFAULTS as _MODE_SIZES
 
 # (token, expert) pairs from which a SwitchGLU call runs the prefill path (moe_gather_qmm
@@ -225,6 +225,46 @@ class SwitchGLU(nn.Module):
         out = self._project(self.down_proj, self.activation(up, gate), indices, rows)
         out = out[mx.argsort(order)]
         return out.reshape(*indices.shape, out.shape[-1])
+
+
+# ---------------------------------------------------------------------------- fp4 linear
+
+_FP4_MODES = ("mxfp4", "nvfp4")  # fp4_qmm
+
+
+def fp4_linear_unserved(module) -> str | None:
+    """None if :class:`Fp4Linear` can run ``module`` (an ``nn.QuantizedLinear`` in mode
+    mxfp4 or nvfp4 at mx.quantize's sizes, N and K multiples of 32), else why not."""
+    mode = getattr(module, "mode", "affine")
+    if mode not in _FP4_MODES:
+        return f"mode {mode!r} (fp4_qmm serves {_FP4_MODES})"
+    if module.get("global_scale") is not None:
+        return "a global scale"
+    if (module.group_size, module.bits) != _MODE_SIZES[mode]:
+        return f"{mode} at group_size={module.group_size}, bits={module.bits}"
+    n, words = module["weight"].shape
+    if n % 32 or (8 * words) % 32:
+        return f"N={n}, K={8 * words} (fp4_qmm needs multiples of 32)"
+    return None
+
+
+class Fp4Linear(nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` in mode mxfp4 / nvfp4 through ``fp4_qmm`` (same parameters)."""
+
+    @classmethod
+    def from_module(cls, module) -> Fp4Linear:
+        """A stand-in sharing ``module``'s arrays, sizes and frozen / training state."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.__dict__.update(module.__dict__)
+        for key, value in module.items():
+            new[key] = value
+        return new
+
+    def __call__(self, x: mx.array) -> mx.array:
+        out = fp4_qmm(x, self["weight"], self["scales"], group_size=self.group_size,
+                      mode=self.mode)
+        return out + self["bias"] if "bias" in self else out
 
 
 # ---------------------------------------------------------------------------- attention

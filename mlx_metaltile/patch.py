@@ -3,6 +3,7 @@
 Per instance:
   - mlx-lm's gated RMSNorm (``Qwen3NextRMSNormGated``) -> :class:`mlx_metaltile.nn.GatedRMSNorm`
   - any mlx-lm ``SwitchGLU`` over ``QuantizedSwitchLinear`` experts -> :class:`mlx_metaltile.nn.SwitchGLU`
+  - ``nn.QuantizedLinear`` in mode mxfp4 / nvfp4 -> :class:`mlx_metaltile.nn.Fp4Linear`
   - attention modules that call mlx-lm's ``scaled_dot_product_attention``: the instance gets
     a subclass whose ``__call__`` routes that call to ``sdpa_multi``.
 
@@ -165,8 +166,8 @@ def _is_attention(module) -> bool:
 def _visit(module, path: str, entries: list[PatchEntry]):
     """The replacement for ``module`` (or ``module`` itself), recording what was decided."""
     name = type(module).__name__
-    if isinstance(module, mtnn.GatedRMSNorm | mtnn.SwitchGLU):  # patched before
-        kind = "gated_rms_norm" if isinstance(module, mtnn.GatedRMSNorm) else "switch_glu"
+    if isinstance(module, mtnn.GatedRMSNorm | mtnn.SwitchGLU | mtnn.Fp4Linear):  # before
+        kind = _STAND_IN_KINDS[type(module)]
         original = getattr(module, "_mlx_metaltile_original", module)
         entries.append(PatchEntry(path, kind, type(original).__name__, True,
                                   _SERVED_BY[kind]))
@@ -185,10 +186,9 @@ def _visit(module, path: str, entries: list[PatchEntry]):
         entries.append(PatchEntry(path, "switch_mlp", name, False,
                                   "no kernel path for a non-gated expert MLP"))
         return module
-    if name == "QuantizedLinear" and getattr(module, "mode", "affine") in ("mxfp4", "nvfp4"):
-        entries.append(PatchEntry(path, "fp4_linear", name, False,
-                                  f"{module.mode} linear layers are not replaced yet"))
-        return module
+    if name == "QuantizedLinear" and getattr(module, "mode", "affine") != "affine":
+        return _replace(module, path, "fp4_linear", mtnn.fp4_linear_unserved, mtnn.Fp4Linear,
+                        entries)
     if _is_attention(module):
         reason = _attention_left(module)
         if reason is None:
@@ -199,7 +199,10 @@ def _visit(module, path: str, entries: list[PatchEntry]):
     return module
 
 
+_STAND_IN_KINDS = {mtnn.GatedRMSNorm: "gated_rms_norm", mtnn.SwitchGLU: "switch_glu",
+                   mtnn.Fp4Linear: "fp4_linear"}
 _SERVED_BY = {
+    "fp4_linear": "fp4_qmm",
     "gated_rms_norm": "gated_rms_norm (no gate: mx.fast.rms_norm)",
     "switch_glu": f"expert_qmv (< {mtnn.PREFILL_MIN_PAIRS} token-expert pairs), "
                   "moe_gather_qmm (more)",
@@ -258,7 +261,8 @@ def _restore(module):
             original[key] = value
         if hasattr(module, "eps"):
             original.eps = module.eps
-        original.train(module.training)
+        if not isinstance(module, mtnn.Fp4Linear):  # Fp4Linear shares original's state
+            original.train(module.training)
         return original
     base = getattr(type(module), "_mlx_metaltile_base", None)
     if base is not None:

@@ -57,9 +57,9 @@ CONFIGS = {
 
 
 def tiny_model(arch: str, *, seed: int = 0, mode: str = "affine", bits: int = 4,
-               layers: int | None = None):
+               linear_mode: str = "affine", layers: int | None = None):
     """mlx-lm's ``Model`` for ``arch`` with random weights, ``nn.quantize``d: experts in
-    ``mode`` (affine: at ``bits``), every other layer affine 4-bit."""
+    ``mode`` (affine: at ``bits``), linear layers in ``linear_mode``, the rest affine 4-bit."""
     module = importlib.import_module(f"mlx_lm.models.{arch}")
     config = dict(CONFIGS[arch], model_type=arch)
     if "text_config" not in config:
@@ -72,6 +72,8 @@ def tiny_model(arch: str, *, seed: int = 0, mode: str = "affine", bits: int = 4,
     model.update(_rescaled(model.parameters()))
     experts = dict(group_size=64, bits=bits) if mode == "affine" else dict(mode=mode)
     nn.quantize(model, **experts, class_predicate=lambda _, m: type(m).__name__ == "SwitchLinear")
+    if linear_mode != "affine":
+        nn.quantize(model, mode=linear_mode, class_predicate=lambda _, m: type(m) is nn.Linear)
     nn.quantize(model, group_size=64, bits=4)
     model.eval()
     mx.eval(model.parameters())

@@ -52,7 +52,7 @@ HALF_FACTOR = 2.0
 # systematic error (mask, cache rows, expert ids, casts) moves most rows.
 HALF_OUTLIER_ROWS = 16
 _OPS = {"attention": "sdpa_multi", "switch_glu": ("expert_qmv", "moe_gather_qmm"),
-        "gated_rms_norm": "gated_rms_norm"}
+        "gated_rms_norm": "gated_rms_norm", "fp4_linear": "fp4_qmm"}
 _models: dict = {}
 
 
@@ -68,7 +68,7 @@ def model_for(arch: str, **kwargs):
 def op_calls(monkeypatch):
     """Counts the op calls mlx_metaltile.nn makes (kernel launches are counted separately)."""
     calls = {name: 0 for name in ("sdpa_multi", "expert_qmv", "moe_gather_qmm",
-                                  "gated_rms_norm")}
+                                  "gated_rms_norm", "fp4_qmm")}
     for name in calls:
         op = getattr(mtnn, name)
 
@@ -115,6 +115,16 @@ def test_gpt_oss_mxfp4_experts(backend, op_calls):
     left = {e.kind: e.detail for e in mt.patch(model).left}
     mt.unpatch(model)
     assert list(left) == ["attention"] and "sinks" in left["attention"]
+    _check_float32(model, backend, op_calls)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ("mxfp4", "nvfp4"))
+def test_fp4_linear_layers(mode, backend, op_calls):
+    model = model_for("qwen3", linear_mode=mode)
+    kinds = {e.kind for e in mt.patch(model).replaced}
+    mt.unpatch(model)
+    assert kinds == {"attention", "fp4_linear"}
     _check_float32(model, backend, op_calls)
 
 
