@@ -3,8 +3,8 @@
 Each holds the same parameters under the same names and shapes as the module it replaces
 (``load_weights``, ``nn.quantize``, ``save_weights`` and LoRA adapters see no difference),
 and each has one function saying whether it can serve a module (``*_unserved``: None, or
-why not). When an op gains a feature (fp4 modes, attention sinks, array masks) only that
-function changes. A call the kernels cannot serve runs mlx-lm's own computation.
+why not). When an op gains a feature (attention sinks, array masks) only that function
+changes. A call the kernels cannot serve runs mlx-lm's own computation.
 
 mlx-lm is needed only for the fallbacks that run mlx-lm's code (imported when used).
 """
