@@ -6,7 +6,7 @@ and each has one function saying whether it can serve a module (``*_unserved``: 
 why not). When an op gains a feature (attention sinks, array masks) only that function
 changes. A call the kernels cannot serve runs mlx-lm's own computation.
 
-mlx-lm is needed only for the fallbacks that run mlx-lm's code (imported when used).
+mlx-lm is imported only where its code runs (the fallbacks, SwitchGLU's constructor).
 """
 
 from __future__ import annotations
