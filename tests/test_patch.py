@@ -128,6 +128,14 @@ def test_fp4_linear_layers(mode, backend, op_calls):
     _check_float32(model, backend, op_calls)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ("nvfp4", "mxfp8"))
+def test_fp_experts_generic_path(mode, backend, op_calls):
+    """The other fp expert modes through the same SwitchGLU, on an architecture that does
+    not ship them."""
+    _check_float32(model_for("qwen3_moe", mode=mode), backend, op_calls)
+
+
 def _check_float32(model, backend, op_calls):
     want = forward(model)
     report = mt.patch(model)
