@@ -73,15 +73,6 @@ def run(executor: str, feature: Feature, template, inputs, grid, threadgroup, in
     return {name: to_f64(r) for (name, _), r in zip(outs, results, strict=True)}
 
 
-# Divergences found by this suite, kept visible (strict: a fix makes them fail here).
-EMULATOR_BALLOT = pytest.mark.xfail(
-    strict=True, reason="emulator: simd_ballot after a divergent if-block gives the lanes that "
-    "took the branch a ballot of those lanes only (Metal and CUDA: every lane)")
-EMULATOR_BFLOAT_INT = pytest.mark.xfail(
-    strict=True, reason="emulator: bfloat * int gives float (its own common-type rule and "
-    "the CUDA layer: bfloat), so `const T h2 = h * 2;` does not compile for T = bfloat")
-
-
 def quarters(rng, shape, lo=-8, hi=8):
     return (rng.integers(lo, hi, size=shape) / 4.0).astype(np.float32)
 
@@ -116,9 +107,7 @@ def test_simd_functions(executor, rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_simd_ballot_after_divergence(executor, request, rng, dtype):
-    if executor == "emulator":
-        request.applymarker(EMULATOR_BALLOT)
+def test_simd_ballot_after_divergence(executor, rng, dtype):
     n, active = 128, 5
     x = quarters(rng, (n,))
     got = run(executor, SIMD, (("T", DTYPES[dtype]),),
@@ -159,9 +148,7 @@ def test_simdgroup_matrix(executor, rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_scalars_vectors_math(executor, request, rng, dtype):
-    if executor == "emulator" and dtype == "bfloat16":
-        request.applymarker(EMULATOR_BFLOAT_INT)
+def test_scalars_vectors_math(executor, rng, dtype):
     n = 50
     x = np.concatenate([quarters(rng, (n - 2,)), [0.0, -3.5]]).astype(np.float32)
     got = run(executor, SCALARS, (("T", DTYPES[dtype]),), [as_dtype(x, dtype), mx.array(n, mx.uint32)],
