@@ -20,6 +20,7 @@ from msl_features import (
     HEADER,
     MATRIX,
     PACKED,
+    RECONVERGE,
     SCALARS,
     SIMD,
     SWIZZLES,
@@ -118,6 +119,31 @@ def test_simd_ballot_after_divergence(executor, rng, dtype):
         want = np.full(32, float(sum(1 << i for i in range(32) if v[i] > 0)))
         np.testing.assert_array_equal(got["ballot"][32 * w: 32 * w + 32], want,
                                       err_msg=f"warp {w}")
+
+
+@pytest.mark.parametrize("active", [5, 27])
+def test_simd_functions_and_barriers_after_divergence(executor, rng, active):
+    """After an if-block some lanes took, every lane meets at the next SIMD-group function,
+    whichever lanes took it and whichever function follows (a helper's included)."""
+    n = 64
+    x = quarters(rng, (n,))
+    got = run(executor, RECONVERGE, (), [mx.array(x), mx.array(active, mx.uint32)],
+              grid=(n, 1, 1), threadgroup=(n, 1, 1), shapes=[(n,)] * len(RECONVERGE.outputs))
+    lanes = np.arange(32)
+    for w in range(n // 32):
+        part = slice(32 * w, 32 * w + 32)
+        v = x[part].astype(np.float64)
+        low, high = v[:active].sum(), v[active:].sum()
+        want = {
+            "sum": np.full(32, v.sum()), "incl": np.cumsum(v), "excl": np.cumsum(v) - v,
+            "down": np.where(lanes + 1 < 32, v[np.minimum(lanes + 1, 31)], v),
+            "bc": np.full(32, v[31]), "mx": np.full(32, v.max()),
+            "qsum": np.repeat(v.reshape(8, 4).sum(1), 4), "helper": np.full(32, v.sum()),
+            "nb": x[(np.arange(n) + 1) % n][part],
+            "inside": np.where(lanes < active, 5 * low, 4 * high),
+        }
+        for name, expected in want.items():
+            np.testing.assert_array_equal(got[name][part], expected, err_msg=f"{name} warp {w}")
 
 
 def _apple_layout():
@@ -256,7 +282,7 @@ def test_refusals_need_no_device(name):
 
 
 def test_every_feature_has_a_conformance_test():
-    tested = (SIMD, MATRIX, SCALARS, ATOMIC_OUT, EDGE, HEADER, SWIZZLES, PACKED)
+    tested = (SIMD, RECONVERGE, MATRIX, SCALARS, ATOMIC_OUT, EDGE, HEADER, SWIZZLES, PACKED)
     assert sorted(f.name for f in FEATURES) == sorted(f.name for f in tested)
 
 
