@@ -2,10 +2,12 @@
 
 from importlib import metadata as _metadata
 
+from . import nn
 from ._registry import KernelSpec
 from ._show import current_backend, kernels, launches
 from .backends import available_backends, get_backend, set_backend, use_backend
 from .ops import OPS as _OPS
+from .patch import PatchReport, patch, unpatch
 
 globals().update(_OPS)  # each op, e.g. mlx_metaltile.gated_rms_norm (see ops/__init__.py)
 
@@ -16,12 +18,16 @@ except _metadata.PackageNotFoundError:  # a source checkout that is not installe
 
 __all__ = [
     "KernelSpec",
+    "PatchReport",
     "available_backends",
     "current_backend",
     "get_backend",
     "kernels",
     "launches",
+    "nn",
+    "patch",
     "set_backend",
+    "unpatch",
     "use_backend",
     *_OPS,
 ]

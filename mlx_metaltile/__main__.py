@@ -345,6 +345,9 @@ def main(argv=None) -> int:
     kernels = sub.add_parser("kernels", help="the backends (with the reasons one cannot run) "
                              "and the kernel registry")
     kernels.set_defaults(fn=cmd_kernels, parser=kernels)
+    from mlx_metaltile import model_bench
+
+    model_bench.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

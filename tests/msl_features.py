@@ -74,6 +74,53 @@ anyall[i] = (simd_any(v > T(100)) ? 1u : 0u) | (simd_all(v > T(-100)) ? 2u : 0u)
     templates=FLOATS,
 )
 
+# Reconvergence: after an if-block that some lanes of each SIMD-group took (running SIMD-group
+# functions inside it), every lane takes part in the next SIMD-group function or barrier, each
+# kind in turn, a helper's too. `active` splits the lanes; in-block sums alternate sides.
+RECONVERGE = Feature(
+    name="reconvergence",
+    header="""
+#include <metal_stdlib>
+using namespace metal;
+
+inline float total(float v) {
+  return simd_sum(v);
+}
+""",
+    source="""
+const uint i = thread_position_in_grid.x;
+const uint lid = thread_position_in_threadgroup.x;
+const uint lane = thread_index_in_simdgroup;
+const float v = x[i];
+threadgroup float t[64];
+t[lid] = v;
+float acc = 0.0f;
+if (lane < active) { acc += simd_sum(v); }
+sum[i] = simd_sum(v);
+if (lane >= active) { acc += simd_sum(v); }
+incl[i] = simd_prefix_inclusive_sum(v);
+if (lane < active) { acc += simd_sum(v); }
+excl[i] = simd_prefix_exclusive_sum(v);
+if (lane >= active) { acc += simd_sum(v); }
+down[i] = simd_shuffle_down(v, ushort(1));
+if (lane < active) { acc += simd_sum(v); }
+bc[i] = simd_broadcast(v, ushort(31));
+if (lane >= active) { acc += simd_sum(v); }
+mx[i] = simd_max(v);
+if (lane < active) { acc += simd_sum(v); }
+qsum[i] = quad_sum(v);
+if (lane < active) { acc += total(v); }
+helper[i] = total(v);
+if (lane >= active) { acc += simd_sum(v); }
+threadgroup_barrier(mem_flags::mem_threadgroup);
+nb[i] = t[(lid + 1) % threads_per_threadgroup.x];
+inside[i] = acc;
+""",
+    inputs=(("x", mx.float32, 1), ("active", mx.uint32, 0)),
+    outputs=tuple((n, mx.float32) for n in
+                  ("sum", "incl", "excl", "down", "bc", "mx", "qsum", "helper", "nb", "inside")),
+)
+
 # simdgroup_matrix<T, 8, 8>: loads (plain, transposed, with an origin, from threadgroup
 # memory), multiply(-accumulate) and Apple's per-lane layout of thread_elements().
 MATRIX = Feature(
@@ -270,4 +317,4 @@ out[i] = f.x + 2.0f * f.y + 4.0f * f.z + float(sizeof(packed_float3));
     refused_by=frozenset({"cuda"}),
 )
 
-FEATURES = (SIMD, MATRIX, SCALARS, ATOMIC_OUT, EDGE, HEADER, SWIZZLES, PACKED)
+FEATURES = (SIMD, RECONVERGE, MATRIX, SCALARS, ATOMIC_OUT, EDGE, HEADER, SWIZZLES, PACKED)

@@ -104,6 +104,37 @@ def test_a_cache_folder_of_another_user_is_refused(tmp_path, monkeypatch):
     assert "MLX_METALTILE_CACHE" in reason
 
 
+# ---- whether the emulator can run here -----------------------------------------------------
+
+FAILING_CXX = """#!/bin/sh
+echo "$@" >> "{log}"
+echo "cc1plus: error: this compiler is broken" >&2
+exit 1
+"""
+
+
+def test_a_compiler_that_cannot_build_the_runtime_makes_it_unavailable(tmp_path):
+    """Found when the backend's availability is asked, not at the first kernel; asked again,
+    the answer is remembered (the compiler runs once per process)."""
+    log = tmp_path / "calls.log"
+    cxx = tmp_path / "broken-c++"
+    cxx.write_text(FAILING_CXX.format(log=log))
+    cxx.chmod(0o700)
+    (tmp_path / "cache").mkdir(mode=0o700)
+    probe = ("from mlx_metaltile import backends; from mlx_metaltile import emulator as em; "
+             "print(em.unavailable_reason()); print(backends.available_backends()['emulator']); "
+             "print(em.unavailable_reason())")
+    env = {**os.environ, "MLX_METALTILE_CXX": str(cxx),
+           "MLX_METALTILE_CACHE": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    want = (f"the C++ compiler {cxx} cannot build its runtime library: "
+            "cc1plus: error: this compiler is broken")
+    assert out == [want] * 3
+    builds = [ln for ln in log.read_text().splitlines() if "runtime.cpp" in ln]
+    assert len(builds) == 1
+
+
 def test_an_entry_file_others_can_write_is_refused(cache):
     source = _source(3)
     so = _build_only(source, "group_writable")

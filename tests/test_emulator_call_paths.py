@@ -149,6 +149,26 @@ def test_one_call_of_a_helper_in_a_loop_and_by_every_lane(kind):
                                   + 2 * per_group(Y, T >= 0, np.sum))
 
 
+@KINDS
+def test_a_helper_after_a_block_some_lanes_took_includes_every_lane(kind):
+    """The lanes that skipped the block wait after it, at the helper's next call, for the
+    lanes in the block (a GPU reconverges there), whichever lanes took it."""
+    header = (f"{kind} float red(float v) {{ return simd_sum(v); }}\n"
+              f"{kind} float twice(float v, ushort lane) {{\n"
+              "  float a = 0.0f;\n  if (lane >= 27) a = red(v);\n  return a + red(v);\n}\n")
+    got = body("float a = 0.0f;\nif (lane < 5) a = red(y);\nout[t] = a + red(x);", header)
+    low = T % 32 < 5
+    np.testing.assert_array_equal(got, np.where(low, per_group(Y, low, np.sum), 0.0)
+                                  + per_group(X, T >= 0, np.sum))
+    # two waits at one line of a helper, through different calls: ordered by the module's
+    # debug information
+    assert em.last_launch_stats().call_sites_from_debug_info
+    got = body("out[t] = twice(x, lane);", header)
+    high = T % 32 >= 27
+    np.testing.assert_array_equal(got, np.where(high, per_group(X, high, np.sum), 0.0)
+                                  + per_group(X, T >= 0, np.sum))
+
+
 # The optimisation options make the compiler copy the simd_sum call into both branches of the
 # first `if` (to thread the second one): two machine copies of one call of the source.
 COPIED_HEADER = """
@@ -222,6 +242,21 @@ def test_call_site_identities_of_copies_and_of_different_calls():
     assert len(calls) == 2
     ids = {_dwarf.identity_at(table, ra - 1) for ra in calls}
     assert len(ids) == 2 and _dwarf.UNKNOWN not in ids
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs binutils' objdump")
+def test_call_site_identities_follow_the_source_order():
+    # two calls of one inlined helper: the one written first has the smaller identity
+    path = _module("float a = red(x);\nout[t] = a * red(y);",
+                   "inline float red(float v) { return simd_sum(v); }\n")
+    table, lines = _dwarf.call_site_table(path), _dwarf.line_table(path)
+    calls = _return_addresses_of_calls_to(path, "mt_collective")
+    assert len(calls) == 2
+    by_line = sorted((_dwarf.source_frames(lines, ra - 1)[-1], _dwarf.identity_at(table, ra - 1))
+                     for ra in calls)
+    (first, a), (second, b) = by_line
+    assert first == ("body.metal", 6) and second == ("body.metal", 7)  # after SETUP's 5 lines
+    assert a < b
 
 
 def test_barrier_in_a_helper_called_from_two_branches_is_divergence():

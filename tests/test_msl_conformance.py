@@ -20,6 +20,7 @@ from msl_features import (
     HEADER,
     MATRIX,
     PACKED,
+    RECONVERGE,
     SCALARS,
     SIMD,
     SWIZZLES,
@@ -73,15 +74,6 @@ def run(executor: str, feature: Feature, template, inputs, grid, threadgroup, in
     return {name: to_f64(r) for (name, _), r in zip(outs, results, strict=True)}
 
 
-# Divergences found by this suite, kept visible (strict: a fix makes them fail here).
-EMULATOR_BALLOT = pytest.mark.xfail(
-    strict=True, reason="emulator: simd_ballot after a divergent if-block gives the lanes that "
-    "took the branch a ballot of those lanes only (Metal and CUDA: every lane)")
-EMULATOR_BFLOAT_INT = pytest.mark.xfail(
-    strict=True, reason="emulator: bfloat * int gives float (its own common-type rule and "
-    "the CUDA layer: bfloat), so `const T h2 = h * 2;` does not compile for T = bfloat")
-
-
 def quarters(rng, shape, lo=-8, hi=8):
     return (rng.integers(lo, hi, size=shape) / 4.0).astype(np.float32)
 
@@ -116,9 +108,7 @@ def test_simd_functions(executor, rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_simd_ballot_after_divergence(executor, request, rng, dtype):
-    if executor == "emulator":
-        request.applymarker(EMULATOR_BALLOT)
+def test_simd_ballot_after_divergence(executor, rng, dtype):
     n, active = 128, 5
     x = quarters(rng, (n,))
     got = run(executor, SIMD, (("T", DTYPES[dtype]),),
@@ -129,6 +119,31 @@ def test_simd_ballot_after_divergence(executor, request, rng, dtype):
         want = np.full(32, float(sum(1 << i for i in range(32) if v[i] > 0)))
         np.testing.assert_array_equal(got["ballot"][32 * w: 32 * w + 32], want,
                                       err_msg=f"warp {w}")
+
+
+@pytest.mark.parametrize("active", [5, 27])
+def test_simd_functions_and_barriers_after_divergence(executor, rng, active):
+    """After an if-block some lanes took, every lane meets at the next SIMD-group function,
+    whichever lanes took it and whichever function follows (a helper's included)."""
+    n = 64
+    x = quarters(rng, (n,))
+    got = run(executor, RECONVERGE, (), [mx.array(x), mx.array(active, mx.uint32)],
+              grid=(n, 1, 1), threadgroup=(n, 1, 1), shapes=[(n,)] * len(RECONVERGE.outputs))
+    lanes = np.arange(32)
+    for w in range(n // 32):
+        part = slice(32 * w, 32 * w + 32)
+        v = x[part].astype(np.float64)
+        low, high = v[:active].sum(), v[active:].sum()
+        want = {
+            "sum": np.full(32, v.sum()), "incl": np.cumsum(v), "excl": np.cumsum(v) - v,
+            "down": np.where(lanes + 1 < 32, v[np.minimum(lanes + 1, 31)], v),
+            "bc": np.full(32, v[31]), "mx": np.full(32, v.max()),
+            "qsum": np.repeat(v.reshape(8, 4).sum(1), 4), "helper": np.full(32, v.sum()),
+            "nb": x[(np.arange(n) + 1) % n][part],
+            "inside": np.where(lanes < active, 5 * low, 4 * high),
+        }
+        for name, expected in want.items():
+            np.testing.assert_array_equal(got[name][part], expected, err_msg=f"{name} warp {w}")
 
 
 def _apple_layout():
@@ -159,9 +174,7 @@ def test_simdgroup_matrix(executor, rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_scalars_vectors_math(executor, request, rng, dtype):
-    if executor == "emulator" and dtype == "bfloat16":
-        request.applymarker(EMULATOR_BFLOAT_INT)
+def test_scalars_vectors_math(executor, rng, dtype):
     n = 50
     x = np.concatenate([quarters(rng, (n - 2,)), [0.0, -3.5]]).astype(np.float32)
     got = run(executor, SCALARS, (("T", DTYPES[dtype]),), [as_dtype(x, dtype), mx.array(n, mx.uint32)],
@@ -269,7 +282,7 @@ def test_refusals_need_no_device(name):
 
 
 def test_every_feature_has_a_conformance_test():
-    tested = (SIMD, MATRIX, SCALARS, ATOMIC_OUT, EDGE, HEADER, SWIZZLES, PACKED)
+    tested = (SIMD, RECONVERGE, MATRIX, SCALARS, ATOMIC_OUT, EDGE, HEADER, SWIZZLES, PACKED)
     assert sorted(f.name for f in FEATURES) == sorted(f.name for f in tested)
 
 

@@ -21,7 +21,11 @@ such copies share and distinct calls do not:
 ``call_site_table(path)`` returns that identity as a step function over the module's code:
 sorted start offsets and, for each, a small integer (equal integers: the same identity;
 UNKNOWN for code the debug information does not describe, where an address can only stand
-for itself).
+for itself). The integers are numbered in source order: within one function, a smaller
+integer is a call written earlier (compared by the source positions of the inlined calls
+containing the address, outermost first, then its own line and column; header.metal before
+body.metal), which lets the runtime run the SIMD-group function written first when lanes
+wait at different ones.
 The debug information is read with pyelftools (imported on the first call: most kernels never
 need the table); anything it cannot read makes it return None.
 """
@@ -68,9 +72,17 @@ def _code_scopes(die):
             yield from _code_scopes(child)
 
 
-def _read(path: str | Path) -> tuple[list[tuple[int, int, int]], list[tuple[int, object]]]:
-    """(lo, hi, DIE offset) for every address range of every inlined instance, and (address,
-    row identity) for every line-table row, None marking the end of a sequence."""
+def _position(program, file: int, line: int, column: int) -> tuple:
+    """A source position that sorts in the kernel's text order: the header, the body, others."""
+    name = _file_name(program, file) if program is not None else None
+    return ({"header.metal": 0, "body.metal": 1}.get(name, 2), name or "", line, column)
+
+
+def _read(path: str | Path) -> tuple[list[tuple[int, int, int]], list[tuple[int, object]],
+                                     dict[int, tuple]]:
+    """(lo, hi, DIE offset) for every address range of every inlined instance, (address,
+    row identity) for every line-table row, None marking the end of a sequence, and the
+    source position of each row identity and of each inlined instance's call."""
     from elftools.elf.elffile import ELFFile
 
     with open(path, "rb") as f:
@@ -81,23 +93,31 @@ def _read(path: str | Path) -> tuple[list[tuple[int, int, int]], list[tuple[int,
         if dwarf.debug_line_sec is None:
             raise ValueError("no .debug_line")
         range_lists = dwarf.range_lists()
-        instances, rows = [], []
+        instances, rows, positions = [], [], {}
         for cu in dwarf.iter_CUs():
             top = cu.get_top_DIE()
             base = top.attributes["DW_AT_low_pc"].value if "DW_AT_low_pc" in top.attributes else 0
+            program = dwarf.line_program_for_CU(cu)
             for die in _code_scopes(top):
                 if die.tag == "DW_TAG_inlined_subroutine":
                     instances += [(lo, hi, die.offset)
                                   for lo, hi in _spans(range_lists, cu, die, base) if hi > lo]
-            program = dwarf.line_program_for_CU(cu)
+                    a = die.attributes
+                    positions[die.offset] = _position(
+                        program, a["DW_AT_call_file"].value if "DW_AT_call_file" in a else -1,
+                        *(a[k].value if k in a else 0
+                          for k in ("DW_AT_call_line", "DW_AT_call_column")))
             if program is None:
                 continue
             for entry in program.get_entries():
                 s = entry.state
-                if s is not None:
-                    rows.append((s.address, None if s.end_sequence else
-                                 (program.program_start_offset, s.file, s.line, s.column)))
-    return instances, rows
+                if s is not None and not s.end_sequence:
+                    row = (program.program_start_offset, s.file, s.line, s.column)
+                    positions[row] = _position(program, s.file, s.line, s.column)
+                    rows.append((s.address, row))
+                elif s is not None:
+                    rows.append((s.address, None))
+    return instances, rows, positions
 
 
 def call_site_table(path: str | Path) -> tuple[list[int], list[int]] | None:
@@ -106,7 +126,7 @@ def call_site_table(path: str | Path) -> tuple[list[int], list[int]] | None:
     from elftools.common.exceptions import DWARFError, ELFError
 
     try:
-        instances, rows = _read(path)
+        instances, rows, positions = _read(path)
     # (besides its own exceptions, pyelftools meets malformed input with these)
     except (ELFError, DWARFError, ArithmeticError, AssertionError, IndexError, KeyError,
             ValueError):
@@ -144,7 +164,17 @@ def call_site_table(path: str | Path) -> tuple[list[int], list[int]] | None:
         if not values or values[-1] != ident:
             starts.append(at)
             values.append(ident)
-    return starts, values
+    # Renumber in source order: the positions of the inlined calls containing the code
+    # (outermost first), then its own line-table row (unknown parts last).
+    last = (3, "", 0, 0)
+
+    def source_order(item):
+        (row, active), ident = item
+        return ([positions.get(die, last) for die in active]
+                + [positions.get(row, last) if row is not None else last], ident)
+
+    rank = {ident: k for k, (_, ident) in enumerate(sorted(ids.items(), key=source_order))}
+    return starts, [UNKNOWN if v == UNKNOWN else rank[v] for v in values]
 
 
 def identity_at(table: tuple[list[int], list[int]], offset: int) -> int | None:

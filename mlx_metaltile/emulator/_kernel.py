@@ -45,7 +45,8 @@ class LaunchStats:
     fiber_switches: int  # 0 when the kernel ran without fibers (no barrier/SIMD function)
     used_fibers: bool
     # threads waited at one barrier / SIMD-group function through different return addresses,
-    # and the module's debug information told whether that was one call of the source
+    # and the module's debug information told whether that was one call of the source (or
+    # which of two calls outside the body comes first)
     call_sites_from_debug_info: bool = False
 
 

@@ -73,10 +73,34 @@ def unavailable_reason() -> str | None:
         wanted = " or ".join(_compiler_candidates())
         return f"no C++ compiler found (looked for {wanted}; set MLX_METALTILE_CXX)"
     try:
-        _cache.root()
+        root = _cache.root()
     except (_cache.CacheError, OSError) as e:
         return f"its cache cannot be used: {e}"
-    return None
+    return _runtime_unbuildable(compiler(), root)
+
+
+_runtime_checked: dict[tuple[str, Path], str | None] = {}  # (compiler, cache) -> why not
+
+
+def _runtime_unbuildable(cxx: str, root: Path) -> str | None:
+    """Why the runtime library cannot be built, or None. A compiler may be present and still
+    unable to build it (too old, no thread sanitizer, broken), so it is built here, once per
+    compiler and cache folder in a process: from a warm cache this only checks the cached
+    entry (milliseconds); the first time a toolchain is used it costs the build the first
+    kernel would have paid."""
+    key = (cxx, root)
+    if key not in _runtime_checked:
+        try:
+            runtime_path()
+            _runtime_checked[key] = None
+        except _cache.CacheError as e:
+            _runtime_checked[key] = f"its cache cannot be used: {e}"
+        except (EmulatorError, OSError) as e:
+            lines = [ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()]
+            why = next((ln for ln in lines if "error" in ln), lines[-1] if lines else str(e))
+            _runtime_checked[key] = (f"the C++ compiler {cxx} cannot build its runtime "
+                                     f"library: {why}")
+    return _runtime_checked[key]
 
 
 @functools.cache

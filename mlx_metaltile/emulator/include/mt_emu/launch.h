@@ -76,7 +76,8 @@ typedef struct mt_launch_desc {
   uint64_t stack_size;
   double timeout_s;  // 0: no limit
   // Call-site identities of the kernel module's code (from its debug information): code
-  // offset site_starts[k] up to site_starts[k + 1] has identity site_ids[k]. site_state 0:
+  // offset site_starts[k] up to site_starts[k + 1] has identity site_ids[k], numbered in
+  // source order (within one function, a smaller identity was written earlier). site_state 0:
   // not read yet (a launch that needs them stops with MT_STATUS_NEED_SITES), 1: read,
   // 2: unreadable.
   const uint64_t* site_starts;
@@ -106,7 +107,7 @@ typedef struct mt_launch_result {
   uint64_t fiber_switches;
   uint64_t threadgroup_memory;
   int32_t used_fibers;
-  int32_t used_site_ids;  // call paths were told apart with the call-site identities
+  int32_t used_site_ids;  // call paths were told apart (or ordered) with the call-site identities
 } mt_launch_result;
 
 int mt_rt_abi_version(void);

@@ -55,6 +55,18 @@ struct bfloat {
   friend constexpr bfloat operator-(bfloat a, bfloat b) { return bfloat(float(a) - float(b)); }
   friend constexpr bfloat operator*(bfloat a, bfloat b) { return bfloat(float(a) * float(b)); }
   friend constexpr bfloat operator/(bfloat a, bfloat b) { return bfloat(float(a) / float(b)); }
+  // bfloat op integer -> bfloat (MSL's usual arithmetic conversions: the integer becomes a
+  // bfloat); without these the implicit conversion to float would make the result a float.
+  template <class I>
+  using if_int = std::enable_if_t<std::is_integral<I>::value && !std::is_same<I, bool>::value, bfloat>;
+  template <class I> friend constexpr if_int<I> operator+(bfloat a, I b) { return a + bfloat(b); }
+  template <class I> friend constexpr if_int<I> operator-(bfloat a, I b) { return a - bfloat(b); }
+  template <class I> friend constexpr if_int<I> operator*(bfloat a, I b) { return a * bfloat(b); }
+  template <class I> friend constexpr if_int<I> operator/(bfloat a, I b) { return a / bfloat(b); }
+  template <class I> friend constexpr if_int<I> operator+(I a, bfloat b) { return bfloat(a) + b; }
+  template <class I> friend constexpr if_int<I> operator-(I a, bfloat b) { return bfloat(a) - b; }
+  template <class I> friend constexpr if_int<I> operator*(I a, bfloat b) { return bfloat(a) * b; }
+  template <class I> friend constexpr if_int<I> operator/(I a, bfloat b) { return bfloat(a) / b; }
   friend constexpr bfloat operator-(bfloat a) { return from_bits(uint16_t(a.bits ^ 0x8000u)); }
   friend constexpr bfloat operator+(bfloat a) { return a; }
   bfloat& operator+=(bfloat b) { return *this = *this + b; }

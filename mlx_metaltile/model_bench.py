@@ -1,0 +1,317 @@
+"""``python -m mlx_metaltile model-bench``: mlx-lm models at real layer shapes, native vs patched.
+
+Builds mlx-lm's own class for an architecture with random weights at the published
+model's layer shapes (a few layers), quantized as the published MLX checkpoints are, and
+times decode, verification blocks and prefill with mlx-lm's code (native) and after
+``mt.patch`` (patched), plus the largest logit difference, the kernels called and a
+per-op time split of one patched decode step. Without a GPU kernel backend the patched
+model runs the reference composites: those numbers are not kernel timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import sys
+import time
+from collections import Counter
+
+import mlx.core as mx
+import mlx.nn as nn
+
+import mlx_metaltile as mt
+from mlx_metaltile import _device, backends
+from mlx_metaltile import nn as mtnn
+
+_QWEN3_MOE = dict(  # Qwen3-30B-A3B
+    hidden_size=2048, intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4,
+    head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+    decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, rms_norm_eps=1e-6,
+    vocab_size=151936, rope_theta=1e6, max_position_embeddings=40960,
+    tie_word_embeddings=False)
+_QWEN3_NEXT = dict(  # Qwen3-Next-80B-A3B
+    hidden_size=2048, intermediate_size=5120, num_attention_heads=16, num_key_value_heads=2,
+    head_dim=256, linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512,
+    num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+    decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, rms_norm_eps=1e-6,
+    vocab_size=151936, rope_theta=1e7, partial_rotary_factor=0.25,
+    max_position_embeddings=262144, full_attention_interval=4, tie_word_embeddings=False)
+_GPT_OSS = dict(  # gpt-oss-20b (mlx-lm's ModelArgs defaults are its shapes)
+    num_local_experts=32, num_experts_per_tok=4, vocab_size=201088, hidden_size=2880,
+    intermediate_size=2880, head_dim=64, num_attention_heads=64, num_key_value_heads=8,
+    sliding_window=128, rope_theta=150000)
+_MIXTRAL = dict(  # Mixtral-8x7B
+    hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+    num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, rope_theta=1e6)
+
+# arch -> (config, experts' quantization, the other layers' quantization), as published:
+# mlx-community 4-bit affine (group 64); gpt-oss: mxfp4 experts, 8-bit affine elsewhere.
+ARCHS = {
+    "qwen3_moe": (_QWEN3_MOE, ("affine", 64, 4), ("affine", 64, 4)),
+    "qwen3_next": (_QWEN3_NEXT, ("affine", 64, 4), ("affine", 64, 4)),
+    "gpt_oss": (_GPT_OSS, ("mxfp4", 32, 4), ("affine", 64, 8)),
+    "mixtral": (_MIXTRAL, ("affine", 64, 4), ("affine", 64, 4)),
+}
+OPS = ("sdpa_multi", "expert_qmv", "moe_gather_qmm", "gated_rms_norm")
+
+
+_T0 = time.perf_counter()
+
+
+def _progress(msg: str) -> None:
+    print(f"  [{time.perf_counter() - _T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+def _random_experts(linear, mode: str, group_size: int, bits: int):
+    """A QuantizedSwitchLinear of ``linear``'s shape holding random codes and scales, made
+    without materialising float weights (512 experts of Qwen3-Next would be gigabytes)."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    E, N, K = linear.weight.shape
+    dtype = linear.weight.dtype
+    q = QuantizedSwitchLinear(group_size, N, 1, "bias" in linear, group_size, bits, mode)
+    words = (E, N, K * bits // 32)
+    low, high = (mx.random.randint(0, 2**16, words).astype(mx.uint32) for _ in range(2))
+    q.weight = mx.left_shift(high, 16) | low  # random codes
+    groups = (E, N, K // group_size)
+    if mode == "affine":  # W = s * (code - centre), std(W) about 0.02
+        half = 2 ** (bits - 1)
+        q.scales = (0.02 / (0.58 * half) * (1 + 0.1 * mx.random.normal(groups))).astype(dtype)
+        q.biases = (-half * q.scales).astype(dtype)
+    else:  # E8M0 exponents around 2^-8
+        q.scales = mx.random.randint(118, 121, groups).astype(mx.uint8)
+        q.biases = None
+    if "bias" in linear:
+        q.bias = linear.bias
+    q.freeze()
+    return q
+
+
+def build(arch: str, layers: int, dtype=mx.bfloat16):
+    """mlx-lm's Model for ``arch`` at the published layer shapes, ``layers`` layers."""
+    config, (e_mode, e_gs, e_bits), (mode, gs, bits) = ARCHS[arch]
+    config = dict(config, model_type=arch, num_hidden_layers=layers)
+    if arch == "qwen3_next" and layers < config["full_attention_interval"]:
+        config["full_attention_interval"] = layers  # keep one full-attention layer
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
+    mx.random.seed(0)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.set_dtype(dtype)
+    switch = [(p, m) for p, m in model.named_modules() if type(m).__name__ == "SwitchLinear"]
+    for path, linear in switch:
+        _set(model, path, _random_experts(linear, e_mode, e_gs, e_bits))
+    nn.quantize(model, group_size=gs, bits=bits, mode=mode,
+                class_predicate=lambda _, m: hasattr(m, "to_quantized")
+                and type(m).__name__ != "SwitchLinear")
+    for i, layer in enumerate(model.layers):
+        mx.eval(layer.parameters())
+        _progress(f"built layer {i + 1}/{layers}")
+    mx.eval(model.parameters())
+    model.eval()
+    return model, config
+
+
+def _set(root, path: str, value) -> None:
+    """Put ``value`` at ``path`` ("model.layers.0.mlp.gate_proj") of a module tree."""
+    *parents, last = path.split(".")
+    node = root
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    node[last] = value
+
+
+def _make_cache(model):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return make_prompt_cache(model)
+
+
+def _tokens(n: int, vocab: int, seed: int) -> mx.array:
+    return mx.random.randint(0, vocab, (1, n), key=mx.random.key(seed))
+
+
+def _timed(fn, iters: int) -> float:
+    """Median seconds of ``fn()`` (which evaluates its result)."""
+    fn()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def measure(model, vocab: int, context: int, prefill: int, iters: int) -> dict:
+    """decode ms/token, verify ms at L=4 and 8, prefill tokens/s, and the logits."""
+    cache = _make_cache(model)
+    mx.eval(model(_tokens(context, vocab, 1), cache=cache))
+    _progress(f"context of {context} tokens cached")
+    step_tok = _tokens(1, vocab, 2)
+
+    def step(L: int, tok):
+        def run():
+            mx.eval(model(tok, cache=cache))
+            _rewind(cache, L)
+
+        return run
+
+    out = {"decode_ms": 1e3 * _timed(step(1, step_tok), iters)}
+    _progress("decode timed")
+    for L in (4, 8):
+        out[f"verify{L}_ms"] = 1e3 * _timed(step(L, _tokens(L, vocab, 3 + L)), iters)
+        _progress(f"verify L={L} timed")
+    logits = model(step_tok, cache=cache)
+    mx.eval(logits)
+    _rewind(cache, 1)
+    prompt = _tokens(prefill, vocab, 9)
+    prefill_logits = []
+
+    def run_prefill():
+        prefill_logits[:] = [model(prompt, cache=_make_cache(model))[:, -1]]
+        mx.eval(prefill_logits)
+
+    out["prefill_tok_s"] = prefill / _timed(run_prefill, max(1, iters // 4))
+    out["logits"] = (logits, prefill_logits[0])
+    return out
+
+
+def _rewind(cache, n: int) -> None:
+    """Drop the last n positions where the cache can (recurrent states cannot)."""
+    for c in cache:
+        if c.is_trimmable():
+            c.trim(n)
+
+
+def _trimmable(model) -> bool:
+    return all(c.is_trimmable() for c in _make_cache(model))
+
+
+def op_split(model, vocab: int, context: int, iters: int) -> dict:
+    """Kernel launches and time per op in one patched decode step: each op's recorded calls
+    replayed alone (sums of isolated calls; no overlap with the rest of the step)."""
+    recorded: list[tuple[str, tuple, dict]] = []
+    originals = {name: getattr(mtnn, name) for name in OPS}
+
+    def spy(name):
+        def call(*args, **kwargs):
+            recorded.append((name, args, kwargs))
+            return originals[name](*args, **kwargs)
+        return call
+
+    cache = _make_cache(model)
+    mx.eval(model(_tokens(context, vocab, 1), cache=cache))
+    before = Counter(backends._launches)
+    for name in OPS:
+        setattr(mtnn, name, spy(name))
+    try:
+        mx.eval(model(_tokens(1, vocab, 2), cache=cache))
+    finally:
+        for name, fn in originals.items():
+            setattr(mtnn, name, fn)
+    launches = Counter(backends._launches)
+    launches.subtract(before)
+    split = {}
+    for name in OPS:
+        calls = [(a, k) for n, a, k in recorded if n == name]
+        if not calls:
+            continue
+        sec = sum(_timed(lambda a=a, k=k, f=originals[name]: mx.eval(f(*a, **k)), iters)
+                  for a, k in calls)
+        split[name] = dict(calls=len(calls), ms=1e3 * sec)
+    return dict(launches={k: v for (_, k), v in launches.items() if v > 0}, split=split)
+
+
+def run(args) -> int:
+    try:
+        import mlx_lm
+    except ImportError:
+        print("model-bench needs mlx-lm: pip install 'mlx-metaltile[mlx-lm]'", file=sys.stderr)
+        return 2
+    if args.backend:
+        mt.set_backend(args.backend)
+    backend = backends.resolve_backend()
+    gpu = backend in ("metal", "cuda")
+    iters = args.iters or (10 if gpu else 1)
+    context = args.context or (1024 if gpu else 16)
+    prefill = args.prefill or (512 if gpu else 8)
+    device = _device.device_name()
+    print(f"model-bench {args.arch}  layers {args.layers}  mlx {mx.__version__}  mlx-lm "
+          f"{mlx_lm.__version__}  device: {device}  backend: {backend}")
+    if not gpu:
+        print("NOTE: no GPU kernel backend here: the patched model runs "
+              f"{backend} code, so these numbers are not kernel timings")
+    _progress("building the model")
+    model, config = build(args.arch, args.layers)
+    vocab = config["vocab_size"]
+    if not _trimmable(model):
+        print("note: this model's caches cannot be rewound; decode/verify samples "
+              "grow the context by one step each")
+    _progress("native: decode, verify, prefill")
+    native = measure(model, vocab, context, prefill, iters)
+    report = mt.patch(model)
+    print(report)
+    fallbacks_before = mtnn.fallbacks.copy()
+    _progress("patched: decode, verify, prefill")
+    patched = measure(model, vocab, context, prefill, iters)
+    _progress("patched: per-op split of a decode step")
+    ops = op_split(model, vocab, context, iters)
+    mt.unpatch(model)
+    fallbacks = mtnn.fallbacks - fallbacks_before
+    ops["fallbacks"] = {f"{kind}: {why}": n for (kind, why), n in fallbacks.items()}
+    diff = max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
+               for a, b in zip(native.pop("logits"), patched.pop("logits"), strict=True))
+    print(f"{'':<16}{'native':>12}{'patched':>12}{'ratio':>8}")
+    for key, unit in (("decode_ms", "ms/token"), ("verify4_ms", "ms"), ("verify8_ms", "ms"),
+                      ("prefill_tok_s", "tokens/s")):
+        ratio = (native[key] / patched[key] if key.endswith("_ms")
+                 else patched[key] / native[key])
+        print(f"{key:<16}{native[key]:>12.3f}{patched[key]:>12.3f}{ratio:>7.2f}x  {unit}")
+    print(f"max |logit difference| (bfloat16 model, decode and prefill): {diff:.4g}")
+    print("kernel launches in one patched decode step: "
+          + (", ".join(f"{k} x{v}" for k, v in sorted(ops["launches"].items())) or "none"))
+    for what, n in ops["fallbacks"].items():
+        print(f"  ran mlx-lm's path {n} times ({what})")
+    for name, s in ops["split"].items():
+        print(f"  {name:<16} {s['calls']:>3} calls  {s['ms']:8.3f} ms "
+              f"({100 * s['ms'] / patched['decode_ms']:.0f}% of the decode step)")
+    if args.json:
+        meta = dict(arch=args.arch, layers=args.layers, device=device, backend=backend,
+                    kernel_timings=gpu, mlx_version=mx.__version__,
+                    mlx_lm_version=mlx_lm.__version__, package_version=mt.__version__,
+                    git_sha=_device.git_sha(), platform=platform.platform(),
+                    time=time.strftime("%Y-%m-%dT%H:%M:%S"), iters=iters, context=context,
+                    prefill=prefill)
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, native=native, patched=patched, max_logit_diff=diff,
+                           report=[e.__dict__ for e in report.entries], **ops), f, indent=1)
+        print(f"saved to {args.json}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    """The ``model-bench`` subcommand of ``python -m mlx_metaltile``."""
+    p = sub.add_parser("model-bench", help="an mlx-lm model at real shapes, native vs patched")
+    p.add_argument("--arch", required=True, choices=sorted(ARCHS))
+    p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    p.add_argument("--backend", choices=backends.BACKENDS, help="default: auto")
+    p.add_argument("--context", type=int, help="cached tokens before decode/verify "
+                   "(default 1024 on a GPU, 16 elsewhere)")
+    p.add_argument("--prefill", type=int, help="prompt tokens timed for prefill "
+                   "(default 512 on a GPU, 8 elsewhere)")
+    p.add_argument("--iters", type=int, help="timed samples (default 10 on a GPU, 1 elsewhere)")
+    p.add_argument("--json", metavar="PATH", help="save results with device and versions")
+    p.set_defaults(fn=run, parser=p)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mlx_metaltile.model_bench")
+    add_parser(parser.add_subparsers(dest="cmd", required=True))
+    args = parser.parse_args(["model-bench", *(argv if argv is not None else sys.argv[1:])])
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""Modules standing in for mlx-lm's, running this package's kernels.
+
+Each holds the same parameters under the same names and shapes as the module it replaces
+(``load_weights``, ``nn.quantize``, ``save_weights`` and LoRA adapters see no difference),
+and each has one function saying whether it can serve a module (``*_unserved``: None, or
+why not). When an op gains a feature (attention sinks, array masks) only that function
+changes. A call the kernels cannot serve runs mlx-lm's own computation.
+
+mlx-lm is imported only where its code runs (the fallbacks, SwitchGLU's constructor).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .ops import expert_qmv, fp4_qmm, gated_rms_norm, moe_gather_qmm, sdpa_multi
+from .ops._common import DEFAULTS as _MODE_SIZES
+
+# (token, expert) pairs from which a SwitchGLU call runs the prefill path (moe_gather_qmm
+# over expert-sorted rows) instead of the decode path (expert_qmv). mlx-lm sorts from the
+# same count; the crossover of our two kernels is still to be measured on a GPU.
+PREFILL_MIN_PAIRS = 64
+
+_EXPERT_BITS = (4, 8)  # expert_qmv / moe_gather_qmm, affine mode
+_EXPERT_GROUP_SIZES = (32, 64, 128)
+_MGQ_TILE = 32  # moe_gather_qmm needs N and K multiples of this
+SDPA_HEAD_DIMS = (64, 96, 128, 256)  # sdpa_multi
+# Calls of stand-ins (and routed attention) that ran mlx-lm's path: (kind, why) -> count.
+fallbacks: Counter = Counter()
+
+
+def _class_name(obj) -> str:
+    return type(obj).__name__
+
+
+# ---------------------------------------------------------------------------- gated norm
+
+
+def gated_rms_norm_unserved(module) -> str | None:
+    """None if :class:`GatedRMSNorm` can stand in for ``module`` (mlx-lm's
+    ``Qwen3NextRMSNormGated``: a ``weight [n]`` and ``eps``), else why not."""
+    weight = module.get("weight") if isinstance(module, nn.Module) else None
+    if not isinstance(weight, mx.array) or weight.ndim != 1:
+        return "no 1-D weight"
+    if not isinstance(getattr(module, "eps", None), (int, float)):
+        return "no numeric eps"
+    return None
+
+
+class GatedRMSNorm(nn.Module):
+    """``rms_norm(h, weight, eps) * silu(gate)`` as mlx-lm's ``Qwen3NextRMSNormGated``.
+
+    Same parameter (``weight [n]``), same output dtype (``hidden_states``'); computed in
+    float32 and rounded once (to the inputs' dtype when they share one, else to float32
+    and then to hidden_states' dtype). Without a gate it is
+    ``mx.fast.rms_norm`` as in mlx-lm.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = mx.ones(hidden_size)
+
+    @classmethod
+    def from_module(cls, module) -> GatedRMSNorm:
+        """A stand-in sharing ``module``'s weight (arrays are immutable: no copy)."""
+        new = cls(1, module.eps)
+        new.weight = module.weight
+        new.train(module.training)
+        return new
+
+    def __call__(self, hidden_states: mx.array, gate: mx.array | None = None) -> mx.array:
+        if gate is None:
+            x = mx.fast.rms_norm(hidden_states, self.weight, self.eps)
+            return x.astype(hidden_states.dtype)
+        # gated_rms_norm returns gate's dtype, with weight in it and y float32 or in it: run
+        # it in float32 unless both inputs share a dtype, so nothing is rounded before the
+        # one final rounding to hidden_states' dtype.
+        dtype = gate.dtype if gate.dtype == hidden_states.dtype else mx.float32
+        y = hidden_states if hidden_states.dtype in (dtype, mx.float32) else (
+            hidden_states.astype(dtype))
+        out = gated_rms_norm(y, gate.astype(dtype), self.weight.astype(dtype), self.eps)
+        return out.astype(hidden_states.dtype)
+
+
+# ---------------------------------------------------------------------------- experts
+
+
+def switch_glu_unserved(module) -> str | None:
+    """None if :class:`SwitchGLU` can run ``module``'s experts on the kernels, else why not.
+
+    Served: ``gate_proj``, ``up_proj``, ``down_proj`` are mlx-lm ``QuantizedSwitchLinear``
+    in affine mode at bits 4/8 and group size 32/64/128, or in mode mxfp4, nvfp4 (without a
+    global scale) or mxfp8 at mx.quantize's sizes (expert_qmv and moe_gather_qmm),
+    optionally with per-expert ``bias``; the activation is whatever the model holds.
+    """
+    projs = [module.get(name) for name in ("gate_proj", "up_proj", "down_proj")]
+    if any(p is None for p in projs):
+        return "no gate_proj/up_proj/down_proj"
+    for p in projs:
+        if _class_name(p) != "QuantizedSwitchLinear":
+            return f"experts are {_class_name(p)}, not QuantizedSwitchLinear (quantize first)"
+        mode = getattr(p, "mode", "affine")
+        if mode not in _MODE_SIZES:
+            return f"experts in mode {mode!r} (served: {tuple(_MODE_SIZES)})"
+        if p.get("global_scale") is not None:
+            return "experts with a global scale"
+        group_size, bits = _sizes(p)
+        if mode == "affine":
+            if bits not in _EXPERT_BITS:
+                return f"experts at bits={bits} (served: {_EXPERT_BITS})"
+            if group_size not in _EXPERT_GROUP_SIZES:
+                return f"experts at group_size={group_size} (served: {_EXPERT_GROUP_SIZES})"
+            if p.get("biases") is None:
+                return "affine experts without biases"
+        elif (group_size, bits) != _MODE_SIZES[mode]:
+            return f"{mode} experts at group_size={group_size}, bits={bits}"
+    if getattr(module, "activation", None) is None:
+        return "no activation"
+    return None
+
+
+def _sizes(proj) -> tuple[int, int]:
+    """(group_size, bits) of quantized experts; None (nn.quantize's default) is the mode's."""
+    default_gs, default_bits = _MODE_SIZES[getattr(proj, "mode", "affine")]
+    group_size, bits = getattr(proj, "group_size", None), getattr(proj, "bits", None)
+    return (default_gs if group_size is None else group_size,
+            default_bits if bits is None else bits)
+
+
+def _bias_rows(proj, indices: mx.array) -> mx.array | None:
+    bias = proj.get("bias")
+    return None if bias is None else bias[indices]
+
+
+def _qargs(proj) -> tuple:
+    return proj["weight"], proj["scales"], proj.get("biases")
+
+
+class SwitchGLU(nn.Module):
+    """mlx-lm's ``SwitchGLU`` (gate/up/down experts, the model's activation) on the kernels.
+
+    The same children (``gate_proj``, ``up_proj``, ``down_proj``) and ``activation`` object
+    as the module it stands in for. Few (token, expert) pairs (decode, verification) run
+    ``expert_qmv`` straight from the router's ids; from :data:`PREFILL_MIN_PAIRS` pairs the
+    rows are sorted by expert and run ``moe_gather_qmm``. Experts the kernels do not serve
+    (see :func:`switch_glu_unserved`), or activations in another dtype than the quantization
+    scales, run mlx-lm's own ``SwitchGLU`` computation.
+    """
+
+    def __init__(self, input_dims: int, hidden_dims: int, num_experts: int,
+                 activation=None, bias: bool = False):
+        from mlx_lm.models.switch_layers import SwiGLU, SwitchLinear
+
+        super().__init__()  # as mlx-lm's constructor: nn.quantize makes the experts served
+        self.gate_proj = SwitchLinear(input_dims, hidden_dims, num_experts, bias=bias)
+        self.up_proj = SwitchLinear(input_dims, hidden_dims, num_experts, bias=bias)
+        self.down_proj = SwitchLinear(hidden_dims, input_dims, num_experts, bias=bias)
+        self.activation = SwiGLU() if activation is None else activation
+
+    @classmethod
+    def from_module(cls, module) -> SwitchGLU:
+        """A stand-in sharing ``module``'s children and activation object."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        for name in ("gate_proj", "up_proj", "down_proj", "activation"):
+            setattr(new, name, getattr(module, name))
+        new.train(module.training)
+        return new
+
+    def unserved(self, x: mx.array | None = None) -> str | None:
+        """None if this call runs on the kernels, else why not."""
+        reason = switch_glu_unserved(self)
+        scales = self.up_proj["scales"] if reason is None else None
+        if x is not None and scales is not None and scales.dtype != mx.uint8 and (
+                x.dtype != scales.dtype):  # affine scales must be in x's dtype
+            reason = f"activations in {x.dtype} but scales in {scales.dtype}"
+        return reason
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        reason = self.unserved(x)
+        if reason is not None:
+            from mlx_lm.models.switch_layers import SwitchGLU as _MlxLmSwitchGLU
+
+            fallbacks["switch_glu", reason] += 1
+            return _MlxLmSwitchGLU.__call__(self, x, indices)
+        indices = mx.stop_gradient(indices)
+        if indices.size >= PREFILL_MIN_PAIRS and self._sorted_path_fits():
+            return self._prefill(x, indices)
+        return self._decode(x, indices)
+
+    def _sorted_path_fits(self) -> bool:
+        hidden, dims = self.up_proj.output_dims, self.down_proj.output_dims
+        return hidden % _MGQ_TILE == 0 and dims % _MGQ_TILE == 0
+
+    def _project(self, proj, x, indices, rows=None):
+        """One projection; ``rows`` is None (decode: ids straight from the router) or the
+        expert-sorted ids of the prefill rows."""
+        q = dict(group_size=proj.group_size, bits=proj.bits, mode=proj.mode)
+        if rows is None:
+            out = expert_qmv(x, *_qargs(proj), indices, **q)
+            bias = _bias_rows(proj, indices)
+        else:
+            out = moe_gather_qmm(x, *_qargs(proj), rows, **q)
+            bias = _bias_rows(proj, rows)
+        return out if bias is None else out + bias
+
+    def _decode(self, x: mx.array, indices: mx.array) -> mx.array:
+        # x [..., D], indices [..., k] -> [..., k, D]
+        up = self._project(self.up_proj, x, indices)
+        gate = self._project(self.gate_proj, x, indices)
+        return self._project(self.down_proj, self.activation(up, gate), indices)
+
+    def _prefill(self, x: mx.array, indices: mx.array) -> mx.array:
+        k = indices.shape[-1]
+        flat = indices.flatten()
+        order = mx.argsort(flat)
+        rows = flat[order]
+        xs = x.reshape(-1, x.shape[-1])[order // k]
+        up = self._project(self.up_proj, xs, indices, rows)
+        gate = self._project(self.gate_proj, xs, indices, rows)
+        out = self._project(self.down_proj, self.activation(up, gate), indices, rows)
+        out = out[mx.argsort(order)]
+        return out.reshape(*indices.shape, out.shape[-1])
+
+
+# ---------------------------------------------------------------------------- fp4 linear
+
+_FP4_MODES = ("mxfp4", "nvfp4")  # fp4_qmm
+
+
+def fp4_linear_unserved(module) -> str | None:
+    """None if :class:`Fp4Linear` can run ``module`` (an ``nn.QuantizedLinear`` in mode
+    mxfp4 or nvfp4 at mx.quantize's sizes, N and K multiples of 32), else why not."""
+    mode = getattr(module, "mode", "affine")
+    if mode not in _FP4_MODES:
+        return f"mode {mode!r} (fp4_qmm serves {_FP4_MODES})"
+    if module.get("global_scale") is not None:
+        return "a global scale"
+    if (module.group_size, module.bits) != _MODE_SIZES[mode]:
+        return f"{mode} at group_size={module.group_size}, bits={module.bits}"
+    n, words = module["weight"].shape
+    if n % 32 or (8 * words) % 32:
+        return f"N={n}, K={8 * words} (fp4_qmm needs multiples of 32)"
+    return None
+
+
+class Fp4Linear(nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` in mode mxfp4 / nvfp4 through ``fp4_qmm`` (same parameters)."""
+
+    @classmethod
+    def from_module(cls, module) -> Fp4Linear:
+        """A stand-in sharing ``module``'s arrays, sizes and frozen / training state."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.__dict__.update(module.__dict__)
+        for key, value in module.items():
+            new[key] = value
+        return new
+
+    def __call__(self, x: mx.array) -> mx.array:
+        out = fp4_qmm(x, self["weight"], self["scales"], group_size=self.group_size,
+                      mode=self.mode)
+        return out + self["bias"] if "bias" in self else out
+
+
+# ---------------------------------------------------------------------------- attention
+
+
+def attention_unserved(module) -> str | None:
+    """None if an attention module's calls can go to sdpa_multi (each call still checks
+    its cache and mask: see :func:`sdpa_unserved`), else why not."""
+    if isinstance(module.get("sinks"), mx.array):
+        return "attention sinks (sdpa_multi has no sinks= yet)"
+    head_dim = getattr(module, "head_dim", None)
+    if isinstance(head_dim, int) and head_dim not in SDPA_HEAD_DIMS:
+        return f"head_dim {head_dim} (sdpa_multi serves {SDPA_HEAD_DIMS})"
+    return None
+
+
+def sdpa_unserved(queries, keys, values, cache, mask, sinks) -> str | None:
+    """None if one ``scaled_dot_product_attention`` call of mlx-lm can run on sdpa_multi
+    over the cache's whole buffer, else why not."""
+    if sinks is not None:
+        return "sinks"
+    if mask is not None and not (isinstance(mask, str) and mask == "causal"):
+        return "array mask"
+    if queries.shape[-1] not in SDPA_HEAD_DIMS or values.shape[-1] != queries.shape[-1]:
+        return "head dim"
+    if cache is None:
+        return None if keys.dtype == queries.dtype else "dtype"
+    from mlx_lm.models.cache import KVCache
+
+    if type(cache) is not KVCache:  # rotating, quantized, batched ... caches
+        return f"cache {_class_name(cache)}"
+    if cache.keys is None or cache.keys.dtype != queries.dtype:
+        return "dtype"
+    if keys.shape[-2] != cache.offset:
+        return "keys are not the cache's first offset rows"
+    return None
+
+
+def cached_attention(queries, keys, values, cache, scale: float, mask) -> mx.array:
+    """sdpa_multi over ``cache``'s whole preallocated buffer (``kv_len = cache.offset``),
+    or over ``keys``/``values`` without a cache; call only where :func:`sdpa_unserved`
+    says None."""
+    causal = mask is not None
+    if cache is None:
+        return sdpa_multi(queries, keys, values, scale=scale, causal=causal)
+    return sdpa_multi(queries, cache.keys, cache.values, scale=scale, causal=causal,
+                      kv_len=cache.offset)

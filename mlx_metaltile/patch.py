@@ -1,0 +1,285 @@
+"""``patch(model)``: put this package's kernels into an ``mlx.nn.Module`` tree, in place.
+
+Per instance:
+  - mlx-lm's gated RMSNorm (``Qwen3NextRMSNormGated``) -> :class:`mlx_metaltile.nn.GatedRMSNorm`
+  - any mlx-lm ``SwitchGLU`` over ``QuantizedSwitchLinear`` experts -> :class:`mlx_metaltile.nn.SwitchGLU`
+  - ``nn.QuantizedLinear`` in mode mxfp4 / nvfp4 -> :class:`mlx_metaltile.nn.Fp4Linear`
+  - attention modules that call mlx-lm's ``scaled_dot_product_attention``: the instance gets
+    a subclass whose ``__call__`` routes that call to ``sdpa_multi``.
+
+Process-wide: mlx-lm's attention looks ``scaled_dot_product_attention`` up by name in its
+model module, so the first patch of such a module's attention installs there one router
+that forwards every call to mlx-lm's function unless it comes from a patched instance.
+It stays installed after ``unpatch`` (forwarding everything, bit for bit).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import html
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+
+import mlx.nn as nn
+
+from . import nn as mtnn
+
+_SDPA_NAME = "scaled_dot_product_attention"
+_in_patched_attention: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "mlx_metaltile_patched_attention", default=False)
+_patched_classes: dict[type, type] = {}
+
+
+@dataclass(frozen=True)
+class PatchEntry:
+    path: str  # the module's path in the tree, e.g. "model.layers.0.mlp.switch_mlp"
+    kind: str  # "gated_rms_norm" | "switch_glu" | "attention" | "fp4_linear" | ...
+    module: str  # the class name before patching
+    replaced: bool
+    detail: str  # what serves it, or why it was left
+
+
+@dataclass
+class PatchReport:
+    """What :func:`patch` replaced and what it left (with why). Prints as a table."""
+
+    entries: list[PatchEntry] = field(default_factory=list)
+
+    @property
+    def replaced(self) -> list[PatchEntry]:
+        return [e for e in self.entries if e.replaced]
+
+    @property
+    def left(self) -> list[PatchEntry]:
+        return [e for e in self.entries if not e.replaced]
+
+    def rows(self) -> list[tuple[str, str, str, int, str, str]]:
+        """(status, kind, module, count, detail, first path), one per distinct case."""
+        groups: dict[tuple, list[str]] = {}
+        for e in self.entries:
+            key = ("replaced" if e.replaced else "left", e.kind, e.module, e.detail)
+            groups.setdefault(key, []).append(e.path)
+        return [(s, k, m, len(p), d, p[0]) for (s, k, m, d), p in groups.items()]
+
+    def __str__(self) -> str:
+        if not self.entries:
+            return "PatchReport: nothing in this model is served by mlx_metaltile"
+        head = ("status", "kind", "module", "n", "detail", "e.g.")
+        body = [tuple(str(c) for c in r) for r in self.rows()]
+        widths = [max(len(r[i]) for r in (head, *body)) for i in range(len(head))]
+        lines = [f"PatchReport: {len(self.replaced)} replaced, {len(self.left)} left"]
+        for r in (head, *body):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        if not self.entries:
+            return f"<p>{html.escape(str(self))}</p>"
+        head = "".join(f"<th>{h}</th>" for h in ("status", "kind", "module", "n", "detail",
+                                                "e.g."))
+        rows = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r)
+                       + "</tr>" for r in self.rows())
+        return (f"<p>PatchReport: {len(self.replaced)} replaced, {len(self.left)} left</p>"
+                f"<table><tr>{head}</tr>{rows}</table>")
+
+    def counts(self) -> Counter:
+        """(kind, replaced) -> number of modules."""
+        return Counter((e.kind, e.replaced) for e in self.entries)
+
+
+# ------------------------------------------------------------------ attention routing
+
+
+def _router(original):
+    """The function installed in a model module in place of mlx-lm's sdpa function."""
+
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if _in_patched_attention.get():
+            reason = mtnn.sdpa_unserved(queries, keys, values, cache, mask, sinks)
+            if reason is None:
+                return mtnn.cached_attention(queries, keys, values, cache, scale, mask)
+            mtnn.fallbacks["attention", reason] += 1
+        return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+    scaled_dot_product_attention.__wrapped__ = original
+    scaled_dot_product_attention._mlx_metaltile_router = True
+    return scaled_dot_product_attention
+
+
+def _attention_namespace(module) -> dict | None:
+    """The globals the module's ``__call__`` looks the sdpa function up in, if it calls
+    mlx-lm's ``scaled_dot_product_attention`` by name; else None."""
+    call = type(module).__call__ if callable(module) else None
+    code = getattr(call, "__code__", None)
+    if code is None or _SDPA_NAME not in code.co_names:
+        return None
+    return call.__globals__
+
+
+def _mlx_lm_sdpa():
+    base = sys.modules.get("mlx_lm.models.base")
+    return getattr(base, _SDPA_NAME, None)
+
+
+def _patched_class(cls: type) -> type:
+    sub = _patched_classes.get(cls)
+    if sub is None:
+        def __call__(self, *args, **kwargs):
+            token = _in_patched_attention.set(True)
+            try:
+                return cls.__call__(self, *args, **kwargs)
+            finally:
+                _in_patched_attention.reset(token)
+
+        sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
+                                          "_mlx_metaltile_base": cls})
+        _patched_classes[cls] = sub
+    return sub
+
+
+def _attention_left(module) -> str | None:
+    """For an attention module calling sdpa by name: None if it can be patched, else why not."""
+    namespace = _attention_namespace(module)
+    sdpa = namespace.get(_SDPA_NAME)
+    if getattr(sdpa, "_mlx_metaltile_router", False):
+        sdpa = sdpa.__wrapped__
+    if sdpa is None or sdpa is not _mlx_lm_sdpa():
+        return "calls its own attention function, not mlx-lm's"
+    return mtnn.attention_unserved(module)
+
+
+def _patch_attention(module) -> None:
+    namespace = _attention_namespace(module)
+    if not getattr(namespace[_SDPA_NAME], "_mlx_metaltile_router", False):
+        namespace[_SDPA_NAME] = _router(namespace[_SDPA_NAME])
+    module.__class__ = _patched_class(type(module))
+
+
+# ------------------------------------------------------------------ the walk
+
+
+def _is_attention(module) -> bool:
+    return _attention_namespace(module) is not None
+
+
+def _visit(module, path: str, entries: list[PatchEntry]):
+    """The replacement for ``module`` (or ``module`` itself), recording what was decided."""
+    name = type(module).__name__
+    if isinstance(module, mtnn.GatedRMSNorm | mtnn.SwitchGLU | mtnn.Fp4Linear):  # before
+        kind = _STAND_IN_KINDS[type(module)]
+        original = getattr(module, "_mlx_metaltile_original", module)
+        entries.append(PatchEntry(path, kind, type(original).__name__, True,
+                                  _SERVED_BY[kind]))
+        return module
+    if hasattr(type(module), "_mlx_metaltile_base"):  # attention patched before
+        entries.append(PatchEntry(path, "attention", name, True, _SERVED_BY["attention"]))
+        _walk(module, path, entries)
+        return module
+    if name == "Qwen3NextRMSNormGated":
+        return _replace(module, path, "gated_rms_norm", mtnn.gated_rms_norm_unserved,
+                        mtnn.GatedRMSNorm, entries)
+    if name == "SwitchGLU" and type(module).__module__.startswith("mlx_lm."):
+        return _replace(module, path, "switch_glu", mtnn.switch_glu_unserved, mtnn.SwitchGLU,
+                        entries)
+    if name == "SwitchMLP" and type(module).__module__.startswith("mlx_lm."):
+        entries.append(PatchEntry(path, "switch_mlp", name, False,
+                                  "no kernel path for a non-gated expert MLP"))
+        return module
+    if name == "QuantizedLinear" and getattr(module, "mode", "affine") != "affine":
+        return _replace(module, path, "fp4_linear", mtnn.fp4_linear_unserved, mtnn.Fp4Linear,
+                        entries)
+    if _is_attention(module):
+        reason = _attention_left(module)
+        if reason is None:
+            _patch_attention(module)
+        entries.append(PatchEntry(path, "attention", name, reason is None,
+                                  reason or _SERVED_BY["attention"]))
+    _walk(module, path, entries)
+    return module
+
+
+_STAND_IN_KINDS = {mtnn.GatedRMSNorm: "gated_rms_norm", mtnn.SwitchGLU: "switch_glu",
+                   mtnn.Fp4Linear: "fp4_linear"}
+_SERVED_BY = {
+    "fp4_linear": "fp4_qmm",
+    "gated_rms_norm": "gated_rms_norm (no gate: mx.fast.rms_norm)",
+    "switch_glu": f"expert_qmv (< {mtnn.PREFILL_MIN_PAIRS} token-expert pairs), "
+                  "moe_gather_qmm (more)",
+    "attention": "sdpa_multi (KVCache or no cache, mask None/'causal'; others: mlx-lm)",
+}
+
+
+def _replace(module, path, kind, unserved, cls, entries):
+    reason = unserved(module)
+    entries.append(PatchEntry(path, kind, type(module).__name__, reason is None,
+                              reason or _SERVED_BY[kind]))
+    if reason is not None:
+        return module
+    new = cls.from_module(module)
+    object.__setattr__(new, "_mlx_metaltile_original", module)
+    return new
+
+
+def _children(module):
+    """(container, key, child module, path suffix) for each direct child module."""
+    for key, value in list(module.items()):
+        if isinstance(value, nn.Module):
+            yield module, key, value, key
+        elif isinstance(value, list | dict):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for k, v in list(items):
+                if isinstance(v, nn.Module):
+                    yield value, k, v, f"{key}.{k}"
+
+
+def _walk(module, path: str, entries: list[PatchEntry]) -> None:
+    for container, key, child, suffix in _children(module):
+        new = _visit(child, f"{path}.{suffix}" if path else suffix, entries)
+        if new is not child:
+            container[key] = new
+
+
+def patch(model) -> PatchReport:
+    """Replace in place every sub-module of ``model`` the kernels can serve.
+
+    Returns a :class:`PatchReport` of what was replaced and what was left, with why.
+    Patching a patched model changes nothing (and reports the same). The replaced modules
+    hold the same parameters under the same names; :func:`unpatch` restores the originals.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"[patch] model must be an mlx.nn.Module, got {type(model).__name__}")
+    entries: list[PatchEntry] = []
+    _walk(model, "", entries)
+    return PatchReport(entries)
+
+
+def _restore(module):
+    original = getattr(module, "_mlx_metaltile_original", None)
+    if original is not None:
+        for key, value in module.items():  # parameters and children loaded after patching
+            original[key] = value
+        if hasattr(module, "eps"):
+            original.eps = module.eps
+        if not isinstance(module, mtnn.Fp4Linear):  # Fp4Linear shares original's state
+            original.train(module.training)
+        return original
+    base = getattr(type(module), "_mlx_metaltile_base", None)
+    if base is not None:
+        module.__class__ = base
+    _unwalk(module)
+    return module
+
+
+def _unwalk(module) -> None:
+    for container, key, child, _ in _children(module):
+        new = _restore(child)
+        if new is not child:
+            container[key] = new
+
+
+def unpatch(model) -> None:
+    """Put back the modules :func:`patch` replaced (with any weights loaded since)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"[unpatch] model must be an mlx.nn.Module, got {type(model).__name__}")
+    _unwalk(model)

@@ -1,0 +1,101 @@
+"""mlx_metaltile.nn modules against mlx-lm's, module by module."""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_map
+
+import mlx_metaltile as mt
+from mlx_metaltile import backends
+from mlx_metaltile import nn as mtnn
+from mlx_metaltile._registry import TOLERANCES
+
+pytest.importorskip("mlx_lm")
+from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated  # noqa: E402
+
+DTYPES = ("float32", "float16", "bfloat16")
+N = 192  # not a power of two; the register variant of the kernel
+
+
+def _oracle(h, gate, weight, eps):
+    """float64 NumPy: weight * h * rsqrt(mean(h^2) + eps) * silu(gate)."""
+    h, g, w = (np.array(a.astype(mx.float32), dtype=np.float64) for a in (h, gate, weight))
+    inv = 1.0 / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps)
+    return w * h * inv * g / (1.0 + np.exp(-g))
+
+
+@pytest.mark.parametrize("h_dtype,gate_dtype,w_dtype", itertools.product(DTYPES, repeat=3))
+def test_gated_rms_norm_dtypes_as_mlx_lm(h_dtype, gate_dtype, w_dtype):
+    mx.random.seed(1)
+    h = mx.random.normal((3, 5, N)).astype(getattr(mx, h_dtype))
+    gate = mx.random.normal((3, 5, N)).astype(getattr(mx, gate_dtype))
+    original = Qwen3NextRMSNormGated(N, eps=1e-6)
+    original.weight = (1 + 0.1 * mx.random.normal((N,))).astype(getattr(mx, w_dtype))
+    ours = mtnn.GatedRMSNorm.from_module(original)
+    assert ours.weight is original.weight and ours.eps == original.eps
+    want = original(h, gate)
+    # every op backend when the inputs share a dtype; the casts are backend-independent
+    backend = "emulator" if h_dtype == gate_dtype == w_dtype else "reference"
+    with mt.use_backend(backend):
+        before = backends.launch_count(backend="emulator")
+        got = ours(h, gate)
+        assert backend == "reference" or backends.launch_count(backend="emulator") > before
+    assert got.dtype == want.dtype == h.dtype
+    # within one rounding to the output dtype of the float64 result (plus float32 error)
+    tol = TOLERANCES[h_dtype]
+    exact = _oracle(h, gate, ours.weight, 1e-6)
+    err = np.abs(np.array(got.astype(mx.float32), dtype=np.float64) - exact)
+    assert np.all(err <= tol.rtol * np.abs(exact) + tol.atol + tol.accum * np.abs(exact))
+    assert ours(h).dtype == original(h).dtype  # no gate: mx.fast.rms_norm, as mlx-lm
+
+
+def test_switch_glu_unserved_reasons():
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    glu = SwitchGLU(64, 64, 4)
+    assert "SwitchLinear" in mtnn.switch_glu_unserved(glu)
+    import mlx.nn as nn
+
+    nn.quantize(glu, group_size=64, bits=4)
+    assert mtnn.switch_glu_unserved(glu) is None
+    glu = SwitchGLU(64, 64, 4)
+    nn.quantize(glu, mode="mxfp4")
+    assert mtnn.switch_glu_unserved(glu) is None
+    glu = SwitchGLU(64, 64, 4)
+    nn.quantize(glu, group_size=64, bits=6)
+    assert "bits=6" in mtnn.switch_glu_unserved(glu)
+
+
+@pytest.mark.parametrize("backend", ("reference", "emulator"))
+@pytest.mark.parametrize("tokens", (3, 40))  # decode (expert_qmv) and sorted (moe_gather_qmm)
+def test_switch_glu_built_like_mlx_lm(backend, tokens):
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    mx.random.seed(2)
+    ours = mtnn.SwitchGLU(64, 96, 4, bias=True)  # mlx-lm's constructor and parameter tree
+    theirs = SwitchGLU(64, 96, 4, bias=True)
+    assert ({k: v.shape for k, v in tree_flatten(ours.parameters())}
+            == {k: v.shape for k, v in tree_flatten(theirs.parameters())})
+    ours.update(tree_map(lambda a: a + 0.01 * mx.random.normal(a.shape), ours.parameters()))
+    theirs.update(ours.parameters())
+    for m in (ours, theirs):
+        nn.quantize(m, group_size=32, bits=8)
+    theirs.update(ours.parameters())
+    x = mx.random.normal((1, tokens, 64))
+    ids = mx.random.randint(0, 4, (1, tokens, 2)).astype(mx.uint32)
+    want = theirs(x, ids)
+    with mt.use_backend(backend):
+        before = backends.launch_count(backend="emulator")
+        got = ours(x, ids)
+        assert backend == "reference" or backends.launch_count(backend="emulator") > before
+    tol = TOLERANCES["float32"]
+    # A generous stand-in for the magnitude of the float32 sums (K = 96 terms of about
+    # max|want| each); a wrong expert, row order or bias gives errors of order |want|.
+    err = mx.abs(got - want)
+    bound = tol.atol + tol.rtol * mx.abs(want) + tol.accum * 96 * mx.abs(want).max()
+    assert got.shape == want.shape and bool(mx.all(err <= bound).item()), err.max().item()

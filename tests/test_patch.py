@@ -1,0 +1,392 @@
+"""mt.patch on mlx-lm's own model classes: tiny random models, patched vs unpatched.
+
+Float32 bound of the logits (argued, not fitted): each replaced module computes its output
+within the op table's float32 accumulation error (``accum`` = 2e-6 relative to the
+magnitude of the sums behind it), and so does the mlx-lm op it stands in for, with another
+rounding order. The models are pre-norm residual stacks, so a relative change of one
+module's output reaches the logits with a gain of about one; summed over the replaced
+modules on the path (``n`` = replaced modules, each run once per forward), the logits of the
+two models differ by at most ``2 * accum * n * max|logits|``. (Expert routing is a top-k
+of router logits; in float32 the tiny models' gaps between router logits are far above
+this bound, so both models pick the same experts.)
+"""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+
+import mlx_metaltile as mt
+from mlx_metaltile import backends
+from mlx_metaltile import nn as mtnn
+from mlx_metaltile._registry import TOLERANCES
+
+pytest.importorskip("mlx_lm")
+from mlx_lm.generate import speculative_generate_step, stream_generate  # noqa: E402
+from mlx_lm.models import cache as lmcache  # noqa: E402
+from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer, TokenizerWrapper  # noqa: E402
+from mlx_lm_models import CONFIGS, VOCAB, tiny_model  # noqa: E402
+
+ARCHS = tuple(CONFIGS)
+BACKENDS = ("reference", "emulator")
+PROMPT = list(range(3, 35))  # 32 tokens x k=2 experts = 64 pairs: the sorted prefill path
+DECODE = (7, 11)
+VERIFY = (13, 17, 19)  # one L=3 verification block after the decode steps
+# Half-precision models: the patched model's distance to the float32 model may be at most
+# this factor times the unpatched model's. Both round weights and activations the same way
+# and accumulate in float32; they differ only in where intermediate results are rounded
+# (rounding errors of similar size that may add up rather than cancel: 2). A wrong mask,
+# stale cache rows or a wrong expert give distances of order one.
+HALF_FACTOR = 2.0
+# MoE routing is a top-k of router logits: a near tie flips under any change of rounding,
+# moving that token's output by O(1) in either model. So the distance is taken per row
+# (token position): the median row must be within HALF_FACTOR, and at most one row in
+# HALF_OUTLIER_ROWS may exceed HALF_FACTOR times the unpatched model's worst row. A
+# systematic error (mask, cache rows, expert ids, casts) moves most rows.
+HALF_OUTLIER_ROWS = 16
+_OPS = {"attention": "sdpa_multi", "switch_glu": ("expert_qmv", "moe_gather_qmm"),
+        "gated_rms_norm": "gated_rms_norm", "fp4_linear": "fp4_qmm"}
+_models: dict = {}
+
+
+def model_for(arch: str, **kwargs):
+    """A cached tiny model (tests leave it unpatched)."""
+    key = (arch, tuple(sorted(kwargs.items())))
+    if key not in _models:
+        _models[key] = tiny_model(arch, **kwargs)
+    return _models[key]
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """Counts the op calls mlx_metaltile.nn makes (kernel launches are counted separately)."""
+    calls = {name: 0 for name in ("sdpa_multi", "expert_qmv", "moe_gather_qmm",
+                                  "gated_rms_norm", "fp4_qmm")}
+    for name in calls:
+        op = getattr(mtnn, name)
+
+        def counted(*args, _op=op, _name=name, **kwargs):
+            calls[_name] += 1
+            return _op(*args, **kwargs)
+
+        monkeypatch.setattr(mtnn, name, counted)
+    return calls
+
+
+def forward(model, *, cache=None):
+    """Logits of a prompt, two decode steps and an L=3 verification block through the cache."""
+    cache = cache or lmcache.make_prompt_cache(model)
+    outs = [model(mx.array([PROMPT]), cache=cache)]
+    outs += [model(mx.array([[t]]), cache=cache) for t in DECODE]
+    outs.append(model(mx.array([VERIFY]), cache=cache))
+    mx.eval(outs)
+    return outs
+
+
+def expected_ops(report) -> set[str]:
+    out = set()
+    for e in report.replaced:
+        ops = _OPS[e.kind]
+        out.update((ops,) if isinstance(ops, str) else ops)
+    return out
+
+
+def logits_bound(report, want: mx.array) -> float:
+    return 2 * TOLERANCES["float32"].accum * len(report.replaced) * mx.abs(want).max().item()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_float32_logits_and_unpatch(arch, backend, op_calls):
+    _check_float32(model_for(arch), backend, op_calls)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gpt_oss_mxfp4_experts(backend, op_calls):
+    """gpt-oss as published: mxfp4 experts (served) and attention sinks (left, reported)."""
+    model = model_for("gpt_oss", mode="mxfp4")
+    left = {e.kind: e.detail for e in mt.patch(model).left}
+    mt.unpatch(model)
+    assert list(left) == ["attention"] and "sinks" in left["attention"]
+    _check_float32(model, backend, op_calls)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ("mxfp4", "nvfp4"))
+def test_fp4_linear_layers(mode, backend, op_calls):
+    model = model_for("qwen3", linear_mode=mode)
+    kinds = {e.kind for e in mt.patch(model).replaced}
+    mt.unpatch(model)
+    assert kinds == {"attention", "fp4_linear"}
+    _check_float32(model, backend, op_calls)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ("nvfp4", "mxfp8"))
+def test_fp_experts_generic_path(mode, backend, op_calls):
+    """The other fp expert modes through the same SwitchGLU, on an architecture that does
+    not ship them."""
+    _check_float32(model_for("qwen3_moe", mode=mode), backend, op_calls)
+
+
+def _check_float32(model, backend, op_calls):
+    want = forward(model)
+    report = mt.patch(model)
+    try:
+        assert report.replaced, str(report)
+        with mt.use_backend(backend):
+            before = backends.launch_count(backend=backend)
+            got = forward(model)
+            launched = backends.launch_count(backend=backend) - before
+        ops = expected_ops(report)
+        assert {name for name, n in op_calls.items() if n} == ops
+        if backend == "emulator":
+            assert launched >= sum(op_calls.values())
+        for w, g in zip(want, got, strict=True):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            err = mx.abs(g - w).max().item()
+            assert err <= logits_bound(report, w), (err, logits_bound(report, w))
+    finally:
+        mt.unpatch(model)
+    again = forward(model)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(want, again, strict=True))
+
+
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_half_precision_distance(arch, dtype):
+    exact = forward(model_for(arch))
+    model = tiny_model(arch)
+    model.set_dtype(getattr(mx, dtype))
+    backend = "emulator" if arch == "qwen3_next" else "reference"  # every op, every dtype
+
+    def row_distances(outs):
+        return mx.concatenate([mx.abs(o.astype(mx.float32) - e).max(-1).flatten()
+                               for o, e in zip(outs, exact, strict=True)])
+
+    native = row_distances(forward(model))
+    report = mt.patch(model)
+    assert report.replaced
+    with mt.use_backend(backend):
+        before = backends.launch_count(backend="emulator")
+        patched = row_distances(forward(model))
+        if backend == "emulator":
+            assert backends.launch_count(backend="emulator") > before
+    mt.unpatch(model)
+    got_med, want_med = mx.median(patched).item(), mx.median(native).item()
+    assert got_med <= HALF_FACTOR * want_med, (arch, dtype, got_med, want_med)
+    outliers = (patched > HALF_FACTOR * native.max()).sum().item()
+    assert outliers * HALF_OUTLIER_ROWS <= patched.size, (arch, dtype, outliers)
+
+
+class _IdTokens:
+    """The least a tokenizer needs for stream_generate: ids in, ids out."""
+
+    eos_token_id = None
+
+    def decode(self, ids):
+        return " ".join(str(i) for i in ids)
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % VOCAB for c in text]
+
+
+class _Tokenizer(TokenizerWrapper):
+    def __init__(self):  # noqa: D107 - a wrapper without a Hugging Face tokenizer
+        self._tokenizer = _IdTokens()
+        self._detokenizer = NaiveStreamingDetokenizer(self._tokenizer)
+        self._eos_token_ids = set()
+
+
+def _greedy(model, **kwargs) -> list[int]:
+    return [r.token for r in stream_generate(model, _Tokenizer(), PROMPT[:9], max_tokens=16,
+                                             **kwargs)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_generation_identical(arch, op_calls):
+    model = model_for(arch)
+    want = _greedy(model)
+    mt.patch(model)
+    try:
+        backend = "emulator" if arch in ("qwen3_moe", "qwen3_next") else "reference"
+        with mt.use_backend(backend):
+            got = _greedy(model)
+    finally:
+        mt.unpatch(model)
+    assert len(want) == 16 and got == want
+    assert sum(op_calls.values()) > 0
+
+
+@pytest.mark.parametrize("arch", ("qwen3_moe", "mixtral", "llama"))
+def test_speculative_decoding_identical(arch, op_calls):
+    model, draft = model_for(arch), model_for("qwen3", layers=1, seed=1)
+
+    def tokens():
+        steps = speculative_generate_step(mx.array(PROMPT[:9]), model, draft,
+                                          num_draft_tokens=3, max_tokens=12)
+        return [int(t) for t, _, _ in steps]
+
+    want = tokens()
+    mt.patch(model)
+    mt.patch(draft)
+    try:
+        with mt.use_backend("emulator" if arch == "qwen3_moe" else "reference"):
+            got = tokens()
+    finally:
+        mt.unpatch(model)
+        mt.unpatch(draft)
+    assert got == want
+    assert op_calls["sdpa_multi"] > 0
+
+
+def test_patch_twice_changes_nothing():
+    model = model_for("qwen3_moe")
+    first = mt.patch(model)
+    try:
+        classes = [type(m) for _, m in model.named_modules()]
+        second = mt.patch(model)
+        assert second.entries == first.entries
+        assert [type(m) for _, m in model.named_modules()] == classes
+    finally:
+        mt.unpatch(model)
+    assert not any(isinstance(m, mtnn.SwitchGLU) or hasattr(type(m), "_mlx_metaltile_base")
+                   for _, m in model.named_modules())
+
+
+def test_parameters_unchanged_and_weights_load_through_patch(tmp_path):
+    model = tiny_model("qwen3_next")
+    names = {k: (v.shape, v.dtype) for k, v in tree_flatten(model.parameters())}
+    mt.patch(model)
+    assert {k: (v.shape, v.dtype) for k, v in tree_flatten(model.parameters())} == names
+    # save from the patched model, load other weights, load the saved ones back
+    path = str(tmp_path / "w.safetensors")
+    model.save_weights(path)
+    other = tiny_model("qwen3_next", seed=5)
+    model.load_weights(list(tree_flatten(other.parameters())))
+    mt.unpatch(model)  # the originals come back with the weights loaded since
+    want = forward(other)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(forward(model), want, strict=True))
+    model.load_weights(path)
+    assert all(mx.array_equal(a, b).item()
+               for a, b in zip(forward(model), forward(model_for("qwen3_next")), strict=True))
+
+
+def test_quantize_after_patch():
+    module = importlib.import_module("mlx_lm.models.qwen3_moe")
+    config = dict(CONFIGS["qwen3_moe"], model_type="qwen3_moe", vocab_size=VOCAB)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    report = mt.patch(model)
+    assert [e.kind for e in report.left] == ["switch_glu", "switch_glu"]
+    assert "not QuantizedSwitchLinear" in report.left[0].detail
+    nn.quantize(model, group_size=64, bits=4)
+    assert {e.kind for e in mt.patch(model).replaced} == {"attention", "switch_glu"}
+    mt.unpatch(model)
+
+
+def test_unserved_experts_left_and_reported():
+    model = tiny_model("qwen3_moe", bits=6)  # 6-bit affine: no kernel serves it
+    want = forward(model)
+    report = mt.patch(model)
+    try:
+        left = {e.kind: e.detail for e in report.left}
+        assert "bits=6" in left["switch_glu"]
+        assert {e.kind for e in report.replaced} == {"attention"}
+        got = forward(model)
+    finally:
+        mt.unpatch(model)
+    assert all(mx.allclose(a, b).item() for a, b in zip(want, got, strict=True))
+
+
+def test_unserved_cache_falls_back(op_calls):
+    model = model_for("llama")
+
+    def rotating():  # sliding-window caches: sdpa_multi has no window
+        return [lmcache.RotatingKVCache(max_size=16) for _ in model.layers]
+
+    want = forward(model, cache=rotating())
+    mt.patch(model)
+    before = mtnn.fallbacks.copy()
+    try:
+        got = forward(model, cache=rotating())
+    finally:
+        mt.unpatch(model)
+    assert op_calls["sdpa_multi"] == 0
+    ran = mtnn.fallbacks - before  # every call, each with its reason (the mask comes first)
+    assert sum(ran.values()) == 4 * len(model.layers)
+    assert ran["attention", "cache RotatingKVCache"] > 0, ran
+    assert all(mx.array_equal(a, b).item() for a, b in zip(want, got, strict=True))
+
+
+def test_only_patched_instances_are_routed(op_calls):
+    patched, plain = model_for("qwen3"), tiny_model("qwen3")
+    mt.patch(patched)
+    try:
+        forward(plain)  # the same model module, an unpatched instance
+        assert op_calls["sdpa_multi"] == 0
+        forward(patched)
+        assert op_calls["sdpa_multi"] > 0
+    finally:
+        mt.unpatch(patched)
+
+
+def test_bad_input_and_nothing_to_serve():
+    with pytest.raises(TypeError, match=r"^\[patch\] model must be an mlx.nn.Module, got dict"):
+        mt.patch({"weight": mx.zeros(3)})
+    with pytest.raises(TypeError, match=r"^\[unpatch\]"):
+        mt.unpatch(3)
+    report = mt.patch(nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
+    assert report.entries == [] and "nothing" in str(report)
+
+
+def test_report_prints_as_table():
+    model = model_for("qwen3_next")
+    report = mt.patch(model)
+    mt.unpatch(model)
+    text, page = str(report), report._repr_html_()
+    assert text.splitlines()[0] == f"PatchReport: {len(report.replaced)} replaced, 0 left"
+    for kind in ("gated_rms_norm", "switch_glu", "attention"):
+        assert kind in text and f"<td>{kind}</td>" in page
+    assert page.count("<tr>") == len(report.rows()) + 1
+
+
+def test_package_imports_without_mlx_lm():
+    code = ("import sys; sys.modules['mlx_lm'] = None; import mlx_metaltile as mt; "
+            "import mlx.nn as nn; print(len(mt.patch(nn.Linear(4, 4)).entries))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0 and out.stdout.strip() == "0", out.stderr
+
+
+def test_lora_on_a_patched_model(op_calls):
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model = tiny_model("qwen3_moe")
+    report = mt.patch(model)
+    keys = ["self_attn.q_proj", "mlp.switch_mlp.up_proj"]  # attention and experts
+    linear_to_lora_layers(model, 2, {"rank": 4, "scale": 2.0, "dropout": 0.0, "keys": keys})
+    model.update(_rescaled_lora(model))  # non-zero adapters, so they change the output
+    assert "LoRASwitchLinear" in mtnn.switch_glu_unserved(model.model.layers[0].mlp.switch_mlp)
+    adapted = forward(model)  # attention on sdpa_multi, adapted experts on mlx-lm's path
+    assert op_calls["sdpa_multi"] > 0 and op_calls["expert_qmv"] == 0
+    mt.unpatch(model)  # the adapters stay; the original modules run them
+    got, base = forward(model), forward(model_for("qwen3_moe"))
+    for g, a, b in zip(got, adapted, base, strict=True):
+        assert mx.abs(g - a).max().item() <= logits_bound(report, g)
+        assert mx.abs(g - b).max().item() > 1e-3
+
+
+def _rescaled_lora(model):
+    from mlx.utils import tree_map_with_path
+
+    def grow(path, a):
+        return mx.full(a.shape, 0.05, a.dtype) if path.endswith("lora_b") else a
+
+    return tree_map_with_path(grow, model.trainable_parameters())
