@@ -302,7 +302,8 @@ def test_unserved_experts_left_and_reported():
         got = forward(model)
     finally:
         mt.unpatch(model)
-    assert all(mx.allclose(a, b).item() for a, b in zip(want, got, strict=True))
+    for a, b in zip(want, got, strict=True):  # only attention runs our op: its float32 bound
+        assert mx.abs(a - b).max().item() <= logits_bound(report, a)
 
 
 def test_unserved_cache_falls_back(op_calls):
