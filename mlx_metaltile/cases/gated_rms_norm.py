@@ -111,7 +111,8 @@ def gated_rms_norm_native(y, z, weight, eps=1e-5):
 def bench_cases() -> list[BenchCase]:
     out = []
     shapes = [(4096, 128, True), (16384, 128, False), (1, 2048, True), (32, 2048, False),
-              (4096, 2048, False), (1, 4096, False), (32, 4096, True), (4096, 4096, False)]
+              (4096, 2048, False), (1, 4096, False), (32, 4096, True), (4096, 4096, False),
+              (32, 8192, False)]  # n > 4096: the looped variant
     for rows, n, quick in shapes:
         for dtype in DTYPES:
             for y_dtype in (mx.float32, dtype) if dtype != mx.float32 else (mx.float32,):
