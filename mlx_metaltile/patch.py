@@ -11,6 +11,12 @@ Process-wide: mlx-lm's attention looks ``scaled_dot_product_attention`` up by na
 model module, so the first patch of such a module's attention installs there one router
 that forwards every call to mlx-lm's function unless it comes from a patched instance.
 It stays installed after ``unpatch`` (forwarding everything, bit for bit).
+
+Sharded models (``model.shard(group)`` of mlx-lm over ``mx.distributed``): patch before or
+after sharding. Sharding keeps the instances patched (attention is patched per instance;
+``shard_inplace`` shards the experts' arrays inside the stand-in), and ``shard_linear``
+replaces linear layers by mlx's own tensor-parallel ones, which stay mlx's (reported as
+left when patched after sharding).
 """
 
 from __future__ import annotations
@@ -186,6 +192,10 @@ def _visit(module, path: str, entries: list[PatchEntry]):
         entries.append(PatchEntry(path, "switch_mlp", name, False,
                                   "no kernel path for a non-gated expert MLP"))
         return module
+    if name in _SHARDED_LINEARS and getattr(module, "mode", "affine") != "affine":
+        entries.append(PatchEntry(path, "fp4_linear", name, False,
+                                  "sharded over mx.distributed: mlx's own layer"))
+        return module
     if name == "QuantizedLinear" and getattr(module, "mode", "affine") != "affine":
         return _replace(module, path, "fp4_linear", mtnn.fp4_linear_unserved, mtnn.Fp4Linear,
                         entries)
@@ -199,6 +209,9 @@ def _visit(module, path: str, entries: list[PatchEntry]):
     return module
 
 
+# mlx.nn's tensor-parallel quantized layers (made by ``shard_linear``): each runs its matmul
+# and its collective in one __call__ that the kernels do not stand in for.
+_SHARDED_LINEARS = ("QuantizedAllToShardedLinear", "QuantizedShardedToAllLinear")
 _STAND_IN_KINDS = {mtnn.GatedRMSNorm: "gated_rms_norm", mtnn.SwitchGLU: "switch_glu",
                    mtnn.Fp4Linear: "fp4_linear"}
 _SERVED_BY = {
