@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from mlx_lm.models import cache as lmcache  # noqa: E402
-from mlx_lm_models import tiny_model  # noqa: E402
+from mlx_lm_models import CONFIGS, tiny_model  # noqa: E402
 
 import mlx_metaltile as mt  # noqa: E402
 from mlx_metaltile import backends  # noqa: E402
@@ -33,6 +33,10 @@ VERIFY = (13, 17, 19)
 MODELS = {
     "qwen3_moe": dict(moe_intermediate_size=128),  # attention + affine experts
     "qwen3": dict(linear_mode="mxfp4"),  # attention + mxfp4 linear layers
+    # Gated-DeltaNet layers (gated norm), attention, experts and a sharded vocabulary
+    "qwen3_5_moe": dict(text_config=dict(
+        CONFIGS["qwen3_5_moe"]["text_config"], moe_intermediate_size=128,
+        shared_expert_intermediate_size=128)),
 }
 
 
@@ -46,7 +50,8 @@ def forward(model) -> list[mx.array]:
 
 
 def sharded_to_all(model) -> int:
-    """Modules whose output is an all-reduce of per-rank partial sums."""
+    """Modules whose output sums per-rank partial results (sharded-to-all layers, and
+    modules holding a sharding group: an all-reduce or gather in their __call__)."""
     return sum(type(m).__name__.endswith("ShardedToAllLinear")
                or getattr(m, "sharding_group", None) is not None
                for _, m in model.named_modules())

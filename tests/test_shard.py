@@ -3,17 +3,18 @@
 Each rank (tests/shard_worker.py) runs the architecture's own tensor-parallel ``shard()``
 (qwen3_moe: attention projections by ``shard_linear``, heads halved, experts by
 ``shard_inplace`` with the MoE block's all-reduce; qwen3: attention and MLP by
-``shard_linear``) on the emulator backend, and compares the logits with the unsharded
-patched model's.
+``shard_linear``; qwen3_5_moe: also the Gated-DeltaNet layers' heads in place and the
+vocabulary) on the emulator backend, and compares the logits with the unsharded patched
+model's.
 
 Bound (argued, not fitted): sharding splits the sums behind each sharded-to-all layer
-(``o_proj``, the experts' down projection, the dense ``down_proj``) into one partial sum
-per rank, added by the all-reduce: another rounding order of the same float32 sum, within
+(``o_proj``, the experts' down projection, the dense ``down_proj``, Gated-DeltaNet's
+``out_proj``) into one partial sum per rank, added by the all-reduce: another rounding order of the same float32 sum, within
 the table's ``accum`` (2e-6 relative to the magnitude behind it). All-to-sharded layers
 compute whole rows per rank as before. A changed rounding order in one module of a
 pre-norm residual stack reaches the logits with a gain of about one; with ``n`` = modules
-whose summation order may change (replaced modules plus sharded-to-all layers, as in
-tests/test_patch.py), the two differ by at most ``2 * accum * n * max|logits|``.
+whose summation order may change (replaced modules, as in tests/test_patch.py, plus
+sharded-to-all layers and modules holding a sharding group), the two differ by at most ``2 * accum * n * max|logits|``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from mlx_metaltile._registry import TOLERANCES
 pytest.importorskip("mlx_lm")
 
 RANKS = 2
-TIMEOUT_S = 120  # the whole run takes about 40 s on two CPU cores
+TIMEOUT_S = 150  # the whole run takes 15-40 s on two CPU cores
+ARCHS = ("qwen3_moe", "qwen3", "qwen3_5_moe")
 WORKER = Path(__file__).resolve().parent / "shard_worker.py"
 
 
@@ -99,7 +101,7 @@ def test_both_orders_match_the_unsharded_patched_model(ranks):
         assert case["launched"] > 0 and case["fallbacks"] == 0, case  # the kernels ran
         for err in case["errs"]:
             assert err <= _bound(case), (rank, case["arch"], case["order"], err, _bound(case))
-    assert seen == {(a, o) for a in ("qwen3_moe", "qwen3")
+    assert seen == {(a, o) for a in ARCHS
                     for o in ("patch-shard", "shard-patch")}
 
 
@@ -111,11 +113,13 @@ def test_a_missing_all_reduce_fails_the_bound(ranks):
 
 
 def test_what_stays_served(ranks):
-    """Attention and experts stay patched in both orders; linear layers that
+    """Attention, experts and gated norms stay patched in both orders; linear layers that
     ``shard_linear`` replaces run mlx's tensor-parallel layers and are reported as left."""
+    served = {"qwen3_moe": ["attention", "switch_glu"],
+              "qwen3_5_moe": ["attention", "gated_rms_norm", "switch_glu"]}
     for _, case in _cases(ranks):
-        if case["arch"] == "qwen3_moe":
-            assert case["live"] == case["served"] == ["attention", "switch_glu"], case
+        if case["arch"] in served:
+            assert case["live"] == case["served"] == served[case["arch"]], case
             assert case["left"] == {}, case
         else:  # mxfp4 linear layers: the unsharded lm_head stays an Fp4Linear
             assert case["live"] == case["served"] == ["attention", "fp4_linear"], case
