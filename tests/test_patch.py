@@ -391,3 +391,21 @@ def _rescaled_lora(model):
         return mx.full(a.shape, 0.05, a.dtype) if path.endswith("lora_b") else a
 
     return tree_map_with_path(grow, model.trainable_parameters())
+
+
+def test_sharded_fp4_linear_layers_reported_as_left():
+    """mlx's tensor-parallel layers (shard() on a one-process group here; two ranks in
+    tests/test_shard.py) stay mlx's: reported as left, outputs unchanged."""
+    model = tiny_model("qwen3", linear_mode="mxfp4")
+    want = forward(model)
+    model.shard(mx.distributed.init())
+    report = mt.patch(model)
+    try:
+        left = [e for e in report.left if e.kind == "fp4_linear"]
+        assert len(left) == 14 and "sharded over mx.distributed" in left[0].detail, str(report)
+        assert {e.path for e in report.replaced if e.kind == "fp4_linear"} == {"lm_head"}
+        got = forward(model)
+    finally:
+        mt.unpatch(model)
+    for a, b in zip(want, got, strict=True):
+        assert mx.abs(a - b).max().item() <= logits_bound(report, a)
