@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
@@ -68,25 +69,23 @@ def unsharded(arch: str, backend: str) -> list[mx.array]:
 def run_case(arch: str, want, group, backend: str, order: str) -> dict:
     model = tiny_model(arch, **MODELS[arch])
     fallbacks_before = mtnn.fallbacks.copy()
-    if order == "patch-shard":
+    if order == "patch-shard":  # the report predates shard(): what runs is in "live"
         report = mt.patch(model)
         model.shard(group)
-        out = dict(stale_report=len(report.replaced))
-        report = mt.patch(model)  # patching again: the report of what is live now
     else:
         model.shard(group)
         report = mt.patch(model)
-        out = {}
     with mt.use_backend(backend):
         before = backends.launch_count(backend=backend)
         got = forward(model)
         launched = backends.launch_count(backend=backend) - before
     served = sorted({e.kind for e in report.replaced})
     left = {e.kind: e.detail for e in report.left}
-    live = sorted({_kind(m) for _, m in model.named_modules()} - {None})
+    live = Counter(_kind(m) for _, m in model.named_modules())
+    del live[None]
     errs = [mx.abs(g - w).max().item() for g, w in zip(got, want, strict=True)]
     scale = max(mx.abs(w).max().item() for w in want)
-    out.update(errs=errs, scale=scale, replaced=len(report.replaced), served=served,
+    out = dict(errs=errs, scale=scale, replaced=len(report.replaced), served=served,
                left=left, live=live, sharded_to_all=sharded_to_all(model), launched=launched,
                fallbacks=sum((mtnn.fallbacks - fallbacks_before).values()))
     if arch == "qwen3_moe" and order == "shard-patch":
@@ -104,8 +103,11 @@ def _kind(module) -> str | None:
     """Which stand-in (or routed attention) this live module is, if any."""
     if hasattr(type(module), "_mlx_metaltile_base"):
         return "attention"
-    return {mtnn.SwitchGLU: "switch_glu", mtnn.Fp4Linear: "fp4_linear",
-            mtnn.GatedRMSNorm: "gated_rms_norm"}.get(type(module))
+    if isinstance(module, mtnn.Fp4Linear | mtnn.Fp4AllToShardedLinear
+                  | mtnn.Fp4ShardedToAllLinear):
+        return "fp4_linear"
+    return {mtnn.SwitchGLU: "switch_glu", mtnn.GatedRMSNorm: "gated_rms_norm"}.get(
+        type(module))
 
 
 def main(out_dir: str, backend: str) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
@@ -393,19 +394,24 @@ def _rescaled_lora(model):
     return tree_map_with_path(grow, model.trainable_parameters())
 
 
-def test_sharded_fp4_linear_layers_reported_as_left():
-    """mlx's tensor-parallel layers (shard() on a one-process group here; two ranks in
-    tests/test_shard.py) stay mlx's: reported as left, outputs unchanged."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sharded_fp4_linear_layers(backend, op_calls):
+    """mlx's tensor-parallel layers in mxfp4 (shard() on a one-process group here; two
+    ranks in tests/test_shard.py) run fp4_qmm with their collectives."""
     model = tiny_model("qwen3", linear_mode="mxfp4")
     want = forward(model)
     model.shard(mx.distributed.init())
     report = mt.patch(model)
     try:
-        left = [e for e in report.left if e.kind == "fp4_linear"]
-        assert len(left) == 14 and "sharded over mx.distributed" in left[0].detail, str(report)
-        assert {e.path for e in report.replaced if e.kind == "fp4_linear"} == {"lm_head"}
-        got = forward(model)
+        kinds = Counter(type(m).__name__ for _, m in model.named_modules())
+        assert kinds["Fp4AllToShardedLinear"] == 10 and kinds["Fp4ShardedToAllLinear"] == 4
+        assert not report.left, str(report)
+        with mt.use_backend(backend):
+            got = forward(model)
     finally:
         mt.unpatch(model)
+    assert op_calls["fp4_qmm"] > 0
     for a, b in zip(want, got, strict=True):
         assert mx.abs(a - b).max().item() <= logits_bound(report, a)
+    assert all(type(m).__name__.startswith("Quantized") for _, m in model.named_modules()
+               if "Sharded" in type(m).__name__)  # unpatch put mlx's layers back

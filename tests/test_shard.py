@@ -89,7 +89,7 @@ def _cases(ranks):
 
 
 def _bound(case) -> float:
-    n = case["replaced"] + case["sharded_to_all"]
+    n = sum(case["live"].values()) + case["sharded_to_all"]
     return 2 * TOLERANCES["float32"].accum * n * case["scale"]
 
 
@@ -113,16 +113,17 @@ def test_a_missing_all_reduce_fails_the_bound(ranks):
 
 
 def test_what_stays_served(ranks):
-    """Attention, experts and gated norms stay patched in both orders; linear layers that
-    ``shard_linear`` replaces run mlx's tensor-parallel layers and are reported as left."""
-    served = {"qwen3_moe": ["attention", "switch_glu"],
-              "qwen3_5_moe": ["attention", "gated_rms_norm", "switch_glu"]}
+    """Attention, experts and gated norms stay patched in both orders. ``shard_linear``
+    replaces linear layers by mlx's tensor-parallel ones: a patch after sharding serves
+    them (mxfp4 here), a patch before sharding cannot (they did not exist yet)."""
+    served = {"qwen3_moe": {"attention": 2, "switch_glu": 2},
+              "qwen3_5_moe": {"attention": 1, "gated_rms_norm": 1, "switch_glu": 2},
+              # 7 linear layers a decoder layer, and the (unsharded) LM head
+              "qwen3": {"attention": 2, "fp4_linear": 15}}
     for _, case in _cases(ranks):
-        if case["arch"] in served:
-            assert case["live"] == case["served"] == served[case["arch"]], case
-            assert case["left"] == {}, case
-        else:  # mxfp4 linear layers: the unsharded lm_head stays an Fp4Linear
-            assert case["live"] == case["served"] == ["attention", "fp4_linear"], case
-            assert "sharded over mx.distributed" in case["left"]["fp4_linear"], case
-            if case["order"] == "patch-shard":  # the first report predates shard()
-                assert case["stale_report"] > case["replaced"], case
+        want = dict(served[case["arch"]])
+        if case["order"] == "patch-shard" and case["arch"] == "qwen3":
+            want["fp4_linear"] = 1  # the LM head; the report still lists all 15
+            assert case["replaced"] == 17, case
+        assert case["live"] == want, case
+        assert case["left"] == {}, case
