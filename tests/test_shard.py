@@ -4,17 +4,19 @@ Each rank (tests/shard_worker.py) runs the architecture's own tensor-parallel ``
 (qwen3_moe: attention projections by ``shard_linear``, heads halved, experts by
 ``shard_inplace`` with the MoE block's all-reduce; qwen3: attention and MLP by
 ``shard_linear``; qwen3_5_moe: also the Gated-DeltaNet layers' heads in place and the
-vocabulary) on the emulator backend, and compares the logits with the unsharded patched
-model's.
+vocabulary), in both orders (patch then shard; shard then patch), on the emulator backend,
+and compares the logits with the unsharded patched model's.
 
 Bound (argued, not fitted): sharding splits the sums behind each sharded-to-all layer
 (``o_proj``, the experts' down projection, the dense ``down_proj``, Gated-DeltaNet's
-``out_proj``) into one partial sum per rank, added by the all-reduce: another rounding order of the same float32 sum, within
-the table's ``accum`` (2e-6 relative to the magnitude behind it). All-to-sharded layers
-compute whole rows per rank as before. A changed rounding order in one module of a
-pre-norm residual stack reaches the logits with a gain of about one; with ``n`` = modules
-whose summation order may change (replaced modules, as in tests/test_patch.py, plus
-sharded-to-all layers and modules holding a sharding group), the two differ by at most ``2 * accum * n * max|logits|``.
+``out_proj``) into one partial sum per rank, added by the all-reduce: another rounding
+order of the same float32 sum, within the table's ``accum`` (2e-6 relative to the
+magnitude behind it). All-to-sharded layers compute whole rows per rank as before. A
+changed rounding order in one module of a pre-norm residual stack reaches the logits with
+a gain of about one; with ``n`` = modules whose summation order may change (the stand-ins
+live in the sharded model, as the replaced modules of tests/test_patch.py, plus
+sharded-to-all layers and modules holding a sharding group), the two differ by at most
+``2 * accum * n * max|logits|``.
 """
 
 from __future__ import annotations
