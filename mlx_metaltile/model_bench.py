@@ -55,14 +55,58 @@ ARCHS = {
     "gpt_oss": (_GPT_OSS, ("mxfp4", 32, 4), ("affine", 64, 8)),
     "mixtral": (_MIXTRAL, ("affine", 64, 4), ("affine", 64, 4)),
 }
-OPS = ("sdpa_multi", "expert_qmv", "moe_gather_qmm", "gated_rms_norm")
+OPS = ("sdpa_multi", "expert_qmv", "moe_gather_qmm", "gated_rms_norm", "fp4_qmm")
 
 
+def _native_sdpa_multi(q, k, v, *, scale, causal=False, kv_len=None):
+    # mlx-lm: mx.fast's attention over the cache's first offset rows (a slice)
+    if kv_len is not None:
+        k, v = k[..., :kv_len, :], v[..., :kv_len, :]
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
+                                                mask="causal" if causal else None)
+
+
+def _native_expert_qmv(x, w, scales, biases, indices, *, group_size=None, bits=None,
+                       mode="affine"):
+    # mlx-lm's QuantizedSwitchLinear: gather_qmm of x[..., None, None, :] (shared by the k
+    # experts) or x[..., None, :] (one input per expert)
+    x = mx.expand_dims(x, -2) if x.ndim == indices.ndim + 1 else mx.expand_dims(x, (-2, -3))
+    return mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True,
+                         group_size=group_size, bits=bits, mode=mode).squeeze(-2)
+
+
+def _native_moe_gather_qmm(x, w, scales, biases, indices, *, group_size=None, bits=None,
+                           mode="affine"):
+    # mlx-lm's sorted path: gather_qmm over expert-sorted rows
+    return mx.gather_qmm(mx.expand_dims(x, -2), w, scales, biases, rhs_indices=indices,
+                         transpose=True, sorted_indices=True, group_size=group_size,
+                         bits=bits, mode=mode).squeeze(-2)
+
+
+def _native_gated_rms_norm(y, z, weight, eps=1e-5):
+    from mlx_lm.models.activations import precise_swiglu
+
+    # mlx-lm's Qwen3NextRMSNormGated
+    return precise_swiglu(y, z, mx.fast.rms_norm(y, weight, eps))
+
+
+def _native_fp4_qmm(x, w, scales, *, group_size=None, mode=None):
+    # nn.QuantizedLinear
+    return mx.quantized_matmul(x, w, scales, transpose=True, group_size=group_size, mode=mode)
+
+
+# Each op's counterpart in mlx / mlx-lm, called with the op's own arguments: what the
+# unpatched model runs for the same call.
+NATIVE = {"sdpa_multi": _native_sdpa_multi, "expert_qmv": _native_expert_qmv,
+          "moe_gather_qmm": _native_moe_gather_qmm, "gated_rms_norm": _native_gated_rms_norm,
+          "fp4_qmm": _native_fp4_qmm}
 _T0 = time.perf_counter()
 
 
 def _progress(msg: str) -> None:
-    print(f"  [{time.perf_counter() - _T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
+    """A progress line with the elapsed time, on a terminal only (logs stay clean)."""
+    if sys.stderr.isatty():
+        print(f"  [{time.perf_counter() - _T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
 def _random_experts(linear, mode: str, group_size: int, bits: int):
@@ -191,7 +235,9 @@ def _trimmable(model) -> bool:
 
 def op_split(model, vocab: int, context: int, iters: int) -> dict:
     """Kernel launches and time per op in one patched decode step: each op's recorded calls
-    replayed alone (sums of isolated calls; no overlap with the rest of the step)."""
+    replayed alone with the same arguments, and so are their native counterparts
+    (:data:`NATIVE`): sums of isolated calls, each evaluated on its own (no overlap with
+    the rest of the step)."""
     recorded: list[tuple[str, tuple, dict]] = []
     originals = {name: getattr(mtnn, name) for name in OPS}
 
@@ -218,9 +264,18 @@ def op_split(model, vocab: int, context: int, iters: int) -> dict:
         calls = [(a, k) for n, a, k in recorded if n == name]
         if not calls:
             continue
-        sec = sum(_timed(lambda a=a, k=k, f=originals[name]: mx.eval(f(*a, **k)), iters)
-                  for a, k in calls)
-        split[name] = dict(calls=len(calls), ms=1e3 * sec)
+        diff = 0.0
+        for a, k in calls:  # the counterpart computes the same thing
+            got, want = originals[name](*a, **k), NATIVE[name](*a, **k)
+            if got.shape != want.shape:
+                raise ValueError(f"[model-bench] internal: {name} gives {got.shape}, its "
+                                 f"native counterpart {want.shape}")
+            diff = max(diff, mx.abs(got.astype(mx.float32) - want.astype(mx.float32))
+                       .max().item())
+        split[name] = dict(calls=len(calls), max_abs_diff=diff, **{
+            key: 1e3 * sum(_timed(lambda a=a, k=k, f=f: mx.eval(f(*a, **k)), iters)
+                           for a, k in calls)
+            for key, f in (("ms", originals[name]), ("native_ms", NATIVE[name]))})
     return dict(launches={k: v for (_, k), v in launches.items() if v > 0}, split=split)
 
 
@@ -274,9 +329,13 @@ def run(args) -> int:
           + (", ".join(f"{k} x{v}" for k, v in sorted(ops["launches"].items())) or "none"))
     for what, n in ops["fallbacks"].items():
         print(f"  ran mlx-lm's path {n} times ({what})")
+    if ops["split"]:
+        print("per op in one patched decode step (its calls replayed alone; native: mlx's "
+              "op on the same arguments):")
     for name, s in ops["split"].items():
         print(f"  {name:<16} {s['calls']:>3} calls  {s['ms']:8.3f} ms "
-              f"({100 * s['ms'] / patched['decode_ms']:.0f}% of the decode step)")
+              f"({100 * s['ms'] / patched['decode_ms']:.0f}% of the step)  native "
+              f"{s['native_ms']:8.3f} ms  {s['native_ms'] / s['ms']:5.2f}x")
     if args.json:
         meta = dict(arch=args.arch, layers=args.layers, device=device, backend=backend,
                     kernel_timings=gpu, mlx_version=mx.__version__,

@@ -15,6 +15,11 @@ from collections import Counter
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import (
+    QuantizedAllToShardedLinear,
+    QuantizedShardedToAllLinear,
+    sum_gradients,
+)
 
 from .ops import expert_qmv, fp4_qmm, gated_rms_norm, moe_gather_qmm, sdpa_multi
 from .ops._common import DEFAULTS as _MODE_SIZES
@@ -264,6 +269,32 @@ class Fp4Linear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         out = fp4_qmm(x, self["weight"], self["scales"], group_size=self.group_size,
                       mode=self.mode)
+        return out + self["bias"] if "bias" in self else out
+
+
+# mlx's tensor-parallel quantized layers (``shard_linear`` over mx.distributed) in mode
+# mxfp4 / nvfp4: the same collectives around fp4_qmm on this rank's shard.
+class Fp4AllToShardedLinear(QuantizedAllToShardedLinear):
+    """``QuantizedAllToShardedLinear`` (mxfp4 / nvfp4) through ``fp4_qmm``."""
+
+    from_module = classmethod(Fp4Linear.from_module.__func__)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        x = sum_gradients(self.group)(x)
+        out = fp4_qmm(x, self["weight"], self["scales"], group_size=self.group_size,
+                      mode=self.mode)
+        return out + self["bias"] if "bias" in self else out
+
+
+class Fp4ShardedToAllLinear(QuantizedShardedToAllLinear):
+    """``QuantizedShardedToAllLinear`` (mxfp4 / nvfp4) through ``fp4_qmm``."""
+
+    from_module = classmethod(Fp4Linear.from_module.__func__)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        out = fp4_qmm(x, self["weight"], self["scales"], group_size=self.group_size,
+                      mode=self.mode)
+        out = mx.distributed.all_sum(out, group=self.group)
         return out + self["bias"] if "bias" in self else out
 
 

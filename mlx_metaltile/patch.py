@@ -11,6 +11,12 @@ Process-wide: mlx-lm's attention looks ``scaled_dot_product_attention`` up by na
 model module, so the first patch of such a module's attention installs there one router
 that forwards every call to mlx-lm's function unless it comes from a patched instance.
 It stays installed after ``unpatch`` (forwarding everything, bit for bit).
+
+Sharded models (``model.shard(group)`` of mlx-lm over ``mx.distributed``): patch before or
+after sharding. Sharding keeps the instances patched (attention is patched per instance;
+``shard_inplace`` shards the experts' arrays inside the stand-in); ``shard_linear``
+replaces linear layers by mlx's tensor-parallel ones, which a patch after sharding serves
+(mxfp4 / nvfp4) and a patch before sharding never sees.
 """
 
 from __future__ import annotations
@@ -166,7 +172,7 @@ def _is_attention(module) -> bool:
 def _visit(module, path: str, entries: list[PatchEntry]):
     """The replacement for ``module`` (or ``module`` itself), recording what was decided."""
     name = type(module).__name__
-    if isinstance(module, mtnn.GatedRMSNorm | mtnn.SwitchGLU | mtnn.Fp4Linear):  # before
+    if isinstance(module, tuple(_STAND_IN_KINDS)):  # patched before
         kind = _STAND_IN_KINDS[type(module)]
         original = getattr(module, "_mlx_metaltile_original", module)
         entries.append(PatchEntry(path, kind, type(original).__name__, True,
@@ -186,6 +192,9 @@ def _visit(module, path: str, entries: list[PatchEntry]):
         entries.append(PatchEntry(path, "switch_mlp", name, False,
                                   "no kernel path for a non-gated expert MLP"))
         return module
+    if name in _SHARDED_FP4 and getattr(module, "mode", "affine") != "affine":
+        return _replace(module, path, "fp4_linear", mtnn.fp4_linear_unserved,
+                        _SHARDED_FP4[name], entries)
     if name == "QuantizedLinear" and getattr(module, "mode", "affine") != "affine":
         return _replace(module, path, "fp4_linear", mtnn.fp4_linear_unserved, mtnn.Fp4Linear,
                         entries)
@@ -199,8 +208,12 @@ def _visit(module, path: str, entries: list[PatchEntry]):
     return module
 
 
+# mlx.nn's tensor-parallel quantized layers (made by ``shard_linear``) -> their stand-ins
+_SHARDED_FP4 = {"QuantizedAllToShardedLinear": mtnn.Fp4AllToShardedLinear,
+                "QuantizedShardedToAllLinear": mtnn.Fp4ShardedToAllLinear}
+_FP4_LINEARS = (mtnn.Fp4Linear, *_SHARDED_FP4.values())  # share the original's state
 _STAND_IN_KINDS = {mtnn.GatedRMSNorm: "gated_rms_norm", mtnn.SwitchGLU: "switch_glu",
-                   mtnn.Fp4Linear: "fp4_linear"}
+                   **dict.fromkeys(_FP4_LINEARS, "fp4_linear")}
 _SERVED_BY = {
     "fp4_linear": "fp4_qmm",
     "gated_rms_norm": "gated_rms_norm (no gate: mx.fast.rms_norm)",
@@ -261,7 +274,7 @@ def _restore(module):
             original[key] = value
         if hasattr(module, "eps"):
             original.eps = module.eps
-        if not isinstance(module, mtnn.Fp4Linear):  # Fp4Linear shares original's state
+        if not isinstance(module, _FP4_LINEARS):  # these share original's state
             original.train(module.training)
         return original
     base = getattr(type(module), "_mlx_metaltile_base", None)

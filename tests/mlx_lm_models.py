@@ -57,11 +57,12 @@ CONFIGS = {
 
 
 def tiny_model(arch: str, *, seed: int = 0, mode: str = "affine", bits: int = 4,
-               linear_mode: str = "affine", layers: int | None = None):
+               linear_mode: str = "affine", layers: int | None = None, **config):
     """mlx-lm's ``Model`` for ``arch`` with random weights, ``nn.quantize``d: experts in
-    ``mode`` (affine: at ``bits``), linear layers in ``linear_mode``, the rest affine 4-bit."""
+    ``mode`` (affine: at ``bits``), linear layers in ``linear_mode``, the rest affine 4-bit.
+    ``config`` overrides entries of the architecture's tiny ModelArgs."""
     module = importlib.import_module(f"mlx_lm.models.{arch}")
-    config = dict(CONFIGS[arch], model_type=arch)
+    config = dict(CONFIGS[arch], model_type=arch, **config)
     if "text_config" not in config:
         config["vocab_size"] = VOCAB
     if layers is not None:

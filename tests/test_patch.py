@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
@@ -391,3 +392,26 @@ def _rescaled_lora(model):
         return mx.full(a.shape, 0.05, a.dtype) if path.endswith("lora_b") else a
 
     return tree_map_with_path(grow, model.trainable_parameters())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sharded_fp4_linear_layers(backend, op_calls):
+    """mlx's tensor-parallel layers in mxfp4 (shard() on a one-process group here; two
+    ranks in tests/test_shard.py) run fp4_qmm with their collectives."""
+    model = tiny_model("qwen3", linear_mode="mxfp4")
+    want = forward(model)
+    model.shard(mx.distributed.init())
+    report = mt.patch(model)
+    try:
+        kinds = Counter(type(m).__name__ for _, m in model.named_modules())
+        assert kinds["Fp4AllToShardedLinear"] == 10 and kinds["Fp4ShardedToAllLinear"] == 4
+        assert not report.left, str(report)
+        with mt.use_backend(backend):
+            got = forward(model)
+    finally:
+        mt.unpatch(model)
+    assert op_calls["fp4_qmm"] > 0
+    for a, b in zip(want, got, strict=True):
+        assert mx.abs(a - b).max().item() <= logits_bound(report, a)
+    assert all(type(m).__name__.startswith("Quantized") for _, m in model.named_modules()
+               if "Sharded" in type(m).__name__)  # unpatch put mlx's layers back
