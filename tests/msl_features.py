@@ -159,6 +159,67 @@ L[2 * lane + 1] = float(a.thread_elements()[1]);
     templates=FLOATS,
 )
 
+# simdgroup_multiply_accumulate as kernels use it: a 16x16x16 product C + A B from 8x8 blocks
+# of threadgroup tiles with a padded row stride (B staged transposed and loaded with
+# transpose), chained over two k-blocks into a float accumulator (P) and a T accumulator (Q)
+# (both stored with a stride and an origin); thread_elements() read after a product (L, LT),
+# then written (in divergent code too) and chained into a further product, stored
+# transposed (F).
+MMA = Feature(
+    name="simdgroup_products",
+    source="""
+const uint lane = thread_index_in_simdgroup;
+constexpr uint LD = 20;  // padded row stride of the staged tiles
+threadgroup T xa[16 * LD];
+threadgroup T xbt[16 * LD];  // B transposed: xbt[n * LD + k] = B[k][n]
+for (uint i = lane; i < 256; i += 32) {
+  xa[(i / 16) * LD + i % 16] = A[i];
+  xbt[(i % 16) * LD + i / 16] = B[i];
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+for (uint bi = 0; bi < 2; ++bi) {
+  for (uint bj = 0; bj < 2; ++bj) {
+    simdgroup_float8x8 acc;
+    simdgroup_load(acc, C, 16, ulong2(8 * bj, 8 * bi));
+    simdgroup_matrix<T, 8, 8> acc_t = make_filled_simdgroup_matrix<T, 8, 8>(T(0));
+    for (uint kk = 0; kk < 16; kk += 8) {
+      simdgroup_matrix<T, 8, 8> a;
+      simdgroup_matrix<T, 8, 8> b;
+      simdgroup_load(a, xa, LD, ulong2(kk, 8 * bi));
+      simdgroup_load(b, xbt, LD, ulong2(kk, 8 * bj), true);
+      simdgroup_multiply_accumulate(acc, a, b, acc);
+      simdgroup_multiply_accumulate(acc_t, a, b, acc_t);
+    }
+    simdgroup_store(acc, P, 16, ulong2(8 * bj, 8 * bi));
+    simdgroup_store(acc_t, Q, 16, ulong2(8 * bj, 8 * bi));
+  }
+}
+// The top-left blocks A0, B0 straight from device memory; E = A0 B0.
+simdgroup_matrix<T, 8, 8> a0;
+simdgroup_matrix<T, 8, 8> b0;
+simdgroup_load(a0, A, 16);
+simdgroup_load(b0, B, 16);
+simdgroup_float8x8 e;
+simdgroup_matrix<T, 8, 8> h;
+simdgroup_multiply(e, a0, b0);
+simdgroup_multiply(h, a0, b0);
+for (uint j = 0; j < 2; ++j) {
+  L[2 * lane + j] = e.thread_elements()[j];
+  LT[2 * lane + j] = float(h.thread_elements()[j]);
+  e.thread_elements()[j] *= 2.0f;
+}
+if (lane % 3 == 0) {
+  e.thread_elements()[1] += 1.0f;
+}
+simdgroup_multiply_accumulate(e, a0, b0, e);
+simdgroup_store(e, F, 8, ulong2(0, 0), true);
+""",
+    inputs=(("A", "T", 2), ("B", "T", 2), ("C", mx.float32, 2)),
+    outputs=(("P", mx.float32), ("Q", "T"), ("L", mx.float32), ("LT", mx.float32),
+             ("F", mx.float32)),
+    templates=FLOATS,
+)
+
 # half / bfloat arithmetic with MSL's promotions, vectors, as_type, select, math.
 SCALARS = Feature(
     name="scalars_vectors_math",
@@ -317,4 +378,4 @@ out[i] = f.x + 2.0f * f.y + 4.0f * f.z + float(sizeof(packed_float3));
     refused_by=frozenset({"cuda"}),
 )
 
-FEATURES = (SIMD, RECONVERGE, MATRIX, SCALARS, ATOMIC_OUT, EDGE, HEADER, SWIZZLES, PACKED)
+FEATURES = (SIMD, RECONVERGE, MATRIX, MMA, SCALARS, ATOMIC_OUT, EDGE, HEADER, SWIZZLES, PACKED)

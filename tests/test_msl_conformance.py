@@ -19,6 +19,7 @@ from msl_features import (
     FEATURES,
     HEADER,
     MATRIX,
+    MMA,
     PACKED,
     RECONVERGE,
     SCALARS,
@@ -26,7 +27,7 @@ from msl_features import (
     SWIZZLES,
     Feature,
 )
-from tolerances import to_f64
+from tolerances import TOLERANCES, assert_close, to_f64
 
 from mlx_metaltile import cuda, emulator
 
@@ -173,6 +174,67 @@ def test_simdgroup_matrix(executor, rng, dtype):
     np.testing.assert_array_equal(got["L"], expected)
 
 
+def _values(rng, kind: str, dtype: str, shape) -> np.ndarray:
+    """Test inputs (float64, exact in ``dtype``): small quarters (every sum exact in float32)
+    or full significands of ``dtype`` (float32 accumulation error)."""
+    if kind == "quarters":
+        return quarters(rng, shape).astype(np.float64)
+    return to_f64(as_dtype(rng.standard_normal(shape).astype(np.float32), dtype))
+
+
+# half and bfloat products run on tensor cores on CUDA (sm_80+), float ones on FMAs.
+@pytest.mark.parametrize("kind", ["quarters", "wide"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_simdgroup_products(executor, rng, dtype, kind):
+    a = _values(rng, kind, dtype, (16, 16))
+    b = _values(rng, kind, dtype, (16, 16))
+    c = quarters(rng, (16, 16), -40, 40) if kind == "quarters" else rng.standard_normal(
+        (16, 16)).astype(np.float32)
+    got = run(executor, MMA, (("T", DTYPES[dtype]),),
+              [as_dtype(a, dtype), as_dtype(b, dtype), mx.array(c)],
+              grid=(32, 1, 1), threadgroup=(32, 1, 1), init_value=float("nan"),
+              shapes=[(16, 16), (16, 16), (64,), (64,), (8, 8)])
+
+    def rounded(x):  # x rounded to dtype (float64 -> float32 -> dtype)
+        return to_f64(as_dtype(x.astype(np.float32), dtype))
+
+    exact = kind == "quarters"
+    c64 = c.astype(np.float64)
+    mag = np.abs(a) @ np.abs(b)
+
+    def expect(name, want, out_dtype, magnitude):
+        if exact:
+            np.testing.assert_array_equal(got[name], want, err_msg=name)
+        else:
+            assert_close(got[name], want, out_dtype, magnitude, what=name)
+
+    expect("P", a @ b + c64, "float32", mag + np.abs(c64))
+    # Q: two products into a T accumulator, rounded to T after each.
+    s1 = a[:, :8] @ b[:8, :]
+    r1 = rounded(s1)
+    q = rounded(a[:, 8:] @ b[8:, :] + r1)
+    if exact:
+        np.testing.assert_array_equal(got["Q"], q, err_msg="Q")
+    else:  # a float32 sum may round s1 to r1's neighbour: one more unit of r1 in the bound
+        tol = TOLERANCES[dtype]
+        bound = tol.atol + tol.rtol * (np.abs(q) + np.abs(s1)) + tol.accum * (mag + np.abs(r1))
+        err = np.abs(got["Q"] - q)
+        assert (err <= bound).all(), f"Q: max err {err.max():.3g}, {int((err > bound).sum())} out"
+    rows, cols = _apple_layout()
+    e = a[:8, :8] @ b[:8, :8]
+    e_mag = np.abs(a[:8, :8]) @ np.abs(b[:8, :8])
+
+    def lanes(m):  # thread_elements() of every lane: (row, col), (row, col + 1)
+        return np.stack([m[rows, cols], m[rows, cols + 1]], axis=1).reshape(-1)
+
+    expect("L", lanes(e), "float32", lanes(e_mag))
+    expect("LT", lanes(rounded(e)), dtype, lanes(e_mag))
+    marks = np.zeros((8, 8))
+    lane3 = np.arange(32) % 3 == 0
+    marks[rows[lane3], cols[lane3] + 1] = 1.0
+    expect("F", (3 * e + marks).T, "float32", (3 * e_mag + marks).T)
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_scalars_vectors_math(executor, rng, dtype):
     n = 50
@@ -282,7 +344,8 @@ def test_refusals_need_no_device(name):
 
 
 def test_every_feature_has_a_conformance_test():
-    tested = (SIMD, RECONVERGE, MATRIX, SCALARS, ATOMIC_OUT, EDGE, HEADER, SWIZZLES, PACKED)
+    tested = (SIMD, RECONVERGE, MATRIX, MMA, SCALARS, ATOMIC_OUT, EDGE, HEADER, SWIZZLES,
+              PACKED)
     assert sorted(f.name for f in FEATURES) == sorted(f.name for f in tested)
 
 

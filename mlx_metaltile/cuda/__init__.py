@@ -13,7 +13,8 @@ Where it differs from Metal (by construction, documented in msl_compat.cuh and t
     not being waited for (true of NVIDIA GPUs since Volta, and checked on the GPU by
     tests/test_cuda_gpu.py), and in such an edge block of a 2-D/3-D threadgroup the linear
     indices (thread_index_in_threadgroup, SIMD lanes) follow the requested size;
-  * simdgroup_matrix products run on warp shuffles and float FMAs, not tensor cores.
+  * simdgroup_matrix products of half or bfloat matrices run on tensor cores (mma.sync,
+    sm_80+), float ones on warp shuffles and float FMAs (not TF32).
 """
 
 from __future__ import annotations
