@@ -150,17 +150,62 @@ VARIANT_CALLS = {"split": _variant_call, "combine": _variant_call}  # one call r
 
 # ---- benchmarks -------------------------------------------------------------------------
 
-def _bench_oracle(q, k, v, scale, causal, kv_len):
-    return sdpa_multi_terms(q, k, v, scale, causal, kv_len)[0]
+def _bench_oracle(q, k, v, scale, causal, kv_len, mask=None, sinks=None):
+    return sdpa_multi_terms(q, k, v, scale, causal, kv_len, mask, sinks)[0]
 
 
-def _bench_magnitude(q, k, v, scale, causal, kv_len):
-    return sdpa_multi_terms(q, k, v, scale, causal, kv_len)[1]
+def _bench_magnitude(q, k, v, scale, causal, kv_len, mask=None, sinks=None):
+    return sdpa_multi_terms(q, k, v, scale, causal, kv_len, mask, sinks)[1]
 
 
-def _native(q, k, v, scale, causal, kv_len):
+def _native(q, k, v, scale, causal, kv_len, mask=None, sinks=None):
+    mask = "causal" if causal else mask
     return mx.fast.scaled_dot_product_attention(
-        q, k[:, :, :kv_len], v[:, :, :kv_len], scale=scale, mask="causal" if causal else None)
+        q, k[:, :, :kv_len], v[:, :, :kv_len], scale=scale, mask=mask, sinks=sinks)
+
+
+def _masked_bench_cases() -> list[BenchCase]:
+    """Masks and sinks against MLX's own sdpa with the same arguments: a verify block with a
+    bool tree mask over all keys ([L, kv_len], broadcast over heads), an additive mask per
+    head ([1, Hq, L, kv_len]), and gpt-oss-style sinks (64 query heads, 8 KV heads, D 64)
+    on causal blocks and decode steps."""
+    out = []
+    B, slack = 1, 256
+    for form, Hq, Hkv, D in (("tree", 32, 8, 128), ("additive", 32, 8, 128),
+                             ("sinks", 64, 8, 64)):
+        for kv_len in (1024, 4096):
+            for L in (1, 8) if form == "sinks" else (8,):
+                for dtype in DTYPES:
+                    def make(rng, form=form, Hq=Hq, Hkv=Hkv, D=D, kv_len=kv_len, L=L,
+                             dtype=dtype):
+                        def arr(shape, s=1.0):
+                            return mx.array((rng.standard_normal(shape) * s).astype(
+                                np.float32)).astype(dtype)
+                        S = kv_len + slack
+                        kw = dict(q=arr((B, Hq, L, D)), k=arr((B, Hkv, S, D)),
+                                  v=arr((B, Hkv, S, D)), scale=D ** -0.5, causal=False,
+                                  kv_len=kv_len)
+                        tri = np.arange(kv_len)[None, :] <= (kv_len - L + np.arange(L))[:, None]
+                        if form == "tree":
+                            own = np.eye(L, kv_len, kv_len - L, dtype=bool)  # itself
+                            kw["mask"] = mx.array(tri & (rng.random((L, kv_len)) < 0.9) | own)
+                        elif form == "additive":
+                            m = rng.standard_normal((1, Hq, L, kv_len)).astype(np.float32)
+                            kw["mask"] = mx.array(np.where(tri, m, -np.inf)).astype(dtype)
+                        else:
+                            kw["causal"] = True
+                            kw["sinks"] = arr((Hq,), 2.0)
+                        return kw
+                    out.append(BenchCase(
+                        op=OP, label=f"{form}-h{Hq}/{Hkv}-d{D}-L{L}-kv{kv_len // 1024}k",
+                        dtype=dtype, make=make, ours=mt.sdpa_multi, native=_native,
+                        oracle=_bench_oracle, magnitude=_bench_magnitude,
+                        nbytes=(2 * B * Hq * L * D + 2 * B * Hkv * kv_len * D) * dtype.size
+                        + (L * kv_len if form == "tree" else
+                           Hq * L * kv_len * dtype.size if form == "additive" else 0),
+                        flops=4 * B * Hq * L * kv_len * D,
+                        quick=dtype == mx.float16 and kv_len == 4096 and L == 8))
+    return out
 
 
 def bench_cases() -> list[BenchCase]:
@@ -193,4 +238,4 @@ def bench_cases() -> list[BenchCase]:
                             flops=4 * B * Hq * visible * D,
                             quick=(dtype == mx.float16 and Hkv == 8 and kv_len == 4096
                                    and L in (1, 8))))
-    return out
+    return out + _masked_bench_cases()
