@@ -413,6 +413,11 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
     Returns: ``[B, Hq, L, D]`` in q's dtype; softmax and accumulation in float32.
     D must be one of 64, 96, 128, 256.
 
+    Under ``mx.compile(..., shapeless=True)`` (reference, Metal and CUDA backends) a
+    device-side ``kv_len`` changes from call to call without a new trace; other input
+    shapes must stay those of the first trace (MLX refuses a change: the composite and the
+    kernel launches are shaped by them). The emulator refuses compile with an error.
+
     Pass the whole preallocated cache with ``kv_len`` rather than a slice of it: the
     kernels take row-contiguous inputs, so a non-contiguous view (``cache[:, :, :n]`` of a
     larger buffer) gives the same result but is first copied by MLX (so is a mask made by
@@ -424,4 +429,10 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
     backend = backends.resolve_backend()
     if backend == "reference":
         return _reference(q, k, v, p)
-    return _launch(q, k, v, p, backend)
+    try:
+        return _launch(q, k, v, p, backend)
+    except ValueError as e:  # the emulator evaluates its inputs: refused inside a transform
+        if backend == "emulator" and "function transformations" in str(e):
+            raise ValueError(f"[{OP}] the emulator backend runs kernels eagerly and cannot "
+                             f"run inside mx.compile or mx.vmap (MLX: {e})") from e
+        raise

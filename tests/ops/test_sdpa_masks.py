@@ -8,6 +8,7 @@ import importlib
 import mlx.core as mx
 import numpy as np
 import pytest
+from support import backend_params, require_backend
 
 import mlx_metaltile as mt
 from mlx_metaltile import backends
@@ -180,6 +181,37 @@ def test_matches_native_sdpa(rng):
             got = mt.sdpa_multi(q, k, v, scale=0.125, **kw)
             want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, **kw)
             assert np.allclose(np.array(got), np.array(want), atol=1e-5), kw
+
+
+@pytest.mark.parametrize("backend", backend_params("reference", "metal", "cuda"))
+def test_shapeless_compile_with_device_kv_len(rng, backend):
+    """mx.compile(shapeless=True) traces once; a device-side kv_len (and the mask and sinks,
+    inputs too) changes between calls without a new trace."""
+    require_backend(backend)
+    q, k, v = make_inputs(rng, 1, 8, 2, 4, 96, 64, mx.float32)
+    traces = []
+
+    def step(q, k, v, n, mask, sinks):
+        traces.append(1)
+        return mt.sdpa_multi(q, k, v, scale=0.125, kv_len=n, mask=mask, sinks=sinks)
+
+    with backends.use_backend(backend):
+        compiled = mx.compile(step, shapeless=True)
+        for n in (4, 40, 96):
+            mask = bool_mask(rng, (4, 4))
+            sinks = mx.array(rng.standard_normal(8).astype(np.float32))
+            want, magnitude = oracle(q, k, v, 0.125, False, n, mask, sinks)
+            assert_close(compiled(q, k, v, mx.array(n), mask, sinks), want, mx.float32,
+                         magnitude, what=f"compiled kv_len {n}")
+    assert len(traces) == 1
+
+
+def test_emulator_refuses_compile(rng):
+    require_backend("emulator")
+    q, k, v = make_inputs(rng, 1, 4, 2, 4, 64, 64, mx.float32)
+    with backends.use_backend("emulator"), pytest.raises(
+            ValueError, match=r"^\[sdpa_multi\] the emulator backend runs kernels eagerly"):
+        mx.compile(lambda a: mt.sdpa_multi(a, k, v, scale=0.125))(q)
 
 
 # ---- negative controls ------------------------------------------------------------------
