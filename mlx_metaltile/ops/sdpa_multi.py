@@ -172,6 +172,8 @@ def _check_mask(mask, q, B, Hq, L, kv_len):
             or shape[3] not in (full, L):
         raise ValueError(f"[{OP}] mask must broadcast to {want}, got shape "
                          f"{tuple(mask.shape)}")
+    if mask.size >= 2**32:
+        raise ValueError(f"[{OP}] mask too large: {mask.size} elements (expected < 2^32)")
     block = shape[3] != full  # last axis L: the last L visible keys (a full mask wins if both)
     return kind, mask.reshape(shape).astype(_mask_type(kind, q.dtype)), block
 

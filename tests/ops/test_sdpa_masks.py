@@ -204,6 +204,10 @@ def test_shapeless_compile_with_device_kv_len(rng, backend):
             assert_close(compiled(q, k, v, mx.array(n), mask, sinks), want, mx.float32,
                          magnitude, what=f"compiled kv_len {n}")
     assert len(traces) == 1
+    if backend == "reference":  # another cache length: MLX refuses, never a wrong result
+        q2, k2, v2 = make_inputs(rng, 1, 8, 2, 4, 128, 64, mx.float32)
+        with backends.use_backend(backend), pytest.raises(ValueError):
+            mx.eval(compiled(q2, k2, v2, mx.array(40), mask, sinks))
 
 
 def test_emulator_refuses_compile(rng):
@@ -253,6 +257,15 @@ def test_negative_control_sink_dropped(kernel_backend, broken_kernel, rng):
     with pytest.raises(AssertionError, match="out of tolerance|want NaN"):
         run_and_check(q, k, v, scale=0.125, causal=False, kv_len=40,
                       sinks=mx.array([3.0, 2.0, 4.0, 1.0]), backend=kernel_backend)
+
+
+def test_negative_control_device_kv_len_ignored(kernel_backend, broken_kernel, rng):
+    """A kernel that reads the whole buffer instead of the device-side kv_len must fail."""
+    broken_kernel(op_module.SPLIT_SPEC, ("max(min(kv_len, kv_rows), L)", "kv_rows"))
+    q, k, v = make_inputs(rng, 1, 4, 2, 1, 300, 64, mx.float32)
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check(q, k, v, scale=0.125, causal=False, kv_len=mx.array(100),
+                      backend=kernel_backend)
 
 
 def test_negative_control_reference_drops_sink(monkeypatch, rng):
