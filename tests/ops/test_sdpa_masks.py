@@ -336,3 +336,19 @@ def test_oracle_matches_native(rng):
             assert np.array_equal(np.isnan(want), np.isnan(nat))
             fine = ~np.isnan(want)
             assert_close(nat[fine], want[fine], mx.float32, np.abs(want[fine]) * 10)
+
+
+@pytest.mark.parametrize("shape", [(4, 40), (1, 8, 1, 40), (4, 4)], ids=str)
+def test_mask_is_read_in_place(kernel_backend, launches, rng, shape):
+    """The kernel gets the mask at its own size (broadcast axes of size 1, the block form
+    [L, L]), never a materialised [B, Hq, L, kv_len]."""
+    q, k, v = make_inputs(rng, 2, 8, 2, 4, 48, 64, mx.float16)
+    run_and_check(q, k, v, scale=0.125, causal=False, kv_len=40,
+                  mask=bool_mask(rng, shape), backend=kernel_backend)
+    split = next(launch for launch in launches if launch.name == op_module.SPLIT_SPEC.name)
+    names = [arg.name for arg in op_module.SPLIT_SPEC.inputs]
+    mask = split.inputs[names.index("mask")]
+    assert mask.size == np.prod(shape) and mask.ndim == 4
+    if kernel_backend == "emulator":
+        # one element per (query row, masked key): the block form reads only its L columns
+        assert split.stats.bytes_read["mask"] == 2 * 8 * 4 * shape[-1]
