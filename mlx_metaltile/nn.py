@@ -23,6 +23,7 @@ from mlx.nn.layers.distributed import (
 
 from .ops import expert_qmv, fp4_qmm, gated_rms_norm, moe_gather_qmm, sdpa_multi
 from .ops._common import DEFAULTS as _MODE_SIZES
+from .ops.sdpa_multi import _promotes_to
 
 # (token, expert) pairs from which a SwitchGLU call runs the prefill path (moe_gather_qmm
 # over expert-sorted rows) instead of the decode path (expert_qmv). mlx-lm sorts from the
@@ -304,8 +305,6 @@ class Fp4ShardedToAllLinear(QuantizedShardedToAllLinear):
 def attention_unserved(module) -> str | None:
     """None if an attention module's calls can go to sdpa_multi (each call still checks
     its cache and mask: see :func:`sdpa_unserved`), else why not."""
-    if isinstance(module.get("sinks"), mx.array):
-        return "attention sinks (sdpa_multi has no sinks= yet)"
     head_dim = getattr(module, "head_dim", None)
     if isinstance(head_dim, int) and head_dim not in SDPA_HEAD_DIMS:
         return f"head_dim {head_dim} (sdpa_multi serves {SDPA_HEAD_DIMS})"
@@ -315,10 +314,18 @@ def attention_unserved(module) -> str | None:
 def sdpa_unserved(queries, keys, values, cache, mask, sinks) -> str | None:
     """None if one ``scaled_dot_product_attention`` call of mlx-lm can run on sdpa_multi
     over the cache's whole buffer, else why not."""
-    if sinks is not None:
+    if sinks is not None and (not isinstance(sinks, mx.array)
+                              or tuple(sinks.shape) != (queries.shape[1],)
+                              or not _promotes_to(sinks.dtype, queries.dtype)):
         return "sinks"
-    if mask is not None and not (isinstance(mask, str) and mask == "causal"):
-        return "array mask"
+    if isinstance(mask, mx.array):
+        # MLX's form only (last axis = the keys): sdpa_multi reads a last axis of L as its
+        # block form, where MLX would broadcast a last axis of 1.
+        if (mask.ndim > 4 or mask.shape[-1] != keys.shape[-2]
+                or not (mask.dtype == mx.bool_ or _promotes_to(mask.dtype, queries.dtype))):
+            return "array mask"
+    elif mask is not None and not (isinstance(mask, str) and mask == "causal"):
+        return "mask"
     if queries.shape[-1] not in SDPA_HEAD_DIMS or values.shape[-1] != queries.shape[-1]:
         return "head dim"
     if cache is None:
@@ -334,12 +341,12 @@ def sdpa_unserved(queries, keys, values, cache, mask, sinks) -> str | None:
     return None
 
 
-def cached_attention(queries, keys, values, cache, scale: float, mask) -> mx.array:
+def cached_attention(queries, keys, values, cache, scale: float, mask,
+                     sinks=None) -> mx.array:
     """sdpa_multi over ``cache``'s whole preallocated buffer (``kv_len = cache.offset``),
     or over ``keys``/``values`` without a cache; call only where :func:`sdpa_unserved`
     says None."""
-    causal = mask is not None
     if cache is None:
-        return sdpa_multi(queries, keys, values, scale=scale, causal=causal)
-    return sdpa_multi(queries, cache.keys, cache.values, scale=scale, causal=causal,
+        return sdpa_multi(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    return sdpa_multi(queries, cache.keys, cache.values, scale=scale, mask=mask, sinks=sinks,
                       kv_len=cache.offset)

@@ -104,7 +104,7 @@ def _router(original):
         if _in_patched_attention.get():
             reason = mtnn.sdpa_unserved(queries, keys, values, cache, mask, sinks)
             if reason is None:
-                return mtnn.cached_attention(queries, keys, values, cache, scale, mask)
+                return mtnn.cached_attention(queries, keys, values, cache, scale, mask, sinks)
             mtnn.fallbacks["attention", reason] += 1
         return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 

@@ -6,6 +6,12 @@
 // MATH (per query row r of a KV head's group, all in float32; base-2 exponentials):
 //   row r = g * L + l is query l of query head kvh * G + g (G = Hq / Hkv)
 //   visible keys: j < kv_len, and j <= kv_len - L + l when causal (bottom-right aligned)
+//   MASK_KIND 1 (bool) / 2 (additive): mask[b, h, l, c] read at column c = j - key0, key0 =
+//     0 (the mask covers keys [0, kv_len)) or kv_len - L (block form: it covers the last L
+//     keys, every key before them is visible). bool: False = not attended, scored as
+//     -FLT_MAX (MLX's lowest finite score: a row whose keys are all masked averages v
+//     uniformly, as MLX's own sdpa does); additive: s_j += mask (natural-log units), and a
+//     key whose score is then -inf weighs 0.
 //   s_j = (scale * log2(e)) * dot(q_r, k_j)             (`scale` arrives pre-multiplied)
 //   held as d_j = a * dot(q_r, k_j) with (a, b) = mt_score_unit(scale * log2(e)) (common.h):
 //   s_j - m = b * (d_j - max d), exact; m below is kept in units of d (b = 1 for |scale *
@@ -39,10 +45,15 @@
 //     row >= S even if a launcher passed kv_len > S: the kernel clamps it)
 //   o_part [B*Hq*L, n_splits, D] float32, ml_part [B*Hq*L, n_splits, 2] float32 (m, lsum)
 //   0-d runtime inputs: n_q (L), group (G), kv_len, kv_rows (S), chunk (keys per slice,
-//   a multiple of 32), causal (0/1) as uint, scale (float, times log2(e)).
+//   a multiple of 32), causal (0/1) as uint, scale (float, times log2(e)). kv_len may be
+//   device-side: it is clamped to [L, S] here, and slices past it see no key.
+//   mask [MB, MH, L, MC] (bool or T; a 1-element dummy when MASK_KIND == 0), read with the
+//   element strides mask_sb, mask_sh, mask_sl (0 on a broadcast axis), column stride 1;
+//   kv_heads (Hkv) and mask_block (0/1: key0 above) as uint.
 //   ml_part's m is in units of d (as above): the combine takes the same scale to undo them.
 //   Template: T, D (head dim, multiple of 32), RS (rows per simdgroup), DC (columns
-//   staged at a time: D or D/2, a multiple of 32, with 32 * DC * sizeof(T) <= 16 KiB).
+//   staged at a time: D or D/2, a multiple of 32, with 32 * DC * sizeof(T) <= 16 KiB),
+//   MASK_KIND (0 none or causal, 1 bool, 2 additive: the unmasked path reads no mask).
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
 //   threadgroup = (32 * NSG, 1, 1), NSG = 32 / RS simdgroups (also when G*L < 32: the
@@ -117,12 +128,14 @@ const uint sg = simdgroup_index_in_threadgroup;
 
 const uint L = n_q;
 const uint n_rows = group * L;                // query rows that share this KV head
-const uint kvn = min(kv_len, kv_rows);     // the wrapper ensures kv_len <= S; never read past S
+const uint kvn = max(min(kv_len, kv_rows), L);  // never read past S; L <= kv_len (device kv_len)
 const uint chunk_keys = chunk;
 const bool is_causal = causal != 0u;
 const float2 score_unit = mt_score_unit(scale);
 const float q_scale = score_unit.x;  // scores in units of b = score_unit.y
 const float unit = score_unit.y;
+const uint key0 = mask_block != 0u ? kvn - L : 0u;  // the mask's column 0
+const float mask_unit = 1.4426950408889634f / unit;  // natural-log mask -> score units
 
 // Rows of this simdgroup: row0 .. row0 + nr - 1 (nr may be 0 in a ragged last tile).
 const uint tile_row0 = tile_idx * 32u;
@@ -146,9 +159,13 @@ if (is_causal) {
 const size_t q_row0 = size_t(bh) * n_rows;
 qvec qr[RS][NQV];
 uint lim[RS];  // last visible key + 1 of each row (0 for rows past n_rows)
+size_t mask_row[RS];  // the row's mask element at column 0 (MASK_KIND != 0)
 for (int rr = 0; rr < RS; ++rr) {
   const uint r = row0 + uint(rr);
   const bool valid = uint(rr) < nr;
+  const uint head = (bh % kv_heads) * group + r / L;  // query head of row r
+  mask_row[rr] = size_t(bh / kv_heads) * mask_sb + size_t(head) * mask_sh
+                 + size_t(r % L) * mask_sl;
   lim[rr] = !valid ? 0u : (is_causal ? kvn - L + r % L + 1u : kvn);
   for (int w = 0; w < NQV; ++w) {
     for (int e = 0; e < QV; ++e) {
@@ -212,8 +229,18 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
   // p / lsum goes to this simdgroup's rows of p_tile; the barriers below publish it.
   for (int rr = 0; rr < RS; ++rr) {
     if (uint(rr) < nr) {
-      const bool ok = kb + lane < min(lim[rr], k_end);
-      const float sc = ok ? s[rr] : -INFINITY;
+      bool ok = kb + lane < min(lim[rr], k_end);
+      float sc = s[rr];
+      if (MASK_KIND != 0 && ok && kb + lane >= key0) {
+        const auto mv = mask[mask_row[rr] + (kb + lane - key0)];
+        if (MASK_KIND == 1) {
+          sc = bool(mv) ? sc : -FLT_MAX;
+        } else {
+          sc += float(mv) * mask_unit;
+          ok = sc != -INFINITY;  // a -inf mask entry: the key weighs 0
+        }
+      }
+      sc = ok ? sc : -INFINITY;
       const float m_new = max(m[rr], simd_max(sc));  // -INFINITY while no key was visible
       const float alpha = m[rr] == m_new ? 1.0f : exp2(unit * (m[rr] - m_new));
       const float p = ok ? exp2(unit * (sc - m_new)) : 0.0f;

@@ -8,8 +8,10 @@
 //   2^(b (m_s - M)) is taken as 1 when m_s == M. A slice that saw no key of the row has
 //   m_s = -INFINITY, lsum_s = 0, o_s = 0, so w_s = 2^-inf = 0 once any slice saw a key
 //   (whatever the finite scores: M may be anything down to -FLT_MAX), and no
-//   2^(-inf - -inf) = NaN is formed when none did; a row with sum_s w_s == 0
-//   (never produced by the wrapper, since every row sees key 0) is written as 0, not NaN.
+//   2^(-inf - -inf) = NaN is formed when none did. SINKS (has_sinks != 0): the sink logit
+//   sinks[h] of the row's query head h joins the denominator only, as one more slice with
+//   m = sinks[h] * log2(e) / b, lsum = 1, o = 0. A row with sum_s w_s == 0 (every key
+//   masked by an additive -inf and no sink) is written as NaN, as MLX's own sdpa gives.
 //   Relies on IEEE infinities, as sdpa_multi.metal does (MLX's default "safe" math mode).
 // RANGE: the weights w_s / sum_t w_t sum to 1, so no partial sum exceeds max |v| (merging
 //   unnormalised sums overflowed float32 once kv_len * |v| did). COST: one more loop over
@@ -18,7 +20,9 @@
 // LAYOUT: o_part [n_rows, n_splits, D] float32, ml_part [n_rows, n_splits, 2] float32
 //   (m, lsum), out [n_rows, D] T (n_rows = B*Hq*L: the rows of q [B, Hq, L, D]), all
 //   row-contiguous.
-//   0-d runtime inputs: n_rows, n_splits (uint), scale (float, the split kernel's).
+//   0-d runtime inputs: n_rows, n_splits (uint), scale (float, the split kernel's),
+//   n_q (L), n_heads (Hq), has_sinks (0/1) as uint; sinks [Hq] float32 (a 1-element dummy
+//   when has_sinks == 0). Row r is query r % L of head (r / L) % Hq.
 //   Template: T, D (multiple of 32).
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
@@ -45,18 +49,21 @@ if (row >= n_rows) {
 const uint ns = n_splits;
 const size_t first = size_t(row) * ns;
 const float unit = mt_score_unit(scale).y;
+// The sink of the row's query head: one more logit, with no value (lsum 1, o 0).
+const float sink = has_sinks != 0u
+    ? sinks[(row / n_q) % n_heads] * (1.4426950408889634f / unit) : -INFINITY;
 
-float m_max = -INFINITY;
+float m_max = sink;
 for (uint s = 0; s < ns; ++s) {
   m_max = max(m_max, ml_part[(first + s) * 2u]);
 }
 
-float w_sum = 0.0f;
+float w_sum = has_sinks != 0u ? (sink == m_max ? 1.0f : exp2(unit * (sink - m_max))) : 0.0f;
 for (uint s = 0; s < ns; ++s) {
   const float m_s = ml_part[(first + s) * 2u];
   w_sum += (m_s == m_max ? 1.0f : exp2(unit * (m_s - m_max))) * ml_part[(first + s) * 2u + 1u];
 }
-const float inv = w_sum > 0.0f ? 1.0f / w_sum : 0.0f;
+const float inv = w_sum > 0.0f ? 1.0f / w_sum : NAN;  // no key, no sink: NaN, as MLX
 
 float acc[DPL];
 for (int c = 0; c < DPL; ++c) {

@@ -99,3 +99,32 @@ def test_switch_glu_built_like_mlx_lm(backend, tokens):
     err = mx.abs(got - want)
     bound = tol.atol + tol.rtol * mx.abs(want) + tol.accum * 96 * mx.abs(want).max()
     assert got.shape == want.shape and bool(mx.all(err <= bound).item()), err.max().item()
+
+
+def test_sdpa_serves_array_masks_and_sinks():
+    """Array masks over the keys and per-head sinks are served, and give what mlx-lm's own
+    sdpa gives; masks of another width and sinks of another shape or dtype are not."""
+    from mlx_lm.models.cache import KVCache
+
+    rng = np.random.default_rng(0)
+
+    def arr(shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+    cache = KVCache()
+    cache.update_and_fetch(arr((1, 2, 20, 64)), arr((1, 2, 20, 64)))
+    q = arr((1, 8, 4, 64))
+    keys, values = cache.update_and_fetch(arr((1, 2, 4, 64)), arr((1, 2, 4, 64)))
+    mask = mx.array(rng.random((4, 24)) < 0.7)
+    sinks = arr((8,))
+    assert mtnn.sdpa_unserved(q, keys, values, cache, mask, sinks) is None
+    assert mtnn.sdpa_unserved(q, keys, values, cache, mask[:, :4], None) == "array mask"
+    assert mtnn.sdpa_unserved(q, keys, values, cache, mx.zeros((4, 24), mx.complex64),
+                              None) == "array mask"
+    assert mtnn.sdpa_unserved(q, keys, values, cache, None, sinks[:4]) == "sinks"
+    assert mtnn.sdpa_unserved(q, keys, values, cache, "window", None) == "mask"
+    with backends.use_backend("reference"):
+        got = mtnn.cached_attention(q, keys, values, cache, 0.125, mask, sinks)
+    want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125, mask=mask,
+                                                sinks=sinks)
+    assert mx.allclose(got, want, atol=1e-5).item()

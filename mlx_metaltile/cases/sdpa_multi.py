@@ -14,14 +14,38 @@ from ._base import DTYPES, BenchCase, assert_close, to_f64
 OP = "sdpa_multi"
 
 
-def sdpa_multi_terms(q, k, v, scale, causal, kv_len):
+def full_mask(mask, B, Hq, L, kv_len):
+    """A mask of sdpa_multi (None, or rank <= 4, last axis kv_len or L) as a float64 or bool
+    [B, Hq, L, kv_len] NumPy array; the block form (last axis L != kv_len) covers the last L
+    keys and leaves every key before them visible (True / 0)."""
+    if mask is None:
+        return None
+    m = np.array(mask.astype(mx.float32) if mask.dtype != mx.bool_ else mask)
+    m = m.astype(np.float64) if m.dtype != np.bool_ else m
+    m = m.reshape((1,) * (4 - m.ndim) + m.shape)
+    if m.shape[-1] == kv_len:
+        return np.broadcast_to(m, (B, Hq, L, kv_len))
+    full = np.ones((B, Hq, L, kv_len), bool) if m.dtype == np.bool_ else np.zeros(
+        (B, Hq, L, kv_len))
+    full[..., kv_len - L:] = m
+    return full
+
+
+def sdpa_multi_terms(q, k, v, scale, causal, kv_len, mask=None, sinks=None):
     """float64 (out, magnitude, p_magnitude) from the definition.
 
-    out[b, h, l] = softmax_j(scale * q[b, h, l] . k[b, h // G, j]) @ v[b, h // G, j] over the
-    visible keys j (j < kv_len; j <= kv_len - L + l when causal). ``magnitude`` is the sum
-    of |terms| behind each output for the float32 accumulation bound:
-    sum_j p_j * |v_j[d]| * (1 + |scale| * sum_d' |q_d' * k_j,d'|) (the second factor covers
-    the rounding of the score, which moves p_j). ``p_magnitude``: sum_j p_j |v_j[d]|.
+    out[b, h, l] = softmax_j(scale * q[b, h, l] . k[b, h // G, j] + a_j) @ v[b, h // G, j]
+    over the visible keys j (j < kv_len; j <= kv_len - L + l when causal), with a_j the
+    additive mask (0 without one); a bool mask hides the keys it marks False. MLX's rules
+    for rows that see no key: hidden by a bool mask, every key of [0, kv_len) weighs the
+    same (MLX scores them the lowest finite float; with a sink they weigh 0); made -inf by
+    an additive mask, NaN (0 with a sink).
+    ``sinks[h]`` joins the softmax's denominator as exp(sinks[h]) (with the same maximum
+    subtracted). ``magnitude`` is the sum of |terms| behind each output for the float32
+    accumulation bound: sum_j p_j * |v_j[d]| * (1 + |scale| * sum_d' |q_d' * k_j,d'| +
+    |a_j|) (the second factor covers the rounding of the score, which moves p_j), plus
+    p_sink * (1 + |sink|) * max_j |v_j[d]| for the sink's rounding. ``p_magnitude``:
+    sum_j p_j |v_j[d]|.
     """
     q, k, v = to_f64(q), to_f64(k), to_f64(v)
     B, Hq, L, D = q.shape
@@ -31,22 +55,50 @@ def sdpa_multi_terms(q, k, v, scale, causal, kv_len):
     # thread) rather than BLAS: on a loaded CI machine threaded BLAS is many times slower.
     qg = q.reshape(B, Hkv, G, L, D)
     kk, vv = k[:, :, :kv_len], v[:, :, :kv_len]
-    s = scale * np.einsum("bkgld,bkjd->bkglj", qg, kk)
+    s = scale * np.einsum("bkgld,bkjd->bkglj", qg, kk).reshape(B, Hq, L, kv_len)
+    score_mag = abs(scale) * np.einsum("bkgld,bkjd->bkglj", np.abs(qg), np.abs(kk)).reshape(
+        B, Hq, L, kv_len)
     if causal:
         visible = np.arange(kv_len)[None, :] <= (kv_len - L + np.arange(L))[:, None]
         s = np.where(visible, s, -np.inf)
-    p = np.exp(s - s.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    score_mag = abs(scale) * np.einsum("bkgld,bkjd->bkglj", np.abs(qg), np.abs(kk))
-    out = (np.einsum("bkglj,bkjd->bkgld", p, vv),
-           np.einsum("bkglj,bkjd->bkgld", p * (1.0 + score_mag), np.abs(vv)),
-           np.einsum("bkglj,bkjd->bkgld", p, np.abs(vv)))
-    return tuple(x.reshape(B, Hq, L, D) for x in out)
+    m = full_mask(mask, B, Hq, L, kv_len)
+    if m is not None and m.dtype == np.bool_:
+        hidden = ~m.any(axis=-1, keepdims=True)
+        s = np.where(m, s, -np.inf)
+        if sinks is None:  # every key hidden: uniform weights (MLX's rule); a finite
+            s = np.where(hidden, 0.0, s)  # sink is above their lowest finite score
+    elif m is not None:
+        s = s + m
+        score_mag = score_mag + np.where(np.isfinite(m), np.abs(m), 0.0)
+    top = s.max(axis=-1, keepdims=True)
+    sink = None
+    if sinks is not None:
+        sink = to_f64(sinks).reshape(1, Hq, 1, 1)
+        top = np.maximum(top, sink)
+    with np.errstate(invalid="ignore"):  # -inf - -inf: a row that sees nothing is NaN
+        p = np.exp(s - top)
+        den = p.sum(axis=-1, keepdims=True)
+        if sink is not None:
+            p_sink = np.exp(sink - top)
+            den = den + p_sink
+        p /= den
+    p = p.reshape(B, Hkv, G, L, kv_len)
+    score_mag = score_mag.reshape(B, Hkv, G, L, kv_len)
+    with np.errstate(invalid="ignore"):
+        out = [np.einsum("bkglj,bkjd->bkgld", p, vv),
+               np.einsum("bkglj,bkjd->bkgld", p * (1.0 + score_mag), np.abs(vv)),
+               np.einsum("bkglj,bkjd->bkgld", p, np.abs(vv))]
+    out = [x.reshape(B, Hq, L, D) for x in out]
+    if sink is not None:
+        vmax = np.abs(vv).max(axis=2)[:, :, None, None, :]  # [B, Hkv, 1, 1, D]
+        extra = ((p_sink / den) * (1.0 + np.abs(sink))).reshape(B, Hkv, G, L, 1) * vmax
+        out[1] = out[1] + extra.reshape(B, Hq, L, D)
+    return tuple(out)
 
 
-def oracle(q, k, v, scale, causal, kv_len):
+def oracle(q, k, v, scale, causal, kv_len, mask=None, sinks=None):
     """(out, magnitude) in float64 (see sdpa_multi_terms)."""
-    return sdpa_multi_terms(q, k, v, scale, causal, kv_len)[:2]
+    return sdpa_multi_terms(q, k, v, scale, causal, kv_len, mask, sinks)[:2]
 
 
 def make_inputs(rng, B, Hq, Hkv, L, S, D, dtype, qk_scale=1.0):
@@ -61,14 +113,26 @@ def launch_counts(backend):
             backends.launch_count(COMBINE_SPEC.name, backend))
 
 
-def run_and_check(q, k, v, *, scale, causal, kv_len, backend, what=""):
+def run_and_check(q, k, v, *, scale, causal, kv_len, backend, what="", mask=None,
+                  sinks=None):
+    """One checked call; ``kv_len`` may be a 0-d mx.array (the oracle reads its value)."""
     before = launch_counts(backend)
-    out = mt.sdpa_multi(q, k, v, scale=scale, causal=causal, kv_len=kv_len)
+    kw = {} if mask is None else {"mask": mask}
+    out = mt.sdpa_multi(q, k, v, scale=scale, causal=causal, kv_len=kv_len, sinks=sinks, **kw)
     mx.eval(out)
     if backend != "reference":  # prove both kernels ran (never the reference vs itself)
         assert launch_counts(backend) == (before[0] + 1, before[1] + 1)
     assert out.dtype == q.dtype and tuple(out.shape) == tuple(q.shape)
-    want, magnitude = oracle(q, k, v, scale, causal, kv_len)
+    n = kv_len.item() if isinstance(kv_len, mx.array) else kv_len
+    want, magnitude = oracle(q, k, v, scale, causal, k.shape[2] if n is None else n, mask,
+                             sinks)
+    nan = np.isnan(want)  # rows that see no key and no sink: NaN, as MLX's sdpa gives
+    assert np.isnan(to_f64(out)[nan]).all(), f"sdpa_multi[{backend}]{what}: want NaN rows"
+    if nan.any():
+        want, magnitude = np.where(nan, 0.0, want), np.where(nan, 0.0, magnitude)
+        checked = mx.array(np.where(nan, 0.0, to_f64(out))).astype(q.dtype)
+        assert_close(checked, want, q.dtype, magnitude, what=f"sdpa_multi[{backend}]{what}")
+        return out
     assert_close(out, want, q.dtype, magnitude, what=f"sdpa_multi[{backend}]{what}")
     return out
 
@@ -86,17 +150,62 @@ VARIANT_CALLS = {"split": _variant_call, "combine": _variant_call}  # one call r
 
 # ---- benchmarks -------------------------------------------------------------------------
 
-def _bench_oracle(q, k, v, scale, causal, kv_len):
-    return sdpa_multi_terms(q, k, v, scale, causal, kv_len)[0]
+def _bench_oracle(q, k, v, scale, causal, kv_len, mask=None, sinks=None):
+    return sdpa_multi_terms(q, k, v, scale, causal, kv_len, mask, sinks)[0]
 
 
-def _bench_magnitude(q, k, v, scale, causal, kv_len):
-    return sdpa_multi_terms(q, k, v, scale, causal, kv_len)[1]
+def _bench_magnitude(q, k, v, scale, causal, kv_len, mask=None, sinks=None):
+    return sdpa_multi_terms(q, k, v, scale, causal, kv_len, mask, sinks)[1]
 
 
-def _native(q, k, v, scale, causal, kv_len):
+def _native(q, k, v, scale, causal, kv_len, mask=None, sinks=None):
+    mask = "causal" if causal else mask
     return mx.fast.scaled_dot_product_attention(
-        q, k[:, :, :kv_len], v[:, :, :kv_len], scale=scale, mask="causal" if causal else None)
+        q, k[:, :, :kv_len], v[:, :, :kv_len], scale=scale, mask=mask, sinks=sinks)
+
+
+def _masked_bench_cases() -> list[BenchCase]:
+    """Masks and sinks against MLX's own sdpa with the same arguments: a verify block with a
+    bool tree mask over all keys ([L, kv_len], broadcast over heads), an additive mask per
+    head ([1, Hq, L, kv_len]), and gpt-oss-style sinks (64 query heads, 8 KV heads, D 64)
+    on causal blocks and decode steps."""
+    out = []
+    B, slack = 1, 256
+    for form, Hq, Hkv, D in (("tree", 32, 8, 128), ("additive", 32, 8, 128),
+                             ("sinks", 64, 8, 64)):
+        for kv_len in (1024, 4096):
+            for L in (1, 8) if form == "sinks" else (8,):
+                for dtype in DTYPES:
+                    def make(rng, form=form, Hq=Hq, Hkv=Hkv, D=D, kv_len=kv_len, L=L,
+                             dtype=dtype):
+                        def arr(shape, s=1.0):
+                            return mx.array((rng.standard_normal(shape) * s).astype(
+                                np.float32)).astype(dtype)
+                        S = kv_len + slack
+                        kw = dict(q=arr((B, Hq, L, D)), k=arr((B, Hkv, S, D)),
+                                  v=arr((B, Hkv, S, D)), scale=D ** -0.5, causal=False,
+                                  kv_len=kv_len)
+                        tri = np.arange(kv_len)[None, :] <= (kv_len - L + np.arange(L))[:, None]
+                        if form == "tree":
+                            own = np.eye(L, kv_len, kv_len - L, dtype=bool)  # itself
+                            kw["mask"] = mx.array(tri & (rng.random((L, kv_len)) < 0.9) | own)
+                        elif form == "additive":
+                            m = rng.standard_normal((1, Hq, L, kv_len)).astype(np.float32)
+                            kw["mask"] = mx.array(np.where(tri, m, -np.inf)).astype(dtype)
+                        else:
+                            kw["causal"] = True
+                            kw["sinks"] = arr((Hq,), 2.0)
+                        return kw
+                    out.append(BenchCase(
+                        op=OP, label=f"{form}-h{Hq}/{Hkv}-d{D}-L{L}-kv{kv_len // 1024}k",
+                        dtype=dtype, make=make, ours=mt.sdpa_multi, native=_native,
+                        oracle=_bench_oracle, magnitude=_bench_magnitude,
+                        nbytes=(2 * B * Hq * L * D + 2 * B * Hkv * kv_len * D) * dtype.size
+                        + (L * kv_len if form == "tree" else
+                           Hq * L * kv_len * dtype.size if form == "additive" else 0),
+                        flops=4 * B * Hq * L * kv_len * D,
+                        quick=dtype == mx.float16 and kv_len == 4096 and L == 8))
+    return out
 
 
 def bench_cases() -> list[BenchCase]:
@@ -129,4 +238,4 @@ def bench_cases() -> list[BenchCase]:
                             flops=4 * B * Hq * visible * D,
                             quick=(dtype == mx.float16 and Hkv == 8 and kv_len == 4096
                                    and L in (1, 8))))
-    return out
+    return out + _masked_bench_cases()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -53,11 +54,21 @@ def _tiles(D: int, dtype: mx.Dtype) -> tuple[int, int]:
     return rows_per_simdgroup, staged
 
 
+# MASK_KIND: the split kernel's mask path (template), and the element type MT of its mask.
+MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2
+
+
+def _mask_type(kind: int, dtype: mx.Dtype) -> mx.Dtype:
+    return dtype if kind == MASK_ADDITIVE else mx.bool_
+
+
 def _split_bindings():
     for t in FLOAT_TYPES:
         for d in HEAD_DIMS:
             rs, dc = _tiles(d, t)
-            yield {"T": t, "D": d, "RS": rs, "DC": dc}
+            for kind in (MASK_NONE, MASK_BOOL, MASK_ADDITIVE):
+                yield {"T": t, "D": d, "RS": rs, "DC": dc, "MASK_KIND": kind,
+                       "MT": _mask_type(kind, t)}
 
 
 SPLIT_SPEC, COMBINE_SPEC = register(
@@ -65,28 +76,110 @@ SPLIT_SPEC, COMBINE_SPEC = register(
         op=OP, variant="split", template="sdpa_multi.metal",
         inputs=(Arg("q", "T", 4), Arg("k", "T", 4), Arg("v", "T", 4),
                 *scalars("n_q", "group", "kv_len", "kv_rows", "chunk", "causal"),
-                Arg("scale", "float32")),
+                Arg("scale", "float32"), Arg("mask", "MT", 4),
+                *scalars("mask_sb", "mask_sh", "mask_sl", "kv_heads", "mask_block")),
         outputs=(Arg("o_part", "float32", 3), Arg("ml_part", "float32", 3)),
-        params=("T", "D", "RS", "DC"), bindings=_split_bindings,
+        params=("T", "D", "RS", "DC", "MASK_KIND"), bindings=_split_bindings,
         geometry="rows = L*Hq/Hkv per KV head, tiles of 32; TG = 32*(32/RS) threads "
                  "(RS = 8, or 4 for D=256); grid (TG*n_splits, ceil(rows/32), B*Hkv); "
                  "each TG reads its KV slice once (staged 32 keys at a time)",
-        notes="template T, D, RS, DC; L, kv_len, S, G, chunk, causal, scale are runtime",
+        notes="template T, D, RS, DC, MASK_KIND (none/bool/additive); L, kv_len (device-side "
+              "too), S, G, chunk, causal, scale, the mask's strides and block form are runtime",
     ),
     KernelSpec(
         op=OP, variant="combine", template="sdpa_multi_combine.metal",
         inputs=(Arg("o_part", "float32", 3), Arg("ml_part", "float32", 3),
-                *scalars("n_rows", "n_splits"), Arg("scale", "float32")),
+                *scalars("n_rows", "n_splits"), Arg("scale", "float32"),
+                *scalars("n_q", "n_heads", "has_sinks"), Arg("sinks", "float32", 1)),
         outputs=(Arg("out", "T", 4),), params=("T", "D"),
         bindings=grid(T=FLOAT_TYPES, D=HEAD_DIMS),
         geometry="one simdgroup per output row, 4 rows per TG; grid (128*ceil(rows/4), 1, 1)",
-        notes="template T, D; n_rows, n_splits, scale are runtime",
+        notes="template T, D; n_rows, n_splits, scale, L, Hq and the sinks are runtime",
     ),
 )
 
 
-def _check_sdpa_multi(q, k, v, scale, causal, kv_len):
-    """Validate the inputs; return (B, Hq, Hkv, L, S, D, kv_len, scale, causal)."""
+@dataclass(frozen=True)
+class _Problem:
+    """A validated call: shapes, the kv_len (int, or a 0-d uint32 array read on device),
+    the mask (kind, the mask as a 4-D array in the kernel's element type, block form) and
+    the sinks (float32 [Hq] or None)."""
+
+    B: int
+    Hq: int
+    Hkv: int
+    L: int
+    S: int
+    D: int
+    kv_len: int | mx.array
+    scale: float
+    causal: bool
+    mask_kind: int = MASK_NONE
+    mask: mx.array | None = None
+    block: bool = False
+    sinks: mx.array | None = None
+
+
+def _promotes_to(dtype: mx.Dtype, target: mx.Dtype) -> bool:
+    """Whether MLX's type promotion of ``dtype`` with the float ``target`` gives ``target``
+    (the rule MLX's sdpa applies to masks and sinks)."""
+    return (dtype == target or dtype == mx.bool_ or mx.issubdtype(dtype, mx.integer)
+            or (target == mx.float32 and dtype in (mx.float16, mx.bfloat16)))
+
+
+def _check_kv_len(kv_len, L: int, S: int):
+    """kv_len as a Python int (validated) or a 0-d uint32 array (clamped on device)."""
+    if kv_len is None:
+        if S < L:
+            raise ValueError(f"[{OP}] the cache must hold at least the L={L} queries' rows "
+                             f"(k and v with S >= {L} rows), got S={S}")
+        return S
+    if isinstance(kv_len, mx.array):
+        if kv_len.ndim != 0:
+            raise ValueError(f"[{OP}] kv_len as an mx.array must be 0-d, got shape "
+                             f"{tuple(kv_len.shape)}")
+        if not mx.issubdtype(kv_len.dtype, mx.integer):
+            raise TypeError(f"[{OP}] kv_len as an mx.array must have an integer dtype, got "
+                            f"{dtype_name(kv_len.dtype)}")
+        if S < L:
+            raise ValueError(f"[{OP}] the cache must hold at least the L={L} queries' rows "
+                             f"(k and v with S >= {L} rows), got S={S}")
+        return kv_len.astype(mx.uint32)  # read by the kernel; no host sync
+    if isinstance(kv_len, bool) or not isinstance(kv_len, numbers.Integral):
+        raise TypeError(f"[{OP}] kv_len must be a Python int, a 0-d integer mx.array or None, "
+                        f"got {type(kv_len).__name__}")
+    kv_len = int(kv_len)
+    if not L <= kv_len <= S:
+        raise ValueError(f"[{OP}] kv_len must satisfy L <= kv_len <= S, i.e. "
+                         f"{L} <= kv_len <= {S}, got {kv_len}")
+    return kv_len
+
+
+def _check_mask(mask, q, B, Hq, L, kv_len):
+    """(kind, 4-D mask in the kernel's element type, block form) of an array mask."""
+    require_array(OP, "mask", mask)
+    if mask.dtype == mx.bool_:
+        kind = MASK_BOOL
+    elif _promotes_to(mask.dtype, q.dtype):  # MLX's rule for additive masks
+        kind = MASK_ADDITIVE
+    else:
+        raise TypeError(f"[{OP}] mask must be bool or an additive mask whose dtype promotes "
+                        f"to q's dtype {dtype_name(q.dtype)}, got {dtype_name(mask.dtype)}")
+    full = kv_len if isinstance(kv_len, int) else None
+    want = f"[{B}, {Hq}, {L}, {full if full is not None else 'kv_len'}] (or [..., {L}]: the block form)"
+    shape = (1,) * (4 - mask.ndim) + tuple(mask.shape)
+    if mask.ndim > 4 or any(n not in (1, m) for n, m in zip(shape[:3], (B, Hq, L), strict=True)) \
+            or shape[3] not in (full, L):
+        raise ValueError(f"[{OP}] mask must broadcast to {want}, got shape "
+                         f"{tuple(mask.shape)}")
+    if mask.size >= 2**32:
+        raise ValueError(f"[{OP}] mask too large: {mask.size} elements (expected < 2^32)")
+    block = shape[3] != full  # last axis L: the last L visible keys (a full mask wins if both)
+    return kind, mask.reshape(shape).astype(_mask_type(kind, q.dtype)), block
+
+
+def _check_sdpa_multi(q, k, v, scale, causal, kv_len, mask=None, sinks=None) -> _Problem:
+    """Validate the inputs."""
     for name, arr in (("q", q), ("k", k), ("v", v)):
         require_array(OP, name, arr)
     require_float(OP, "q", q)
@@ -113,18 +206,7 @@ def _check_sdpa_multi(q, k, v, scale, causal, kv_len):
         raise ValueError(f"[{OP}] k and v must have at least 1 head, got {Hkv}")
     if Hq % Hkv:
         raise ValueError(f"[{OP}] q's heads ({Hq}) must be a multiple of k's heads ({Hkv})")
-    if kv_len is None:
-        if S < L:
-            raise ValueError(f"[{OP}] the cache must hold at least the L={L} queries' rows "
-                             f"(k and v with S >= {L} rows), got S={S}")
-        kv_len = S
-    elif isinstance(kv_len, bool) or not isinstance(kv_len, numbers.Integral):
-        raise TypeError(f"[{OP}] kv_len must be a Python int or None, "
-                        f"got {type(kv_len).__name__}")
-    kv_len = int(kv_len)
-    if not L <= kv_len <= S:
-        raise ValueError(f"[{OP}] kv_len must satisfy L <= kv_len <= S, i.e. "
-                         f"{L} <= kv_len <= {S}, got {kv_len}")
+    kv_len = _check_kv_len(kv_len, L, S)
     if not isinstance(causal, bool):
         raise TypeError(f"[{OP}] causal must be a bool, got {type(causal).__name__}")
     scale = require_finite_scalar(OP, "scale", scale)
@@ -134,42 +216,81 @@ def _check_sdpa_multi(q, k, v, scale, causal, kv_len):
     if S >= 2**31 or Hq * L >= 2**31:
         raise ValueError(f"[{OP}] problem too large: q {tuple(q.shape)}, k {tuple(k.shape)} "
                          "(expected S < 2^31 and Hq * L < 2^31)")
-    return B, Hq, Hkv, L, S, D, kv_len, scale, causal
+    kind, mask4, block = MASK_NONE, None, False
+    if mask is not None:
+        if causal:
+            raise ValueError(f"[{OP}] pass either causal=True or mask=, not both (got "
+                             f"causal=True and mask={mask!r:.40})")
+        if isinstance(mask, str):
+            if mask != "causal":
+                raise ValueError(f"[{OP}] a string mask must be 'causal', got {mask!r}")
+            causal = True
+        else:
+            kind, mask4, block = _check_mask(mask, q, B, Hq, L, kv_len)
+    if sinks is not None:
+        require_array(OP, "sinks", sinks)
+        if tuple(sinks.shape) != (Hq,):
+            raise ValueError(f"[{OP}] sinks must have shape (Hq,) = ({Hq},), got "
+                             f"{tuple(sinks.shape)}")
+        if not _promotes_to(sinks.dtype, q.dtype):  # MLX's rule
+            raise TypeError(f"[{OP}] sinks' dtype must promote to q's dtype "
+                            f"{dtype_name(q.dtype)}, got {dtype_name(sinks.dtype)}")
+        sinks = sinks.astype(q.dtype).astype(mx.float32)
+    return _Problem(B, Hq, Hkv, L, S, D, kv_len, scale, causal, kind, mask4, block, sinks)
 
 
 def sdpa_multi_reference(q: mx.array, k: mx.array, v: mx.array, *, scale: float,
-                         causal: bool = False, kv_len: int | None = None) -> mx.array:
+                         causal: bool = False, kv_len: int | mx.array | None = None,
+                         mask=None, sinks: mx.array | None = None) -> mx.array:
     """Pure-MLX composite of the same math (float32 inside, rounded once to q's dtype)."""
-    B, Hq, Hkv, L, S, D, kv_len, scale, causal = _check_sdpa_multi(q, k, v, scale, causal,
-                                                                   kv_len)
-    return _reference(q, k, v, B, Hq, Hkv, L, D, kv_len, scale, causal)
+    return _reference(q, k, v, _check_sdpa_multi(q, k, v, scale, causal, kv_len, mask, sinks))
 
 
-def _reference(q, k, v, B, Hq, Hkv, L, D, kv_len, scale, causal) -> mx.array:
+def _reference(q, k, v, p: _Problem) -> mx.array:
+    B, Hq, Hkv, L, S, D = p.B, p.Hq, p.Hkv, p.L, p.S, p.D
     G = Hq // Hkv
+    # Every cache row is scored and the rows past kv_len masked out (no slice by kv_len:
+    # kv_len may be a device-side array). Their contents (NaN in a slack) are zeroed.
+    n = p.kv_len if isinstance(p.kv_len, int) else mx.clip(p.kv_len.astype(mx.int32), L, S)
+    keys = mx.arange(S)
+    visible = keys < n  # [S]
     qf = q.astype(mx.float32).reshape(B, Hkv, G * L, D)
-    kf = k[:, :, :kv_len].astype(mx.float32)
-    vf = v[:, :, :kv_len].astype(mx.float32)
+    kf = mx.where(visible[:, None], k.astype(mx.float32), 0.0)
+    vf = mx.where(visible[:, None], v.astype(mx.float32), 0.0)
     # Scores as the kernels hold them (msl_templates/common.h, mt_score_unit): scale = a * b,
     # b a power of two, |a| < 4, so a * q.k stays finite where scale * q.k would not; the
     # softmax takes b * (d - max d), exact wherever scale * q.k is finite.
-    a, b = _score_unit(scale)
-    scores = (qf * a) @ kf.swapaxes(-1, -2)  # [B, Hkv, G*L, kv_len]
-    if causal:
-        limit = mx.arange(kv_len - L, kv_len).reshape(L, 1)  # query l sees keys <= limit[l]
-        visible = mx.arange(kv_len).reshape(1, kv_len) <= limit
-        visible = mx.tile(visible, (G, 1))  # rows ordered (g, l)
-        scores = mx.where(visible, scores, -math.inf)
+    a, b = _score_unit(p.scale)
+    scores = ((qf * a) @ kf.swapaxes(-1, -2)).reshape(B, Hq, L, S)
+    if p.causal:
+        limit = (n - L + mx.arange(L)).reshape(L, 1)  # query l sees keys <= limit[l]
+        visible = visible & (keys <= limit)
+    if p.mask is not None:
+        col = keys - (n - L if p.block else 0)  # the mask's column of each key
+        width = p.mask.shape[-1]
+        inside = (col >= 0) & (col < width)
+        m = mx.take(p.mask, mx.clip(col, 0, width - 1), axis=-1)
+        if p.mask_kind == MASK_BOOL:  # MLX's lowest finite score for a masked key
+            scores = mx.where(inside & ~m, -3.4028234663852886e38, scores)
+        else:
+            scores = scores + mx.where(inside, m.astype(mx.float32) / b, 0.0)
+    scores = mx.where(visible, scores, -math.inf)
+    top = mx.max(scores, axis=-1, keepdims=True)
+    if p.sinks is not None:
+        sink = (p.sinks / b).reshape(1, Hq, 1, 1)  # in units of b, as the scores
+        top = mx.maximum(top, sink)
     # exp(b * (d - max d)) summed within blocks of KEY_BLOCK keys, then across blocks: one
     # float32 sum over thousands of keys (mx.softmax, a matmul) drifts past the tolerance.
-    e = mx.exp((scores - mx.max(scores, axis=-1, keepdims=True)) * b)
-    pad = -kv_len % KEY_BLOCK
+    e = mx.exp((scores - top) * b)
+    pad = -S % KEY_BLOCK
     if pad:
         e = mx.pad(e, [(0, 0)] * 3 + [(0, pad)])
         vf = mx.pad(vf, [(0, 0), (0, 0), (0, pad), (0, 0)])
-    nb = (kv_len + pad) // KEY_BLOCK
+    nb = (S + pad) // KEY_BLOCK
     eb = e.reshape(B, Hkv, G * L, nb, KEY_BLOCK)
     den = mx.sum(mx.sum(eb, axis=-1), axis=-1)[..., None, None]
+    if p.sinks is not None:  # the sink joins the denominator only
+        den = den + mx.exp((sink - top) * b).reshape(B, Hkv, G * L, 1, 1)
     pb = (eb / den).transpose(0, 1, 3, 2, 4)  # probabilities: no partial exceeds max |v|
     out = mx.sum(pb @ vf.reshape(B, Hkv, nb, KEY_BLOCK, D), axis=2).reshape(B, Hq, L, D)
     return out.astype(q.dtype)
@@ -206,36 +327,59 @@ def plan(B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int, dtype: mx.Dtype
     }
 
 
-def _launch(q, k, v, B, Hq, Hkv, L, S, D, kv_len, scale, causal, backend) -> mx.array:
-    p = plan(B, Hq, Hkv, L, D, kv_len, q.dtype)
+_NO_MASK = {0: mx.zeros((1, 1, 1, 1), dtype=mx.bool_)}  # MASK_KIND 0's dummy mask
+
+
+def _launch(q, k, v, p: _Problem, backend) -> mx.array:
+    B, Hq, Hkv, L, S, D = p.B, p.Hq, p.Hkv, p.L, p.S, p.D
+    # A device-side kv_len: the grid covers the whole buffer; slices past kv_len see no key.
+    pl = plan(B, Hq, Hkv, L, D, p.kv_len if isinstance(p.kv_len, int) else S, q.dtype)
     n_out = B * Hq * L
-    scale2 = scalar(scale * LOG2E, mx.float32)
+    scale2 = scalar(p.scale * LOG2E, mx.float32)
+    kv_len = scalar(p.kv_len, mx.uint32) if isinstance(p.kv_len, int) else p.kv_len
+    mask = _NO_MASK[0] if p.mask is None else p.mask
+    # Element strides of the row-contiguous 4-D mask, 0 on its broadcast (size-1) axes.
+    mb, mh, ml, mc = mask.shape
+    strides = (mh * ml * mc if mb > 1 else 0, ml * mc if mh > 1 else 0, mc if ml > 1 else 0)
     o_part, ml_part = backends.launch(
         SPLIT_SPEC, backend,
         inputs={"q": q, "k": k, "v": v, "n_q": scalar(L, mx.uint32),
-                "group": scalar(Hq // Hkv, mx.uint32), "kv_len": scalar(kv_len, mx.uint32),
-                "kv_rows": scalar(S, mx.uint32), "chunk": scalar(p["chunk"], mx.uint32),
-                "causal": scalar(int(causal), mx.uint32), "scale": scale2},
-        template={"T": q.dtype, "D": D, "RS": p["rs"], "DC": p["dc"]},
-        outputs={"o_part": ((n_out, p["n_splits"], D), mx.float32),
-                 "ml_part": ((n_out, p["n_splits"], 2), mx.float32)},
-        grid=p["grid"], threadgroup=p["threadgroup"],
-        threadgroup_memory=p["threadgroup_memory"],
+                "group": scalar(Hq // Hkv, mx.uint32), "kv_len": kv_len,
+                "kv_rows": scalar(S, mx.uint32), "chunk": scalar(pl["chunk"], mx.uint32),
+                "causal": scalar(int(p.causal), mx.uint32), "scale": scale2, "mask": mask,
+                "mask_sb": scalar(strides[0], mx.uint32),
+                "mask_sh": scalar(strides[1], mx.uint32),
+                "mask_sl": scalar(strides[2], mx.uint32), "kv_heads": scalar(Hkv, mx.uint32),
+                "mask_block": scalar(int(p.block), mx.uint32)},
+        template={"T": q.dtype, "D": D, "RS": pl["rs"], "DC": pl["dc"],
+                  "MASK_KIND": p.mask_kind},
+        outputs={"o_part": ((n_out, pl["n_splits"], D), mx.float32),
+                 "ml_part": ((n_out, pl["n_splits"], 2), mx.float32)},
+        grid=pl["grid"], threadgroup=pl["threadgroup"],
+        threadgroup_memory=pl["threadgroup_memory"],
     )
     n_tg = -(-n_out // COMBINE_ROWS)
+    sinks = p.sinks if p.sinks is not None else _NO_SINKS[0]
     (out,) = backends.launch(
         COMBINE_SPEC, backend,
         inputs={"o_part": o_part, "ml_part": ml_part, "n_rows": scalar(n_out, mx.uint32),
-                "n_splits": scalar(p["n_splits"], mx.uint32), "scale": scale2},
+                "n_splits": scalar(pl["n_splits"], mx.uint32), "scale": scale2,
+                "n_q": scalar(L, mx.uint32), "n_heads": scalar(Hq, mx.uint32),
+                "has_sinks": scalar(int(p.sinks is not None), mx.uint32), "sinks": sinks},
         template={"T": q.dtype, "D": D}, outputs={"out": (q.shape, q.dtype)},
         grid=(32 * COMBINE_ROWS * n_tg, 1, 1), threadgroup=(32 * COMBINE_ROWS, 1, 1),
     )
     return out
 
 
+_NO_SINKS = {0: mx.zeros((1,), dtype=mx.float32)}  # has_sinks 0's dummy
+
+
 def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: bool = False,
-               kv_len: int | None = None) -> mx.array:
-    """Attention of a block of L queries against the first ``kv_len`` rows of a KV cache.
+               kv_len: int | mx.array | None = None, mask: str | mx.array | None = None,
+               sinks: mx.array | None = None) -> mx.array:
+    """Attention of a block of L queries against the first ``kv_len`` rows of a KV cache,
+    as ``mx.fast.scaled_dot_product_attention`` takes masks and sinks.
 
     Args:
       q: ``[B, Hq, L, D]`` float32/float16/bfloat16; the L queries are the last L of the
@@ -250,22 +394,47 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
         finite score.
       causal: False: every query sees keys ``[0, kv_len)``; True: query r sees
         ``[0, kv_len - L + r]`` (bottom-right aligned, as ``mask="causal"`` in
-        ``mx.fast.scaled_dot_product_attention``).
-      kv_len: valid cache rows, a Python int with L <= kv_len <= S (default S). A runtime
-        input: a decode loop with growing kv_len (or L, or B) builds no new kernel.
+        ``mx.fast.scaled_dot_product_attention``). ``causal=True`` together with ``mask=``
+        is refused.
+      kv_len: valid cache rows (default S): a Python int with L <= kv_len <= S, or a 0-d
+        integer ``mx.array`` read by the kernel (no host sync; the launch then covers all S
+        rows and the kernel clamps kv_len to [L, S]). A runtime input either way: a decode
+        loop with growing kv_len (or L, or B) builds no new kernel.
+      mask: None, ``"causal"`` (as ``causal=True``), or an array of rank <= 4 broadcastable
+        to ``[B, Hq, L, kv_len]`` (read in place: size-1 axes are broadcast by the kernel),
+        bool (True = attend) or additive (a dtype that promotes to q's, as MLX requires;
+        added to scale * q.k, -inf allowed). A mask whose last axis is L (where kv_len != L,
+        or any array mask with a device-side kv_len) is the block form of speculative-tree
+        verification: it covers the last L visible keys, and every key before them is
+        visible. As in MLX 0.32's own sdpa, a row whose keys a bool mask hides all averages
+        v over ``[0, kv_len)`` uniformly (masked keys score the lowest finite float), and a
+        row whose scores an additive mask makes all -inf is NaN (0 with sinks).
+      sinks: ``[Hq]`` in a dtype that promotes to q's (as MLX requires): one logit per query
+        head that joins the softmax's denominator only (gpt-oss).
 
     Returns: ``[B, Hq, L, D]`` in q's dtype; softmax and accumulation in float32.
     D must be one of 64, 96, 128, 256.
 
+    Under ``mx.compile(..., shapeless=True)`` (reference, Metal and CUDA backends) a
+    device-side ``kv_len`` changes from call to call without a new trace; other input
+    shapes must stay those of the first trace (MLX refuses a change: the composite and the
+    kernel launches are shaped by them). The emulator refuses compile with an error.
+
     Pass the whole preallocated cache with ``kv_len`` rather than a slice of it: the
     kernels take row-contiguous inputs, so a non-contiguous view (``cache[:, :, :n]`` of a
-    larger buffer) gives the same result but is first copied by MLX.
+    larger buffer) gives the same result but is first copied by MLX (so is a mask made by
+    ``mx.broadcast_to``: pass its size-1 axes instead).
     """
-    B, Hq, Hkv, L, S, D, kv_len, scale, causal = _check_sdpa_multi(q, k, v, scale, causal,
-                                                                   kv_len)
-    if B * Hq * L == 0:
+    p = _check_sdpa_multi(q, k, v, scale, causal, kv_len, mask, sinks)
+    if p.B * p.Hq * p.L == 0:
         return mx.zeros(q.shape, dtype=q.dtype)
     backend = backends.resolve_backend()
     if backend == "reference":
-        return _reference(q, k, v, B, Hq, Hkv, L, D, kv_len, scale, causal)
-    return _launch(q, k, v, B, Hq, Hkv, L, S, D, kv_len, scale, causal, backend)
+        return _reference(q, k, v, p)
+    try:
+        return _launch(q, k, v, p, backend)
+    except ValueError as e:  # the emulator evaluates its inputs: refused inside a transform
+        if backend == "emulator" and "function transformations" in str(e):
+            raise ValueError(f"[{OP}] the emulator backend runs kernels eagerly and cannot "
+                             f"run inside mx.compile or mx.vmap (MLX: {e})") from e
+        raise
