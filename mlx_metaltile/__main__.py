@@ -4,6 +4,7 @@ kernel variant against its float64 oracle, and the kernel registry."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -173,11 +174,6 @@ def cmd_bench(args) -> int:
             _plot(args, runs)
         return 0
     cases = _bench_cases()
-    if args.backend:
-        try:
-            mt.set_backend(args.backend)
-        except backends.BackendUnavailableError as exc:
-            args.parser.error(str(exc))
     backend = backends.resolve_backend()
     device = _device.device_name()
     peak = _device.peak_gbps(device)
@@ -269,11 +265,6 @@ def _timings(case, inputs, warmup, iters, batch, progress) -> dict:
 
 def cmd_check(args) -> int:
     from mlx_metaltile import _check
-    if args.backend:
-        try:
-            mt.set_backend(args.backend)
-        except backends.BackendUnavailableError as exc:
-            args.parser.error(str(exc))
     backend = backends.resolve_backend()
     if backend not in backends.KERNEL_BACKENDS:
         avail = backends.available_backends()
@@ -349,8 +340,16 @@ def main(argv=None) -> int:
 
     model_bench.add_parser(sub)
     args = parser.parse_args(argv)
+    # --backend holds for this command only (a caller's process keeps its own choice)
+    backend = getattr(args, "backend", None)
     try:
-        return args.fn(args)
+        scope = mt.use_backend(backend) if backend else contextlib.nullcontext()
+        with scope:
+            return args.fn(args)
+    except backends.BackendUnavailableError as exc:
+        if backend and f"{backend!r} is unavailable" in str(exc):
+            args.parser.error(str(exc))
+        raise
     except BrokenPipeError:  # the reader went away (``| head``): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

@@ -58,12 +58,14 @@ ARCHS = {
 OPS = ("sdpa_multi", "expert_qmv", "moe_gather_qmm", "gated_rms_norm", "fp4_qmm")
 
 
-def _native_sdpa_multi(q, k, v, *, scale, causal=False, kv_len=None):
-    # mlx-lm: mx.fast's attention over the cache's first offset rows (a slice)
+def _native_sdpa_multi(q, k, v, *, scale, causal=False, kv_len=None, mask=None, sinks=None):
+    # mlx-lm: mx.fast's attention over the cache's first offset rows (a slice); the patched
+    # attention passes masks over those keys, as mlx-lm does
     if kv_len is not None:
         k, v = k[..., :kv_len, :], v[..., :kv_len, :]
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
-                                                mask="causal" if causal else None)
+    if causal:
+        mask = "causal"
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
 
 
 def _native_expert_qmv(x, w, scales, biases, indices, *, group_size=None, bits=None,
@@ -285,8 +287,6 @@ def run(args) -> int:
     except ImportError:
         print("model-bench needs mlx-lm: pip install 'mlx-metaltile[mlx-lm]'", file=sys.stderr)
         return 2
-    if args.backend:
-        mt.set_backend(args.backend)
     backend = backends.resolve_backend()
     gpu = backend in ("metal", "cuda")
     iters = args.iters or (10 if gpu else 1)
