@@ -184,10 +184,14 @@ def test_matches_native_sdpa(rng):
 
 
 @pytest.mark.parametrize("backend", backend_params("reference", "metal", "cuda"))
-def test_shapeless_compile_with_device_kv_len(rng, backend):
-    """mx.compile(shapeless=True) traces once; a device-side kv_len (and the mask and sinks,
-    inputs too) changes between calls without a new trace."""
+def test_compile_with_device_kv_len(rng, backend):
+    """mx.compile traces once; a device-side kv_len (and the mask and sinks, inputs too)
+    changes between calls without a new trace. Shapeless on the reference backend; on the
+    kernel backends MLX's custom-kernel primitive cannot infer output shapes (MLX 0.32:
+    "[Primitive::output_shapes] CustomKernel cannot infer output shapes"), so a decode
+    loop compiles at its cache's fixed shape there."""
     require_backend(backend)
+    shapeless = backend == "reference"
     q, k, v = make_inputs(rng, 1, 8, 2, 4, 96, 64, mx.float32)
     traces = []
 
@@ -196,7 +200,7 @@ def test_shapeless_compile_with_device_kv_len(rng, backend):
         return mt.sdpa_multi(q, k, v, scale=0.125, kv_len=n, mask=mask, sinks=sinks)
 
     with backends.use_backend(backend):
-        compiled = mx.compile(step, shapeless=True)
+        compiled = mx.compile(step, shapeless=shapeless)
         for n in (4, 40, 96):
             mask = bool_mask(rng, (4, 4))
             sinks = mx.array(rng.standard_normal(8).astype(np.float32))
@@ -204,10 +208,22 @@ def test_shapeless_compile_with_device_kv_len(rng, backend):
             assert_close(compiled(q, k, v, mx.array(n), mask, sinks), want, mx.float32,
                          magnitude, what=f"compiled kv_len {n}")
     assert len(traces) == 1
-    if backend == "reference":  # another cache length: MLX refuses, never a wrong result
+    if shapeless:  # another cache length: MLX refuses, never a wrong result
         q2, k2, v2 = make_inputs(rng, 1, 8, 2, 4, 128, 64, mx.float32)
         with backends.use_backend(backend), pytest.raises(ValueError):
             mx.eval(compiled(q2, k2, v2, mx.array(40), mask, sinks))
+
+
+@pytest.mark.parametrize("backend", backend_params("metal", "cuda"))
+def test_shapeless_compile_of_a_kernel_is_refused_by_mlx(rng, backend):
+    """The limit above, stated: a shapeless trace of a kernel launch raises, never runs."""
+    require_backend(backend)
+    q, k, v = make_inputs(rng, 1, 8, 2, 4, 96, 64, mx.float32)
+    with backends.use_backend(backend):
+        compiled = mx.compile(lambda q, k, v: mt.sdpa_multi(q, k, v, scale=0.125),
+                              shapeless=True)
+        with pytest.raises(ValueError, match="cannot infer output shapes"):
+            mx.eval(compiled(q, k, v))
 
 
 def test_emulator_refuses_compile(rng):
