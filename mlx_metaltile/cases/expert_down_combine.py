@@ -108,3 +108,65 @@ def bench_cases() -> list[BenchCase]:
                              magnitude=_magnitude, nbytes=nbytes, flops=2 * k * N * D,
                              quick=label == "qwen3-30b-a3b"))
     return out
+
+
+# ---- one MoE block at decode: expert_glu + expert_down_combine vs mlx-lm ------------------
+
+def block_oracle(x, gate, up, down, indices, scores, activation, mode):
+    """(expected [..., D], magnitude) of sum_j s_j * down_j(act(gate_j(x), up_j(x))) in
+    float64. The magnitude adds, through |W_down|, the error of the [..., k, N] hidden rows
+    as expert_glu returns them (its float32 error, then one rounding to x's dtype)."""
+    from .._registry import TOLERANCES
+    from .expert_glu import oracle as glu_oracle
+
+    gs, bits = _gs(mode), 4
+    h, mag_h, _ = glu_oracle(x, gate, up, indices, activation, mode, gs, bits)
+    want, mag, _ = oracle(h, down, indices, scores, mode, gs, bits)
+    tol = TOLERANCES[str(x.dtype).rsplit(".", 1)[-1]]
+    h_err = tol.rtol * np.abs(h) + tol.accum * mag_h
+    spread = oracle(h_err, (*down[:3], None), indices, np.abs(to_f64(scores)), mode, gs,
+                    bits)[1]
+    return want, mag + spread / tol.accum
+
+
+def _block_ours(x, gate, up, down, indices, scores, activation, mode):
+    h = mt.expert_glu(x, *gate[:3], *up[:3], indices, bias_gate=gate[3], bias_up=up[3],
+                      activation=activation, mode=mode)
+    return mt.expert_down_combine(h, *down[:3], indices, scores, bias=down[3], mode=mode)
+
+
+def _block_native(x, gate, up, down, indices, scores, activation, mode):
+    from .expert_glu import native_activation
+
+    # mlx-lm's SwitchGLU at decode (x as [..., 1, 1, D]), then the block's score sum
+    xe = mx.expand_dims(x, (-2, -3))
+    h = native_activation(activation)(switch_linear(xe, *up, indices, mode),
+                                      switch_linear(xe, *gate, indices, mode))
+    y = switch_linear(h, *down, indices, mode).squeeze(-2)
+    return (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+
+
+def block_cases() -> list[BenchCase]:
+    """One MoE block at decode (one token), the shapes of SHAPES. Not in bench_cases (the op
+    is two): bench/test_expert_down_combine.py times them."""
+    out = []
+    dtype = mx.bfloat16
+    for label, E, k, D, N, mode, act, bias in SHAPES:
+        def make(rng, E=E, k=k, D=D, N=N, mode=mode, act=act, bias=bias):
+            experts, ids = bench_make(rng, E=E, k=k, n_in=D, n_out=N, mode=mode, bias=bias,
+                                      dtype=dtype)
+            down = bench_make(rng, E=E, k=k, n_in=N, n_out=D, mode=mode, bias=bias,
+                              dtype=dtype)[0](D, N)
+            x = mx.array(rng.standard_normal((1, D), dtype=np.float32)).astype(dtype)
+            return dict(x=x, gate=experts(N, D), up=experts(N, D), down=down, indices=ids,
+                        scores=make_scores(rng, (1, k), dtype), activation=act, mode=mode)
+
+        sb = (2 * 2 if mode == "affine" else 1)  # scale (+ bias) bytes per group
+        weights = 3 * k * N * D * (1 / 2 + sb / _gs(mode))
+        nbytes = int(weights + 2 * D * dtype.size + (3 * k * N * dtype.size if bias else 0))
+        out.append(BenchCase(op="moe_block", label=f"{label}-E{E}k{k}-{D}x{N}-{mode}",
+                             dtype=dtype, make=make, ours=_block_ours, native=_block_native,
+                             oracle=lambda **i: block_oracle(**i)[0],
+                             magnitude=lambda **i: block_oracle(**i)[1], nbytes=nbytes,
+                             flops=3 * 2 * k * N * D, quick=label == "qwen3-30b-a3b"))
+    return out
