@@ -34,6 +34,7 @@
 //
 // CHECKED ONLY ON A MAC: as expert_qmv.metal (same constructs).
 #include "common.h"
+#include "expert_qdot.h"
 // ---- kernel body ----
 constexpr uint SIMDGROUPS = 2;
 constexpr uint ROWS = 4;

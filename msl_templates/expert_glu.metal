@@ -31,6 +31,7 @@
 // CHECKED ONLY ON A MAC: as expert_qmv.metal (same constructs), plus metal::exp / metal::min
 //   / metal::clamp on float.
 #include "common.h"
+#include "expert_qdot.h"
 // ---- kernel body ----
 constexpr uint SIMDGROUPS = 2;
 constexpr uint ROWS = 4;

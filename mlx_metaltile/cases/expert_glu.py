@@ -73,6 +73,11 @@ def project(x, w, scales, biases, bias, indices, mode, group_size, bits):
 
 def activate(g, u, activation: str):
     """(act(g, u), |d/dg| bound, |d/du|) in float64, as mlx-lm's SwiGLU / SwigluOAI."""
+    with np.errstate(over="ignore"):  # exp(-g) = inf for g << 0 gives g / inf = -0, exact
+        return _activate(g, u, activation)
+
+
+def _activate(g, u, activation: str):
     if activation == "silu":
         a = g / (1 + np.exp(-g))
         return a * u, ACT_SLOPE * np.abs(u), np.abs(a)
