@@ -173,3 +173,48 @@ def test_switch_glu_combine_falls_back(monkeypatch):
         mx.eval(got)
         assert backends.launch_count("expert_down_combine_simd_rows", "emulator") == before
     _close(got, (theirs(x, ids) * scores[..., None]).sum(axis=-2), 2 * 96)
+
+
+_NO_DISPATCH = {"Reshape", "ExpandDims", "Squeeze", "Broadcast", "StopGradient", "View"}
+
+
+def _graph_dispatches(out: mx.array) -> list[str]:
+    """The primitives of ``out``'s lazy graph that run a kernel (views of contiguous
+    arrays, broadcasts and stop_gradient do not)."""
+    import io
+    import re
+
+    dot = io.StringIO()
+    mx.export_to_dot(dot, out)
+    names = re.findall(r'label ="([A-Za-z_]+)', dot.getvalue())
+    return [n for n in names if n not in _NO_DISPATCH]
+
+
+@pytest.mark.parametrize("kind, native, patched", [("silu", 9, 4), ("swiglu_oai", 15, 6)])
+def test_moe_block_dispatches_at_decode(kind, native, patched):
+    """The README's counts: one decode token through mlx-lm's SwitchGLU and the block's
+    score sum, through the patched SwitchGLU in the same block, and through combine() (two
+    launches, nothing else). The emulator runs our kernels eagerly: launches are counted,
+    the rest of the graph stays lazy."""
+    from mlx_lm.models.activations import SwigluOAI
+    from mlx_lm.models.switch_layers import SwiGLU
+
+    silu = kind == "silu"
+    ours, theirs = _quantized_pair(SwiGLU() if silu else SwigluOAI(), bias=not silu,
+                                   mode="affine" if silu else "mxfp4")
+    x = mx.random.normal((1, 1, 64))
+    ids = mx.array([[[0, 3, 4]]], dtype=mx.uint32)
+    scores = mx.softmax(mx.random.normal((1, 1, 3)), axis=-1)
+    mx.eval(x, ids, scores, theirs.parameters())
+    y = theirs(x, ids)
+    assert len(_graph_dispatches((y * scores[..., None]).sum(axis=-2))) == native
+    with mt.use_backend("emulator"):
+        before = backends.launch_count(backend="emulator")
+        y = ours(x, ids)
+        block = (y * scores[..., None]).sum(axis=-2)
+        launched = backends.launch_count(backend="emulator") - before
+        assert launched + len(_graph_dispatches(block)) == patched
+        before = backends.launch_count(backend="emulator")
+        combined = ours.combine(x, ids, scores)
+        assert backends.launch_count(backend="emulator") - before == 2
+        assert _graph_dispatches(combined) == []
