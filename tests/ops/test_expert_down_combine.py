@@ -128,6 +128,23 @@ def test_reads_each_selected_expert_once(poisoned_outputs, rng, mode, group_size
     assert stats.bytes_written["out"] == 2 * d * 2 and stats.bytes_read["out"] == 0
 
 
+@pytest.mark.parametrize("seed", (1, 2))
+def test_emulator_strict_shuffled(poisoned_outputs, rng, seed):
+    if backends.unavailable_reason("emulator") is not None:
+        pytest.skip("emulator unavailable")
+    from mlx_metaltile import emulator
+
+    down = make_experts(rng, 5, 13, 96, mx.bfloat16, group_size=32, bias=True)
+    ids = mx.array([[4, 0, 3], [2, 2, 1]], dtype=mx.int32)
+    previous = emulator.configure(strict=True, shuffle_seed=seed)
+    try:
+        with backends.use_backend("emulator"):
+            run_and_check(make_x(rng, (2, 3, 96), mx.bfloat16), down, ids,
+                          make_scores(rng, (2, 3)), "emulator", group_size=32)
+    finally:
+        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
+
+
 # ---- build once ----------------------------------------------------------------------------
 
 def test_instantiations_match_the_launches(launch_recorder, rng):
@@ -144,6 +161,30 @@ def test_instantiations_match_the_launches(launch_recorder, rng):
     assert len(launch_recorder.seen) == n
     assert {name for name, *_ in launch_recorder.seen} == {op_module.SPEC.name}
     launch_recorder.assert_declared()
+
+
+def test_kernel_path_is_lazy(monkeypatch, no_host_sync, rng):
+    seen = {}
+
+    def fake_kernel(*, inputs, output_shapes, output_dtypes, grid, threadgroup, template,
+                    init_value=None):
+        seen.update(grid=grid, threadgroup=threadgroup, template=template)
+        return [mx.zeros(shape, dtype=dtype) for shape, dtype
+                in zip(output_shapes, output_dtypes, strict=True)]
+
+    down = make_experts(rng, 8, 40, 128, mx.bfloat16, bias=True)
+    h = make_x(rng, (2, 3, 2, 128), mx.bfloat16)
+    logits = make_x(rng, (2, 3, 8), mx.float32)
+    with no_host_sync(), monkeypatch.context() as m:
+        m.setattr(backends, "resolve_backend", lambda name=None: "metal")
+        m.setattr(backends, "get_kernel", lambda *a, **k: fake_kernel)
+        ids = mx.argpartition(-logits, kth=1, axis=-1)[..., :2]
+        scores = mx.softmax(mx.take_along_axis(logits, ids, axis=-1), axis=-1)
+        out = mt.expert_down_combine(h, *down[:3], ids, scores, bias=down[3])
+    assert out.shape == (2, 3, 40) and out.dtype == mx.bfloat16
+    assert seen["grid"] == (64, 5, 6) and seen["threadgroup"] == (64, 1, 1)
+    assert seen["template"] == [("T", mx.bfloat16), ("BITS", 4), ("GROUP_SIZE", 64),
+                                ("MODE", 0)]
 
 
 def test_empty_does_not_dispatch(kernel_backend, rng):

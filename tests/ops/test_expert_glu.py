@@ -157,6 +157,26 @@ def test_no_bias_reads_no_bias(poisoned_outputs, rng):
     assert stats.bytes_read.get("bias_gate", 0) == stats.bytes_read.get("bias_up", 0) == 0
 
 
+@pytest.mark.parametrize("seed", (1, 2))
+def test_emulator_strict_shuffled(poisoned_outputs, rng, seed):
+    """Strict mode (a shuffle may not read a lane that is not at it) with threads and
+    threadgroups run in a permuted order: ragged N, a partial 32-lane step, both layouts."""
+    if backends.unavailable_reason("emulator") is not None:
+        pytest.skip("emulator unavailable")
+    from mlx_metaltile import emulator
+
+    gate, up = _pair(rng, 5, 13, 96, mx.bfloat16, group_size=32, bias=True)
+    ids = mx.array([[4, 0, 7], [2, 2, 1]], dtype=mx.int32)
+    previous = emulator.configure(strict=True, shuffle_seed=seed)
+    try:
+        with backends.use_backend("emulator"):
+            for x_shape in ((2, 96), (2, 3, 96)):
+                run_and_check(make_x(rng, x_shape, mx.bfloat16), gate, up, ids, "emulator",
+                              activation="swiglu_oai", group_size=32)
+    finally:
+        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
+
+
 # ---- build once ----------------------------------------------------------------------------
 
 def test_instantiations_match_the_launches(launch_recorder, rng):
@@ -176,6 +196,32 @@ def test_instantiations_match_the_launches(launch_recorder, rng):
     assert len(launch_recorder.seen) == n
     assert {name for name, *_ in launch_recorder.seen} == {op_module.SPEC.name}
     launch_recorder.assert_declared()
+
+
+def test_kernel_path_is_lazy(monkeypatch, no_host_sync, rng):
+    """The launcher syncs nothing: the kernel is replaced by a stand-in returning lazy
+    outputs, as on a Mac; its grid and template are the documented ones."""
+    seen = {}
+
+    def fake_kernel(*, inputs, output_shapes, output_dtypes, grid, threadgroup, template,
+                    init_value=None):
+        seen.update(grid=grid, threadgroup=threadgroup, template=template)
+        return [mx.zeros(shape, dtype=dtype) for shape, dtype
+                in zip(output_shapes, output_dtypes, strict=True)]
+
+    gate, up = _pair(rng, 8, 40, 128, mx.bfloat16, bias=True)
+    x = make_x(rng, (2, 3, 128), mx.bfloat16)
+    logits = make_x(rng, (2, 3, 8), mx.float32)
+    with no_host_sync(), monkeypatch.context() as m:
+        m.setattr(backends, "resolve_backend", lambda name=None: "metal")
+        m.setattr(backends, "get_kernel", lambda *a, **k: fake_kernel)
+        ids = mx.argpartition(-logits, kth=1, axis=-1)[..., :2]
+        out = mt.expert_glu(x, *gate[:3], *up[:3], ids, bias_gate=gate[3], bias_up=up[3],
+                            activation="swiglu_oai")
+    assert out.shape == (2, 3, 2, 40) and out.dtype == mx.bfloat16
+    assert seen["grid"] == (64, 5, 12) and seen["threadgroup"] == (64, 1, 1)
+    assert seen["template"] == [("T", mx.bfloat16), ("BITS", 4), ("GROUP_SIZE", 64),
+                                ("MODE", 0), ("ACT", 1)]
 
 
 def test_empty_does_not_dispatch(kernel_backend, rng):
