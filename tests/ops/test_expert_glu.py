@@ -87,11 +87,13 @@ def test_out_of_range_ids_give_nan_rows(any_backend, poisoned_outputs, rng, dtyp
     assert nan_rows.tolist() == [[False, True], [True, False], [True, True]]
 
 
-def test_leading_dims_broadcast(any_backend, poisoned_outputs, rng):
-    """x and indices broadcast as in expert_qmv (x [2, 1, K] against ids [2, 3, k])."""
+@pytest.mark.parametrize("x_shape", [(2, 1, 64), (2, 3, 2, 64)], ids=("shared", "per_expert"))
+def test_leading_dims_broadcast(any_backend, poisoned_outputs, rng, x_shape):
+    """x and indices broadcast as in expert_qmv (x [2, 1, K] against ids [2, 3, k]), and x
+    as one input per expert ([..., k, K], x.ndim = indices.ndim + 1)."""
     gate, up = _pair(rng, 5, 16, 64, mx.float16, group_size=32)
     ids = mx.array(rng.integers(0, 5, size=(2, 3, 2)).astype(np.uint32))
-    out = run_and_check(make_x(rng, (2, 1, 64), mx.float16), gate, up, ids, any_backend,
+    out = run_and_check(make_x(rng, x_shape, mx.float16), gate, up, ids, any_backend,
                         group_size=32)
     assert out.shape == (2, 3, 2, 16)
 
