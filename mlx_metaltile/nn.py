@@ -21,13 +21,22 @@ from mlx.nn.layers.distributed import (
     sum_gradients,
 )
 
-from .ops import expert_qmv, fp4_qmm, gated_rms_norm, moe_gather_qmm, sdpa_multi
+from .ops import (
+    expert_down_combine,
+    expert_glu,
+    expert_qmv,
+    fp4_qmm,
+    gated_rms_norm,
+    moe_gather_qmm,
+    sdpa_multi,
+)
 from .ops._common import DEFAULTS as _MODE_SIZES
 from .ops.sdpa_multi import _promotes_to
 
 # (token, expert) pairs from which a SwitchGLU call runs the prefill path (moe_gather_qmm
-# over expert-sorted rows) instead of the decode path (expert_qmv). mlx-lm sorts from the
-# same count; the crossover of our two kernels is still to be measured on a GPU.
+# over expert-sorted rows) instead of the decode path (expert_glu + expert_qmv, or
+# expert_glu + expert_down_combine through SwitchGLU.combine). mlx-lm sorts from the same
+# count; the crossover of the kernels is still to be measured on a GPU.
 PREFILL_MIN_PAIRS = 64
 
 _EXPERT_BITS = (4, 8)  # expert_qmv / moe_gather_qmm, affine mode
@@ -137,6 +146,20 @@ def _sizes(proj) -> tuple[int, int]:
             default_bits if bits is None else bits)
 
 
+def glu_activation(activation) -> str | None:
+    """expert_glu's name for an mlx-lm activation module (``SwiGLU``: "silu";
+    ``SwigluOAI`` at its default alpha 1.702 and limit 7: "swiglu_oai"), else None."""
+    kind = type(activation)
+    if not kind.__module__.startswith("mlx_lm."):
+        return None
+    if kind.__name__ == "SwiGLU":
+        return "silu"
+    if kind.__name__ == "SwigluOAI" and (getattr(activation, "_alpha", None),
+                                         getattr(activation, "_limit", None)) == (1.702, 7.0):
+        return "swiglu_oai"
+    return None
+
+
 def _bias_rows(proj, indices: mx.array) -> mx.array | None:
     bias = proj.get("bias")
     return None if bias is None else bias[indices]
@@ -151,7 +174,13 @@ class SwitchGLU(nn.Module):
 
     The same children (``gate_proj``, ``up_proj``, ``down_proj``) and ``activation`` object
     as the module it stands in for. Few (token, expert) pairs (decode, verification) run
-    ``expert_qmv`` straight from the router's ids; from :data:`PREFILL_MIN_PAIRS` pairs the
+    straight from the router's ids: ``expert_glu`` (gate, up and the activation in one
+    dispatch, for mlx-lm's ``SwiGLU`` and ``SwigluOAI``; other activations: two
+    ``expert_qmv`` and the activation), then ``expert_qmv`` for the down projection, which
+    returns the per-expert rows ``[..., k, D]`` mlx-lm's contract promises (the MoE block
+    applies the scores). :meth:`combine` also takes the scores and runs the down projection,
+    the scores and the sum over k as one ``expert_down_combine`` dispatch: two dispatches per
+    MoE block at decode for a block that calls it. From :data:`PREFILL_MIN_PAIRS` pairs the
     rows are sorted by expert and run ``moe_gather_qmm``. Experts the kernels do not serve
     (see :func:`switch_glu_unserved`), or activations in another dtype than the quantization
     scales, run mlx-lm's own ``SwitchGLU`` computation.
@@ -216,9 +245,57 @@ class SwitchGLU(nn.Module):
 
     def _decode(self, x: mx.array, indices: mx.array) -> mx.array:
         # x [..., D], indices [..., k] -> [..., k, D]
-        up = self._project(self.up_proj, x, indices)
-        gate = self._project(self.gate_proj, x, indices)
-        return self._project(self.down_proj, self.activation(up, gate), indices)
+        return self._project(self.down_proj, self._hidden(x, indices), indices)
+
+    def _hidden(self, x: mx.array, indices: mx.array) -> mx.array:
+        """activation(up, gate) [..., k, N] at decode: one expert_glu dispatch where the
+        activation is one it computes, else the two projections and the model's
+        activation."""
+        activation = self._glu_activation(x)
+        if activation is None:
+            up = self._project(self.up_proj, x, indices)
+            gate = self._project(self.gate_proj, x, indices)
+            return self.activation(up, gate)
+        gate, up = self.gate_proj, self.up_proj
+        return expert_glu(x, *_qargs(gate), *_qargs(up), indices, bias_gate=gate.get("bias"),
+                          bias_up=up.get("bias"), activation=activation, mode=gate.mode,
+                          group_size=gate.group_size, bits=gate.bits)
+
+    def _glu_activation(self, x: mx.array) -> str | None:
+        """expert_glu's name for this module's activation, or None where expert_glu cannot
+        run it (another activation, gate and up quantized differently, biases in another
+        dtype than x)."""
+        activation = glu_activation(self.activation)
+        gate, up = self.gate_proj, self.up_proj
+        if activation is None or (gate.mode, gate.group_size, gate.bits) != (
+                up.mode, up.group_size, up.bits):
+            return None
+        biases = [p.get("bias") for p in (gate, up)]
+        if any(b is not None and b.dtype != x.dtype for b in biases) or (
+                (biases[0] is None) != (biases[1] is None)):
+            return None
+        return activation
+
+    def combine(self, x: mx.array, indices: mx.array, scores: mx.array) -> mx.array:
+        """``(self(x, indices) * scores[..., None]).sum(axis=-2)`` as an MoE block computes
+        it, [..., D] in the experts' output dtype. At decode with an activation expert_glu
+        computes, two dispatches: expert_glu, then expert_down_combine (the down projection,
+        the scores and the sum over k in slot order; a token with an id outside [0, E)
+        gives a NaN row). Otherwise this module's call, then the scores and the sum."""
+        if (self.unserved(x) is None and indices.size < PREFILL_MIN_PAIRS
+                and self._glu_activation(x) is not None
+                and scores.shape == indices.shape and x.shape[:-1] == indices.shape[:-1]):
+            down = self.down_proj
+            bias = down.get("bias")
+            if bias is None or bias.dtype == x.dtype:
+                indices = mx.stop_gradient(indices)
+                if scores.dtype not in (x.dtype, mx.float32):
+                    scores = scores.astype(mx.float32)
+                return expert_down_combine(self._hidden(x, indices), *_qargs(down), indices,
+                                           scores, bias=bias, mode=down.mode,
+                                           group_size=down.group_size, bits=down.bits)
+        y = self(x, indices)
+        return (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
 
     def _prefill(self, x: mx.array, indices: mx.array) -> mx.array:
         k = indices.shape[-1]

@@ -217,7 +217,7 @@ _STAND_IN_KINDS = {mtnn.GatedRMSNorm: "gated_rms_norm", mtnn.SwitchGLU: "switch_
 _SERVED_BY = {
     "fp4_linear": "fp4_qmm",
     "gated_rms_norm": "gated_rms_norm (no gate: mx.fast.rms_norm)",
-    "switch_glu": f"expert_qmv (< {mtnn.PREFILL_MIN_PAIRS} token-expert pairs), "
+    "switch_glu": f"expert_glu + expert_qmv (< {mtnn.PREFILL_MIN_PAIRS} token-expert pairs), "
                   "moe_gather_qmm (more)",
     "attention": "sdpa_multi (KVCache or no cache, mask None/'causal'; others: mlx-lm)",
 }

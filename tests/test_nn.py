@@ -128,3 +128,122 @@ def test_sdpa_serves_array_masks_and_sinks():
     want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125, mask=mask,
                                                 sinks=sinks)
     assert mx.allclose(got, want, atol=1e-5).item()
+
+
+def _quantized_pair(activation, bias, mode):
+    """(ours, mlx-lm's) SwitchGLU with the same quantized experts."""
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    mx.random.seed(3)
+    theirs = SwitchGLU(64, 96, 5, activation=activation, bias=bias)
+    theirs.update(tree_map(lambda a: 0.1 * mx.random.normal(a.shape), theirs.parameters()))
+    nn.quantize(theirs, mode=mode, **({"group_size": 32, "bits": 4} if mode == "affine" else {}))
+    return mtnn.SwitchGLU.from_module(theirs), theirs
+
+
+def _close(got, want, terms):
+    tol = TOLERANCES["float32"]
+    err = mx.abs(got - want)
+    bound = tol.atol + tol.rtol * mx.abs(want) + tol.accum * terms * mx.abs(want).max()
+    assert got.shape == want.shape and bool(mx.all(err <= bound).item()), err.max().item()
+
+
+@pytest.mark.parametrize("backend", ("reference", "emulator"))
+@pytest.mark.parametrize("kind", ("silu", "swiglu_oai"))
+def test_switch_glu_decode_and_combine_fused(backend, kind):
+    """Decode: gate, up and the activation in one expert_glu launch (SwiGLU; gpt-oss's
+    SwigluOAI with expert biases in mxfp4), the down projection by expert_qmv; combine()
+    runs the block's score-weighted sum as expert_glu + expert_down_combine: two launches.
+    Both against mlx-lm's modules."""
+    from mlx_lm.models.activations import SwigluOAI
+    from mlx_lm.models.switch_layers import SwiGLU
+
+    silu = kind == "silu"
+    ours, theirs = _quantized_pair(SwiGLU() if silu else SwigluOAI(), bias=not silu,
+                                   mode="affine" if silu else "mxfp4")
+    assert mtnn.glu_activation(ours.activation) == kind
+    x = mx.random.normal((2, 3, 64))
+    ids = mx.random.randint(0, 5, (2, 3, 2)).astype(mx.uint32)
+    scores = mx.softmax(mx.random.normal((2, 3, 2)), axis=-1)
+    want = theirs(x, ids)
+    want_block = (want * scores[..., None]).sum(axis=-2)
+    with mt.use_backend(backend):
+        counts = {n: backends.launch_count(f"{n}_simd_rows", "emulator")
+                  for n in ("expert_glu", "expert_qmv", "expert_down_combine")}
+        got = ours(x, ids)
+        got_block = ours.combine(x, ids, scores)
+        mx.eval(got, got_block)
+        ran = {n: backends.launch_count(f"{n}_simd_rows", "emulator") - c
+               for n, c in counts.items()}
+    if backend == "emulator":
+        assert ran == {"expert_glu": 2, "expert_qmv": 1, "expert_down_combine": 1}
+    _close(got, want, 96)
+    _close(got_block, want_block, 2 * 96)
+
+
+def test_switch_glu_combine_falls_back(monkeypatch):
+    """An activation expert_glu does not compute, or prefill: the module's call, then the
+    scores and the sum (no expert_down_combine launch)."""
+    import mlx.nn as nn
+
+    class ReluGLU(nn.Module):  # an activation expert_glu does not compute
+        def __call__(self, x, gate):
+            return nn.relu(gate) * x
+
+    ours, theirs = _quantized_pair(ReluGLU(), bias=False, mode="affine")
+    assert mtnn.glu_activation(ours.activation) is None
+    x = mx.random.normal((1, 2, 64))
+    ids = mx.array([[[0, 4], [2, 2]]], dtype=mx.uint32)
+    scores = mx.softmax(mx.random.normal((1, 2, 2)), axis=-1)
+    with mt.use_backend("emulator"):
+        before = backends.launch_count("expert_down_combine_simd_rows", "emulator")
+        got = ours.combine(x, ids, scores)
+        mx.eval(got)
+        assert backends.launch_count("expert_down_combine_simd_rows", "emulator") == before
+    _close(got, (theirs(x, ids) * scores[..., None]).sum(axis=-2), 2 * 96)
+
+
+_NO_DISPATCH = {"Reshape", "ExpandDims", "Squeeze", "Broadcast", "StopGradient", "View"}
+
+
+def _graph_dispatches(out: mx.array) -> list[str]:
+    """The primitives of ``out``'s lazy graph that run a kernel (views of contiguous
+    arrays, broadcasts and stop_gradient do not)."""
+    import io
+    import re
+
+    dot = io.StringIO()
+    mx.export_to_dot(dot, out)
+    names = re.findall(r'label ="([A-Za-z_]+)', dot.getvalue())
+    return [n for n in names if n not in _NO_DISPATCH]
+
+
+@pytest.mark.parametrize("kind, native, patched", [("silu", 9, 4), ("swiglu_oai", 15, 6)])
+def test_moe_block_dispatches_at_decode(kind, native, patched):
+    """The README's counts: one decode token through mlx-lm's SwitchGLU and the block's
+    score sum, through the patched SwitchGLU in the same block, and through combine() (two
+    launches, nothing else). The emulator runs our kernels eagerly: launches are counted,
+    the rest of the graph stays lazy."""
+    from mlx_lm.models.activations import SwigluOAI
+    from mlx_lm.models.switch_layers import SwiGLU
+
+    silu = kind == "silu"
+    ours, theirs = _quantized_pair(SwiGLU() if silu else SwigluOAI(), bias=not silu,
+                                   mode="affine" if silu else "mxfp4")
+    x = mx.random.normal((1, 1, 64))
+    ids = mx.array([[[0, 3, 4]]], dtype=mx.uint32)
+    scores = mx.softmax(mx.random.normal((1, 1, 3)), axis=-1)
+    mx.eval(x, ids, scores, theirs.parameters())
+    y = theirs(x, ids)
+    assert len(_graph_dispatches((y * scores[..., None]).sum(axis=-2))) == native
+    with mt.use_backend("emulator"):
+        before = backends.launch_count(backend="emulator")
+        y = ours(x, ids)
+        block = (y * scores[..., None]).sum(axis=-2)
+        launched = backends.launch_count(backend="emulator") - before
+        assert launched + len(_graph_dispatches(block)) == patched
+        before = backends.launch_count(backend="emulator")
+        combined = ours.combine(x, ids, scores)
+        assert backends.launch_count(backend="emulator") - before == 2
+        assert _graph_dispatches(combined) == []

@@ -52,7 +52,8 @@ HALF_FACTOR = 2.0
 # HALF_OUTLIER_ROWS may exceed HALF_FACTOR times the unpatched model's worst row. A
 # systematic error (mask, cache rows, expert ids, casts) moves most rows.
 HALF_OUTLIER_ROWS = 16
-_OPS = {"attention": "sdpa_multi", "switch_glu": ("expert_qmv", "moe_gather_qmm"),
+_OPS = {"attention": "sdpa_multi",
+        "switch_glu": ("expert_glu", "expert_qmv", "moe_gather_qmm"),
         "gated_rms_norm": "gated_rms_norm", "fp4_linear": "fp4_qmm"}
 _models: dict = {}
 
@@ -68,7 +69,7 @@ def model_for(arch: str, **kwargs):
 @pytest.fixture
 def op_calls(monkeypatch):
     """Counts the op calls mlx_metaltile.nn makes (kernel launches are counted separately)."""
-    calls = {name: 0 for name in ("sdpa_multi", "expert_qmv", "moe_gather_qmm",
+    calls = {name: 0 for name in ("sdpa_multi", "expert_glu", "expert_qmv", "moe_gather_qmm",
                                   "gated_rms_norm", "fp4_qmm")}
     for name in calls:
         op = getattr(mtnn, name)

@@ -1,0 +1,172 @@
+"""expert_down_combine: float64 oracle from the math, benchmark cases, checked calls."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+import mlx_metaltile as mt
+
+from .. import backends
+from ._base import BenchCase, assert_close, to_f64
+from .expert_glu import SHAPES, bench_make, make_experts, make_x, project, switch_linear
+
+OP = "expert_down_combine"
+
+
+def oracle(h, down, indices, scores, mode, group_size, bits):
+    """(expected [..., D], magnitude sum_j |score_j| * sum |terms|, valid token rows):
+    out = sum_j score_j * (h_j @ W[e_j]^T + bias[e_j]); a token with any id outside
+    [0, E) is NaN. ``down``: (w, scales, biases, bias)."""
+    y, mag, valid = project(h, *down, indices, mode, group_size, bits)  # [..., k, D]
+    s = to_f64(scores)[..., None]
+    ok = valid.all(axis=-1)
+    want = np.where(ok[..., None], np.nansum(s * y, axis=-2), np.nan)
+    return want, np.nansum(np.abs(s) * mag, axis=-2), ok
+
+
+def run_and_check(h, down, indices, scores, backend, *, mode="affine", group_size=None,
+                  bits=None, launches=1):
+    from mlx_metaltile.ops._common import DEFAULTS
+
+    gs, nb = DEFAULTS[mode]
+    group_size, bits = group_size or gs, bits or nb
+    before = backends.launch_count(backend=backend)
+    out = mt.expert_down_combine(h, *down[:3], indices, scores, bias=down[3], mode=mode,
+                                 group_size=group_size, bits=bits)
+    mx.eval(out)
+    if backend != "reference":
+        assert backends.launch_count(backend=backend) == before + launches
+    want, mag, ok = oracle(h, down, indices, scores, mode, group_size, bits)
+    assert out.dtype == h.dtype and tuple(out.shape) == want.shape
+    got = to_f64(out)
+    assert np.isnan(got[~ok]).all(), "a token with an out-of-range id must give a NaN row"
+    assert_close(got[ok], want[ok], h.dtype, magnitude=mag[ok],
+                 what=f"expert_down_combine[{backend}]")
+    return out
+
+
+def make_scores(rng, shape, dtype=mx.float32):
+    """Router weights: softmax over k of random logits (positive, summing to 1)."""
+    z = rng.standard_normal(shape)
+    p = np.exp(z) / np.exp(z).sum(axis=-1, keepdims=True)
+    return mx.array(p.astype(np.float32)).astype(dtype)
+
+
+def _variant_call(backend, rng):
+    down = make_experts(rng, 6, 13, 128, mx.bfloat16, bias=True)
+    ids = mx.array([[0, 5], [2, 2]], dtype=mx.uint32)
+    run_and_check(make_x(rng, (2, 2, 128), mx.bfloat16), down, ids,
+                  make_scores(rng, (2, 2), mx.bfloat16), backend)
+
+
+VARIANT_CALLS = {"simd_rows": _variant_call}
+
+
+# ---- benchmarks (one decode token) vs mlx-lm's down projection + score sum ----------------
+
+def _ours(h, down, indices, scores, mode):
+    return mt.expert_down_combine(h, *down[:3], indices, scores, bias=down[3], mode=mode)
+
+
+def _native(h, down, indices, scores, mode):
+    # mlx-lm: SwitchGLU's down_proj on [..., k, 1, N], squeeze, then the MoE block's
+    # (y * scores[..., None]).sum(axis=-2)
+    y = switch_linear(mx.expand_dims(h, -2), *down, indices, mode).squeeze(-2)
+    return (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+
+
+def _gs(mode):
+    return {"affine": 64, "mxfp4": 32}[mode]
+
+
+def _oracle(h, down, indices, scores, mode):
+    return oracle(h, down, indices, scores, mode, _gs(mode), 4)[0]
+
+
+def _magnitude(h, down, indices, scores, mode):
+    return oracle(h, down, indices, scores, mode, _gs(mode), 4)[1]
+
+
+def bench_cases() -> list[BenchCase]:
+    out = []
+    dtype = mx.bfloat16
+    for label, E, k, D, N, mode, _act, bias in SHAPES:
+        def make(rng, E=E, k=k, D=D, N=N, mode=mode, bias=bias):
+            experts, ids = bench_make(rng, E=E, k=k, n_in=N, n_out=D, mode=mode, bias=bias,
+                                      dtype=dtype)
+            h = mx.array(rng.standard_normal((1, k, N), dtype=np.float32)).astype(dtype)
+            return dict(h=h, down=experts(D, N), indices=ids,
+                        scores=make_scores(rng, (1, k), dtype), mode=mode)
+
+        sb = 2 if mode == "affine" else 1
+        per_expert = D * (N // 2 + (N // _gs(mode)) * sb * (2 if mode == "affine" else 1))
+        nbytes = (k * per_expert + k * N * dtype.size + D * dtype.size
+                  + (k * D * dtype.size if bias else 0))
+        out.append(BenchCase(op=OP, label=f"{label}-E{E}k{k}-{N}to{D}-{mode}", dtype=dtype,
+                             make=make, ours=_ours, native=_native, oracle=_oracle,
+                             magnitude=_magnitude, nbytes=nbytes, flops=2 * k * N * D,
+                             quick=label == "qwen3-30b-a3b"))
+    return out
+
+
+# ---- one MoE block at decode: expert_glu + expert_down_combine vs mlx-lm ------------------
+
+def block_oracle(x, gate, up, down, indices, scores, activation, mode):
+    """(expected [..., D], magnitude) of sum_j s_j * down_j(act(gate_j(x), up_j(x))) in
+    float64. The magnitude adds, through |W_down|, the error of the [..., k, N] hidden rows
+    as expert_glu returns them (its float32 error, then one rounding to x's dtype)."""
+    from .._registry import TOLERANCES
+    from .expert_glu import oracle as glu_oracle
+
+    gs, bits = _gs(mode), 4
+    h, mag_h, _ = glu_oracle(x, gate, up, indices, activation, mode, gs, bits)
+    want, mag, _ = oracle(h, down, indices, scores, mode, gs, bits)
+    tol = TOLERANCES[str(x.dtype).rsplit(".", 1)[-1]]
+    h_err = tol.rtol * np.abs(h) + tol.accum * mag_h
+    spread = oracle(h_err, (*down[:3], None), indices, np.abs(to_f64(scores)), mode, gs,
+                    bits)[1]
+    return want, mag + spread / tol.accum
+
+
+def _block_ours(x, gate, up, down, indices, scores, activation, mode):
+    h = mt.expert_glu(x, *gate[:3], *up[:3], indices, bias_gate=gate[3], bias_up=up[3],
+                      activation=activation, mode=mode)
+    return mt.expert_down_combine(h, *down[:3], indices, scores, bias=down[3], mode=mode)
+
+
+def _block_native(x, gate, up, down, indices, scores, activation, mode):
+    from .expert_glu import native_activation
+
+    # mlx-lm's SwitchGLU at decode (x as [..., 1, 1, D]), then the block's score sum
+    xe = mx.expand_dims(x, (-2, -3))
+    h = native_activation(activation)(switch_linear(xe, *up, indices, mode),
+                                      switch_linear(xe, *gate, indices, mode))
+    y = switch_linear(h, *down, indices, mode).squeeze(-2)
+    return (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+
+
+def block_cases() -> list[BenchCase]:
+    """One MoE block at decode (one token), the shapes of SHAPES. Not in bench_cases (the op
+    is two): bench/test_expert_down_combine.py times them."""
+    out = []
+    dtype = mx.bfloat16
+    for label, E, k, D, N, mode, act, bias in SHAPES:
+        def make(rng, E=E, k=k, D=D, N=N, mode=mode, act=act, bias=bias):
+            experts, ids = bench_make(rng, E=E, k=k, n_in=D, n_out=N, mode=mode, bias=bias,
+                                      dtype=dtype)
+            down = bench_make(rng, E=E, k=k, n_in=N, n_out=D, mode=mode, bias=bias,
+                              dtype=dtype)[0](D, N)
+            x = mx.array(rng.standard_normal((1, D), dtype=np.float32)).astype(dtype)
+            return dict(x=x, gate=experts(N, D), up=experts(N, D), down=down, indices=ids,
+                        scores=make_scores(rng, (1, k), dtype), activation=act, mode=mode)
+
+        sb = (2 * 2 if mode == "affine" else 1)  # scale (+ bias) bytes per group
+        weights = 3 * k * N * D * (1 / 2 + sb / _gs(mode))
+        nbytes = int(weights + 2 * D * dtype.size + (3 * k * N * dtype.size if bias else 0))
+        out.append(BenchCase(op="moe_block", label=f"{label}-E{E}k{k}-{D}x{N}-{mode}",
+                             dtype=dtype, make=make, ours=_block_ours, native=_block_native,
+                             oracle=lambda **i: block_oracle(**i)[0],
+                             magnitude=lambda **i: block_oracle(**i)[1], nbytes=nbytes,
+                             flops=3 * 2 * k * N * D, quick=label == "qwen3-30b-a3b"))
+    return out

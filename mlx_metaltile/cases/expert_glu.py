@@ -1,0 +1,239 @@
+"""expert_glu: float64 oracle from the math (every quantization mode), benchmark cases,
+checked calls."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+import mlx_metaltile as mt
+
+from .. import backends
+from . import _mxfp4
+from ._base import BenchCase, assert_close, to_f64
+from .expert_qmv import dequantize_f64
+
+OP = "expert_glu"
+ALPHA, LIMIT = 1.702, 7.0  # mlx-lm's SwigluOAI
+ACT_SLOPE = 1.1  # max |d/dg (g * sigmoid(a g))| over g, any a > 0 (silu's and gpt-oss's gate)
+
+
+# ---- oracle ---------------------------------------------------------------------------
+
+def _e4m3(b: np.ndarray) -> np.ndarray:
+    """E4M3 bytes -> float64 (bias 7, subnormals m * 2^-9; 0x7F / 0xFF read as +-480)."""
+    b = b.astype(np.int64)
+    e, m = (b >> 3) & 0xF, b & 7
+    v = np.where(e == 0, m * 2.0**-9, (1 + m / 8) * 2.0 ** (e - 7))
+    return np.where(b & 0x80, -v, v)
+
+
+def dequantize(w, scales, biases, mode: str, group_size: int, bits: int) -> np.ndarray:
+    """W [..., N, K] in float64 from mx.quantize's arrays for ``mode``."""
+    if mode == "affine":
+        return dequantize_f64(w, to_f64(scales), to_f64(biases), group_size, bits)
+    codes = np.ascontiguousarray(np.array(w), dtype="<u4").view(np.uint8)
+    if mode == "mxfp8":
+        q = _e4m3(codes)
+    else:  # fp4: code 2i at the low nibble of byte i
+        q = _mxfp4._E2M1[np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(
+            *codes.shape[:-1], -1)]
+    s = np.array(scales)
+    s = 2.0 ** (s.astype(np.float64) - 127) if mode in ("mxfp4", "mxfp8") else _e4m3(s)
+    return q * np.repeat(s, group_size, axis=-1)
+
+
+def project(x, w, scales, biases, bias, indices, mode, group_size, bits):
+    """Each token's k projections in float64: (value, magnitude sum |terms|) [..., k, N],
+    NaN for an id outside [0, E). x [..., K] (shared) or [..., k, K] (per expert)."""
+    n_experts, n_out = w.shape[:2]
+    ids = np.array(indices).astype(np.int64)
+    xs = to_f64(x)
+    if xs.ndim != ids.ndim + 1:
+        xs = xs[..., None, :]
+    lead = np.broadcast_shapes(xs.shape[:-2], ids.shape[:-1])
+    k = ids.shape[-1]
+    xs = np.broadcast_to(xs, (*lead, k, xs.shape[-1]))
+    ids = np.broadcast_to(ids, (*lead, k))
+    valid = (ids >= 0) & (ids < n_experts)
+    val = np.full((*lead, k, n_out), np.nan)
+    mag = np.full_like(val, np.nan)
+    bias = None if bias is None else to_f64(bias)
+    for e in np.unique(ids[valid]):
+        at = ids == e
+        wd = dequantize(np.array(w[int(e)]), scales[int(e)],
+                        None if biases is None else biases[int(e)], mode, group_size, bits)
+        val[at] = xs[at] @ wd.T
+        mag[at] = np.abs(xs[at]) @ np.abs(wd).T
+        if bias is not None:
+            val[at] += bias[e]
+            mag[at] += np.abs(bias[e])
+    return val, mag, valid
+
+
+def activate(g, u, activation: str):
+    """(act(g, u), |d/dg| bound, |d/du|) in float64, as mlx-lm's SwiGLU / SwigluOAI."""
+    with np.errstate(over="ignore"):  # exp(-g) = inf for g << 0 gives g / inf = -0, exact
+        return _activate(g, u, activation)
+
+
+def _activate(g, u, activation: str):
+    if activation == "silu":
+        a = g / (1 + np.exp(-g))
+        return a * u, ACT_SLOPE * np.abs(u), np.abs(a)
+    gc, uc = np.minimum(g, LIMIT), np.clip(u, -LIMIT, LIMIT)
+    a = gc / (1 + np.exp(-ALPHA * gc))
+    return (uc + 1) * a, ACT_SLOPE * np.abs(uc + 1), np.abs(a)
+
+
+def oracle(x, gate, up, indices, activation, mode, group_size, bits):
+    """(expected [..., k, N], magnitude, valid). ``gate`` / ``up``: (w, scales, biases,
+    bias). The magnitude carries the float32 errors of g and u through the activation (its
+    slopes) plus |want| for the activation's own float32 evaluation."""
+    g, mg, valid = project(x, *gate, indices, mode, group_size, bits)
+    u, mu, _ = project(x, *up, indices, mode, group_size, bits)
+    want, dg, du = activate(g, u, activation)
+    return want, dg * mg + du * mu + np.abs(want), valid
+
+
+def run_and_check(x, gate, up, indices, backend, *, activation="silu", mode="affine",
+                  group_size=None, bits=None, launches=1):
+    """mt.expert_glu against the oracle; ``gate`` / ``up`` are (w, scales, biases, bias)."""
+    from mlx_metaltile.ops._common import DEFAULTS
+
+    gs, nb = DEFAULTS[mode]
+    group_size, bits = group_size or gs, bits or nb
+    before = backends.launch_count(backend=backend)
+    out = mt.expert_glu(x, *gate[:3], *up[:3], indices, bias_gate=gate[3], bias_up=up[3],
+                        activation=activation, mode=mode, group_size=group_size, bits=bits)
+    mx.eval(out)
+    if backend != "reference":  # a kernel ran (never the reference compared with itself)
+        assert backends.launch_count(backend=backend) == before + launches
+    want, mag, valid = oracle(x, gate, up, indices, activation, mode, group_size, bits)
+    assert out.dtype == x.dtype and tuple(out.shape) == want.shape
+    got = to_f64(out)
+    assert np.isnan(got[~valid]).all(), "an out-of-range id must give a NaN row"
+    assert_close(got[valid], want[valid], x.dtype, magnitude=mag[valid],
+                 what=f"expert_glu[{backend}]")
+    return out
+
+
+# ---- inputs ---------------------------------------------------------------------------
+
+def make_experts(rng, n_experts, n_out, n_in, dtype, mode="affine", group_size=64, bits=4,
+                 bias=False, scale=1.0):
+    """(w, scales, biases, bias) of random experts quantized by mx.quantize."""
+    wf = mx.array(rng.standard_normal((n_experts, n_out, n_in)).astype(np.float32) * scale)
+    if mode == "affine":
+        w, s, b = mx.quantize(wf.astype(dtype), group_size=group_size, bits=bits)
+    else:
+        w, s = mx.quantize(wf, mode=mode)
+        b = None
+    bb = None
+    if bias:
+        bb = mx.array(rng.standard_normal((n_experts, n_out)).astype(np.float32)).astype(dtype)
+    return w, s, b, bb
+
+
+def make_x(rng, shape, dtype, scale=1.0):
+    return mx.array((rng.standard_normal(shape) * scale).astype(np.float32)).astype(dtype)
+
+
+def _variant_call(backend, rng):
+    gate = make_experts(rng, 6, 13, 128, mx.bfloat16, bias=True)
+    up = make_experts(rng, 6, 13, 128, mx.bfloat16, bias=True)
+    ids = mx.array([[0, 5], [2, 2]], dtype=mx.uint32)
+    run_and_check(make_x(rng, (2, 128), mx.bfloat16), gate, up, ids, backend)
+
+
+VARIANT_CALLS = {"simd_rows": _variant_call}
+
+
+# ---- benchmarks (one decode token) vs mlx-lm's SwitchGLU composite -------------------------
+
+# (model, E, k, hidden D, expert width N, mode, activation, per-expert biases)
+SHAPES = (
+    ("qwen3-30b-a3b", 128, 8, 2048, 768, "affine", "silu", False),
+    ("qwen3-next-80b-a3b", 512, 10, 2048, 512, "affine", "silu", False),
+    ("gpt-oss-20b", 32, 4, 2880, 2880, "mxfp4", "swiglu_oai", True),
+)
+
+
+def bench_make(rng, *, E, k, n_in, n_out, mode, bias, dtype, tokens=1):
+    """Packed words with every code equally likely, scales keeping values O(1)."""
+    gs, bits = {"affine": (64, 4), "mxfp4": (32, 4)}[mode]
+    def experts(n, kk):
+        w = mx.array(rng.integers(0, 2**32, size=(E, n, kk * bits // 32), dtype=np.uint32))
+        g = (E, n, kk // gs)
+        if mode == "affine":
+            s = mx.array(rng.standard_normal(g, dtype=np.float32) / (4 << bits)).astype(dtype)
+            b = mx.array(rng.standard_normal(g, dtype=np.float32) * 0.1).astype(dtype)
+        else:
+            s, b = mx.array(rng.integers(118, 124, size=g).astype(np.uint8)), None
+        bb = (mx.array(rng.standard_normal((E, n), dtype=np.float32)).astype(dtype)
+              if bias else None)
+        return w, s, b, bb
+    ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(tokens)])
+    return experts, mx.array(ids.astype(np.uint32))
+
+
+def _ours(x, gate, up, indices, activation, mode):
+    return mt.expert_glu(x, *gate[:3], *up[:3], indices, bias_gate=gate[3], bias_up=up[3],
+                         activation=activation, mode=mode)
+
+
+def switch_linear(x, w, scales, biases, bias, indices, mode):
+    """mlx-lm's QuantizedSwitchLinear at decode: gather_qmm, then the bias rows."""
+    gs, bits = {"affine": (64, 4), "mxfp4": (32, 4)}[mode]
+    y = mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True,
+                      group_size=gs, bits=bits, mode=mode)
+    return y if bias is None else y + mx.expand_dims(bias[indices], -2)
+
+
+def native_activation(activation):
+    from mlx_lm.models.activations import SwigluOAI
+    from mlx_lm.models.switch_layers import SwiGLU
+
+    return SwiGLU() if activation == "silu" else SwigluOAI()
+
+
+def _native(x, gate, up, indices, activation, mode):
+    # mlx-lm's SwitchGLU at decode: up, gate, activation (x as [..., 1, 1, D])
+    xe = mx.expand_dims(x, (-2, -3))
+    u = switch_linear(xe, *up, indices, mode)
+    g = switch_linear(xe, *gate, indices, mode)
+    return native_activation(activation)(u, g).squeeze(-2)
+
+
+def _oracle(x, gate, up, indices, activation, mode):
+    gs = {"affine": 64, "mxfp4": 32}[mode]
+    return oracle(x, gate, up, indices, activation, mode, gs, 4)[0]
+
+
+def _magnitude(x, gate, up, indices, activation, mode):
+    gs = {"affine": 64, "mxfp4": 32}[mode]
+    return oracle(x, gate, up, indices, activation, mode, gs, 4)[1]
+
+
+def bench_cases() -> list[BenchCase]:
+    out = []
+    dtype = mx.bfloat16
+    for label, E, k, D, N, mode, act, bias in SHAPES:
+        def make(rng, E=E, k=k, D=D, N=N, mode=mode, act=act, bias=bias):
+            experts, ids = bench_make(rng, E=E, k=k, n_in=D, n_out=N, mode=mode, bias=bias,
+                                      dtype=dtype)
+            x = mx.array(rng.standard_normal((1, D), dtype=np.float32)).astype(dtype)
+            return dict(x=x, gate=experts(N, D), up=experts(N, D), indices=ids,
+                        activation=act, mode=mode)
+
+        gs = {"affine": 64, "mxfp4": 32}[mode]
+        sb = 2 if mode == "affine" else 1
+        per_expert = N * (D // 2 + (D // gs) * sb * (2 if mode == "affine" else 1))
+        nbytes = (2 * k * per_expert + D * dtype.size + k * N * dtype.size
+                  + (2 * k * N * dtype.size if bias else 0))
+        out.append(BenchCase(op=OP, label=f"{label}-E{E}k{k}-{D}to{N}-{mode}", dtype=dtype,
+                             make=make, ours=_ours, native=_native, oracle=_oracle,
+                             magnitude=_magnitude, nbytes=nbytes,
+                             flops=2 * 2 * k * N * D, quick=label == "qwen3-30b-a3b"))
+    return out
+

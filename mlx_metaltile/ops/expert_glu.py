@@ -1,0 +1,237 @@
+"""expert_glu: MoE decode gate and up projections with the gated activation, one dispatch.
+
+mlx-lm's SwitchGLU runs the up and gate projections as two ``gather_qmm`` dispatches, then
+the activation as a third: x is read twice and two ``[..., k, N]`` intermediates are written
+and read back. This op reads x and each selected expert's gate and up rows once and writes
+``act(gate) * up`` directly.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .. import backends
+from .._registry import Arg, KernelSpec, register, scalars
+from ._common import (
+    BITS,
+    DEFAULTS,
+    FLOAT_TYPES,
+    GROUP_SIZES,
+    INDEX_TYPES,
+    MODE_IDS,
+    MODES,
+    QUANTIZED_PARAMS,
+    dtype_name,
+    require_array,
+    scalar,
+)
+from .expert_qmv import (
+    BCAST_DIMS,
+    ROWS_PER_THREADGROUP,
+    SIMDGROUPS,
+    _bcast_dims,
+    _bcast_input,
+    _check_expert_qmv,
+    _out_shape,
+)
+from .expert_qmv import _reference as _qmv_reference
+
+OP = "expert_glu"
+__all__ = ["expert_glu", "expert_glu_reference"]
+# activation name -> the template's ACT. "silu": silu(gate) * up (mlx-lm's SwiGLU);
+# "swiglu_oai": gpt-oss's clamped form (mlx-lm's SwigluOAI).
+ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
+SWIGLU_OAI_ALPHA = 1.702  # mlx-lm's SwigluOAI defaults
+SWIGLU_OAI_LIMIT = 7.0
+
+
+def _bindings():
+    for t in FLOAT_TYPES:
+        for mode in MODES:
+            sizes = ([(b, gs) for b in BITS for gs in GROUP_SIZES] if mode == "affine"
+                     else [DEFAULTS[mode][::-1]])
+            s = t if mode == "affine" else mx.uint8
+            for bits, gs in sizes:
+                for i in INDEX_TYPES:
+                    for act in ACTIVATIONS.values():
+                        yield dict(T=t, S=s, BITS=bits, GROUP_SIZE=gs, MODE=MODE_IDS[mode],
+                                   ACT=act, I=i)
+
+
+(SPEC,) = register(
+    KernelSpec(
+        op=OP, variant="simd_rows", template="expert_glu.metal",
+        inputs=(Arg("x", "T", 2),
+                Arg("w_gate", "uint32", 3), Arg("scales_gate", "S", 3),
+                Arg("biases_gate", "S", 3),
+                Arg("w_up", "uint32", 3), Arg("scales_up", "S", 3), Arg("biases_up", "S", 3),
+                Arg("bias_gate", "T", 2), Arg("bias_up", "T", 2),
+                Arg("indices", "I", 1), Arg("bcast", "uint32", 1),
+                *scalars("n_experts", "n_out", "k_in", "n_sel", "x_slot", "has_bias"),
+                *scalars("alpha", "limit", dtype="float32")),
+        outputs=(Arg("out", "T", 2),), params=(*QUANTIZED_PARAMS, "ACT"),
+        bindings=_bindings,
+        geometry="threadgroup (64, 1, 1): 2 SIMD-groups x 4 rows of gate and up; "
+                 "grid (64, ceil(N / 8), tokens * k): one threadgroup per (pair, 8-row tile)",
+        notes="expert_qmv's modes; silu or swiglu_oai; optional per-expert biases; ids >= E "
+              "(or < 0) give a NaN row",
+    ),
+)
+
+
+def _check(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
+           bias_gate, bias_up, activation, group_size, bits, mode) -> dict:
+    """Validate (the projections as expert_qmv checks one, under this op's name); return the
+    derived sizes."""
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ValueError(f"[{OP}] activation must be one of {tuple(ACTIVATIONS)}, "
+                         f"got {activation!r}")
+    try:
+        info = _check_expert_qmv(x, w_gate, scales_gate, biases_gate, indices, group_size,
+                                 bits, mode)
+        up = _check_expert_qmv(x, w_up, scales_up, biases_up, indices, group_size, bits, mode)
+    except (TypeError, ValueError) as err:  # same checks, this op's name
+        raise type(err)(str(err).replace("[expert_qmv]", f"[{OP}]", 1)) from None
+    for name, arr, ref in (("w_up", w_up, w_gate), ("scales_up", scales_up, scales_gate)):
+        if tuple(arr.shape) != tuple(ref.shape):
+            raise ValueError(f"[{OP}] {name} must have the gate's shape {tuple(ref.shape)}, "
+                             f"got {tuple(arr.shape)}")
+    assert up["n_out"] == info["n_out"]
+    if (bias_gate is None) != (bias_up is None):
+        raise ValueError(f"[{OP}] bias_gate and bias_up must both be arrays or both None, got "
+                         f"{type(bias_gate).__name__} and {type(bias_up).__name__}")
+    if bias_gate is not None:
+        want = (info["n_experts"], info["n_out"])
+        for name, arr in (("bias_gate", bias_gate), ("bias_up", bias_up)):
+            require_array(OP, name, arr)
+            if tuple(arr.shape) != want:
+                raise ValueError(f"[{OP}] {name} must have shape [E, N] = {want}, "
+                                 f"got {tuple(arr.shape)}")
+            if arr.dtype != x.dtype:
+                raise TypeError(f"[{OP}] {name} must have x's dtype {dtype_name(x.dtype)}, "
+                                f"got {dtype_name(arr.dtype)}")
+    return {**info, "activation": activation, "has_bias": bias_gate is not None}
+
+
+def _activate(gate: mx.array, up: mx.array, activation: str) -> mx.array:
+    if activation == "silu":
+        return gate * mx.sigmoid(gate) * up
+    gate = mx.minimum(gate, SWIGLU_OAI_LIMIT)
+    up = mx.clip(up, -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+    return (up + 1.0) * (gate * mx.sigmoid(SWIGLU_OAI_ALPHA * gate))
+
+
+def _reference(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
+               bias_gate, bias_up, info: dict) -> mx.array:
+    """expert_qmv's composite for each projection, kept in float32 (one rounding at the end,
+    as the kernel)."""
+    xf = x.astype(mx.float32)
+    if info["mode"] == "affine":
+        scales_gate, biases_gate, scales_up, biases_up = (
+            a.astype(mx.float32) for a in (scales_gate, biases_gate, scales_up, biases_up))
+    gate = _qmv_reference(xf, w_gate, scales_gate, biases_gate, indices, info)
+    up = _qmv_reference(xf, w_up, scales_up, biases_up, indices, info)
+    if info["has_bias"]:
+        valid = indices < info["n_experts"]
+        if indices.dtype == mx.int32:
+            valid = valid & (indices >= 0)
+        safe = mx.where(valid, indices, 0)
+        gate = gate + bias_gate[safe].astype(mx.float32)
+        up = up + bias_up[safe].astype(mx.float32)
+    return _activate(gate, up, info["activation"]).astype(x.dtype)
+
+
+def _launch(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
+            bias_gate, bias_up, info: dict, backend: str) -> mx.array:
+    lead, k, n_out, n_in = info["lead"], info["k"], info["n_out"], info["in_features"]
+    pairs = info["tokens"] * k
+    if info["x_k_axis"] and info["shared"]:
+        x = mx.squeeze(x, axis=-2)
+    dims = _bcast_dims(info)
+    if len(dims) > BCAST_DIMS:  # more than the kernel walks: materialise (as expert_qmv)
+        x = mx.broadcast_to(x, (*lead, n_in) if info["shared"] else (*lead, k, n_in))
+        indices = mx.broadcast_to(indices, (*lead, k))
+        info = {**info, "x_lead": lead, "idx_lead": lead}
+        dims = _bcast_dims(info)
+    xs = x.reshape(-1, n_in)
+    if biases_gate is None:  # fp modes: never read
+        biases_gate, biases_up = scales_gate, scales_up
+    if bias_gate is None:  # never read (has_bias = 0)
+        bias_gate = bias_up = xs
+    tg = backends.SIMD_WIDTH * SIMDGROUPS
+    (out,) = backends.launch(
+        SPEC, backend,
+        inputs={"x": xs, "w_gate": w_gate, "scales_gate": scales_gate,
+                "biases_gate": biases_gate, "w_up": w_up, "scales_up": scales_up,
+                "biases_up": biases_up, "bias_gate": bias_gate, "bias_up": bias_up,
+                "indices": indices.reshape(-1), "bcast": _bcast_input(tuple(dims)),
+                "n_experts": scalar(info["n_experts"], mx.uint32),
+                "n_out": scalar(n_out, mx.uint32), "k_in": scalar(n_in, mx.uint32),
+                "n_sel": scalar(k, mx.uint32),
+                "x_slot": scalar(0 if info["shared"] else 1, mx.uint32),
+                "has_bias": scalar(int(info["has_bias"]), mx.uint32),
+                "alpha": scalar(SWIGLU_OAI_ALPHA, mx.float32),
+                "limit": scalar(SWIGLU_OAI_LIMIT, mx.float32)},
+        template={"T": x.dtype, "BITS": info["bits"], "GROUP_SIZE": info["group_size"],
+                  "MODE": MODE_IDS[info["mode"]], "ACT": ACTIVATIONS[info["activation"]]},
+        outputs={"out": ((pairs, n_out), x.dtype)},
+        grid=(tg, -(-n_out // ROWS_PER_THREADGROUP), pairs), threadgroup=(tg, 1, 1),
+    )
+    return out.reshape(_out_shape(info))
+
+
+def _run(impl, args, kwargs, stream):
+    if stream is None:
+        return impl(*args, **kwargs)
+    with mx.stream(stream):
+        return impl(*args, **kwargs)
+
+
+def expert_glu_reference(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up,
+                         indices, *, bias_gate=None, bias_up=None, activation: str = "silu",
+                         mode: str = "affine", group_size: int | None = None,
+                         bits: int | None = None, stream=None) -> mx.array:
+    """Pure-MLX composite with :func:`expert_glu`'s contract (float32 inside, NaN rows)."""
+    info = _check(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
+                  bias_gate, bias_up, activation, group_size, bits, mode)
+    if 0 in _out_shape(info):
+        return mx.zeros(_out_shape(info), dtype=x.dtype)
+    return _run(_reference, (x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up,
+                             indices, bias_gate, bias_up, info), {}, stream)
+
+
+def expert_glu(x: mx.array, w_gate: mx.array, scales_gate: mx.array, biases_gate,
+               w_up: mx.array, scales_up: mx.array, biases_up, indices: mx.array, *,
+               bias_gate: mx.array | None = None, bias_up: mx.array | None = None,
+               activation: str = "silu", mode: str = "affine", group_size: int | None = None,
+               bits: int | None = None, stream=None) -> mx.array:
+    """``act(x @ W_gate[e]^T + bias_gate[e]) * (x @ W_up[e]^T + bias_up[e])`` for each
+    token's k experts named by device-resident ``indices``, in one dispatch.
+
+    Args:
+      x, indices, mode, group_size, bits: as :func:`expert_qmv` (x ``[..., K]`` one
+        activation per token, or ``[..., k, K]`` one per expert; broadcasting alike).
+      w_gate, scales_gate, biases_gate / w_up, scales_up, biases_up: the gate and up experts
+        as ``mx.quantize`` returns them (mlx-lm's separate gate and up
+        ``QuantizedSwitchLinear``), the same shapes; biases None in the fp modes. A fused
+        gate_up tensor is not taken: pass its two halves.
+      bias_gate, bias_up: optional per-expert output biases ``[E, N]`` in x's dtype (both
+        or neither), as gpt-oss's experts hold them.
+      activation: "silu" (``silu(gate) * up``, mlx-lm's SwiGLU: Qwen3, Mixtral, DeepSeek)
+        or "swiglu_oai" (gpt-oss, mlx-lm's SwigluOAI: ``gate = min(gate, 7)``,
+        ``up = clip(up, -7, 7)``, ``(up + 1) * gate * sigmoid(1.702 * gate)``).
+      stream: the MLX stream or device to run on (None: the default).
+
+    Returns: ``[..., k, N]`` in x's dtype; gate, up and the activation in float32, rounded
+    once. An id outside ``[0, E)`` gives a NaN row.
+    """
+    info = _check(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
+                  bias_gate, bias_up, activation, group_size, bits, mode)
+    if 0 in _out_shape(info):
+        return mx.zeros(_out_shape(info), dtype=x.dtype)
+    args = (x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
+            bias_gate, bias_up, info)
+    backend = backends.resolve_backend()
+    if backend == "reference":
+        return _run(_reference, args, {}, stream)
+    return _run(_launch, (*args, backend), {}, stream)

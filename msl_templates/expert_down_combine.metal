@@ -1,0 +1,140 @@
+// expert_down_combine.metal: MoE decode down projection of the experts chosen by GPU-resident
+// ids, scaled by the router scores and summed over the k experts, in one dispatch.
+//
+// MATH (token t, slots j < k, e_j = ids(t, j), d in [0, D)):
+//   out[t, d] = sum_{j < k} score(t, j) * (sum_n h[t, j, n] * W[e_j, d, n] + bias[e_j, d])
+//   (W dequantized per MODE exactly as in expert_qmv.metal; the bias term only if has_bias)
+//   REDUCTION ORDER (fixed: bitwise reproducible run to run): lane l sums its chunks l,
+//   l + 32, ... of slot j in order into a partial (lane 0 then adds bias[e_j, d]) and adds
+//   score_j * partial to its accumulator, for j = 0, 1, ..., k - 1 in turn; the 32 lane
+//   accumulators are then combined by one simd_sum. float32 throughout, rounded once to T.
+//   No atomics.
+//   OUT-OF-RANGE IDS: if any of the token's k ids is >= E (uint; negative int32 ids too) the
+//   token's whole output row is NaN and nothing of its experts is read.
+//
+// LAYOUT (row-contiguous):
+//   h       [T * k, N] T        the token's k expert inputs, token-major (expert_glu's output)
+//   w       [E, D, N / PACK]    uint32;  scales / biases [E, D, N / GS] (fp modes: uint8
+//                               scales, biases not read: the wrapper passes scales again)
+//   indices [T * k] uint32/int32;  scores [T * k] float32, float16 or bfloat16
+//   bias    [E, D] T (read only if has_bias; else the wrapper passes h, never read)
+//   out     [T, D] T
+//   n_experts (E), n_out (D), k_in (N), n_sel (k), has_bias: 0-d uint runtime inputs.
+//   Template: T, BITS, GROUP_SIZE, MODE as expert_qmv.metal.
+//
+// DISPATCH INVARIANTS: threadgroup (64, 1, 1) = 2 SIMD-groups x 4 output rows;
+//   grid (64, ceil(D / 8), T): SIMD-group s of row-tile y owns rows [(2y + s) * 4, + 4) of
+//   token z: each output element is written by one lane, and each word/scale/bias of each
+//   selected expert's rows by exactly one lane (scales/biases by a group's first lane,
+//   shuffled to the others). No threadgroup memory or barrier; early returns are uniform.
+//
+// TRAFFIC PER CALL: each valid token's k experts' down rows once, h once per SIMD-group
+//   (from cache after the first tile), ids and scores once per thread (broadcast loads),
+//   out [T, D] once; no [T, k, D] intermediate exists.
+//
+// CHECKED ONLY ON A MAC: as expert_qmv.metal (same constructs).
+#include "common.h"
+#include "expert_qdot.h"
+// ---- kernel body ----
+constexpr uint SIMDGROUPS = 2;
+constexpr uint ROWS = 4;
+constexpr uint PACK = 32 / BITS;
+constexpr int WORDS = 2;
+constexpr uint VALS = WORDS * PACK;
+constexpr uint LANES_PER_GROUP = GROUP_SIZE / VALS;
+constexpr int SCALE_FORMAT = MODE == 3 ? 1 : MODE;
+
+const uint lane = thread_index_in_simdgroup;
+const uint token = threadgroup_position_in_grid.z;
+const uint row0 = (threadgroup_position_in_grid.y * SIMDGROUPS + simdgroup_index_in_threadgroup)
+                  * ROWS;
+const uint n_rows_total = n_out;
+if (row0 >= n_rows_total) {
+  return;  // uniform over the SIMD-group
+}
+const uint rows = metal::min(ROWS, n_rows_total - row0);
+device T* out_rows = out + size_t(token) * n_rows_total + row0;
+const uint k = n_sel;
+
+bool all_valid = true;
+for (uint j = 0; j < k; ++j) {
+  all_valid = all_valid && uint(indices[token * k + j]) < n_experts;
+}
+if (!all_valid) {
+  // An out-of-range id (uniform over the threadgroup): NaN row, nothing of the experts read.
+  if (lane < rows) {
+    out_rows[lane] = T(metal::numeric_limits<float>::quiet_NaN());
+  }
+  return;
+}
+
+const uint K = k_in;
+const uint words_per_row = K / PACK;
+const uint groups_per_row = K / GROUP_SIZE;
+const uint n_chunks = K / VALS;
+const ushort group_leader = ushort(lane & ~(LANES_PER_GROUP - 1));
+const bool loads_group = (lane % LANES_PER_GROUP) == 0;
+
+float acc[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
+for (uint j = 0; j < k; ++j) {  // fixed order over the token's experts
+  const uint pair = token * k + j;
+  const uint expert = uint(indices[pair]);
+  const float score = float(scores[pair]);
+  const size_t first_row = size_t(expert) * n_rows_total + row0;
+  const auto w_rows = w + first_row * words_per_row;
+  const auto s_rows = scales + first_row * groups_per_row;
+  const auto b_rows = biases + first_row * groups_per_row;
+  const auto h_row = h + size_t(pair) * K;
+  float part[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (uint base = 0; base < n_chunks; base += 32) {  // trip count uniform
+    const uint chunk = base + lane;
+    const bool active = chunk < n_chunks;
+    float xv[VALS];
+    float x_sum = 0.0f;
+    for (uint i = 0; i < VALS; ++i) {
+      xv[i] = active ? float(h_row[chunk * VALS + i]) : 0.0f;
+      x_sum += xv[i];
+    }
+    const uint group = chunk / LANES_PER_GROUP;
+    for (uint r = 0; r < ROWS; ++r) {
+      if (r >= rows) {
+        break;  // uniform over the SIMD-group
+      }
+      float s = 0.0f;
+      float b = 0.0f;
+      if (active && loads_group) {
+        s = mt_fp4_scale<SCALE_FORMAT>(s_rows[r * groups_per_row + group]);
+        if constexpr (MODE == 0) {
+          b = float(b_rows[r * groups_per_row + group]);
+        }
+      }
+      s = simd_shuffle(s, group_leader);
+      b = simd_shuffle(b, group_leader);
+      if (active) {
+        const float dot = mt_expert_qdot<MODE, BITS, WORDS>(
+            w_rows + size_t(r) * words_per_row + chunk * WORDS, xv);
+        if constexpr (MODE == 0) {
+          part[r] += s * dot + b * x_sum;
+        } else {
+          part[r] += s * dot;
+        }
+      }
+    }
+  }
+  for (uint r = 0; r < ROWS; ++r) {
+    if (has_bias != 0u && lane == 0 && r < rows) {
+      part[r] += float(bias[size_t(expert) * n_rows_total + row0 + r]);
+    }
+    acc[r] += score * part[r];
+  }
+}
+
+for (uint r = 0; r < ROWS; ++r) {
+  if (r >= rows) {
+    break;  // uniform over the SIMD-group
+  }
+  const float total = simd_sum(acc[r]);
+  if (lane == 0) {
+    out_rows[r] = T(total);
+  }
+}

@@ -1,0 +1,159 @@
+// expert_glu.metal: MoE decode gate and up projections of the experts chosen by GPU-resident
+// ids, with the gated activation, in one dispatch (quantized experts as expert_qmv.metal).
+//
+// MATH (pair p = (token t, slot j), e = ids(t, j), n in [0, N)):
+//   g = sum_k x_p[k] * Wg[e, n, k] + bias_gate[e, n],  u = sum_k x_p[k] * Wu[e, n, k] + bias_up[e, n]
+//   (W dequantized per MODE exactly as in expert_qmv.metal; the bias terms only if has_bias)
+//   ACT 0 (silu):       out[p, n] = g / (1 + exp(-g)) * u
+//   ACT 1 (swiglu_oai): gc = min(g, limit), uc = clamp(u, -limit, limit),
+//                       out[p, n] = (uc + 1) * gc / (1 + exp(-alpha * gc))   (mlx-lm SwigluOAI)
+//   g and u are evaluated as expert_qmv evaluates one row (float32 lane chunks, simd_sum),
+//   the activation in float32, rounded once to T.
+//   OUT-OF-RANGE IDS: an id >= E (uint; negative int32 ids too) gives a NaN row; nothing of
+//   the expert is read for that pair.
+//
+// LAYOUT (row-contiguous): x, indices, bcast, the runtime sizes and the broadcast token grid
+//   exactly as expert_qmv.metal; w_gate / w_up [E, N, K / PACK] uint32, scales_* / biases_*
+//   [E, N, K / GS] (fp modes: uint8 scales, biases_* not read), bias_gate / bias_up [E, N] T
+//   (read only if has_bias; otherwise the wrapper passes x, never read), alpha / limit
+//   float32 scalars (ACT 1), out [P, N] T.
+//   Template: T, BITS, GROUP_SIZE, MODE as expert_qmv; ACT in {0, 1}.
+//
+// DISPATCH INVARIANTS: as expert_qmv.metal: threadgroup (64, 1, 1), grid (64, ceil(N / 8), P);
+//   SIMD-group s of row-tile y owns rows [(2y + s) * 4, + 4) of BOTH projections, so each
+//   (pair, row) is written by one lane and each word/scale/bias of the selected expert's gate
+//   and up rows is read by exactly one lane; the activations x_p are loaded once per
+//   SIMD-group for both projections.
+//
+// TRAFFIC PER CALL: the valid pairs' gate and up rows once each, x once per SIMD-group (from
+//   cache after the first tile: DRAM sees it once per token), out [P, N] once.
+//
+// CHECKED ONLY ON A MAC: as expert_qmv.metal (same constructs), plus metal::exp / metal::min
+//   / metal::clamp on float.
+#include "common.h"
+#include "expert_qdot.h"
+// ---- kernel body ----
+constexpr uint SIMDGROUPS = 2;
+constexpr uint ROWS = 4;
+constexpr uint PACK = 32 / BITS;
+constexpr int WORDS = 2;
+constexpr uint VALS = WORDS * PACK;
+constexpr uint LANES_PER_GROUP = GROUP_SIZE / VALS;
+constexpr int SCALE_FORMAT = MODE == 3 ? 1 : MODE;
+
+const uint lane = thread_index_in_simdgroup;
+const uint pair = threadgroup_position_in_grid.z;
+const uint row0 = (threadgroup_position_in_grid.y * SIMDGROUPS + simdgroup_index_in_threadgroup)
+                  * ROWS;
+const uint n_rows_total = n_out;
+if (row0 >= n_rows_total) {
+  return;  // uniform over the SIMD-group
+}
+const uint rows = metal::min(ROWS, n_rows_total - row0);
+device T* out_rows = out + size_t(pair) * n_rows_total + row0;
+
+constexpr int BCAST_DIMS = 4;
+const uint token = pair / n_sel;
+const uint slot = pair - token * n_sel;
+uint x_at = slot * x_slot;
+uint id_at = slot;
+uint rest = token;
+for (int d = BCAST_DIMS - 1; d >= 0; --d) {
+  const uint size = bcast[3 * d];
+  const uint c = rest % size;
+  rest /= size;
+  x_at += c * bcast[3 * d + 1];
+  id_at += c * bcast[3 * d + 2];
+}
+
+const uint expert = uint(indices[id_at]);
+if (expert >= n_experts) {
+  if (lane < rows) {
+    out_rows[lane] = T(metal::numeric_limits<float>::quiet_NaN());
+  }
+  return;
+}
+
+const uint K = k_in;
+const uint words_per_row = K / PACK;
+const uint groups_per_row = K / GROUP_SIZE;
+const uint n_chunks = K / VALS;
+const size_t first_row = size_t(expert) * n_rows_total + row0;
+const auto wg_rows = w_gate + first_row * words_per_row;
+const auto sg_rows = scales_gate + first_row * groups_per_row;
+const auto bg_rows = biases_gate + first_row * groups_per_row;
+const auto wu_rows = w_up + first_row * words_per_row;
+const auto su_rows = scales_up + first_row * groups_per_row;
+const auto bu_rows = biases_up + first_row * groups_per_row;
+const auto x_row = x + size_t(x_at) * K;
+const ushort group_leader = ushort(lane & ~(LANES_PER_GROUP - 1));
+const bool loads_group = (lane % LANES_PER_GROUP) == 0;
+
+float acc_g[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
+float acc_u[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
+for (uint base = 0; base < n_chunks; base += 32) {  // trip count uniform over the SIMD-group
+  const uint chunk = base + lane;
+  const bool active = chunk < n_chunks;
+  float xv[VALS];
+  float x_sum = 0.0f;
+  for (uint i = 0; i < VALS; ++i) {
+    xv[i] = active ? float(x_row[chunk * VALS + i]) : 0.0f;
+    x_sum += xv[i];
+  }
+  const uint group = chunk / LANES_PER_GROUP;
+  for (uint r = 0; r < ROWS; ++r) {
+    if (r >= rows) {
+      break;  // uniform over the SIMD-group
+    }
+    float sg = 0.0f, bg = 0.0f, su = 0.0f, bu = 0.0f;
+    if (active && loads_group) {
+      const uint at = r * groups_per_row + group;
+      sg = mt_fp4_scale<SCALE_FORMAT>(sg_rows[at]);
+      su = mt_fp4_scale<SCALE_FORMAT>(su_rows[at]);
+      if constexpr (MODE == 0) {
+        bg = float(bg_rows[at]);
+        bu = float(bu_rows[at]);
+      }
+    }
+    sg = simd_shuffle(sg, group_leader);
+    su = simd_shuffle(su, group_leader);
+    bg = simd_shuffle(bg, group_leader);
+    bu = simd_shuffle(bu, group_leader);
+    if (active) {
+      const size_t at = size_t(r) * words_per_row + chunk * WORDS;
+      const float dg = mt_expert_qdot<MODE, BITS, WORDS>(wg_rows + at, xv);
+      const float du = mt_expert_qdot<MODE, BITS, WORDS>(wu_rows + at, xv);
+      if constexpr (MODE == 0) {
+        acc_g[r] += sg * dg + bg * x_sum;
+        acc_u[r] += su * du + bu * x_sum;
+      } else {
+        acc_g[r] += sg * dg;
+        acc_u[r] += su * du;
+      }
+    }
+  }
+}
+
+for (uint r = 0; r < ROWS; ++r) {
+  if (r >= rows) {
+    break;  // uniform over the SIMD-group
+  }
+  float g = simd_sum(acc_g[r]);
+  float u = simd_sum(acc_u[r]);
+  if (lane == 0) {
+    if (has_bias != 0u) {
+      const size_t at = size_t(expert) * n_rows_total + row0 + r;
+      g += float(bias_gate[at]);
+      u += float(bias_up[at]);
+    }
+    float y;
+    if constexpr (ACT == 0) {
+      y = g / (1.0f + metal::exp(-g)) * u;
+    } else {
+      const float gc = metal::min(g, limit);
+      const float uc = metal::clamp(u, -limit, limit);
+      y = (uc + 1.0f) * (gc / (1.0f + metal::exp(-alpha * gc)));
+    }
+    out_rows[r] = T(y);
+  }
+}

@@ -1,0 +1,274 @@
+"""expert_down_combine against a float64 NumPy oracle, on every backend available here."""
+
+from __future__ import annotations
+
+import importlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_metaltile as mt
+from mlx_metaltile import backends
+from mlx_metaltile.cases import to_f64
+from mlx_metaltile.cases.expert_down_combine import make_scores, run_and_check
+from mlx_metaltile.cases.expert_glu import make_experts, make_x
+
+DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+op_module = importlib.import_module("mlx_metaltile.ops.expert_down_combine")
+QUANT = (("affine", 32, 4), ("affine", 64, 8), ("affine", 128, 4), ("mxfp4", 32, 4),
+         ("nvfp4", 16, 4), ("mxfp8", 32, 8))
+
+
+def _dname(d):
+    return str(d).rsplit(".", 1)[-1]
+
+
+# ---- correctness ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("bias", (False, True), ids=("no_bias", "bias"))
+@pytest.mark.parametrize("mode, group_size, bits", QUANT, ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dname)
+def test_matches_oracle(any_backend, poisoned_outputs, rng, dtype, mode, group_size, bits,
+                        bias):
+    """D = 13 (a ragged 8-row tile), N = 4 groups, ids 0 / E-1 / repeated in a token, scores
+    in h's dtype (float32 scores in test_score_dtypes)."""
+    n_experts, d, n = 6, 13, 4 * max(group_size, 32)
+    down = make_experts(rng, n_experts, d, n, dtype, mode, group_size, bits, bias=bias)
+    ids = mx.array([[0, 5], [3, 3], [5, 0]], dtype=mx.uint32)
+    run_and_check(make_x(rng, (3, 2, n), dtype), down, ids, make_scores(rng, (3, 2), dtype),
+                  any_backend, mode=mode, group_size=group_size, bits=bits)
+
+
+@pytest.mark.parametrize("k", range(1, 11))
+def test_top_k(any_backend, poisoned_outputs, rng, k):
+    """k = 1..10 experts summed per token: first and last ids, a repeated id, signed scores."""
+    n_experts, d, n = 12, 16, 128
+    down = make_experts(rng, n_experts, d, n, mx.bfloat16, bias=True)
+    ids = np.stack([rng.permutation(n_experts)[:k] for _ in range(2)])
+    ids[0, 0], ids[-1, -1] = 0, n_experts - 1
+    if k > 1:
+        ids[1, 0] = ids[1, 1]
+    scores = mx.array(rng.standard_normal((2, k)).astype(np.float32))
+    run_and_check(make_x(rng, (2, k, n), mx.bfloat16), down,
+                  mx.array(ids.astype(np.int32)), scores, any_backend)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dname)
+def test_score_dtypes(any_backend, poisoned_outputs, rng, dtype):
+    down = make_experts(rng, 5, 24, 64, dtype, group_size=32)
+    ids = mx.array([[[4, 1, 2]], [[0, 0, 3]]], dtype=mx.uint32)  # [2, 1, 3]: leading dims
+    out = run_and_check(make_x(rng, (2, 1, 3, 64), dtype), down, ids,
+                        make_scores(rng, (2, 1, 3)), any_backend, group_size=32)
+    assert out.shape == (2, 1, 24)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dname)
+def test_out_of_range_id_makes_the_token_nan(any_backend, poisoned_outputs, rng, dtype):
+    n_experts, d, n = 4, 12, 128
+    down = make_experts(rng, n_experts, d, n, dtype, bias=True)
+    ids = mx.array([[0, n_experts], [2, 3], [-1, 1], [2**31 - 1, 0]], dtype=mx.int32)
+    out = run_and_check(make_x(rng, (4, 2, n), dtype), down, ids,
+                        make_scores(rng, (4, 2), dtype), any_backend)
+    assert np.isnan(to_f64(out)).all(axis=-1).tolist() == [True, False, True, True]
+
+
+def test_large_magnitudes(any_backend, poisoned_outputs, rng):
+    down = make_experts(rng, 3, 16, 1024, mx.bfloat16, group_size=128, bits=8, scale=30.0)
+    ids = mx.array([[2, 0, 1]], dtype=mx.uint32)
+    run_and_check(make_x(rng, (1, 3, 1024), mx.bfloat16, scale=30.0), down, ids,
+                  make_scores(rng, (1, 3)), any_backend, group_size=128, bits=8)
+
+
+def test_bitwise_reproducible(kernel_backend, rng):
+    """The sum over k has a fixed order: repeated calls give identical bits."""
+    down = make_experts(rng, 8, 40, 256, mx.bfloat16, bias=True)
+    ids = mx.array([[7, 1, 1, 0, 5]], dtype=mx.uint32)
+    h, s = make_x(rng, (1, 5, 256), mx.bfloat16), make_scores(rng, (1, 5))
+    outs = [mt.expert_down_combine(h, *down[:3], ids, s, bias=down[3]) for _ in range(3)]
+    mx.eval(outs)
+    assert all(mx.array_equal(o, outs[0]).item() for o in outs[1:])
+
+
+def test_stream_argument(rng):
+    down = make_experts(rng, 3, 8, 64, mx.float32, group_size=32)
+    h, ids = make_x(rng, (1, 2, 64), mx.float32), mx.array([[2, 1]], dtype=mx.uint32)
+    s = make_scores(rng, (1, 2))
+    got = mt.expert_down_combine(h, *down[:3], ids, s, group_size=32, stream=mx.cpu)
+    want = mt.expert_down_combine(h, *down[:3], ids, s, group_size=32)
+    assert mx.array_equal(got, want).item()
+
+
+# ---- what the kernel reads (emulator counters) ------------------------------------------
+
+@pytest.mark.parametrize("mode, group_size, bits", [("affine", 64, 4), ("mxfp4", 32, 4)])
+def test_reads_each_selected_expert_once(poisoned_outputs, rng, mode, group_size, bits):
+    """Per valid token and slot: the expert's down rows (words, scales, biases, bias) once;
+    h once per SIMD-group; ids and scores broadcast loads; only [tokens, D] written (no
+    [tokens, k, D] intermediate). A token with an invalid id reads no expert byte."""
+    if backends.unavailable_reason("emulator") is not None:
+        pytest.skip("emulator unavailable")
+    from mlx_metaltile import emulator
+
+    n_experts, d, n = 16, 20, 4 * group_size
+    down = make_experts(rng, n_experts, d, n, mx.float16, mode, group_size, bits, bias=True)
+    ids = mx.array([[3, 3, 0], [15, 7, 99]], dtype=mx.uint32)  # token 1 is NaN
+    with backends.use_backend("emulator"):
+        run_and_check(make_x(rng, (2, 3, n), mx.float16), down, ids,
+                      make_scores(rng, (2, 3), mx.float16), "emulator", mode=mode,
+                      group_size=group_size, bits=bits)
+    stats = emulator.last_launch_stats()
+    slots = 3  # token 0's three (token, slot) pairs
+    scale_bytes = slots * d * (n // group_size) * (2 if mode == "affine" else 1)
+    assert stats.bytes_read["w"] == slots * d * (n * bits // 32) * 4
+    assert stats.bytes_read["scales"] == scale_bytes
+    assert stats.bytes_read["biases"] == (scale_bytes if mode == "affine" else 0)
+    assert stats.bytes_read["bias"] == slots * d * 2
+    assert stats.bytes_read["h"] == slots * -(-d // 4) * n * 2
+    assert stats.bytes_written["out"] == 2 * d * 2 and stats.bytes_read["out"] == 0
+
+
+@pytest.mark.parametrize("seed", (1, 2))
+def test_emulator_strict_shuffled(poisoned_outputs, rng, seed):
+    if backends.unavailable_reason("emulator") is not None:
+        pytest.skip("emulator unavailable")
+    from mlx_metaltile import emulator
+
+    down = make_experts(rng, 5, 13, 96, mx.bfloat16, group_size=32, bias=True)
+    ids = mx.array([[4, 0, 3], [2, 2, 1]], dtype=mx.int32)
+    previous = emulator.configure(strict=True, shuffle_seed=seed)
+    try:
+        with backends.use_backend("emulator"):
+            run_and_check(make_x(rng, (2, 3, 96), mx.bfloat16), down, ids,
+                          make_scores(rng, (2, 3)), "emulator", group_size=32)
+    finally:
+        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
+
+
+# ---- build once ----------------------------------------------------------------------------
+
+def test_instantiations_match_the_launches(launch_recorder, rng):
+    n = 0
+    for dtype in DTYPES:
+        for mode, gs, bits in (*QUANT, ("affine", 64, 4)):
+            down = make_experts(rng, 3, 8, 128, dtype, mode, gs, bits, bias=True)
+            for ids in (mx.array([[0, 2]], dtype=mx.uint32), mx.array([[0, 2]], dtype=mx.int32)):
+                for sdt in (dtype, mx.float32):
+                    mt.expert_down_combine(make_x(rng, (1, 2, 128), dtype), *down[:3], ids,
+                                           make_scores(rng, (1, 2), sdt), bias=down[3],
+                                           mode=mode, group_size=gs, bits=bits)
+                    n += 1
+    assert len(launch_recorder.seen) == n
+    assert {name for name, *_ in launch_recorder.seen} == {op_module.SPEC.name}
+    launch_recorder.assert_declared()
+
+
+def test_kernel_path_is_lazy(monkeypatch, no_host_sync, rng):
+    seen = {}
+
+    def fake_kernel(*, inputs, output_shapes, output_dtypes, grid, threadgroup, template,
+                    init_value=None):
+        seen.update(grid=grid, threadgroup=threadgroup, template=template)
+        return [mx.zeros(shape, dtype=dtype) for shape, dtype
+                in zip(output_shapes, output_dtypes, strict=True)]
+
+    down = make_experts(rng, 8, 40, 128, mx.bfloat16, bias=True)
+    h = make_x(rng, (2, 3, 2, 128), mx.bfloat16)
+    logits = make_x(rng, (2, 3, 8), mx.float32)
+    with no_host_sync(), monkeypatch.context() as m:
+        m.setattr(backends, "resolve_backend", lambda name=None: "metal")
+        m.setattr(backends, "get_kernel", lambda *a, **k: fake_kernel)
+        ids = mx.argpartition(-logits, kth=1, axis=-1)[..., :2]
+        scores = mx.softmax(mx.take_along_axis(logits, ids, axis=-1), axis=-1)
+        out = mt.expert_down_combine(h, *down[:3], ids, scores, bias=down[3])
+    assert out.shape == (2, 3, 40) and out.dtype == mx.bfloat16
+    assert seen["grid"] == (64, 5, 6) and seen["threadgroup"] == (64, 1, 1)
+    assert seen["template"] == [("T", mx.bfloat16), ("BITS", 4), ("GROUP_SIZE", 64),
+                                ("MODE", 0)]
+
+
+def test_empty_does_not_dispatch(kernel_backend, rng):
+    down = make_experts(rng, 4, 8, 64, mx.float16, group_size=32)
+    before = backends.launch_count()
+    out = mt.expert_down_combine(make_x(rng, (0, 2, 64), mx.float16), *down[:3],
+                                 mx.zeros((0, 2), dtype=mx.uint32), mx.zeros((0, 2)),
+                                 group_size=32)
+    assert out.shape == (0, 8) and out.dtype == mx.float16
+    out = mt.expert_down_combine(make_x(rng, (3, 0, 64), mx.float16), *down[:3],
+                                 mx.zeros((3, 0), dtype=mx.uint32), mx.zeros((3, 0)),
+                                 group_size=32)
+    assert out.shape == (3, 8) and not out.any().item()
+    assert backends.launch_count() == before
+
+
+# ---- negative controls --------------------------------------------------------------------
+
+@pytest.mark.parametrize("old, new", [
+    ("acc[r] += score * part[r];", "acc[r] += part[r];"),  # scores ignored
+    ("for (uint j = 0; j < k; ++j) {  // fixed", "for (uint j = 0; j < 1; ++j) {  // fixed"),
+    ("part[r] += float(bias[size_t(expert) * n_rows_total + row0 + r]);", "part[r] += 0.0f;"),
+    ("const auto h_row = h + size_t(pair) * K;", "const auto h_row = h + size_t(token) * K;"),
+], ids=("no_scores", "first_expert_only", "no_bias", "wrong_h_row"))
+def test_negative_control_broken_kernel(kernel_backend, poisoned_outputs, broken_kernel, rng,
+                                        old, new):
+    broken_kernel(op_module.SPEC, (old, new))
+    down = make_experts(rng, 4, 16, 256, mx.float32, group_size=32, bias=True)
+    ids = mx.array([[1, 3, 0]], dtype=mx.uint32)
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check(make_x(rng, (1, 3, 256), mx.float32), down, ids,
+                      make_scores(rng, (1, 3)), kernel_backend, group_size=32)
+
+
+def test_negative_control_unguarded_id_is_a_hazard(broken_kernel, rng):
+    emulator = pytest.importorskip("mlx_metaltile.emulator")
+    if backends.unavailable_reason("emulator") is not None:
+        pytest.skip("emulator unavailable")
+    broken_kernel(op_module.SPEC, ("if (!all_valid) {", "if (false) {"))
+    down = make_experts(rng, 4, 16, 128, mx.float32)
+    ids = mx.array([[1, 4000]], dtype=mx.uint32)
+    with backends.use_backend("emulator"), pytest.raises(emulator.OutOfBoundsAccess):
+        mx.eval(mt.expert_down_combine(make_x(rng, (1, 2, 128), mx.float32), *down[:3], ids,
+                                       make_scores(rng, (1, 2))))
+
+
+def test_negative_control_reference_without_scores(monkeypatch, rng):
+    real = op_module._reference
+    monkeypatch.setattr(op_module, "_reference",
+                        lambda h, w, s, b, i, sc, bias, info: real(h, w, s, b, i,
+                                                                   mx.ones_like(sc), bias,
+                                                                   info))
+    down = make_experts(rng, 4, 16, 128, mx.float32)
+    with backends.use_backend("reference"), pytest.raises(AssertionError,
+                                                           match="out of tolerance"):
+        run_and_check(make_x(rng, (1, 2, 128), mx.float32), down,
+                      mx.array([[0, 2]], dtype=mx.uint32), make_scores(rng, (1, 2)),
+                      "reference")
+
+
+# ---- bad input ------------------------------------------------------------------------
+
+def _ok():
+    w = mx.zeros((4, 8, 16), dtype=mx.uint32)
+    s = mx.ones((4, 8, 2), dtype=mx.float16)
+    return (mx.zeros((2, 3, 128), mx.float16), w, s, s, mx.zeros((2, 3), dtype=mx.uint32),
+            mx.ones((2, 3), mx.float16))
+
+
+@pytest.mark.parametrize("mutate, kwargs, exc, match", [
+    (lambda a: (a[0][:, :2], *a[1:]), {}, ValueError,
+     r"h must be \[\.\.\., k, N\] with indices \[\.\.\., k\] of the same leading shape"),
+    (lambda a: (a[0][0], *a[1:]), {}, ValueError, r"h must be \[\.\.\., k, N\]"),
+    (lambda a: (*a[:5], a[5][:, :2]), {}, ValueError,
+     r"scores must have indices' shape \(2, 3\), got \(2, 2\)"),
+    (lambda a: (*a[:5], a[5].astype(mx.bfloat16)), {}, TypeError,
+     "scores must be float32 or h's dtype float16, got bfloat16"),
+    (lambda a: (*a[:5], a[5].astype(mx.int32)), {}, TypeError, "scores must be float32"),
+    (lambda a: a, dict(bias=mx.zeros((4, 7), mx.float16)), ValueError,
+     r"bias must have shape \[E, D\] = \(4, 8\), got \(4, 7\)"),
+    (lambda a: a, dict(bias=mx.zeros((4, 8), mx.float32)), TypeError,
+     "bias must have h's dtype float16"),
+    (lambda a: (a[0][..., :64], *a[1:]), {}, ValueError, "x's last axis must be K = 128"),
+])
+def test_bad_input(mutate, kwargs, exc, match):
+    with pytest.raises(exc, match=r"^\[expert_down_combine\] " + match):
+        mt.expert_down_combine(*mutate(_ok()), **kwargs)
