@@ -17,7 +17,9 @@ from .. import backends
 from .._registry import Arg, KernelSpec, grid, register, scalars
 from ._common import (
     FLOAT_TYPES,
+    as_bool,
     dtype_name,
+    on_stream,
     require_array,
     require_finite_scalar,
     require_float,
@@ -125,8 +127,7 @@ def _check_sdpa_multi(q, k, v, scale, causal, kv_len):
     if not L <= kv_len <= S:
         raise ValueError(f"[{OP}] kv_len must satisfy L <= kv_len <= S, i.e. "
                          f"{L} <= kv_len <= {S}, got {kv_len}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"[{OP}] causal must be a bool, got {type(causal).__name__}")
+    causal = as_bool(OP, "causal", causal)
     scale = require_finite_scalar(OP, "scale", scale)
     if abs(scale) > MAX_SCALE:
         raise ValueError(f"[{OP}] scale must satisfy |scale| <= {MAX_SCALE:.4g} (the kernel "
@@ -234,7 +235,7 @@ def _launch(q, k, v, B, Hq, Hkv, L, S, D, kv_len, scale, causal, backend) -> mx.
 
 
 def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: bool = False,
-               kv_len: int | None = None) -> mx.array:
+               kv_len: int | None = None, stream=None) -> mx.array:
     """Attention of a block of L queries against the first ``kv_len`` rows of a KV cache.
 
     Args:
@@ -253,6 +254,8 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
         ``mx.fast.scaled_dot_product_attention``).
       kv_len: valid cache rows, a Python int with L <= kv_len <= S (default S). A runtime
         input: a decode loop with growing kv_len (or L, or B) builds no new kernel.
+      stream: MLX's StreamOrDevice (None, an mx.Stream, an mx.Device, mx.cpu / mx.gpu):
+        where the composite's ops or the kernel run.
 
     Returns: ``[B, Hq, L, D]`` in q's dtype; softmax and accumulation in float32.
     D must be one of 64, 96, 128, 256.
@@ -263,9 +266,10 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
     """
     B, Hq, Hkv, L, S, D, kv_len, scale, causal = _check_sdpa_multi(q, k, v, scale, causal,
                                                                    kv_len)
-    if B * Hq * L == 0:
-        return mx.zeros(q.shape, dtype=q.dtype)
-    backend = backends.resolve_backend()
-    if backend == "reference":
-        return _reference(q, k, v, B, Hq, Hkv, L, D, kv_len, scale, causal)
-    return _launch(q, k, v, B, Hq, Hkv, L, S, D, kv_len, scale, causal, backend)
+    with on_stream(OP, stream):
+        if B * Hq * L == 0:
+            return mx.zeros(q.shape, dtype=q.dtype)
+        backend = backends.resolve_backend()
+        if backend == "reference":
+            return _reference(q, k, v, B, Hq, Hkv, L, D, kv_len, scale, causal)
+        return _launch(q, k, v, B, Hq, Hkv, L, S, D, kv_len, scale, causal, backend)
