@@ -123,7 +123,8 @@ def bench_cases() -> list[BenchCase]:
                         z=mx.array(rng.standard_normal((rows, n), dtype=np.float32)).astype(dtype),
                         weight=mx.array(rng.uniform(-2, 2, n).astype(np.float32)).astype(dtype))
                 y_tag = "yf32" if y_dtype == mx.float32 and dtype != mx.float32 else "y=T"
-                nbytes = rows * n * (y_dtype.size + 2 * dtype.size) + n * dtype.size
+                # y read and the output (y's dtype) written, z read, the weight
+                nbytes = rows * n * (2 * y_dtype.size + dtype.size) + n * dtype.size
                 out.append(BenchCase(
                     op=OP, label=f"{rows}x{n}-{y_tag}", dtype=dtype, make=make,
                     ours=mt.gated_rms_norm, native=gated_rms_norm_native,
