@@ -234,6 +234,19 @@ def launch(spec: KernelSpec, backend: str, *, inputs: Mapping[str, mx.array],
     kernel = get_kernel(spec, backend)
     _launches[(backend, spec.name)] += 1
     outs = tuple(outputs.values())
-    return kernel(inputs=list(inputs.values()), template=list(template.items()), grid=grid,
-                  threadgroup=threadgroup, output_shapes=[o[0] for o in outs],
-                  output_dtypes=[o[1] for o in outs], init_value=init_value)
+    try:
+        return kernel(inputs=list(inputs.values()), template=list(template.items()), grid=grid,
+                      threadgroup=threadgroup, output_shapes=[o[0] for o in outs],
+                      output_dtypes=[o[1] for o in outs], init_value=init_value)
+    except ValueError as exc:
+        if backend == "emulator" and _TRANSFORMING in str(exc):
+            raise ValueError(
+                f"[{spec.op}] the emulator backend is eager (it evaluates the inputs and runs "
+                "the kernel on the host when called), so it cannot run inside mx.compile or "
+                "mx.vmap; call the op outside the transformation, or trace it on the "
+                "reference backend (mt.use_backend('reference'))") from None
+        raise
+
+
+# The start of MLX's refusal of mx.eval inside mx.compile / mx.vmap tracing.
+_TRANSFORMING = "Attempting to eval an array during function transformations"

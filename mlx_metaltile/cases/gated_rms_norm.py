@@ -54,13 +54,15 @@ def make_inputs(rng, lead, n, dtype, y_dtype):
     return y, z, w
 
 
-def run_and_check(y, z, w, eps, dtype, backend):
-    """Run the op on ``backend``, prove one kernel ran, compare with the oracle."""
+def run_and_check(y, z, w, eps, backend):
+    """Run the op on ``backend``, prove one kernel ran, compare with the oracle (the
+    output in y's dtype)."""
     before = backends.launch_count(backend=backend)
     out = mt.gated_rms_norm(y, z, w, eps=eps)
     mx.eval(out)
     if backend != "reference":  # prove a kernel ran (never the reference compared with itself)
         assert backends.launch_count(backend=backend) == before + 1
+    dtype = y.dtype
     assert out.dtype == dtype and tuple(out.shape) == tuple(z.shape)
     want = oracle(y, z, w, eps)
     mag, underflow_scale = float32_error_scales(y, z, w, eps, want)
@@ -76,7 +78,7 @@ VARIANT_N = {"simd_rows": 100, "row": 1000, "looped": 5000}  # n that selects ea
 
 def _variant_call(n, backend, rng):
     y, z, w = make_inputs(rng, (3,), n, mx.bfloat16, mx.float32)
-    run_and_check(y, z, w, 1e-5, mx.bfloat16, backend)
+    run_and_check(y, z, w, 1e-5, backend)
 
 
 VARIANT_CALLS = {v: functools.partial(_variant_call, n) for v, n in VARIANT_N.items()}
@@ -102,7 +104,7 @@ def gated_rms_norm_native(y, z, weight, eps=1e-5):
     recurrence returns its float32 result cast to the input dtype (``y.astype(q.dtype)`` in
     mlx_lm/models/gated_delta.py). A float32 ``y`` is cast here the same way, so the native
     side of a "yf32" case pays that cast as a kernel of its own (mlx-lm's fused recurrence
-    kernel writes the model dtype directly), and its result has z's dtype, as ours does.
+    kernel writes the model dtype directly); its result has z's dtype, ours y's (float32).
     """
     h = y.astype(z.dtype)
     return _precise_swiglu(h, z, mx.fast.rms_norm(h, weight, eps))
@@ -122,7 +124,8 @@ def bench_cases() -> list[BenchCase]:
                         z=mx.array(rng.standard_normal((rows, n), dtype=np.float32)).astype(dtype),
                         weight=mx.array(rng.uniform(-2, 2, n).astype(np.float32)).astype(dtype))
                 y_tag = "yf32" if y_dtype == mx.float32 and dtype != mx.float32 else "y=T"
-                nbytes = rows * n * (y_dtype.size + 2 * dtype.size) + n * dtype.size
+                # y read and the output (y's dtype) written, z read, the weight
+                nbytes = rows * n * (2 * y_dtype.size + dtype.size) + n * dtype.size
                 out.append(BenchCase(
                     op=OP, label=f"{rows}x{n}-{y_tag}", dtype=dtype, make=make,
                     ours=mt.gated_rms_norm, native=gated_rms_norm_native,

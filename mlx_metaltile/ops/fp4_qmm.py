@@ -30,6 +30,7 @@ from ._common import (
     check_mode_arrays,
     choose_variant,
     dtype_name,
+    on_stream,
     require_array,
     require_float,
     resolve_sizes,
@@ -349,7 +350,7 @@ def _launch(spec: KernelSpec, x2, w, scales, m, n, k, mode, group_size, backend)
 
 
 def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | None = None,
-            mode: str | None = None, variant: str | None = None) -> mx.array:
+            mode: str | None = None, variant: str | None = None, stream=None) -> mx.array:
     """``x @ dequantize(w, scales).T`` with fp4 (E2M1) weights, float32 accumulation.
 
     Args:
@@ -369,6 +370,8 @@ def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | Non
         writes); nvfp4's optional global scale is not taken.
       variant: None (auto) or "qmv", "simdgroup", "mpp" to force a kernel; a variant that
         cannot run on the current backend raises ValueError. Kernel backends only.
+      stream: MLX's StreamOrDevice (None, an mx.Stream, an mx.Device, mx.cpu / mx.gpu):
+        where the composite's ops or the kernel run.
 
     Returns: ``[..., N]`` in x's dtype. N and K must be multiples of 32.
     """
@@ -376,9 +379,11 @@ def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | Non
     out_shape = (*x.shape[:-1], n)
     backend = backends.resolve_backend()
     spec = _choose(backend, m, variant)
-    if spec is None:
-        return _reference(x, w, scales, group_size, scale_mode)
-    if m == 0:
-        return mx.zeros(out_shape, dtype=x.dtype)
-    out = _launch(spec, x.reshape(m, k), w, scales, m, n, k, scale_mode, group_size, backend)
-    return out.reshape(out_shape)
+    with on_stream(OP, stream):
+        if spec is None:
+            return _reference(x, w, scales, group_size, scale_mode)
+        if m == 0:
+            return mx.zeros(out_shape, dtype=x.dtype)
+        out = _launch(spec, x.reshape(m, k), w, scales, m, n, k, scale_mode, group_size,
+                      backend)
+        return out.reshape(out_shape)

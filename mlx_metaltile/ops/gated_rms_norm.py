@@ -1,7 +1,8 @@
 """gated_rms_norm: ``w * y * rsqrt(mean(y^2) + eps) * silu(z)`` in one kernel.
 
-The post-norm of Gated-DeltaNet layers (Qwen3-Next / Qwen3.5): ``y`` may arrive in float32
-from the recurrence while ``z``, ``weight`` and the output are in the model dtype.
+The post-norm of Gated-DeltaNet layers (Qwen3-Next / Qwen3.5): ``y``, ``z`` and ``weight``
+may each be float32, float16 or bfloat16; the output has y's dtype, as mlx-lm's
+``Qwen3NextRMSNormGated`` returns its hidden_states' dtype.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from .. import backends
 from .._registry import Arg, KernelSpec, register, scalars
 from ._common import (
     FLOAT_TYPES,
-    dtype_name,
+    on_stream,
     require_array,
     require_finite_scalar,
     require_float,
@@ -29,17 +30,19 @@ MAX_REGISTER_ROW = 1024 * N_READS  # longest row held in registers in one pass
 MAX_SIMD_ROW = 32 * N_READS  # longest row one SIMD-group holds
 SIMD_ROWS_PER_GROUP = 8
 
-_ARGS = (Arg("y", "YT", 2), Arg("z", "T", 2), Arg("w", "T", 1))
+_ARGS = (Arg("y", "T", 2), Arg("z", "ZT", 2), Arg("w", "WT", 1))
 _OUTPUTS = (Arg("out", "T", 2),)
 _EPS = Arg("eps", "float32")
 
 
 def _bindings():
-    """T: z / weight / output dtype; YT: y's dtype, float32 or T."""
-    return ({"T": t, "YT": yt} for t in FLOAT_TYPES for yt in dict.fromkeys((mx.float32, t)))
+    """T: y / output dtype (the template's one parameter); ZT, WT: z's and weight's dtypes
+    (any float dtype each, read through float())."""
+    return ({"T": t, "ZT": zt, "WT": wt}
+            for t in FLOAT_TYPES for zt in FLOAT_TYPES for wt in FLOAT_TYPES)
 
 
-_COMMON = dict(outputs=_OUTPUTS, params=("T", "YT"), bindings=_bindings)
+_COMMON = dict(outputs=_OUTPUTS, params=("T",), bindings=_bindings)
 
 SIMD_ROWS_SPEC, REGISTER_SPEC, LOOPED_SPEC = register(
     KernelSpec(
@@ -69,14 +72,8 @@ def _check_gated_rms_norm(y, z, weight, eps) -> tuple[int, int, float]:
             and isinstance(weight, mx.array)):
         for name, arr in (("y", y), ("z", z), ("weight", weight)):
             require_array(OP, name, arr)
-    z_dtype = require_float(OP, "z", z)
-    w_dtype, y_dtype = weight.dtype, y.dtype
-    if w_dtype != z_dtype:
-        raise TypeError(f"[{OP}] weight must have z's dtype {dtype_name(z_dtype)}, "
-                        f"got {dtype_name(w_dtype)}")
-    if y_dtype != z_dtype and y_dtype != mx.float32:
-        raise TypeError(f"[{OP}] y must be float32 or z's dtype {dtype_name(z_dtype)}, "
-                        f"got {dtype_name(y_dtype)}")
+    for name, arr in (("y", y), ("z", z), ("weight", weight)):
+        require_float(OP, name, arr)
     shape = z.shape
     if not shape:
         raise ValueError(f"[{OP}] z must have at least 1 dimension, got 0")
@@ -117,11 +114,10 @@ def _reference(y, z, weight, eps: float) -> mx.array:
     k = mx.where(r >= se, mx.rsqrt(ms) * mx.rsqrt(1.0 + (eps / r) / r),
                  (m / se if se > 0 else m) * mx.rsqrt(1.0 + t * t))
     out = weight.astype(mx.float32) * u * k * (zf * mx.sigmoid(zf))
-    return out.astype(z.dtype)
+    return out.astype(y.dtype)
 
 
 def _launch(y, z, weight, n: int, rows: int, eps: float, backend: str) -> mx.array:
-    z_dtype = z.dtype
     inputs = {"y": y, "z": z, "w": weight, "n_cols": scalar(n, mx.uint32)}
     if n <= MAX_SIMD_ROW:
         spec = SIMD_ROWS_SPEC
@@ -134,31 +130,37 @@ def _launch(y, z, weight, n: int, rows: int, eps: float, backend: str) -> mx.arr
         grid, threadgroup, tg_memory = (tg, rows, 1), (tg, 1, 1), 2 * 32 * 4
     inputs["eps"] = scalar(eps, mx.float32)
     (out,) = backends.launch(
-        spec, backend, inputs=inputs, template={"T": z_dtype, "YT": y.dtype},
-        outputs={"out": (z.shape, z_dtype)}, grid=grid, threadgroup=threadgroup,
+        spec, backend, inputs=inputs, template={"T": y.dtype},
+        outputs={"out": (y.shape, y.dtype)}, grid=grid, threadgroup=threadgroup,
         threadgroup_memory=tg_memory,
     )
     return out
 
 
-def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float = 1e-5) -> mx.array:
+def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float = 1e-5, *,
+                   stream=None) -> mx.array:
     """``weight * y * rsqrt(mean(y^2, -1) + eps) * silu(z)`` over the last axis, fused.
 
     Args:
-      y: ``[..., n]``, float32 or z's dtype (the normalised input).
-      z: ``[..., n]`` float32/float16/bfloat16 (the gate); sets the output dtype.
-      weight: ``[n]`` in z's dtype.
-      eps: finite, >= 0; a runtime input (changing it does not rebuild the kernel).
-        With eps = 0 an all-zero row gives NaN (the math's 0/0, as mx.fast.rms_norm).
+      y: ``[..., n]`` float32/float16/bfloat16 (the normalised input); sets the output
+        dtype (as mlx-lm's ``Qwen3NextRMSNormGated`` returns its hidden_states' dtype).
+      z: ``[..., n]`` float32/float16/bfloat16 (the gate), any of them.
+      weight: ``[n]`` float32/float16/bfloat16, any of them (as ``mx.fast.rms_norm``).
+      eps: finite, >= 0, a Python or NumPy number; a runtime input (changing it does not
+        rebuild the kernel). With eps = 0 an all-zero row gives NaN (the math's 0/0, as
+        mx.fast.rms_norm).
+      stream: MLX's StreamOrDevice (None, an mx.Stream, an mx.Device, mx.cpu / mx.gpu):
+        where the composite's ops or the kernel run.
 
-    Returns: an array of z's shape and dtype, computed in float32 and rounded once. Each row
+    Returns: an array of y's shape and dtype, computed in float32 and rounded once. Each row
     is scaled by its max |y| before squaring, so any row whose RMS is a finite float32 (from
     subnormal y to |y| near float32's max) is normalised right.
     """
     n, rows, eps = _check_gated_rms_norm(y, z, weight, eps)
-    if rows == 0:
-        return mx.zeros(z.shape, dtype=z.dtype)
-    backend = backends.resolve_backend()
-    if backend == "reference":
-        return _reference(y, z, weight, eps)
-    return _launch(y, z, weight, n, rows, eps, backend)
+    with on_stream(OP, stream):
+        if rows == 0:
+            return mx.zeros(y.shape, dtype=y.dtype)
+        backend = backends.resolve_backend()
+        if backend == "reference":
+            return _reference(y, z, weight, eps)
+        return _launch(y, z, weight, n, rows, eps, backend)
