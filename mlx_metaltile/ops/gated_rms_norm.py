@@ -61,6 +61,17 @@ SIMD_ROWS_SPEC, REGISTER_SPEC, LOOPED_SPEC = register(
                  "grid (1024, rows, 1)",
     ),
 )
+(BACKWARD_SPEC,) = register(
+    KernelSpec(
+        op=OP, variant="backward", template="gated_rms_norm_backward.metal",
+        inputs=(*_ARGS, Arg("g", "T", 2), *scalars("n_cols", "n_rows", "rows_per_group"), _EPS),
+        outputs=(Arg("dy", "YT", 2), Arg("dz", "T", 2), Arg("dw_partial", "float32", 2)),
+        params=("T", "YT"), bindings=_bindings,
+        geometry="the VJP: TG = min(1024, round_up(ceil(n/4), 32)); grid (TG, groups, 1), "
+                 "threadgroup p takes rows_per_group consecutive rows",
+    ),
+)
+MAX_DW_PARTIALS = 256  # threadgroups of the backward (rows of dweight's partial sums)
 
 
 def _check_gated_rms_norm(y, z, weight, eps) -> tuple[int, int, float]:
@@ -141,6 +152,45 @@ def _launch(y, z, weight, n: int, rows: int, eps: float, backend: str) -> mx.arr
     return out
 
 
+def _launch_backward(y, z, weight, g, n: int, rows: int, eps: float,
+                     backend: str) -> tuple[mx.array, mx.array, mx.array]:
+    """(dy, dz, dweight) for the cotangent g, from the fused backward kernel."""
+    tg = min(1024, round_up(-(-n // N_READS), 32))
+    per_group = -(-rows // MAX_DW_PARTIALS)
+    groups = -(-rows // per_group)
+    dy, dz, partial = backends.launch(
+        BACKWARD_SPEC, backend,
+        inputs={"y": y, "z": z, "w": weight, "g": g.astype(z.dtype),
+                "n_cols": scalar(n, mx.uint32), "n_rows": scalar(rows, mx.uint32),
+                "rows_per_group": scalar(per_group, mx.uint32), "eps": scalar(eps, mx.float32)},
+        template={"T": z.dtype, "YT": y.dtype},
+        outputs={"dy": (y.shape, y.dtype), "dz": (z.shape, z.dtype),
+                 "dw_partial": ((groups, n), mx.float32)},
+        grid=(tg, groups, 1), threadgroup=(tg, 1, 1), threadgroup_memory=3 * 32 * 4,
+    )
+    # The partial sums added in one fixed order (no atomics: the same bits every run).
+    return dy, dz, mx.sum(partial, axis=0).astype(weight.dtype)
+
+
+def _differentiable(y, z, weight, n: int, rows: int, eps: float, backend: str) -> mx.array:
+    """The op as an mx.custom_function: its VJP is the fused backward kernel on a kernel
+    backend, MLX's autodiff of the composite on the reference backend."""
+
+    @mx.custom_function
+    def op(y, z, weight):
+        if backend == "reference":
+            return _reference(y, z, weight, eps)
+        return _launch(y, z, weight, n, rows, eps, backend)
+
+    @op.vjp
+    def op_vjp(primals, cotangent, output):
+        if backend == "reference":
+            return mx.vjp(lambda *a: _reference(*a, eps), list(primals), [cotangent])[1]
+        return _launch_backward(*primals, cotangent, n, rows, eps, backend)
+
+    return op(y, z, weight)
+
+
 def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float = 1e-5) -> mx.array:
     """``weight * y * rsqrt(mean(y^2, -1) + eps) * silu(z)`` over the last axis, fused.
 
@@ -154,11 +204,12 @@ def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float = 1e-5
     Returns: an array of z's shape and dtype, computed in float32 and rounded once. Each row
     is scaled by its max |y| before squaring, so any row whose RMS is a finite float32 (from
     subnormal y to |y| near float32's max) is normalised right.
+
+    Differentiable with respect to y, z and weight (``mx.grad`` / ``mx.vjp``): on a kernel
+    backend through the fused backward kernel (msl_templates/gated_rms_norm_backward.metal),
+    with dy in y's dtype and dz, dweight in z's.
     """
     n, rows, eps = _check_gated_rms_norm(y, z, weight, eps)
     if rows == 0:
         return mx.zeros(z.shape, dtype=z.dtype)
-    backend = backends.resolve_backend()
-    if backend == "reference":
-        return _reference(y, z, weight, eps)
-    return _launch(y, z, weight, n, rows, eps, backend)
+    return _differentiable(y, z, weight, n, rows, eps, backends.resolve_backend())

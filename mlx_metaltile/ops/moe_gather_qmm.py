@@ -30,6 +30,7 @@ from ._common import (
     require_ndim,
     scalar,
 )
+from ._grad import with_x_vjp
 
 OP = "moe_gather_qmm"
 __all__ = ["moe_gather_qmm", "moe_gather_qmm_reference"]
@@ -245,6 +246,10 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
 
     Returns: ``[M, N]`` in x's dtype.
 
+    Differentiable with respect to x (``g @ W[indices]`` with the same rounded weights; a
+    row with an out-of-range id gets a NaN gradient, as its NaN output); asking for the
+    gradient of w, scales or biases raises.
+
     M, E, N and K are runtime inputs: one kernel instantiation per (variant, dtype, mode,
     bits, group_size, index dtype), plus one more the first time M < 8: MLX passes inputs of
     fewer than 8 elements in Metal's ``constant`` address space, a different kernel source.
@@ -253,7 +258,26 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
                                                                 group_size, bits, mode)
     backend = backends.resolve_backend()
     spec = _select_variant(variant, backend, mode)
-    if spec is None or M == 0:
-        return _reference(x, w, scales, biases, indices, M, N, E, group_size, bits, mode)
-    return _launch(x, w, scales, biases, indices, M, N, K, E, group_size, bits, backend,
-                   spec, mode)
+
+    def forward(x, w, scales, biases):
+        if spec is None or M == 0:
+            return _reference(x, w, scales, biases, indices, M, N, E, group_size, bits, mode)
+        return _launch(x, w, scales, biases, indices, M, N, K, E, group_size, bits, backend,
+                       spec, mode)
+
+    def x_vjp(g, w, scales, biases):
+        return _x_vjp(g, w, scales, biases, indices, E, group_size, bits, mode, x.dtype)
+
+    return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases))
+
+
+def _x_vjp(g, w, scales, biases, indices, E, group_size, bits, mode, dtype) -> mx.array:
+    """dx[m] = g[m] @ W[indices[m]] with the weights the forward multiplies by (each
+    rounded to x's dtype), float32; a row with an out-of-range id gets NaN, as its output."""
+    valid = indices < E
+    if indices.dtype == mx.int32:
+        valid = valid & (indices >= 0)
+    safe = mx.where(valid, indices, 0).astype(mx.uint32)
+    wd = _dequantize_rounded(w, scales, biases, group_size, bits, dtype, mode)  # [E, N, K]
+    d = mx.gather_mm(g.astype(mx.float32)[:, None, :], wd, rhs_indices=safe)[:, 0, :]
+    return mx.where(valid[:, None], d, mx.array(float("nan"))).astype(dtype)

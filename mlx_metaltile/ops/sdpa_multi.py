@@ -257,6 +257,10 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
     Returns: ``[B, Hq, L, D]`` in q's dtype; softmax and accumulation in float32.
     D must be one of 64, 96, 128, 256.
 
+    Differentiable with respect to q, k and v on every backend, through MLX's autodiff of
+    the reference composite (it recomputes the softmax; no backward kernel): the cache rows
+    at and beyond ``kv_len`` get a zero gradient.
+
     Pass the whole preallocated cache with ``kv_len`` rather than a slice of it: the
     kernels take row-contiguous inputs, so a non-contiguous view (``cache[:, :, :n]`` of a
     larger buffer) gives the same result but is first copied by MLX.
@@ -266,6 +270,19 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
     if B * Hq * L == 0:
         return mx.zeros(q.shape, dtype=q.dtype)
     backend = backends.resolve_backend()
-    if backend == "reference":
+
+    def reference(q, k, v):
         return _reference(q, k, v, B, Hq, Hkv, L, D, kv_len, scale, causal)
-    return _launch(q, k, v, B, Hq, Hkv, L, S, D, kv_len, scale, causal, backend)
+
+    @mx.custom_function
+    def op(q, k, v):
+        if backend == "reference":
+            return reference(q, k, v)
+        return _launch(q, k, v, B, Hq, Hkv, L, S, D, kv_len, scale, causal, backend)
+
+    @op.vjp
+    def op_vjp(primals, cotangent, output):
+        # MLX's autodiff of the composite, recomputing the softmax (no backward kernel yet).
+        return tuple(mx.vjp(reference, list(primals), [cotangent])[1])
+
+    return op(q, k, v)
