@@ -311,3 +311,21 @@ def test_sgd_step_matches_reference(kernel_backend, rng):
     assert ref_losses[-1] < ref_losses[0] - 0.01  # the loop trains ...
     assert_close(mx.array(losses), np.array(ref_losses), mx.float32, np.array(ref_losses) * 64,
                  what="losses")  # ... on the kernel backend as on the reference
+
+
+def test_compiled_function_keeps_the_backend_of_its_trace(rng):
+    """mx.compile caches the traced graph per input shapes/dtypes: the backend chosen when
+    it was traced sticks (documented in the README); a new trace takes the current one."""
+    from support import require_backend
+    require_backend("emulator")
+    y, z, w = make_inputs(rng, (3,), 16, mx.float32, mx.float32)
+    fn = mx.compile(lambda y: mt.gated_rms_norm(y, z, w))
+    with backends.use_backend("reference"):
+        want = fn(y)
+    with backends.use_backend("emulator"):
+        before = backends.launch_count()
+        got = fn(y)  # the cached reference graph: no kernel launch
+        assert backends.launch_count() == before
+        assert np.array_equal(np.array(got), np.array(want))
+        with pytest.raises(ValueError, match="runs kernels eagerly"):
+            mx.eval(mx.compile(lambda y: mt.gated_rms_norm(y, z, w))(y))
