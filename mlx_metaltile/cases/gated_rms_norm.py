@@ -82,6 +82,20 @@ def _variant_call(n, backend, rng):
 VARIANT_CALLS = {v: functools.partial(_variant_call, n) for v, n in VARIANT_N.items()}
 
 
+def _backward_call(backend, rng):
+    """The VJP (fused backward kernel, then dweight's sum) against the float64 gradients."""
+    y, z, w = make_inputs(rng, (300,), 70, mx.bfloat16, mx.float32)
+    g = mx.array(rng.standard_normal(z.shape).astype(np.float32)).astype(mx.bfloat16)
+    _, grads = mx.vjp(mt.gated_rms_norm, [y, z, w], [g])
+    for got, (want, mag), name in zip(grads, grad_oracle(y, z, w, g), ("dy", "dz", "dw"),
+                                      strict=True):
+        assert_close(got.reshape(want.shape), want, got.dtype, mag,
+                     what=f"gated_rms_norm {name}[{backend}]")
+
+
+VARIANT_CALLS["backward"] = VARIANT_CALLS["backward_sum"] = _backward_call
+
+
 # ---- benchmarks -------------------------------------------------------------------------
 
 @partial(mx.compile, shapeless=True)

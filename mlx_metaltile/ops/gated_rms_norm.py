@@ -61,7 +61,7 @@ SIMD_ROWS_SPEC, REGISTER_SPEC, LOOPED_SPEC = register(
                  "grid (1024, rows, 1)",
     ),
 )
-(BACKWARD_SPEC,) = register(
+BACKWARD_SPEC, BACKWARD_SUM_SPEC = register(
     KernelSpec(
         op=OP, variant="backward", template="gated_rms_norm_backward.metal",
         inputs=(*_ARGS, Arg("g", "T", 2), *scalars("n_cols", "n_rows", "rows_per_group"), _EPS),
@@ -70,7 +70,16 @@ SIMD_ROWS_SPEC, REGISTER_SPEC, LOOPED_SPEC = register(
         geometry="the VJP: TG = min(1024, round_up(ceil(n/4), 32)); grid (TG, groups, 1), "
                  "threadgroup p takes rows_per_group consecutive rows",
     ),
+    KernelSpec(
+        op=OP, variant="backward_sum", template="gated_rms_norm_backward_sum.metal",
+        inputs=(Arg("partial", "float32", 2), *scalars("n_cols", "n_parts")),
+        outputs=(Arg("dw", "T", 1),), params=("T",),
+        bindings=lambda: ({"T": t} for t in FLOAT_TYPES),
+        geometry="dweight: one thread per column, TG = min(256, round_up(n, 32)); "
+                 "grid (round_up(n, TG), 1, 1)",
+    ),
 )
+BACKWARD_SPECS = (BACKWARD_SPEC, BACKWARD_SUM_SPEC)
 MAX_DW_PARTIALS = 256  # threadgroups of the backward (rows of dweight's partial sums)
 
 
@@ -194,7 +203,15 @@ def _launch_backward(y, z, weight, g, n: int, rows: int, eps: float,
         grid=(tg, groups, 1), threadgroup=(tg, 1, 1), threadgroup_memory=3 * 32 * 4,
     )
     # The partial sums added in one fixed order (no atomics: the same bits every run).
-    return dy, dz, mx.sum(partial, axis=0).astype(weight.dtype)
+    tg = min(256, round_up(n, 32))
+    (dw,) = backends.launch(
+        BACKWARD_SUM_SPEC, backend,
+        inputs={"partial": partial, "n_cols": scalar(n, mx.uint32),
+                "n_parts": scalar(groups, mx.uint32)},
+        template={"T": z.dtype}, outputs={"dw": ((n,), z.dtype)},
+        grid=(round_up(n, tg), 1, 1), threadgroup=(tg, 1, 1),
+    )
+    return dy, dz, dw
 
 
 def _differentiable(y, z, weight, n: int, rows: int, eps: float, backend: str) -> mx.array:

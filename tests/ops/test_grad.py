@@ -32,11 +32,12 @@ def _f64(a: mx.array) -> np.ndarray:
 
 def gated_check(y, z, w, eps, dtype, rng, backend):
     g = mx.array(rng.standard_normal(z.shape).astype(np.float32)).astype(dtype)
-    before = backends.launch_count(name="gated_rms_norm_backward")
+    before = [backends.launch_count(name=s.name) for s in gated.BACKWARD_SPECS]
     _, (dy, dz, dw) = mx.vjp(lambda *a: mt.gated_rms_norm(*a, eps=eps), [y, z, w], [g])
     mx.eval(dy, dz, dw)
-    if backend != "reference":  # the fused backward kernel ran
-        assert backends.launch_count(name="gated_rms_norm_backward") == before + 1
+    if backend != "reference":  # the fused backward kernel (and dweight's sum) ran
+        assert [backends.launch_count(name=s.name) for s in gated.BACKWARD_SPECS] == \
+            [b + 1 for b in before]
     assert (dy.dtype, dz.dtype, dw.dtype) == (y.dtype, dtype, dtype)
     want = grad_oracle(y, z, w, g, eps)
     for got, (exact, mag), name in zip((dy, dz, dw), want, ("dy", "dz", "dw"), strict=True):
@@ -81,6 +82,14 @@ def test_gated_rms_norm_backward_negative_control(kernel_backend, broken_kernel,
     broken_kernel(gated.BACKWARD_SPEC, (old, new))
     y, z, w = make_inputs(rng, (3,), n, mx.float32, mx.float32)
     with pytest.raises(AssertionError, match="out of tolerance"):
+        gated_check(y, z, w, 1e-5, mx.float32, rng, kernel_backend)
+
+
+def test_gated_rms_norm_backward_sum_negative_control(kernel_backend, broken_kernel, rng):
+    """dweight's fixed-order sum leaving out the last partial: the harness must notice."""
+    broken_kernel(gated.BACKWARD_SUM_SPEC, ("p < n_parts", "p + 1 < n_parts"))
+    y, z, w = make_inputs(rng, (700,), 40, mx.float32, mx.float32)
+    with pytest.raises(AssertionError, match="dw .*out of tolerance"):
         gated_check(y, z, w, 1e-5, mx.float32, rng, kernel_backend)
 
 
