@@ -142,20 +142,29 @@ def test_expert_qmv_vjp_out_of_range_id_is_nan(any_backend, rng):
     assert nan.tolist() == [False, True, False]
 
 
+@pytest.mark.parametrize("M", (1, 5))
 @pytest.mark.parametrize("mode", ("affine", "mxfp4"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-def test_moe_gather_qmm_vjp(any_backend, rng, dtype, mode):
-    E, M, N, K = 3, 5, 32, 64
+def test_moe_gather_qmm_vjp(any_backend, rng, dtype, mode, M):
+    E, N, K = 3, 32, 64
     w, scales, biases, _ = _quantize(rng, (E, N, K), dtype, mode)
     # The forward multiplies by each weight rounded to x's dtype: so does the gradient.
     wd = _f64(mx.array(_decode(w, scales, biases, mode), dtype=mx.float32).astype(dtype))
-    ids = np.array([0, 0, 2, 1, 2], dtype=np.uint32)
+    ids = np.array([2, 0, 2, 1, 0][:M], dtype=np.uint32)  # last and first experts
     x = mx.array(rng.standard_normal((M, K)).astype(np.float32)).astype(dtype)
     g = mx.array(rng.standard_normal((M, N)).astype(np.float32)).astype(dtype)
     _, (dx,) = mx.vjp(lambda x: mt.moe_gather_qmm(x, w, scales, biases, mx.array(ids),
                                                   mode=mode), [x], [g])
     terms = _f64(g)[:, :, None] * wd[ids]
     assert_close(dx, terms.sum(1), dtype, np.abs(terms).sum(1), what="dx")
+
+
+def test_moe_gather_qmm_vjp_out_of_range_id_is_nan(any_backend, rng):
+    w, scales, biases, _ = _quantize(rng, (2, 32, 64), mx.float32, "affine")
+    x = mx.array(rng.standard_normal((3, 64)).astype(np.float32))
+    ids = mx.array([1, -1, 0], dtype=mx.int32)
+    dx = mx.grad(lambda x: mt.moe_gather_qmm(x, w, scales, biases, ids)[:, 0].sum())(x)
+    assert np.isnan(np.array(dx)).all(axis=1).tolist() == [False, True, False]
 
 
 @pytest.mark.parametrize("m", (1, 33))
