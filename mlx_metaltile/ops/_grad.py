@@ -7,15 +7,16 @@ matmuls; it differentiates affine scales and biases, these ops do not).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
 
-def _frozen(op: str, arrays: Sequence[mx.array | None]) -> list[mx.array | None]:
-    """The arrays unchanged, through a function whose VJP raises: MLX calls it only when a
-    gradient w.r.t. one of them is asked for."""
-    present = [a for a in arrays if a is not None]
+@functools.cache
+def _frozen_fn(op: str) -> Callable:
+    """Identity on its arrays, with a VJP that raises: MLX calls it only when a gradient
+    w.r.t. one of them is asked for. One per op (built once: cheap per call)."""
 
     @mx.custom_function
     def frozen(*a):
@@ -27,7 +28,12 @@ def _frozen(op: str, arrays: Sequence[mx.array | None]) -> list[mx.array | None]
                          "or biases (constants of the op); differentiate with respect to x, "
                          "or dequantize them and use a float matmul to train them")
 
-    out = iter(frozen(*present))
+    return frozen
+
+
+def _frozen(op: str, arrays: Sequence[mx.array | None]) -> list[mx.array | None]:
+    """The arrays unchanged, through ``_frozen_fn(op)``."""
+    out = iter(_frozen_fn(op)(*(a for a in arrays if a is not None)))
     return [None if a is None else next(out) for a in arrays]
 
 
