@@ -62,12 +62,15 @@ def test_lora_step_through_patched_model(arch, backend):
     try:
         with backends.use_backend(backend):
             before = backends.launch_count()
+            backward = backends.launch_count("gated_rms_norm_backward")
             loss, got = _step(model)
             launched = backends.launch_count() - before
+            backward = backends.launch_count("gated_rms_norm_backward") - backward
     finally:
         mt.unpatch(model)
     if backend != "reference":
         assert launched > 0  # the kernels ran, forward and backward
+        assert (backward > 0) == ("gated_rms_norm" in served)
     # As test_patch's logits bound: the float32 accumulation slack per replaced module.
     slack = 2 * TOLERANCES["float32"].accum * len(report.replaced)
     assert abs(loss.item() - want_loss.item()) <= slack * abs(want_loss.item())
