@@ -71,6 +71,28 @@ def test_gated_rms_norm_dweight_many_rows_deterministic(kernel_backend, rng):
     assert np.array_equal(np.array(runs[0]), np.array(runs[1]))
 
 
+@pytest.mark.parametrize("n, passes", [(1000, 1), (5000, 3)], ids=("one_chunk", "chunked"))
+def test_gated_rms_norm_backward_traffic(launches, rng, n, passes):
+    """The emulator's counters: a row of n <= 4096 is read once (y, z, weight, g) and dy, dz
+    written once; longer rows are read three times; dweight's partials written once by the
+    first kernel and read once by the second."""
+    from support import require_backend
+    require_backend("emulator")
+    rows, dtype = 5, mx.bfloat16
+    y, z, w = make_inputs(rng, (rows,), n, dtype, mx.float32)
+    g = mx.ones(z.shape, dtype=dtype)
+    with backends.use_backend("emulator"):
+        mx.eval(mx.vjp(mt.gated_rms_norm, [y, z, w], [g])[1])
+    stats = {rec.name: rec.stats for rec in launches}
+    bwd, total = stats["gated_rms_norm_backward"], stats["gated_rms_norm_backward_sum"]
+    assert bwd.bytes_read["y"] == passes * rows * n * 4
+    for name in ("z", "w", "g"):  # weight: each row's threadgroup reads it with the row
+        assert bwd.bytes_read[name] == passes * rows * n * 2, name
+    assert bwd.bytes_written["dy"] == rows * n * 4 and bwd.bytes_written["dz"] == rows * n * 2
+    assert bwd.bytes_written["dw_partial"] == rows * n * 4  # one row per threadgroup here
+    assert total.bytes_read["partial"] == rows * n * 4 and total.bytes_written["dw"] == n * 2
+
+
 @pytest.mark.parametrize("n", (200, 5000), ids=("one_chunk", "chunked"))
 @pytest.mark.parametrize("old, new", [
     ("(a - c_u * u) * k_row", "a * k_row"),  # dy without the normalisation's term
