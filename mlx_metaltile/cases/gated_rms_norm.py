@@ -84,6 +84,20 @@ def _variant_call(n, backend, rng):
 VARIANT_CALLS = {v: functools.partial(_variant_call, n) for v, n in VARIANT_N.items()}
 
 
+def _backward_call(backend, rng):
+    """The VJP (fused backward kernel, then dweight's sum) against the float64 gradients."""
+    y, z, w = make_inputs(rng, (300,), 70, mx.bfloat16, mx.float32)
+    g = mx.array(rng.standard_normal(z.shape).astype(np.float32)).astype(mx.bfloat16)
+    _, grads = mx.vjp(mt.gated_rms_norm, [y, z, w], [g])
+    for got, (want, mag), name in zip(grads, grad_oracle(y, z, w, g), ("dy", "dz", "dw"),
+                                      strict=True):
+        assert_close(got.reshape(want.shape), want, got.dtype, mag,
+                     what=f"gated_rms_norm {name}[{backend}]")
+
+
+VARIANT_CALLS["backward"] = VARIANT_CALLS["backward_sum"] = _backward_call
+
+
 # ---- benchmarks -------------------------------------------------------------------------
 
 @partial(mx.compile, shapeless=True)
@@ -110,6 +124,68 @@ def gated_rms_norm_native(y, z, weight, eps=1e-5):
     return _precise_swiglu(h, z, mx.fast.rms_norm(h, weight, eps))
 
 
+# ---- gradients -------------------------------------------------------------------------
+
+def grad_oracle(y, z, weight, g, eps=1e-5):
+    """float64 ((dy, |terms|), (dz, |terms|), (dweight, |terms|)) of the VJP with cotangent
+    g, from the math: out = w y k silu(z), k = (mean(y^2) + eps)^-1/2 over the last axis."""
+    y, z, w, g = (to_f64(a) for a in (y, z, weight, g))
+    n = y.shape[-1]
+    y, z, g = (a.reshape(-1, n) for a in (y, z, g))
+    k = 1.0 / np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + eps)
+    sg = 1.0 / (1.0 + np.exp(-z))
+    s = z * sg
+    a = g * w * s
+    dy = k * a - k**3 / n * y * np.sum(a * y, axis=-1, keepdims=True)
+    dy_mag = np.abs(k * a) + k**3 / n * np.abs(y) * np.sum(np.abs(a * y), axis=-1,
+                                                           keepdims=True)
+    dz = g * w * y * k * sg * (1.0 + z * (1.0 - sg))  # silu'(z) = sg + z sg (1 - sg)
+    dz_mag = np.abs(g * w * y * k) * sg * (1.0 + np.abs(z) * (1.0 - sg))
+    terms = g * y * k * s
+    return (dy, dy_mag), (dz, dz_mag), (terms.sum(0), np.abs(terms).sum(0))
+
+
+def _grads_flat(fn):
+    """(y, z, weight, g) -> dy, dz, dweight of ``fn`` raveled into one array (forward and
+    backward both run: mx.vjp), so one bench case times and checks them together."""
+    def run(y, z, weight, g):
+        _, grads = mx.vjp(fn, [y, z, weight], [g])
+        return mx.concatenate([d.reshape(-1) for d in grads])
+    return run
+
+
+def _grad_oracle_flat(y, z, weight, g):
+    return np.concatenate([d.reshape(-1) for d, _ in grad_oracle(y, z, weight, g)])
+
+
+def _grad_magnitude_flat(y, z, weight, g):
+    return np.concatenate([m.reshape(-1) for _, m in grad_oracle(y, z, weight, g)])
+
+
+def grad_bench_cases() -> list[BenchCase]:
+    """Forward + backward (mx.vjp w.r.t. y, z, weight) against MLX's autodiff of the native
+    composite. bytes: the forward's (y, z, w read, out written) plus the backward's (y, z,
+    w, g read, dy, dz written); the concatenation of the gradients, paid by both sides, is
+    not counted."""
+    out = []
+    for rows, n, quick in [(32, 2048, True), (4096, 2048, False), (4096, 4096, False)]:
+        for dtype in DTYPES:
+            def make(rng, rows=rows, n=n, dtype=dtype):
+                a = [mx.array(rng.standard_normal((rows, n), dtype=np.float32)).astype(dtype)
+                     for _ in range(3)]
+                return dict(y=a[0], z=a[1], g=a[2],
+                            weight=mx.array(rng.uniform(-2, 2, n).astype(np.float32))
+                            .astype(dtype))
+            out.append(BenchCase(
+                op=OP, label=f"grad-{rows}x{n}", dtype=dtype, make=make,
+                ours=_grads_flat(mt.gated_rms_norm),
+                native=_grads_flat(gated_rms_norm_native),
+                oracle=_grad_oracle_flat, magnitude=_grad_magnitude_flat,
+                nbytes=rows * n * 10 * dtype.size + 2 * n * dtype.size,
+                flops=30 * rows * n, quick=quick and dtype == mx.float16))
+    return out
+
+
 def bench_cases() -> list[BenchCase]:
     out = []
     shapes = [(4096, 128, True), (16384, 128, False), (1, 2048, True), (32, 2048, False),
@@ -132,4 +208,4 @@ def bench_cases() -> list[BenchCase]:
                     oracle=oracle, magnitude=magnitude,
                     nbytes=nbytes, flops=8 * rows * n,
                     quick=quick and dtype == mx.float16))
-    return out
+    return out + grad_bench_cases()

@@ -25,6 +25,7 @@ from ._common import (
     quantized_bindings,
     scalar,
 )
+from ._grad import sum_to_shape, with_x_vjp
 
 OP = "expert_qmv"
 __all__ = ["expert_qmv", "expert_qmv_reference"]
@@ -298,6 +299,10 @@ def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
     Returns: ``[..., k, N]`` in x's dtype, accumulated in float32. An id outside ``[0, E)``
     gives a NaN output row (no out-of-bounds read; nothing is synced to check it).
 
+    Differentiable with respect to x (the transposed product through MLX's
+    ``gather_qmm(transpose=False)``; a pair with an out-of-range id gives its x a NaN
+    gradient, as its NaN output row); asking for the gradient of w, scales or biases raises.
+
     Sizes, k and the broadcast pattern are runtime inputs: one kernel instantiation per
     (dtype, mode, bits, group_size, index dtype), plus one more the first time ``indices`` holds
     fewer than 8 ids (for example k = 2 for one token): MLX passes such small inputs in
@@ -309,6 +314,35 @@ def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
         if 0 in out_shape:
             return mx.zeros(out_shape, dtype=x.dtype)
         backend = backends.resolve_backend()
-        if backend == "reference":
-            return _reference(x, w, scales, biases, indices, info)
-        return _launch(x, w, scales, biases, indices, info, backend)
+
+        def forward(x, w, scales, biases):
+            with on_stream(OP, stream):
+                if backend == "reference":
+                    return _reference(x, w, scales, biases, indices, info)
+                return _launch(x, w, scales, biases, indices, info, backend)
+
+        def x_vjp(g, w, scales, biases):  # run at backward time: the stream again
+            with on_stream(OP, stream):
+                return _x_vjp(g, w, scales, biases, indices, x.shape, x.dtype, info)
+
+        return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases))
+
+
+def _x_vjp(g, w, scales, biases, indices, x_shape, x_dtype, info: dict) -> mx.array:
+    """dx for the cotangent g [..., k, N]: g times the experts' weights (the transposed
+    quantized product, MLX's gather_qmm(transpose=False)) in float32, summed over the axes
+    x was broadcast along. A (token, expert) pair with an out-of-range id contributes NaN,
+    as its output row is NaN."""
+    valid = indices < info["n_experts"]
+    if indices.dtype == mx.int32:
+        valid = valid & (indices >= 0)
+    safe = mx.where(valid, indices, 0).astype(mx.uint32)
+    if info["mode"] == "affine":
+        scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
+    d = mx.gather_qmm(g.astype(mx.float32)[..., None, :], w, scales, biases, rhs_indices=safe,
+                      transpose=False, group_size=info["group_size"], bits=info["bits"],
+                      mode=info["mode"])
+    d = mx.where(valid[..., None], mx.squeeze(d, axis=-2), mx.array(float("nan")))
+    if not info["x_k_axis"]:  # one activation shared by the token's k experts
+        d = mx.sum(d, axis=-2)
+    return sum_to_shape(d, tuple(x_shape)).astype(x_dtype)

@@ -37,6 +37,7 @@ from ._common import (
     round_up,
     scalar,
 )
+from ._grad import with_x_vjp
 
 OP = "fp4_qmm"
 __all__ = ["fp4_dequantize_reference", "fp4_qmm", "fp4_qmm_reference"]
@@ -374,16 +375,31 @@ def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | Non
         where the composite's ops or the kernel run.
 
     Returns: ``[..., N]`` in x's dtype. N and K must be multiples of 32.
+
+    Differentiable with respect to x (``g @ W`` on the decoded weights, float32); asking for
+    the gradient of w or scales raises.
     """
     m, n, k, scale_mode, group_size = _check_fp4_qmm(x, w, scales, group_size, mode)
     out_shape = (*x.shape[:-1], n)
     backend = backends.resolve_backend()
     spec = _choose(backend, m, variant)
+
+    def forward(x, w, scales):
+        with on_stream(OP, stream):
+            if spec is None:
+                return _reference(x, w, scales, group_size, scale_mode)
+            if m == 0:
+                return mx.zeros(out_shape, dtype=x.dtype)
+            out = _launch(spec, x.reshape(m, k), w, scales, m, n, k, scale_mode, group_size,
+                          backend)
+            return out.reshape(out_shape)
+
+    def x_vjp(g, w, scales):  # run at backward time: the stream again
+        with on_stream(OP, stream):
+            # dx = g @ W: the transposed product on the forward's decoded weights, float32.
+            wdq = _dequantize(w, scales, group_size, scale_mode, WEIGHT_FACTOR)
+            dx = mx.matmul(g.astype(mx.float32), wdq) * (1.0 / WEIGHT_FACTOR)
+            return dx.astype(x.dtype)
+
     with on_stream(OP, stream):
-        if spec is None:
-            return _reference(x, w, scales, group_size, scale_mode)
-        if m == 0:
-            return mx.zeros(out_shape, dtype=x.dtype)
-        out = _launch(spec, x.reshape(m, k), w, scales, m, n, k, scale_mode, group_size,
-                      backend)
-        return out.reshape(out_shape)
+        return with_x_vjp(OP, forward, x_vjp, x, (w, scales))

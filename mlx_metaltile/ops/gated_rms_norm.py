@@ -64,6 +64,26 @@ SIMD_ROWS_SPEC, REGISTER_SPEC, LOOPED_SPEC = register(
                  "grid (1024, rows, 1)",
     ),
 )
+BACKWARD_SPEC, BACKWARD_SUM_SPEC = register(
+    KernelSpec(
+        op=OP, variant="backward", template="gated_rms_norm_backward.metal",
+        inputs=(*_ARGS, Arg("g", "T", 2), *scalars("n_cols", "n_rows", "rows_per_group"), _EPS),
+        outputs=(Arg("dy", "T", 2), Arg("dz", "ZT", 2), Arg("dw_partial", "float32", 2)),
+        params=("T", "ZT"), bindings=_bindings,
+        geometry="the VJP: TG = min(1024, round_up(ceil(n/4), 32)); grid (TG, groups, 1), "
+                 "threadgroup p takes rows_per_group consecutive rows",
+    ),
+    KernelSpec(
+        op=OP, variant="backward_sum", template="gated_rms_norm_backward_sum.metal",
+        inputs=(Arg("partial", "float32", 2), *scalars("n_cols", "n_parts")),
+        outputs=(Arg("dw", "T", 1),), params=("T",),  # T: weight's dtype
+        bindings=lambda: ({"T": t} for t in FLOAT_TYPES),
+        geometry="dweight: one thread per column, TG = min(256, round_up(n, 32)); "
+                 "grid (round_up(n, TG), 1, 1)",
+    ),
+)
+BACKWARD_SPECS = (BACKWARD_SPEC, BACKWARD_SUM_SPEC)
+MAX_DW_PARTIALS = 256  # threadgroups of the backward (rows of dweight's partial sums)
 
 
 def _check_gated_rms_norm(y, z, weight, eps) -> tuple[int, int, float]:
@@ -137,6 +157,82 @@ def _launch(y, z, weight, n: int, rows: int, eps: float, backend: str) -> mx.arr
     return out
 
 
+def _backward_reference(y, z, weight, g, eps: float) -> tuple[mx.array, mx.array, mx.array]:
+    """(dy, dz, dweight) as msl_templates/gated_rms_norm_backward.metal computes them (float32,
+    the row scaled by its max |y|), in pure MLX."""
+    yf, zf, gf = y.astype(mx.float32), z.astype(mx.float32), g.astype(mx.float32)
+    wf = weight.astype(mx.float32)
+    n = yf.shape[-1]
+    row_max = mx.max(mx.abs(yf), axis=-1, keepdims=True)
+    m = mx.where(row_max > 0, row_max, 1.0)
+    u = yf / m
+    ms = mx.mean(u * u, axis=-1, keepdims=True)
+    r = m * mx.sqrt(ms)
+    se = math.sqrt(eps)
+    t = r / se if se > 0 else mx.zeros_like(r)
+    k = mx.where(r >= se, mx.rsqrt(ms) * mx.rsqrt(1.0 + (eps / r) / r),
+                 (m / se if se > 0 else m) * mx.rsqrt(1.0 + t * t))  # K = m * rsqrt(..)
+    sg = mx.sigmoid(zf)
+    s = zf * sg
+    a = gf * wf * s
+    c = (k * k / n) * mx.sum(a * u, axis=-1, keepdims=True)
+    dy = (a - c * u) * (k / m)
+    dz = gf * wf * u * k * (sg * (1.0 + zf * (1.0 - sg)))
+    dw = mx.sum((gf * u * k * s).reshape(-1, n), axis=0)
+    return dy.astype(y.dtype), dz.astype(z.dtype), dw.astype(weight.dtype)
+
+
+def _launch_backward(y, z, weight, g, n: int, rows: int, eps: float,
+                     backend: str) -> tuple[mx.array, mx.array, mx.array]:
+    """(dy, dz, dweight) for the cotangent g, from the fused backward kernel."""
+    tg = min(1024, round_up(-(-n // N_READS), 32))
+    per_group = -(-rows // MAX_DW_PARTIALS)
+    groups = -(-rows // per_group)
+    dy, dz, partial = backends.launch(
+        BACKWARD_SPEC, backend,
+        inputs={"y": y, "z": z, "w": weight, "g": g.astype(y.dtype),
+                "n_cols": scalar(n, mx.uint32), "n_rows": scalar(rows, mx.uint32),
+                "rows_per_group": scalar(per_group, mx.uint32), "eps": scalar(eps, mx.float32)},
+        template={"T": y.dtype, "ZT": z.dtype},
+        outputs={"dy": (y.shape, y.dtype), "dz": (z.shape, z.dtype),
+                 "dw_partial": ((groups, n), mx.float32)},
+        grid=(tg, groups, 1), threadgroup=(tg, 1, 1), threadgroup_memory=3 * 32 * 4,
+    )
+    # The partial sums added in one fixed order (no atomics: the same bits every run).
+    tg = min(256, round_up(n, 32))
+    (dw,) = backends.launch(
+        BACKWARD_SUM_SPEC, backend,
+        inputs={"partial": partial, "n_cols": scalar(n, mx.uint32),
+                "n_parts": scalar(groups, mx.uint32)},
+        template={"T": weight.dtype}, outputs={"dw": ((n,), weight.dtype)},
+        grid=(round_up(n, tg), 1, 1), threadgroup=(tg, 1, 1),
+    )
+    return dy, dz, dw
+
+
+def _differentiable(y, z, weight, n: int, rows: int, eps: float, backend: str,
+                    stream) -> mx.array:
+    """The op as an mx.custom_function: its VJP is the fused backward kernel on a kernel
+    backend, the same math as a pure-MLX composite on the reference backend; both run on
+    the call's stream (the VJP runs later, at backward time)."""
+
+    @mx.custom_function
+    def op(y, z, weight):
+        with on_stream(OP, stream):
+            if backend == "reference":
+                return _reference(y, z, weight, eps)
+            return _launch(y, z, weight, n, rows, eps, backend)
+
+    @op.vjp
+    def op_vjp(primals, cotangent, output):
+        with on_stream(OP, stream):
+            if backend == "reference":
+                return _backward_reference(*primals, cotangent, eps)
+            return _launch_backward(*primals, cotangent, n, rows, eps, backend)
+
+    return op(y, z, weight)
+
+
 def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float = 1e-5, *,
                    stream=None) -> mx.array:
     """``weight * y * rsqrt(mean(y^2, -1) + eps) * silu(z)`` over the last axis, fused.
@@ -155,12 +251,13 @@ def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float = 1e-5
     Returns: an array of y's shape and dtype, computed in float32 and rounded once. Each row
     is scaled by its max |y| before squaring, so any row whose RMS is a finite float32 (from
     subnormal y to |y| near float32's max) is normalised right.
+
+    Differentiable with respect to y, z and weight (``mx.grad`` / ``mx.vjp``): on a kernel
+    backend through the fused backward kernel (msl_templates/gated_rms_norm_backward.metal),
+    with dy in y's dtype, dz in z's and dweight in weight's.
     """
     n, rows, eps = _check_gated_rms_norm(y, z, weight, eps)
     with on_stream(OP, stream):
         if rows == 0:
             return mx.zeros(y.shape, dtype=y.dtype)
-        backend = backends.resolve_backend()
-        if backend == "reference":
-            return _reference(y, z, weight, eps)
-        return _launch(y, z, weight, n, rows, eps, backend)
+        return _differentiable(y, z, weight, n, rows, eps, backends.resolve_backend(), stream)

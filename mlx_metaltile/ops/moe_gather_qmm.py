@@ -34,6 +34,7 @@ from ._common import (
     require_ndim,
     scalar,
 )
+from ._grad import sum_to_shape, with_x_vjp
 
 OP = "moe_gather_qmm"
 __all__ = ["moe_gather_qmm", "moe_gather_qmm_reference"]
@@ -299,6 +300,10 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
     Returns: ``[M, N]`` (2-D x) or ``[*broadcast(x.shape[:-2], indices.shape), M, N]``,
     in x's dtype.
 
+    Differentiable with respect to x (``g @ W[indices]`` with the same rounded weights; a
+    row with an out-of-range id gets a NaN gradient, as its NaN output); asking for the
+    gradient of w, scales or biases raises.
+
     M, E, N and K are runtime inputs: one kernel instantiation per (variant, dtype, mode,
     bits, group_size, index dtype), plus one more the first time M < 8: MLX passes inputs of
     fewer than 8 elements in Metal's ``constant`` address space, a different kernel source.
@@ -309,20 +314,51 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
     backend = backends.resolve_backend()
     spec = _select_variant(variant, backend, mode)
 
-    def run(x, indices):
-        return _launch(x, w, scales, biases, indices, M, N, K, E, group_size, bits, backend,
+    def run(x, ids):
+        return _launch(x, w, scales, biases, ids, M, N, K, E, group_size, bits, backend,
                        spec, mode)
 
+    def forward(x, w, scales, biases):
+        with on_stream(OP, stream):
+            if spec is None or M == 0:
+                return _reference(x, w, scales, biases, indices, lead, M, N, E, group_size,
+                                  bits, mode)
+            if lead is None:
+                return run(x, indices)
+            out_shape = (*lead, x.shape[-2], N)
+            rows, ids = _rows(x, indices, lead)
+            if sorted_indices or M < 2:
+                return run(rows, ids).reshape(out_shape)
+            order = mx.argsort(ids)  # rows of one expert adjacent: each tile reads it once
+            out = run(rows[order], ids[order])
+            return out[mx.argsort(order)].reshape(out_shape)
+
+    def x_vjp(g, w, scales, biases):  # run at backward time: the stream again
+        with on_stream(OP, stream):
+            if lead is None:
+                return _x_vjp(g, w, scales, biases, indices, E, group_size, bits, mode,
+                              x.dtype)
+            # mx.gather_qmm's form: the rows' gradients, summed over the axes x was
+            # broadcast along (in float32).
+            _, ids = _rows(x, indices, lead)
+            d = _x_vjp(g.reshape(-1, N), w, scales, biases, ids, E, group_size, bits, mode,
+                       x.dtype, out_dtype=mx.float32)
+            d = d.reshape(*lead, x.shape[-2], K)
+            return sum_to_shape(d, tuple(x.shape)).astype(x.dtype)
+
     with on_stream(OP, stream):
-        if spec is None or M == 0:
-            return _reference(x, w, scales, biases, indices, lead, M, N, E, group_size, bits,
-                              mode)
-        if lead is None:
-            return run(x, indices)
-        out_shape = (*lead, x.shape[-2], N)
-        x, indices = _rows(x, indices, lead)
-        if sorted_indices or M < 2:
-            return run(x, indices).reshape(out_shape)
-        order = mx.argsort(indices)  # rows of one expert adjacent: each tile reads it once
-        out = run(x[order], indices[order])
-        return out[mx.argsort(order)].reshape(out_shape)
+        return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases))
+
+
+def _x_vjp(g, w, scales, biases, indices, E, group_size, bits, mode, dtype,
+           out_dtype=None) -> mx.array:
+    """dx[m] = g[m] @ W[indices[m]] with the weights the forward multiplies by (each
+    rounded to x's dtype), float32; a row with an out-of-range id gets NaN, as its output.
+    Returned in ``out_dtype`` (default: x's dtype)."""
+    valid = indices < E
+    if indices.dtype == mx.int32:
+        valid = valid & (indices >= 0)
+    safe = mx.where(valid, indices, 0).astype(mx.uint32)
+    wd = _dequantize_rounded(w, scales, biases, group_size, bits, dtype, mode)  # [E, N, K]
+    d = mx.gather_mm(g.astype(mx.float32)[:, None, :], wd, rhs_indices=safe)[:, 0, :]
+    return mx.where(valid[:, None], d, mx.array(float("nan"))).astype(out_dtype or dtype)

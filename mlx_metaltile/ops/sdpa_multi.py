@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -418,10 +418,15 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
     Returns: ``[B, Hq, L, D]`` in q's dtype; softmax and accumulation in float32.
     D must be one of 64, 96, 128, 256.
 
-    Under ``mx.compile(..., shapeless=True)`` (reference, Metal and CUDA backends) a
-    device-side ``kv_len`` changes from call to call without a new trace; other input
-    shapes must stay those of the first trace (MLX refuses a change: the composite and the
-    kernel launches are shaped by them). The emulator refuses compile with an error.
+    Under ``mx.compile(..., shapeless=True)`` (reference backend: on a kernel backend the op
+    is an ``mx.custom_function``, which MLX 0.32 refuses to trace shapeless) a device-side
+    ``kv_len`` changes from call to call without a new trace; other input shapes must stay
+    those of the first trace (MLX refuses a change: the composite is shaped by them). The
+    emulator refuses compile with an error.
+
+    Differentiable with respect to q, k, v, sinks and an additive mask on every backend,
+    through MLX's autodiff of the reference composite (it recomputes the softmax; no
+    backward kernel): the cache rows at and beyond ``kv_len`` get a zero gradient.
 
     Pass the whole preallocated cache with ``kv_len`` rather than a slice of it: the
     kernels take row-contiguous inputs, so a non-contiguous view (``cache[:, :, :n]`` of a
@@ -433,6 +438,30 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
         if p.B * p.Hq * p.L == 0:
             return mx.zeros(q.shape, dtype=q.dtype)
         backend = backends.resolve_backend()
-        if backend == "reference":
-            return _reference(q, k, v, p)
-        return _launch(q, k, v, p, backend)  # backends.launch refuses the emulator in a trace
+        if backend == "reference":  # MLX's autodiff of the composite: the VJP below; and no
+            return _reference(q, k, v, p)  # custom_function, so shapeless compile traces it
+        # The primals: q, k, v, then the sinks and an additive mask where given (a bool mask
+        # and kv_len are not differentiable: closed over).
+        additive = p.mask_kind == MASK_ADDITIVE
+        extra = [a for a in (p.sinks, p.mask if additive else None) if a is not None]
+
+        def problem(rest) -> _Problem:
+            it = iter(rest)
+            sinks = next(it) if p.sinks is not None else None
+            return replace(p, sinks=sinks, mask=next(it) if additive else p.mask)
+
+        def reference(q, k, v, *rest):
+            return _reference(q, k, v, problem(rest))
+
+        @mx.custom_function
+        def op(q, k, v, *rest):
+            with on_stream(OP, stream):  # backends.launch refuses the emulator in a trace
+                return _launch(q, k, v, problem(rest), backend)
+
+        @op.vjp
+        def op_vjp(primals, cotangent, output):
+            # MLX's autodiff of the composite, recomputing the softmax (no backward kernel).
+            with on_stream(OP, stream):
+                return tuple(mx.vjp(reference, list(primals), [cotangent])[1])
+
+        return op(q, k, v, *extra)

@@ -183,10 +183,11 @@ def test_matches_native_sdpa(rng):
             assert np.allclose(np.array(got), np.array(want), atol=1e-5), kw
 
 
-@pytest.mark.parametrize("backend", backend_params("reference", "metal", "cuda"))
+@pytest.mark.parametrize("backend", backend_params("reference"))
 def test_shapeless_compile_with_device_kv_len(rng, backend):
     """mx.compile(shapeless=True) traces once; a device-side kv_len (and the mask and sinks,
-    inputs too) changes between calls without a new trace."""
+    inputs too) changes between calls without a new trace. (On a kernel backend the op is
+    an mx.custom_function for its VJP, which MLX 0.32 cannot trace shapeless.)"""
     require_backend(backend)
     q, k, v = make_inputs(rng, 1, 8, 2, 4, 96, 64, mx.float32)
     traces = []
@@ -214,7 +215,7 @@ def test_emulator_refuses_compile(rng):
     require_backend("emulator")
     q, k, v = make_inputs(rng, 1, 4, 2, 4, 64, 64, mx.float32)
     with backends.use_backend("emulator"), pytest.raises(
-            ValueError, match=r"^\[sdpa_multi\] the emulator backend is eager"):
+            ValueError, match=r"^\[sdpa_multi\] the emulator backend runs kernels eagerly"):
         mx.compile(lambda a: mt.sdpa_multi(a, k, v, scale=0.125))(q)
 
 

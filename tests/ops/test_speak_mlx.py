@@ -272,6 +272,17 @@ SHAPELESS = {  # op -> (call, the inputs it takes, a second set of other sizes)
 }
 
 
+@pytest.mark.parametrize("name", SHAPELESS)
+def test_shapeless_compile_refused_with_custom_vjp(inputs, name):
+    """These ops are an mx.custom_function on every backend (their VJPs), which MLX 0.32
+    cannot trace shapeless: an error ("CustomTransforms cannot infer output shapes"), never
+    a wrong result. (sdpa_multi's reference path is no custom_function:
+    test_sdpa_masks.test_shapeless_compile_with_device_kv_len.)"""
+    call = SHAPELESS[name][0]
+    with backends.use_backend("reference"), pytest.raises(ValueError, match="CustomTransforms"):
+        mx.eval(mx.compile(call, shapeless=True)(*_shapeless_args(inputs, name)))
+
+
 def _shapeless_args(t, name, lead=None):
     """The op's inputs, the first axis of the leading ones resized to ``lead``."""
     _, keys, _ = SHAPELESS[name]
@@ -284,18 +295,6 @@ def _shapeless_args(t, name, lead=None):
     elif name == "fp4_qmm":
         args += [t["wf"], t["sf"]]
     return args
-
-
-@pytest.mark.parametrize("name", SHAPELESS)
-def test_shapeless_compile_reference(inputs, name):
-    call, _, other = SHAPELESS[name]
-    compiled = mx.compile(call, shapeless=True)
-    with backends.use_backend("reference"):
-        for lead in dict.fromkeys((None, other)):  # then reuse the trace at new sizes
-            args = _shapeless_args(inputs, name, lead)
-            got, want = compiled(*args), call(*args)
-            assert got.shape == want.shape, (name, lead)
-            assert _same(got, want), (name, lead)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -316,8 +315,8 @@ def test_emulator_is_eager(inputs, op, transform):
     fn = {"compile": mx.compile, "shapeless": lambda f: mx.compile(f, shapeless=True),
           "vmap": mx.vmap}[transform](fn)
     with backends.use_backend("emulator"), pytest.raises(
-            ValueError, match=rf"^\[{op}\] the emulator backend is eager .* cannot run inside "
-                              r"mx.compile or mx.vmap; .* reference backend"):
+            ValueError, match=rf"^\[{op}\] the emulator backend runs kernels eagerly .* cannot be "
+                              r"traced by mx.compile or mx.vmap; .*use_backend\('reference'\)"):
         mx.eval(fn(a))
 
 
