@@ -54,6 +54,17 @@ def test_gated_rms_norm_vjp(any_backend, rng, dtype, y_f32, n, lead):
     gated_check(y, z, w, 1e-5, dtype, rng, any_backend)
 
 
+@pytest.mark.parametrize("y_dt, z_dt, w_dt", [(mx.float16, mx.bfloat16, mx.float32),
+                                               (mx.bfloat16, mx.float32, mx.float16),
+                                               (mx.float32, mx.float16, mx.bfloat16)],
+                         ids=("y16-zbf-w32", "ybf-z32-w16", "y32-z16-wbf"))
+@pytest.mark.parametrize("n", (33, 1000))
+def test_gated_rms_norm_vjp_mixed_dtypes(any_backend, rng, y_dt, z_dt, w_dt, n):
+    """y, z, weight each in its own float dtype: dy in y's, dz in z's, dweight in weight's."""
+    y, z, w = make_inputs(rng, (3,), n, z_dt, y_dt)
+    gated_check(y, z, w.astype(w_dt), 1e-5, z_dt, rng, any_backend)
+
+
 @pytest.mark.parametrize("row_scale", (1e30, 1e-30, 0.0))
 def test_gated_rms_norm_vjp_range(any_backend, rng, row_scale):
     """Rows whose mean(y^2) over- or underflows float32, and an all-zero row (eps > 0)."""
@@ -260,6 +271,47 @@ def test_sdpa_multi_vjp(any_backend, rng, dtype, Hq, Hkv, L, kv_len, causal):
         mag = np.full(exact.shape, np.abs(exact).max() * 4)
         assert_close(got, exact, dtype, mag, what=name)
         assert not np.any(np.array(got.astype(mx.float32))[:, :, kv_len:]) or name == "dq"
+
+
+def sdpa_sinks_mask_oracle(q, k, v, g, scale, sinks, mask):
+    """float64 ((dsinks, |terms|), (dmask, |terms|)) of softmax over the scores
+    scale q k^T + mask and the head's sink (the sink joins the denominator only), GQA heads;
+    mask [L, S] broadcast over batch and heads. d out / d s_j = p_j (v_j - out), and the
+    sink's value is 0: dL/dsink = -p_sink g.out."""
+    G = q.shape[1] // k.shape[1]
+    kk, vv = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
+    s = scale * q @ kk.swapaxes(-1, -2) + mask
+    sink = sinks.reshape(1, -1, 1, 1)
+    top = np.maximum(s.max(-1, keepdims=True), sink)
+    e, es = np.exp(s - top), np.exp(sink - top)
+    den = e.sum(-1, keepdims=True) + es
+    p, ps = e / den, es / den
+    go = (g * (p @ vv)).sum(-1, keepdims=True)  # g.out per query row
+    gv = g @ vv.swapaxes(-1, -2)  # g.v_j
+    dsinks = -(ps * go).sum(axis=(0, 2, 3))
+    dsinks_mag = (ps * np.abs(g) @ np.abs(vv).swapaxes(-1, -2) * p).sum(axis=(0, 2, 3))
+    dmask = (p * (gv - go)).sum(axis=(0, 1))
+    dmask_mag = (p * (np.abs(gv) + np.abs(go))).sum(axis=(0, 1))
+    return (dsinks, dsinks_mag), (dmask, dmask_mag)
+
+
+@pytest.mark.parametrize("Hq, Hkv, L, S", [(2, 2, 1, 33), (4, 1, 3, 40)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_sdpa_multi_vjp_sinks_mask(any_backend, rng, dtype, Hq, Hkv, L, S):
+    """Gradients w.r.t. the sinks and an additive mask (broadcast over batch and heads)."""
+    D = 64
+    q, k, v, g = (mx.array(rng.standard_normal(s).astype(np.float32)).astype(dtype)
+                  for s in ((2, Hq, L, D), (2, Hkv, S, D), (2, Hkv, S, D), (2, Hq, L, D)))
+    sinks = mx.array(rng.uniform(-1, 2, size=(Hq,)).astype(np.float32)).astype(dtype)
+    mask = mx.array(rng.uniform(-2, 1, size=(L, S)).astype(np.float32)).astype(dtype)
+    scale = D ** -0.5
+    _, (dsinks, dmask) = mx.vjp(
+        lambda s, m: mt.sdpa_multi(q, k, v, scale=scale, sinks=s, mask=m), [sinks, mask], [g])
+    assert (dsinks.shape, dmask.shape) == (sinks.shape, mask.shape)
+    want = sdpa_sinks_mask_oracle(*map(_f64, (q, k, v, g)), scale, _f64(sinks), _f64(mask))
+    for got, (exact, mag), name in zip((dsinks, dmask), want, ("dsinks", "dmask"), strict=True):
+        # magnitude: the float32 softmax and its sums, a few ulps of the largest term
+        assert_close(got, exact, dtype, (mag + np.abs(exact).max()) * 4, what=name)
 
 
 # ---- transforms ----------------------------------------------------------------------
