@@ -23,12 +23,13 @@ print("op calls run on:", mt.current_backend())
 
 # 2. One op by hand: the fused gated RMSNorm against its definition in float64.
 rng = np.random.default_rng(0)
-y = mx.array(rng.standard_normal((4, 2048), dtype=np.float32))  # float32 hidden states
+# bfloat16 hidden states and gate, a float32 weight (any float dtypes; out in y's, as mlx-lm)
+y = mx.array(rng.standard_normal((4, 2048), dtype=np.float32)).astype(mx.bfloat16)
 z = mx.array(rng.standard_normal((4, 2048), dtype=np.float32)).astype(mx.bfloat16)
-w = mx.array(rng.uniform(-2, 2, 2048).astype(np.float32)).astype(mx.bfloat16)
+w = mx.array(rng.uniform(-2, 2, 2048).astype(np.float32))
 out = mt.gated_rms_norm(y, z, w, eps=1e-5)
-y64, z64 = np.array(y, dtype=np.float64), np.array(z.astype(mx.float32), dtype=np.float64)
-w64 = np.array(w.astype(mx.float32), dtype=np.float64)
+y64, z64 = (np.array(a.astype(mx.float32), dtype=np.float64) for a in (y, z))
+w64 = np.array(w, dtype=np.float64)
 want = w64 * y64 / np.sqrt(np.mean(y64**2, axis=-1, keepdims=True) + 1e-5) * z64 / (1 + np.exp(-z64))
 got = np.array(out.astype(mx.float32), dtype=np.float64)
 rel = np.abs(got - want) / np.maximum(np.abs(want), 1e-30)

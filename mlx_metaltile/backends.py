@@ -217,6 +217,26 @@ def check_geometry(op: str, grid: Sequence[int], threadgroup: Sequence[int],
                          f"at most {MAX_THREADGROUP_MEMORY}")
 
 
+_TRACING_MESSAGE = "during function transformations"  # MLX's eval refusal under compile/vmap
+
+
+@contextlib.contextmanager
+def require_eager_ok(op: str, backend: str) -> Iterator[None]:
+    """Turn MLX's refusal to evaluate inside ``mx.compile`` / ``mx.vmap`` into an ``[op]``
+    error: the emulator runs each kernel eagerly on the CPU, so its inputs must be concrete
+    arrays. (``mx.grad`` / ``mx.vjp`` / ``mx.value_and_grad`` evaluate eagerly and work.)"""
+    try:
+        yield
+    except (ValueError, RuntimeError) as err:
+        if backend != "emulator" or _TRACING_MESSAGE not in str(err):
+            raise
+        raise ValueError(
+            f"[{op}] the emulator backend runs kernels eagerly on the CPU and cannot be "
+            "traced by mx.compile or mx.vmap; call the op outside the transform, or run the "
+            "transformed function under use_backend('reference') (or on metal / cuda)"
+        ) from None
+
+
 def launch(spec: KernelSpec, backend: str, *, inputs: Mapping[str, mx.array],
            template: Mapping[str, Any], outputs: Mapping[str, tuple[Sequence[int], mx.Dtype]],
            grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
@@ -234,6 +254,7 @@ def launch(spec: KernelSpec, backend: str, *, inputs: Mapping[str, mx.array],
     kernel = get_kernel(spec, backend)
     _launches[(backend, spec.name)] += 1
     outs = tuple(outputs.values())
-    return kernel(inputs=list(inputs.values()), template=list(template.items()), grid=grid,
-                  threadgroup=threadgroup, output_shapes=[o[0] for o in outs],
-                  output_dtypes=[o[1] for o in outs], init_value=init_value)
+    with require_eager_ok(spec.op, backend):
+        return kernel(inputs=list(inputs.values()), template=list(template.items()), grid=grid,
+                      threadgroup=threadgroup, output_shapes=[o[0] for o in outs],
+                      output_dtypes=[o[1] for o in outs], init_value=init_value)

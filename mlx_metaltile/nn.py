@@ -69,8 +69,7 @@ class GatedRMSNorm(nn.Module):
     """``rms_norm(h, weight, eps) * silu(gate)`` as mlx-lm's ``Qwen3NextRMSNormGated``.
 
     Same parameter (``weight [n]``), same output dtype (``hidden_states``'); computed in
-    float32 and rounded once (to the inputs' dtype when they share one, else to float32
-    and then to hidden_states' dtype). Without a gate it is
+    float32 and rounded once. Without a gate it is
     ``mx.fast.rms_norm`` as in mlx-lm.
     """
 
@@ -91,14 +90,7 @@ class GatedRMSNorm(nn.Module):
         if gate is None:
             x = mx.fast.rms_norm(hidden_states, self.weight, self.eps)
             return x.astype(hidden_states.dtype)
-        # gated_rms_norm returns gate's dtype, with weight in it and y float32 or in it: run
-        # it in float32 unless both inputs share a dtype, so nothing is rounded before the
-        # one final rounding to hidden_states' dtype.
-        dtype = gate.dtype if gate.dtype == hidden_states.dtype else mx.float32
-        y = hidden_states if hidden_states.dtype in (dtype, mx.float32) else (
-            hidden_states.astype(dtype))
-        out = gated_rms_norm(y, gate.astype(dtype), self.weight.astype(dtype), self.eps)
-        return out.astype(hidden_states.dtype)
+        return gated_rms_norm(hidden_states, gate, self.weight, self.eps)
 
 
 # ---------------------------------------------------------------------------- experts

@@ -3,7 +3,8 @@
 // MATH (per row of length n, all in float32, rounded once to T):
 //   out[i] = w[i] * y[i] * rsqrt(mean_j(y[j]^2) + eps) * silu(z[i]),  silu(z) = z*sigmoid(z)
 //
-// LAYOUT: y [rows, n] (YT = float32 or T), z [rows, n] T, w [n] T, out [rows, n] T,
+// LAYOUT: y [rows, n] T, z [rows, n] and w [n] in any float dtype (read through float()),
+//   out [rows, n] T (y's dtype),
 //   all row-contiguous (ensure_row_contiguous); n_cols (uint) and eps (float) are 0-d
 //   runtime inputs, so changing n or eps never builds a new kernel.
 //

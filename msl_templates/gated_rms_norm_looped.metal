@@ -3,7 +3,7 @@
 // MATH (per row of length n, all in float32, rounded once to T):
 //   out[i] = w[i] * y[i] * rsqrt(mean_j(y[j]^2) + eps) * silu(z[i]),  silu(z) = z*sigmoid(z)
 //
-// LAYOUT: as gated_rms_norm.metal (y [rows, n] YT, z/out [rows, n] T, w [n] T, 0-d n_cols, eps).
+// LAYOUT: as gated_rms_norm.metal (y/out [rows, n] T, z and w any float dtype, 0-d n_cols, eps).
 //   Two passes over the row: sum of squares, then normalise; the second read of y hits cache.
 //
 // RANGE: as gated_rms_norm.metal, the row is scaled by its max |y| m and mean(y^2) is never

@@ -4,7 +4,8 @@
 // MATH (per row of length n, all in float32, rounded once to T):
 //   out[i] = w[i] * y[i] * rsqrt(mean_j(y[j]^2) + eps) * silu(z[i]),  silu(z) = z*sigmoid(z)
 //
-// LAYOUT: y [rows, n] (YT = float32 or T), z [rows, n] T, w [n] T, out [rows, n] T,
+// LAYOUT: y [rows, n] T, z [rows, n] and w [n] in any float dtype (read through float()),
+//   out [rows, n] T (y's dtype),
 //   row-contiguous; n_cols, n_rows (uint) and eps (float) are 0-d runtime inputs.
 //   Per-head norms (n = 64 or 128 over thousands of rows) land here: a threadgroup of 8
 //   independent SIMD-groups instead of thousands of 32-thread threadgroups.

@@ -10,6 +10,7 @@ under the options MLX's JIT uses.
 from __future__ import annotations
 
 import importlib
+import itertools
 import time
 
 import mlx.core as mx
@@ -100,11 +101,11 @@ def test_instantiations_cover_the_spec_dtypes(spec):
 def test_gated_rms_norm_instantiations_match_its_launches(launch_recorder, rng):
     """The hook describes what the launcher really passes (recorded, nothing runs)."""
     op = importlib.import_module("mlx_metaltile.ops.gated_rms_norm")
-    for dtype in (mx.float32, mx.float16, mx.bfloat16):
-        for y_dtype in (mx.float32, dtype):
-            for n in (100, 5000):
-                y = mx.array(rng.standard_normal((3, n))).astype(y_dtype)
-                z = mx.array(rng.standard_normal((3, n))).astype(dtype)
-                op.gated_rms_norm(y, z, mx.ones((n,), dtype=dtype))
-    assert len(launch_recorder.seen) == 3 * 2 * 2
+    dtypes = (mx.float32, mx.float16, mx.bfloat16)
+    for y_dtype, z_dtype, w_dtype in itertools.product(dtypes, repeat=3):
+        for n in (100, 5000):
+            y = mx.array(rng.standard_normal((3, n))).astype(y_dtype)
+            z = mx.array(rng.standard_normal((3, n))).astype(z_dtype)
+            op.gated_rms_norm(y, z, mx.ones((n,), dtype=w_dtype))
+    assert len(launch_recorder.seen) == 27 * 2
     launch_recorder.assert_declared()

@@ -54,13 +54,15 @@ def make_inputs(rng, lead, n, dtype, y_dtype):
     return y, z, w
 
 
-def run_and_check(y, z, w, eps, dtype, backend):
-    """Run the op on ``backend``, prove one kernel ran, compare with the oracle."""
+def run_and_check(y, z, w, eps, backend):
+    """Run the op on ``backend``, prove one kernel ran, compare with the oracle (the
+    output in y's dtype)."""
     before = backends.launch_count(backend=backend)
     out = mt.gated_rms_norm(y, z, w, eps=eps)
     mx.eval(out)
     if backend != "reference":  # prove a kernel ran (never the reference compared with itself)
         assert backends.launch_count(backend=backend) == before + 1
+    dtype = y.dtype
     assert out.dtype == dtype and tuple(out.shape) == tuple(z.shape)
     want = oracle(y, z, w, eps)
     mag, underflow_scale = float32_error_scales(y, z, w, eps, want)
@@ -76,10 +78,24 @@ VARIANT_N = {"simd_rows": 100, "row": 1000, "looped": 5000}  # n that selects ea
 
 def _variant_call(n, backend, rng):
     y, z, w = make_inputs(rng, (3,), n, mx.bfloat16, mx.float32)
-    run_and_check(y, z, w, 1e-5, mx.bfloat16, backend)
+    run_and_check(y, z, w, 1e-5, backend)
 
 
 VARIANT_CALLS = {v: functools.partial(_variant_call, n) for v, n in VARIANT_N.items()}
+
+
+def _backward_call(backend, rng):
+    """The VJP (fused backward kernel, then dweight's sum) against the float64 gradients."""
+    y, z, w = make_inputs(rng, (300,), 70, mx.bfloat16, mx.float32)
+    g = mx.array(rng.standard_normal(z.shape).astype(np.float32)).astype(mx.bfloat16)
+    _, grads = mx.vjp(mt.gated_rms_norm, [y, z, w], [g])
+    for got, (want, mag), name in zip(grads, grad_oracle(y, z, w, g), ("dy", "dz", "dw"),
+                                      strict=True):
+        assert_close(got.reshape(want.shape), want, got.dtype, mag,
+                     what=f"gated_rms_norm {name}[{backend}]")
+
+
+VARIANT_CALLS["backward"] = VARIANT_CALLS["backward_sum"] = _backward_call
 
 
 # ---- benchmarks -------------------------------------------------------------------------
@@ -102,10 +118,72 @@ def gated_rms_norm_native(y, z, weight, eps=1e-5):
     recurrence returns its float32 result cast to the input dtype (``y.astype(q.dtype)`` in
     mlx_lm/models/gated_delta.py). A float32 ``y`` is cast here the same way, so the native
     side of a "yf32" case pays that cast as a kernel of its own (mlx-lm's fused recurrence
-    kernel writes the model dtype directly), and its result has z's dtype, as ours does.
+    kernel writes the model dtype directly); its result has z's dtype, ours y's (float32).
     """
     h = y.astype(z.dtype)
     return _precise_swiglu(h, z, mx.fast.rms_norm(h, weight, eps))
+
+
+# ---- gradients -------------------------------------------------------------------------
+
+def grad_oracle(y, z, weight, g, eps=1e-5):
+    """float64 ((dy, |terms|), (dz, |terms|), (dweight, |terms|)) of the VJP with cotangent
+    g, from the math: out = w y k silu(z), k = (mean(y^2) + eps)^-1/2 over the last axis."""
+    y, z, w, g = (to_f64(a) for a in (y, z, weight, g))
+    n = y.shape[-1]
+    y, z, g = (a.reshape(-1, n) for a in (y, z, g))
+    k = 1.0 / np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + eps)
+    sg = 1.0 / (1.0 + np.exp(-z))
+    s = z * sg
+    a = g * w * s
+    dy = k * a - k**3 / n * y * np.sum(a * y, axis=-1, keepdims=True)
+    dy_mag = np.abs(k * a) + k**3 / n * np.abs(y) * np.sum(np.abs(a * y), axis=-1,
+                                                           keepdims=True)
+    dz = g * w * y * k * sg * (1.0 + z * (1.0 - sg))  # silu'(z) = sg + z sg (1 - sg)
+    dz_mag = np.abs(g * w * y * k) * sg * (1.0 + np.abs(z) * (1.0 - sg))
+    terms = g * y * k * s
+    return (dy, dy_mag), (dz, dz_mag), (terms.sum(0), np.abs(terms).sum(0))
+
+
+def _grads_flat(fn):
+    """(y, z, weight, g) -> dy, dz, dweight of ``fn`` raveled into one array (forward and
+    backward both run: mx.vjp), so one bench case times and checks them together."""
+    def run(y, z, weight, g):
+        _, grads = mx.vjp(fn, [y, z, weight], [g])
+        return mx.concatenate([d.reshape(-1) for d in grads])
+    return run
+
+
+def _grad_oracle_flat(y, z, weight, g):
+    return np.concatenate([d.reshape(-1) for d, _ in grad_oracle(y, z, weight, g)])
+
+
+def _grad_magnitude_flat(y, z, weight, g):
+    return np.concatenate([m.reshape(-1) for _, m in grad_oracle(y, z, weight, g)])
+
+
+def grad_bench_cases() -> list[BenchCase]:
+    """Forward + backward (mx.vjp w.r.t. y, z, weight) against MLX's autodiff of the native
+    composite. bytes: the forward's (y, z, w read, out written) plus the backward's (y, z,
+    w, g read, dy, dz written); the concatenation of the gradients, paid by both sides, is
+    not counted."""
+    out = []
+    for rows, n, quick in [(32, 2048, True), (4096, 2048, False), (4096, 4096, False)]:
+        for dtype in DTYPES:
+            def make(rng, rows=rows, n=n, dtype=dtype):
+                a = [mx.array(rng.standard_normal((rows, n), dtype=np.float32)).astype(dtype)
+                     for _ in range(3)]
+                return dict(y=a[0], z=a[1], g=a[2],
+                            weight=mx.array(rng.uniform(-2, 2, n).astype(np.float32))
+                            .astype(dtype))
+            out.append(BenchCase(
+                op=OP, label=f"grad-{rows}x{n}", dtype=dtype, make=make,
+                ours=_grads_flat(mt.gated_rms_norm),
+                native=_grads_flat(gated_rms_norm_native),
+                oracle=_grad_oracle_flat, magnitude=_grad_magnitude_flat,
+                nbytes=rows * n * 10 * dtype.size + 2 * n * dtype.size,
+                flops=30 * rows * n, quick=quick and dtype == mx.float16))
+    return out
 
 
 def bench_cases() -> list[BenchCase]:
@@ -122,11 +200,12 @@ def bench_cases() -> list[BenchCase]:
                         z=mx.array(rng.standard_normal((rows, n), dtype=np.float32)).astype(dtype),
                         weight=mx.array(rng.uniform(-2, 2, n).astype(np.float32)).astype(dtype))
                 y_tag = "yf32" if y_dtype == mx.float32 and dtype != mx.float32 else "y=T"
-                nbytes = rows * n * (y_dtype.size + 2 * dtype.size) + n * dtype.size
+                # y read and the output (y's dtype) written, z read, the weight
+                nbytes = rows * n * (2 * y_dtype.size + dtype.size) + n * dtype.size
                 out.append(BenchCase(
                     op=OP, label=f"{rows}x{n}-{y_tag}", dtype=dtype, make=make,
                     ours=mt.gated_rms_norm, native=gated_rms_norm_native,
                     oracle=oracle, magnitude=magnitude,
                     nbytes=nbytes, flops=8 * rows * n,
                     quick=quick and dtype == mx.float16))
-    return out
+    return out + grad_bench_cases()

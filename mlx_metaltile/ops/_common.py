@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from collections.abc import Callable, Mapping
 from functools import lru_cache
 
 import mlx.core as mx
+import numpy as np
 
 from .. import _device
 from .._registry import Arg, Bindings, KernelSpec
@@ -43,19 +45,41 @@ def require_ndim(op: str, name: str, arr: mx.array, ndim: int) -> None:
 
 
 def require_finite_scalar(op: str, name: str, value, *, minimum: float | None = None) -> float:
+    """A Python or NumPy real number (bools refused) as a finite float."""
     if type(value) is not float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"[{op}] {name} must be a Python float, got {type(value).__name__}")
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+            raise TypeError(f"[{op}] {name} must be a Python or NumPy real number, "
+                            f"got {type(value).__name__}")
         try:
             value = float(value)
         except OverflowError:  # an int beyond float's range (e.g. 10**400)
             raise ValueError(f"[{op}] {name} must be finite, got an int of "
-                             f"{value.bit_length()} bits (beyond float's range)") from None
+                             f"{int(value).bit_length()} bits (beyond float's range)") from None
     if not math.isfinite(value):
         raise ValueError(f"[{op}] {name} must be finite, got {value}")
     if minimum is not None and value < minimum:
         raise ValueError(f"[{op}] {name} must be >= {minimum}, got {value}")
     return value
+
+
+def as_bool(op: str, name: str, value) -> bool:
+    """A Python or NumPy bool as a bool (ints refused: 0/1 are not flags here)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"[{op}] {name} must be a bool (Python or NumPy), "
+                        f"got {type(value).__name__}")
+    return bool(value)
+
+
+def on_stream(op: str, stream):
+    """The context an op call runs in: MLX's StreamOrDevice (None: the default stream; an
+    mx.Stream; an mx.Device or mx.cpu / mx.gpu: that device's default stream). The
+    composites' MLX ops and the kernel launches inside it all run on that stream."""
+    if stream is None:
+        return contextlib.nullcontext()
+    if not isinstance(stream, (mx.Stream, mx.Device, mx.DeviceType)):
+        raise TypeError(f"[{op}] stream must be None, an mx.Stream or an mx.Device "
+                        f"(mx.cpu, mx.gpu), got {type(stream).__name__}")
+    return mx.stream(stream)
 
 
 @lru_cache(maxsize=4096)
@@ -83,7 +107,7 @@ SCALE_FORMATS = {"mxfp4": "E8M0", "nvfp4": "E4M3", "mxfp8": "E8M0"}
 
 def as_int(op: str, name: str, value) -> int:
     """A Python or NumPy integer as an int (bool refused)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"[{op}] {name} must be an int, got {type(value).__name__}")
     return int(value)
 
@@ -91,7 +115,7 @@ def as_int(op: str, name: str, value) -> int:
 def require_int_choice(op: str, name: str, value, choices: tuple[int, ...]) -> int:
     """An int (NumPy integers too) among ``choices``, returned as a plain int (a plain int
     keys the template)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"[{op}] {name} must be an int in {choices}, got {type(value).__name__}")
     value = int(value)
     if value not in choices:

@@ -21,9 +21,11 @@ from ._common import (
     QUANTIZED_INPUTS,
     QUANTIZED_PARAMS,
     check_quantized,
+    on_stream,
     quantized_bindings,
     scalar,
 )
+from ._grad import sum_to_shape, with_x_vjp
 
 OP = "expert_qmv"
 __all__ = ["expert_qmv", "expert_qmv_reference"]
@@ -161,7 +163,7 @@ def _reference(x, w, scales, biases, indices, info: dict) -> mx.array:
     if indices.dtype == mx.int32:
         valid = valid & (indices >= 0)
     safe = mx.where(valid, indices, 0).astype(mx.uint32)
-    xq = x[..., None, :] if info["x_k_axis"] else x[..., None, None, :]
+    xq = mx.expand_dims(x, -2 if info["x_k_axis"] else (-3, -2))
     if x.dtype != mx.float32:
         pairs = info["tokens"] * info["k"]
         if pairs < info["n_experts"]:
@@ -176,8 +178,10 @@ def _reference(x, w, scales, biases, indices, info: dict) -> mx.array:
     y = mx.gather_qmm(xq, w, scales, biases, rhs_indices=safe, transpose=True,
                       group_size=info["group_size"], bits=info["bits"], mode=info["mode"])
     y = mx.squeeze(y, axis=-2)
-    y = mx.where(valid[..., None], y, mx.array(float("nan"), dtype=y.dtype))
-    return mx.broadcast_to(y, out_shape).astype(x.dtype)
+    y = mx.where(mx.expand_dims(valid, -1), y, mx.array(float("nan"), dtype=y.dtype))
+    if tuple(y.shape) != out_shape:  # never so far: a fixed-size op would pin a shapeless trace
+        y = mx.broadcast_to(y, out_shape)
+    return y.astype(x.dtype)
 
 
 def _row_strides(shape: tuple[int, ...], rank: int, unit: int) -> list[int]:
@@ -260,7 +264,7 @@ def _launch(x, w, scales, biases, indices, info: dict, backend: str) -> mx.array
 
 def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None,
                indices: mx.array, *, group_size: int | None = None, bits: int | None = None,
-               mode: str = "affine") -> mx.array:
+               mode: str = "affine", stream=None) -> mx.array:
     """Quantized GEMVs of the experts named by device-resident ``indices``, one dispatch.
 
     Args:
@@ -289,9 +293,15 @@ def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
         nvfp4: 16 and 4; mxfp8: 32 and 8.
       mode: "affine" (default), "mxfp4", "nvfp4" or "mxfp8"; a mode that contradicts the arrays
         (biases, scale dtype, group count) raises.
+      stream: MLX's StreamOrDevice (None, an mx.Stream, an mx.Device, mx.cpu / mx.gpu):
+        where the composite's ops or the kernel run.
 
     Returns: ``[..., k, N]`` in x's dtype, accumulated in float32. An id outside ``[0, E)``
     gives a NaN output row (no out-of-bounds read; nothing is synced to check it).
+
+    Differentiable with respect to x (the transposed product through MLX's
+    ``gather_qmm(transpose=False)``; a pair with an out-of-range id gives its x a NaN
+    gradient, as its NaN output row); asking for the gradient of w, scales or biases raises.
 
     Sizes, k and the broadcast pattern are runtime inputs: one kernel instantiation per
     (dtype, mode, bits, group_size, index dtype), plus one more the first time ``indices`` holds
@@ -300,9 +310,39 @@ def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
     """
     info = _check_expert_qmv(x, w, scales, biases, indices, group_size, bits, mode)
     out_shape = _out_shape(info)
-    if 0 in out_shape:
-        return mx.zeros(out_shape, dtype=x.dtype)
-    backend = backends.resolve_backend()
-    if backend == "reference":
-        return _reference(x, w, scales, biases, indices, info)
-    return _launch(x, w, scales, biases, indices, info, backend)
+    with on_stream(OP, stream):
+        if 0 in out_shape:
+            return mx.zeros(out_shape, dtype=x.dtype)
+        backend = backends.resolve_backend()
+
+        def forward(x, w, scales, biases):
+            with on_stream(OP, stream):
+                if backend == "reference":
+                    return _reference(x, w, scales, biases, indices, info)
+                return _launch(x, w, scales, biases, indices, info, backend)
+
+        def x_vjp(g, w, scales, biases):  # run at backward time: the stream again
+            with on_stream(OP, stream):
+                return _x_vjp(g, w, scales, biases, indices, x.shape, x.dtype, info)
+
+        return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases))
+
+
+def _x_vjp(g, w, scales, biases, indices, x_shape, x_dtype, info: dict) -> mx.array:
+    """dx for the cotangent g [..., k, N]: g times the experts' weights (the transposed
+    quantized product, MLX's gather_qmm(transpose=False)) in float32, summed over the axes
+    x was broadcast along. A (token, expert) pair with an out-of-range id contributes NaN,
+    as its output row is NaN."""
+    valid = indices < info["n_experts"]
+    if indices.dtype == mx.int32:
+        valid = valid & (indices >= 0)
+    safe = mx.where(valid, indices, 0).astype(mx.uint32)
+    if info["mode"] == "affine":
+        scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
+    d = mx.gather_qmm(g.astype(mx.float32)[..., None, :], w, scales, biases, rhs_indices=safe,
+                      transpose=False, group_size=info["group_size"], bits=info["bits"],
+                      mode=info["mode"])
+    d = mx.where(valid[..., None], mx.squeeze(d, axis=-2), mx.array(float("nan")))
+    if not info["x_k_axis"]:  # one activation shared by the token's k experts
+        d = mx.sum(d, axis=-2)
+    return sum_to_shape(d, tuple(x_shape)).astype(x_dtype)

@@ -30,12 +30,14 @@ from ._common import (
     check_mode_arrays,
     choose_variant,
     dtype_name,
+    on_stream,
     require_array,
     require_float,
     resolve_sizes,
     round_up,
     scalar,
 )
+from ._grad import with_x_vjp
 
 OP = "fp4_qmm"
 __all__ = ["fp4_dequantize_reference", "fp4_qmm", "fp4_qmm_reference"]
@@ -349,7 +351,7 @@ def _launch(spec: KernelSpec, x2, w, scales, m, n, k, mode, group_size, backend)
 
 
 def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | None = None,
-            mode: str | None = None, variant: str | None = None) -> mx.array:
+            mode: str | None = None, variant: str | None = None, stream=None) -> mx.array:
     """``x @ dequantize(w, scales).T`` with fp4 (E2M1) weights, float32 accumulation.
 
     Args:
@@ -369,16 +371,35 @@ def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | Non
         writes); nvfp4's optional global scale is not taken.
       variant: None (auto) or "qmv", "simdgroup", "mpp" to force a kernel; a variant that
         cannot run on the current backend raises ValueError. Kernel backends only.
+      stream: MLX's StreamOrDevice (None, an mx.Stream, an mx.Device, mx.cpu / mx.gpu):
+        where the composite's ops or the kernel run.
 
     Returns: ``[..., N]`` in x's dtype. N and K must be multiples of 32.
+
+    Differentiable with respect to x (``g @ W`` on the decoded weights, float32); asking for
+    the gradient of w or scales raises.
     """
     m, n, k, scale_mode, group_size = _check_fp4_qmm(x, w, scales, group_size, mode)
     out_shape = (*x.shape[:-1], n)
     backend = backends.resolve_backend()
     spec = _choose(backend, m, variant)
-    if spec is None:
-        return _reference(x, w, scales, group_size, scale_mode)
-    if m == 0:
-        return mx.zeros(out_shape, dtype=x.dtype)
-    out = _launch(spec, x.reshape(m, k), w, scales, m, n, k, scale_mode, group_size, backend)
-    return out.reshape(out_shape)
+
+    def forward(x, w, scales):
+        with on_stream(OP, stream):
+            if spec is None:
+                return _reference(x, w, scales, group_size, scale_mode)
+            if m == 0:
+                return mx.zeros(out_shape, dtype=x.dtype)
+            out = _launch(spec, x.reshape(m, k), w, scales, m, n, k, scale_mode, group_size,
+                          backend)
+            return out.reshape(out_shape)
+
+    def x_vjp(g, w, scales):  # run at backward time: the stream again
+        with on_stream(OP, stream):
+            # dx = g @ W: the transposed product on the forward's decoded weights, float32.
+            wdq = _dequantize(w, scales, group_size, scale_mode, WEIGHT_FACTOR)
+            dx = mx.matmul(g.astype(mx.float32), wdq) * (1.0 / WEIGHT_FACTOR)
+            return dx.astype(x.dtype)
+
+    with on_stream(OP, stream):
+        return with_x_vjp(OP, forward, x_vjp, x, (w, scales))

@@ -1,7 +1,8 @@
 """gated_rms_norm: ``w * y * rsqrt(mean(y^2) + eps) * silu(z)`` in one kernel.
 
-The post-norm of Gated-DeltaNet layers (Qwen3-Next / Qwen3.5): ``y`` may arrive in float32
-from the recurrence while ``z``, ``weight`` and the output are in the model dtype.
+The post-norm of Gated-DeltaNet layers (Qwen3-Next / Qwen3.5): ``y``, ``z`` and ``weight``
+may each be float32, float16 or bfloat16; the output has y's dtype, as mlx-lm's
+``Qwen3NextRMSNormGated`` returns its hidden_states' dtype.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from .. import backends
 from .._registry import Arg, KernelSpec, register, scalars
 from ._common import (
     FLOAT_TYPES,
-    dtype_name,
+    on_stream,
     require_array,
     require_finite_scalar,
     require_float,
@@ -29,17 +30,19 @@ MAX_REGISTER_ROW = 1024 * N_READS  # longest row held in registers in one pass
 MAX_SIMD_ROW = 32 * N_READS  # longest row one SIMD-group holds
 SIMD_ROWS_PER_GROUP = 8
 
-_ARGS = (Arg("y", "YT", 2), Arg("z", "T", 2), Arg("w", "T", 1))
+_ARGS = (Arg("y", "T", 2), Arg("z", "ZT", 2), Arg("w", "WT", 1))
 _OUTPUTS = (Arg("out", "T", 2),)
 _EPS = Arg("eps", "float32")
 
 
 def _bindings():
-    """T: z / weight / output dtype; YT: y's dtype, float32 or T."""
-    return ({"T": t, "YT": yt} for t in FLOAT_TYPES for yt in dict.fromkeys((mx.float32, t)))
+    """T: y / output dtype (the template's one parameter); ZT, WT: z's and weight's dtypes
+    (any float dtype each, read through float())."""
+    return ({"T": t, "ZT": zt, "WT": wt}
+            for t in FLOAT_TYPES for zt in FLOAT_TYPES for wt in FLOAT_TYPES)
 
 
-_COMMON = dict(outputs=_OUTPUTS, params=("T", "YT"), bindings=_bindings)
+_COMMON = dict(outputs=_OUTPUTS, params=("T",), bindings=_bindings)
 
 SIMD_ROWS_SPEC, REGISTER_SPEC, LOOPED_SPEC = register(
     KernelSpec(
@@ -61,6 +64,26 @@ SIMD_ROWS_SPEC, REGISTER_SPEC, LOOPED_SPEC = register(
                  "grid (1024, rows, 1)",
     ),
 )
+BACKWARD_SPEC, BACKWARD_SUM_SPEC = register(
+    KernelSpec(
+        op=OP, variant="backward", template="gated_rms_norm_backward.metal",
+        inputs=(*_ARGS, Arg("g", "T", 2), *scalars("n_cols", "n_rows", "rows_per_group"), _EPS),
+        outputs=(Arg("dy", "T", 2), Arg("dz", "ZT", 2), Arg("dw_partial", "float32", 2)),
+        params=("T", "ZT"), bindings=_bindings,
+        geometry="the VJP: TG = min(1024, round_up(ceil(n/4), 32)); grid (TG, groups, 1), "
+                 "threadgroup p takes rows_per_group consecutive rows",
+    ),
+    KernelSpec(
+        op=OP, variant="backward_sum", template="gated_rms_norm_backward_sum.metal",
+        inputs=(Arg("partial", "float32", 2), *scalars("n_cols", "n_parts")),
+        outputs=(Arg("dw", "T", 1),), params=("T",),  # T: weight's dtype
+        bindings=lambda: ({"T": t} for t in FLOAT_TYPES),
+        geometry="dweight: one thread per column, TG = min(256, round_up(n, 32)); "
+                 "grid (round_up(n, TG), 1, 1)",
+    ),
+)
+BACKWARD_SPECS = (BACKWARD_SPEC, BACKWARD_SUM_SPEC)
+MAX_DW_PARTIALS = 256  # threadgroups of the backward (rows of dweight's partial sums)
 
 
 def _check_gated_rms_norm(y, z, weight, eps) -> tuple[int, int, float]:
@@ -69,14 +92,8 @@ def _check_gated_rms_norm(y, z, weight, eps) -> tuple[int, int, float]:
             and isinstance(weight, mx.array)):
         for name, arr in (("y", y), ("z", z), ("weight", weight)):
             require_array(OP, name, arr)
-    z_dtype = require_float(OP, "z", z)
-    w_dtype, y_dtype = weight.dtype, y.dtype
-    if w_dtype != z_dtype:
-        raise TypeError(f"[{OP}] weight must have z's dtype {dtype_name(z_dtype)}, "
-                        f"got {dtype_name(w_dtype)}")
-    if y_dtype != z_dtype and y_dtype != mx.float32:
-        raise TypeError(f"[{OP}] y must be float32 or z's dtype {dtype_name(z_dtype)}, "
-                        f"got {dtype_name(y_dtype)}")
+    for name, arr in (("y", y), ("z", z), ("weight", weight)):
+        require_float(OP, name, arr)
     shape = z.shape
     if not shape:
         raise ValueError(f"[{OP}] z must have at least 1 dimension, got 0")
@@ -117,11 +134,10 @@ def _reference(y, z, weight, eps: float) -> mx.array:
     k = mx.where(r >= se, mx.rsqrt(ms) * mx.rsqrt(1.0 + (eps / r) / r),
                  (m / se if se > 0 else m) * mx.rsqrt(1.0 + t * t))
     out = weight.astype(mx.float32) * u * k * (zf * mx.sigmoid(zf))
-    return out.astype(z.dtype)
+    return out.astype(y.dtype)
 
 
 def _launch(y, z, weight, n: int, rows: int, eps: float, backend: str) -> mx.array:
-    z_dtype = z.dtype
     inputs = {"y": y, "z": z, "w": weight, "n_cols": scalar(n, mx.uint32)}
     if n <= MAX_SIMD_ROW:
         spec = SIMD_ROWS_SPEC
@@ -134,31 +150,114 @@ def _launch(y, z, weight, n: int, rows: int, eps: float, backend: str) -> mx.arr
         grid, threadgroup, tg_memory = (tg, rows, 1), (tg, 1, 1), 2 * 32 * 4
     inputs["eps"] = scalar(eps, mx.float32)
     (out,) = backends.launch(
-        spec, backend, inputs=inputs, template={"T": z_dtype, "YT": y.dtype},
-        outputs={"out": (z.shape, z_dtype)}, grid=grid, threadgroup=threadgroup,
+        spec, backend, inputs=inputs, template={"T": y.dtype},
+        outputs={"out": (y.shape, y.dtype)}, grid=grid, threadgroup=threadgroup,
         threadgroup_memory=tg_memory,
     )
     return out
 
 
-def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float = 1e-5) -> mx.array:
+def _backward_reference(y, z, weight, g, eps: float) -> tuple[mx.array, mx.array, mx.array]:
+    """(dy, dz, dweight) as msl_templates/gated_rms_norm_backward.metal computes them (float32,
+    the row scaled by its max |y|), in pure MLX."""
+    yf, zf, gf = y.astype(mx.float32), z.astype(mx.float32), g.astype(mx.float32)
+    wf = weight.astype(mx.float32)
+    n = yf.shape[-1]
+    row_max = mx.max(mx.abs(yf), axis=-1, keepdims=True)
+    m = mx.where(row_max > 0, row_max, 1.0)
+    u = yf / m
+    ms = mx.mean(u * u, axis=-1, keepdims=True)
+    r = m * mx.sqrt(ms)
+    se = math.sqrt(eps)
+    t = r / se if se > 0 else mx.zeros_like(r)
+    k = mx.where(r >= se, mx.rsqrt(ms) * mx.rsqrt(1.0 + (eps / r) / r),
+                 (m / se if se > 0 else m) * mx.rsqrt(1.0 + t * t))  # K = m * rsqrt(..)
+    sg = mx.sigmoid(zf)
+    s = zf * sg
+    a = gf * wf * s
+    c = (k * k / n) * mx.sum(a * u, axis=-1, keepdims=True)
+    dy = (a - c * u) * (k / m)
+    dz = gf * wf * u * k * (sg * (1.0 + zf * (1.0 - sg)))
+    dw = mx.sum((gf * u * k * s).reshape(-1, n), axis=0)
+    return dy.astype(y.dtype), dz.astype(z.dtype), dw.astype(weight.dtype)
+
+
+def _launch_backward(y, z, weight, g, n: int, rows: int, eps: float,
+                     backend: str) -> tuple[mx.array, mx.array, mx.array]:
+    """(dy, dz, dweight) for the cotangent g, from the fused backward kernel."""
+    tg = min(1024, round_up(-(-n // N_READS), 32))
+    per_group = -(-rows // MAX_DW_PARTIALS)
+    groups = -(-rows // per_group)
+    dy, dz, partial = backends.launch(
+        BACKWARD_SPEC, backend,
+        inputs={"y": y, "z": z, "w": weight, "g": g.astype(y.dtype),
+                "n_cols": scalar(n, mx.uint32), "n_rows": scalar(rows, mx.uint32),
+                "rows_per_group": scalar(per_group, mx.uint32), "eps": scalar(eps, mx.float32)},
+        template={"T": y.dtype, "ZT": z.dtype},
+        outputs={"dy": (y.shape, y.dtype), "dz": (z.shape, z.dtype),
+                 "dw_partial": ((groups, n), mx.float32)},
+        grid=(tg, groups, 1), threadgroup=(tg, 1, 1), threadgroup_memory=3 * 32 * 4,
+    )
+    # The partial sums added in one fixed order (no atomics: the same bits every run).
+    tg = min(256, round_up(n, 32))
+    (dw,) = backends.launch(
+        BACKWARD_SUM_SPEC, backend,
+        inputs={"partial": partial, "n_cols": scalar(n, mx.uint32),
+                "n_parts": scalar(groups, mx.uint32)},
+        template={"T": weight.dtype}, outputs={"dw": ((n,), weight.dtype)},
+        grid=(round_up(n, tg), 1, 1), threadgroup=(tg, 1, 1),
+    )
+    return dy, dz, dw
+
+
+def _differentiable(y, z, weight, n: int, rows: int, eps: float, backend: str,
+                    stream) -> mx.array:
+    """The op as an mx.custom_function: its VJP is the fused backward kernel on a kernel
+    backend, the same math as a pure-MLX composite on the reference backend; both run on
+    the call's stream (the VJP runs later, at backward time)."""
+
+    @mx.custom_function
+    def op(y, z, weight):
+        with on_stream(OP, stream):
+            if backend == "reference":
+                return _reference(y, z, weight, eps)
+            return _launch(y, z, weight, n, rows, eps, backend)
+
+    @op.vjp
+    def op_vjp(primals, cotangent, output):
+        with on_stream(OP, stream):
+            if backend == "reference":
+                return _backward_reference(*primals, cotangent, eps)
+            return _launch_backward(*primals, cotangent, n, rows, eps, backend)
+
+    return op(y, z, weight)
+
+
+def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float = 1e-5, *,
+                   stream=None) -> mx.array:
     """``weight * y * rsqrt(mean(y^2, -1) + eps) * silu(z)`` over the last axis, fused.
 
     Args:
-      y: ``[..., n]``, float32 or z's dtype (the normalised input).
-      z: ``[..., n]`` float32/float16/bfloat16 (the gate); sets the output dtype.
-      weight: ``[n]`` in z's dtype.
-      eps: finite, >= 0; a runtime input (changing it does not rebuild the kernel).
-        With eps = 0 an all-zero row gives NaN (the math's 0/0, as mx.fast.rms_norm).
+      y: ``[..., n]`` float32/float16/bfloat16 (the normalised input); sets the output
+        dtype (as mlx-lm's ``Qwen3NextRMSNormGated`` returns its hidden_states' dtype).
+      z: ``[..., n]`` float32/float16/bfloat16 (the gate), any of them.
+      weight: ``[n]`` float32/float16/bfloat16, any of them (as ``mx.fast.rms_norm``).
+      eps: finite, >= 0, a Python or NumPy number; a runtime input (changing it does not
+        rebuild the kernel). With eps = 0 an all-zero row gives NaN (the math's 0/0, as
+        mx.fast.rms_norm).
+      stream: MLX's StreamOrDevice (None, an mx.Stream, an mx.Device, mx.cpu / mx.gpu):
+        where the composite's ops or the kernel run.
 
-    Returns: an array of z's shape and dtype, computed in float32 and rounded once. Each row
+    Returns: an array of y's shape and dtype, computed in float32 and rounded once. Each row
     is scaled by its max |y| before squaring, so any row whose RMS is a finite float32 (from
     subnormal y to |y| near float32's max) is normalised right.
+
+    Differentiable with respect to y, z and weight (``mx.grad`` / ``mx.vjp``): on a kernel
+    backend through the fused backward kernel (msl_templates/gated_rms_norm_backward.metal),
+    with dy in y's dtype, dz in z's and dweight in weight's.
     """
     n, rows, eps = _check_gated_rms_norm(y, z, weight, eps)
-    if rows == 0:
-        return mx.zeros(z.shape, dtype=z.dtype)
-    backend = backends.resolve_backend()
-    if backend == "reference":
-        return _reference(y, z, weight, eps)
-    return _launch(y, z, weight, n, rows, eps, backend)
+    with on_stream(OP, stream):
+        if rows == 0:
+            return mx.zeros(y.shape, dtype=y.dtype)
+        return _differentiable(y, z, weight, n, rows, eps, backends.resolve_backend(), stream)

@@ -15,6 +15,8 @@ the fp modes run the simdgroup path).
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 
 from .. import _device, backends
@@ -24,12 +26,15 @@ from ._common import (
     MODES,
     QUANTIZED_INPUTS,
     QUANTIZED_PARAMS,
+    as_bool,
     check_quantized,
     choose_variant,
+    on_stream,
     quantized_bindings,
     require_ndim,
     scalar,
 )
+from ._grad import sum_to_shape, with_x_vjp
 
 OP = "moe_gather_qmm"
 __all__ = ["moe_gather_qmm", "moe_gather_qmm_reference"]
@@ -70,18 +75,35 @@ SIMDGROUP_SPEC, MPP_SPEC = register(
 VARIANT_SPECS = {"simdgroup": SIMDGROUP_SPEC, "mpp": MPP_SPEC}
 
 
+def _lead(x, indices) -> tuple[int, ...] | None:
+    """The batch shape of mx.gather_qmm's form (x [..., M, K] with x.ndim >= 3: x.shape[:-2]
+    broadcast with indices.shape), or None for the row form (2-D x, one id per row)."""
+    if x.ndim < 2:
+        raise ValueError(f"[{OP}] x must have at least 2 dimensions ([M, K] rows or "
+                         f"[..., M, K] as mx.gather_qmm), got {x.ndim} (shape {tuple(x.shape)})")
+    if x.ndim == 2:
+        require_ndim(OP, "indices", indices, 1)
+        return None
+    try:
+        return tuple(mx.broadcast_shapes(tuple(x.shape[:-2]), tuple(indices.shape)))
+    except ValueError:
+        raise ValueError(f"[{OP}] x's batch dimensions {tuple(x.shape[:-2])} (x [..., M, K]) "
+                         f"and indices {tuple(indices.shape)} must broadcast (NumPy rules, as "
+                         "mx.gather_qmm's rhs_indices)") from None
+
+
 def _check_moe_gather_qmm(x, w, scales, biases, indices, group_size, bits, mode):
-    """Validate the inputs; return (M, N, K, E, group_size, bits, mode)."""
+    """Validate the inputs; return (M, N, K, E, group_size, bits, mode, lead): M the rows
+    the kernel runs (all of them in mx.gather_qmm's form), lead its batch shape or None."""
     group_size, bits, mode = check_quantized(OP, x, w, scales, biases, indices, group_size,
                                              bits, mode)
     coded = (("scales", scales), ("biases", biases)) if mode == "affine" else \
         (("scales", scales),)
-    require_ndim(OP, "x", x, 2)
+    lead = _lead(x, indices)
     require_ndim(OP, "w", w, 3)
     for name, arr in coded:
         require_ndim(OP, name, arr, 3)
-    require_ndim(OP, "indices", indices, 1)
-    M, K = x.shape
+    M, K = x.shape[-2:]
     E, N, k_words = w.shape
     if K < K_TILE or K % K_TILE:
         raise ValueError(f"[{OP}] K (x.shape[1]) must be a positive multiple of the tile "
@@ -103,21 +125,23 @@ def _check_moe_gather_qmm(x, w, scales, biases, indices, group_size, bits, mode)
             raise ValueError(f"[{OP}] {name} must have shape {want} (w's [E, N] and "
                              f"K/group_size with K={K}, group_size={group_size} of mode "
                              f"{mode!r}), got {tuple(arr.shape)}")
-    if tuple(indices.shape) != (M,):
+    if lead is None and tuple(indices.shape) != (M,):
         raise ValueError(f"[{OP}] indices must have shape ({M},) (one expert per row of x), "
                          f"got {tuple(indices.shape)}")
+    if lead is not None:
+        M *= math.prod(lead)
     for name, value in (("M", M), ("N", N), ("K", K), ("E", E)):
         if value > MAX_DIM:
             raise ValueError(f"[{OP}] {name} must be < 2^31, got {value}")
-    return M, N, K, E, group_size, bits, mode
+    return M, N, K, E, group_size, bits, mode, lead
 
 
 def _unpack_codes(w: mx.array, bits: int) -> mx.array:
-    """[..., K*bits/32] uint32 -> [..., K] uint32 codes (low bits first)."""
-    per_word = 32 // bits
+    """[..., K*bits/32] uint32 -> [..., K] uint32 codes (low bits first). Flatten, not a
+    reshape to fixed sizes: it stays right under mx.compile(shapeless=True)."""
     shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
     codes = mx.bitwise_and(mx.right_shift(w[..., None], shifts), (1 << bits) - 1)
-    return codes.reshape(*w.shape[:-1], w.shape[-1] * per_word)
+    return mx.flatten(codes, -2, -1)
 
 
 def _dequantize_rounded(w, scales, biases, group_size: int, bits: int, dtype,
@@ -129,43 +153,59 @@ def _dequantize_rounded(w, scales, biases, group_size: int, bits: int, dtype,
                            dtype=mx.float32)
         return wf.astype(dtype).astype(mx.float32)
     q = _unpack_codes(w, bits).astype(mx.float32)
-    groups = q.reshape(*q.shape[:-1], q.shape[-1] // group_size, group_size)
+    groups = mx.unflatten(q, -1, (-1, group_size))
     wf = (groups * scales.astype(mx.float32)[..., None]
           + biases.astype(mx.float32)[..., None])
-    return wf.reshape(q.shape).astype(dtype).astype(mx.float32)
+    return mx.flatten(wf, -2, -1).astype(dtype).astype(mx.float32)
 
 
 def moe_gather_qmm_reference(x, w, scales, biases, indices, *, group_size: int | None = None,
                              bits: int | None = None, mode: str = "affine") -> mx.array:
     """Pure-MLX composite of the same math (float32 accumulation, rounded once).
 
-    It materialises float32 weights for min(M, E) experts: [M or E, N, K] (memory-hungry for
-    big shapes; it is the test oracle's twin and the fallback, not a fast path). MLX's
+    It materialises float32 weights for min(ids, E) experts: [ids or E, N, K] (memory-hungry
+    for big shapes; it is the test oracle's twin and the fallback, not a fast path). MLX's
     ``mx.gather_qmm`` is not used: it does not round each weight to x's dtype first.
     """
-    M, N, K, E, group_size, bits, mode = _check_moe_gather_qmm(x, w, scales, biases, indices,
-                                                                group_size, bits, mode)
-    return _reference(x, w, scales, biases, indices, M, N, E, group_size, bits, mode)
+    M, N, K, E, group_size, bits, mode, lead = _check_moe_gather_qmm(
+        x, w, scales, biases, indices, group_size, bits, mode)
+    return _reference(x, w, scales, biases, indices, lead, M, N, E, group_size, bits, mode)
 
 
-def _reference(x, w, scales, biases, indices, M, N, E, group_size, bits, mode) -> mx.array:
+def _reference(x, w, scales, biases, indices, lead, M, N, E, group_size, bits,
+               mode) -> mx.array:
+    """Both forms on mx.gather_qmm's broadcasting (the row form as x[:, None, :]), with no
+    reshape to fixed sizes, so it traces under mx.compile(shapeless=True)."""
     if M == 0:
-        return mx.zeros((0, N), dtype=x.dtype)
+        return mx.zeros((*lead, x.shape[-2], N) if lead else (0, N), dtype=x.dtype)
+    xf = x.astype(mx.float32)
+    if lead is None:
+        xf = mx.expand_dims(xf, 1)  # [M, 1, K]: one row per id
     valid = indices < E
     if indices.dtype == mx.int32:
         valid = valid & (indices >= 0)
     safe = mx.where(valid, indices, 0).astype(mx.uint32)
-    xf = x.astype(mx.float32)
-    if M <= E:  # gather the packed rows of each row's expert: [M, N, K]
+    if indices.size <= E:  # the packed weights of each id's expert: [*ids, N, K]
         wr = _dequantize_rounded(w[safe], scales[safe],
                                  None if biases is None else biases[safe], group_size, bits,
                                  x.dtype, mode)
-        out = (wr @ xf[:, :, None])[:, :, 0]
+        out = xf @ wr.swapaxes(-1, -2)
     else:  # dequantise every expert once: [E, N, K]
         wd = _dequantize_rounded(w, scales, biases, group_size, bits, x.dtype, mode)
-        out = mx.gather_mm(xf[:, None, :], wd.swapaxes(-1, -2), rhs_indices=safe)[:, 0, :]
-    out = mx.where(valid[:, None], out, mx.array(float("nan"), dtype=mx.float32))
+        out = mx.gather_mm(xf, wd.swapaxes(-1, -2), rhs_indices=safe)
+    out = mx.where(mx.expand_dims(valid, (-2, -1)), out, mx.array(float("nan"), mx.float32))
+    if lead is None:
+        out = mx.squeeze(out, 1)
     return out.astype(x.dtype)
+
+
+def _rows(x, indices, lead: tuple[int, ...]) -> tuple[mx.array, mx.array]:
+    """mx.gather_qmm's form as rows: x [*lead, Mx, K] -> [rows, K] (batch-major) and one
+    expert id per row (the batch's id for each of its Mx rows)."""
+    Mx, K = x.shape[-2:]
+    rows = mx.broadcast_to(x, (*lead, Mx, K)).reshape(-1, K)
+    ids = mx.broadcast_to(indices, lead).reshape(-1)
+    return rows, (mx.repeat(ids, Mx) if Mx > 1 else ids)
 
 
 def _auto(backend: str) -> str:
@@ -211,11 +251,21 @@ def _launch(x, w, scales, biases, indices, M, N, K, E, group_size, bits, backend
 def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None,
                    indices: mx.array, *, group_size: int | None = None,
                    bits: int | None = None, mode: str = "affine",
-                   variant: str | None = None) -> mx.array:
-    """``out[m] = x[m] @ dequantize(w[indices[m]]).T`` for expert-sorted MoE rows.
+                   sorted_indices: bool = False, variant: str | None = None,
+                   stream=None) -> mx.array:
+    """``out[m] = x[m] @ dequantize(w[indices[m]]).T`` for MoE rows, or ``mx.gather_qmm``'s
+    form ``mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True)``.
 
     Args:
-      x: ``[M, K]`` float32/float16/bfloat16 activations (token x selected expert rows).
+      x: float32/float16/bfloat16 activations, either
+        ``[M, K]`` rows (token x selected expert), one expert id per row in ``indices [M]``
+        (fast when the caller sorted them; taken in the order given), or
+        ``[..., M, K]`` (3 or more dimensions) as ``mx.gather_qmm`` takes it: the batch
+        dimensions ``x.shape[:-2]`` broadcast with ``indices.shape`` (NumPy rules) and each
+        batch's M rows use its expert (mlx-lm's SwitchGLU passes ``x[..., None, None, :]``
+        and ``indices [..., k]``). The rows are sorted by expert inside (argsort, gather,
+        and the inverse permutation after) unless ``sorted_indices=True``. For
+        ``mx.gather_qmm``'s 2-D meaning (every id applied to all M rows) pass ``x[None]``.
       w: ``[E, N, K*bits/32]`` uint32, a stacked ``[E, N, K]`` weight as ``mx.quantize``
         returns it for ``mode``.
       scales, biases: ``[E, N, K/group_size]``. mode "affine": both in x's dtype (scales
@@ -224,9 +274,9 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
         store gpt-oss's experts); "mxfp8": uint8 E8M0 scales, E4M3 elements (bytes
         0x7F / 0xFF, which mx.quantize never writes, read as +-480 like MLX's Metal
         decoder; MLX's CPU and the reference backend read NaN).
-      indices: ``[M]`` uint32/int32, the expert of each row. Any order is correct; sorted
-        (equal ids adjacent) is fast. An id outside ``[0, E)`` yields a NaN row and reads
-        nothing out of bounds.
+      indices: uint32/int32 expert ids: ``[M]`` for 2-D x, else broadcastable with
+        ``x.shape[:-2]``. Any order is correct; sorted (equal ids adjacent) is fast. An id
+        outside ``[0, E)`` yields NaN rows and reads nothing out of bounds.
       group_size, bits: as ``mx.quantize`` for the mode; None takes its default. affine:
         group_size 32, 64 (default) or 128, bits 4 (default) or 8; mxfp4: 32 and 4;
         nvfp4: 16 and 4; mxfp8: 32 and 8.
@@ -238,22 +288,77 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
         stage x and the weights in x's own dtype (exact), so the same inputs give the same
         products on either; ``mpp`` needs MetalPerformancePrimitives (macOS >= 26.2). The
         fp modes run ``simdgroup`` (``mpp`` is affine only; asking for it raises).
+      sorted_indices: as in ``mx.gather_qmm``: True promises the batch's ids are sorted
+        (the form with 3-D or more x then runs its rows as given, no sort).
+      stream: MLX's StreamOrDevice (None, an mx.Stream, an mx.Device, mx.cpu / mx.gpu):
+        where the composite's ops or the kernels run.
 
     Requires N % 32 == 0 and K % 32 == 0. Each weight is dequantised as
     ``T(scale * q + bias)`` (fp modes: ``T(scale * fp(q))``) (rounded once to x's dtype, as MLX's quantized kernels see it)
     and the products are accumulated in float32.
 
-    Returns: ``[M, N]`` in x's dtype.
+    Returns: ``[M, N]`` (2-D x) or ``[*broadcast(x.shape[:-2], indices.shape), M, N]``,
+    in x's dtype.
+
+    Differentiable with respect to x (``g @ W[indices]`` with the same rounded weights; a
+    row with an out-of-range id gets a NaN gradient, as its NaN output); asking for the
+    gradient of w, scales or biases raises.
 
     M, E, N and K are runtime inputs: one kernel instantiation per (variant, dtype, mode,
     bits, group_size, index dtype), plus one more the first time M < 8: MLX passes inputs of
     fewer than 8 elements in Metal's ``constant`` address space, a different kernel source.
     """
-    M, N, K, E, group_size, bits, mode = _check_moe_gather_qmm(x, w, scales, biases, indices,
-                                                                group_size, bits, mode)
+    M, N, K, E, group_size, bits, mode, lead = _check_moe_gather_qmm(
+        x, w, scales, biases, indices, group_size, bits, mode)
+    sorted_indices = as_bool(OP, "sorted_indices", sorted_indices)
     backend = backends.resolve_backend()
     spec = _select_variant(variant, backend, mode)
-    if spec is None or M == 0:
-        return _reference(x, w, scales, biases, indices, M, N, E, group_size, bits, mode)
-    return _launch(x, w, scales, biases, indices, M, N, K, E, group_size, bits, backend,
-                   spec, mode)
+
+    def run(x, ids):
+        return _launch(x, w, scales, biases, ids, M, N, K, E, group_size, bits, backend,
+                       spec, mode)
+
+    def forward(x, w, scales, biases):
+        with on_stream(OP, stream):
+            if spec is None or M == 0:
+                return _reference(x, w, scales, biases, indices, lead, M, N, E, group_size,
+                                  bits, mode)
+            if lead is None:
+                return run(x, indices)
+            out_shape = (*lead, x.shape[-2], N)
+            rows, ids = _rows(x, indices, lead)
+            if sorted_indices or M < 2:
+                return run(rows, ids).reshape(out_shape)
+            order = mx.argsort(ids)  # rows of one expert adjacent: each tile reads it once
+            out = run(rows[order], ids[order])
+            return out[mx.argsort(order)].reshape(out_shape)
+
+    def x_vjp(g, w, scales, biases):  # run at backward time: the stream again
+        with on_stream(OP, stream):
+            if lead is None:
+                return _x_vjp(g, w, scales, biases, indices, E, group_size, bits, mode,
+                              x.dtype)
+            # mx.gather_qmm's form: the rows' gradients, summed over the axes x was
+            # broadcast along (in float32).
+            _, ids = _rows(x, indices, lead)
+            d = _x_vjp(g.reshape(-1, N), w, scales, biases, ids, E, group_size, bits, mode,
+                       x.dtype, out_dtype=mx.float32)
+            d = d.reshape(*lead, x.shape[-2], K)
+            return sum_to_shape(d, tuple(x.shape)).astype(x.dtype)
+
+    with on_stream(OP, stream):
+        return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases))
+
+
+def _x_vjp(g, w, scales, biases, indices, E, group_size, bits, mode, dtype,
+           out_dtype=None) -> mx.array:
+    """dx[m] = g[m] @ W[indices[m]] with the weights the forward multiplies by (each
+    rounded to x's dtype), float32; a row with an out-of-range id gets NaN, as its output.
+    Returned in ``out_dtype`` (default: x's dtype)."""
+    valid = indices < E
+    if indices.dtype == mx.int32:
+        valid = valid & (indices >= 0)
+    safe = mx.where(valid, indices, 0).astype(mx.uint32)
+    wd = _dequantize_rounded(w, scales, biases, group_size, bits, dtype, mode)  # [E, N, K]
+    d = mx.gather_mm(g.astype(mx.float32)[:, None, :], wd, rhs_indices=safe)[:, 0, :]
+    return mx.where(valid[:, None], d, mx.array(float("nan"))).astype(out_dtype or dtype)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -18,7 +18,9 @@ from .. import backends
 from .._registry import Arg, KernelSpec, grid, register, scalars
 from ._common import (
     FLOAT_TYPES,
+    as_bool,
     dtype_name,
+    on_stream,
     require_array,
     require_finite_scalar,
     require_float,
@@ -207,8 +209,7 @@ def _check_sdpa_multi(q, k, v, scale, causal, kv_len, mask=None, sinks=None) -> 
     if Hq % Hkv:
         raise ValueError(f"[{OP}] q's heads ({Hq}) must be a multiple of k's heads ({Hkv})")
     kv_len = _check_kv_len(kv_len, L, S)
-    if not isinstance(causal, bool):
-        raise TypeError(f"[{OP}] causal must be a bool, got {type(causal).__name__}")
+    causal = as_bool(OP, "causal", causal)
     scale = require_finite_scalar(OP, "scale", scale)
     if abs(scale) > MAX_SCALE:
         raise ValueError(f"[{OP}] scale must satisfy |scale| <= {MAX_SCALE:.4g} (the kernel "
@@ -377,7 +378,7 @@ _NO_SINKS = {0: mx.zeros((1,), dtype=mx.float32)}  # has_sinks 0's dummy
 
 def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: bool = False,
                kv_len: int | mx.array | None = None, mask: str | mx.array | None = None,
-               sinks: mx.array | None = None) -> mx.array:
+               sinks: mx.array | None = None, stream=None) -> mx.array:
     """Attention of a block of L queries against the first ``kv_len`` rows of a KV cache,
     as ``mx.fast.scaled_dot_product_attention`` takes masks and sinks.
 
@@ -411,30 +412,56 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
         row whose scores an additive mask makes all -inf is NaN (0 with sinks).
       sinks: ``[Hq]`` in a dtype that promotes to q's (as MLX requires): one logit per query
         head that joins the softmax's denominator only (gpt-oss).
+      stream: MLX's StreamOrDevice (None, an mx.Stream, an mx.Device, mx.cpu / mx.gpu):
+        where the composite's ops or the kernel run.
 
     Returns: ``[B, Hq, L, D]`` in q's dtype; softmax and accumulation in float32.
     D must be one of 64, 96, 128, 256.
 
-    Under ``mx.compile(..., shapeless=True)`` (reference, Metal and CUDA backends) a
-    device-side ``kv_len`` changes from call to call without a new trace; other input
-    shapes must stay those of the first trace (MLX refuses a change: the composite and the
-    kernel launches are shaped by them). The emulator refuses compile with an error.
+    Under ``mx.compile(..., shapeless=True)`` (reference backend: on a kernel backend the op
+    is an ``mx.custom_function``, which MLX 0.32 refuses to trace shapeless) a device-side
+    ``kv_len`` changes from call to call without a new trace; other input shapes must stay
+    those of the first trace (MLX refuses a change: the composite is shaped by them). The
+    emulator refuses compile with an error.
+
+    Differentiable with respect to q, k, v, sinks and an additive mask on every backend,
+    through MLX's autodiff of the reference composite (it recomputes the softmax; no
+    backward kernel): the cache rows at and beyond ``kv_len`` get a zero gradient.
 
     Pass the whole preallocated cache with ``kv_len`` rather than a slice of it: the
     kernels take row-contiguous inputs, so a non-contiguous view (``cache[:, :, :n]`` of a
     larger buffer) gives the same result but is first copied by MLX (so is a mask made by
     ``mx.broadcast_to``: pass its size-1 axes instead).
     """
-    p = _check_sdpa_multi(q, k, v, scale, causal, kv_len, mask, sinks)
-    if p.B * p.Hq * p.L == 0:
-        return mx.zeros(q.shape, dtype=q.dtype)
-    backend = backends.resolve_backend()
-    if backend == "reference":
-        return _reference(q, k, v, p)
-    try:
-        return _launch(q, k, v, p, backend)
-    except ValueError as e:  # the emulator evaluates its inputs: refused inside a transform
-        if backend == "emulator" and "function transformations" in str(e):
-            raise ValueError(f"[{OP}] the emulator backend runs kernels eagerly and cannot "
-                             f"run inside mx.compile or mx.vmap (MLX: {e})") from e
-        raise
+    with on_stream(OP, stream):  # the mask's and sinks' casts run on the stream too
+        p = _check_sdpa_multi(q, k, v, scale, causal, kv_len, mask, sinks)
+        if p.B * p.Hq * p.L == 0:
+            return mx.zeros(q.shape, dtype=q.dtype)
+        backend = backends.resolve_backend()
+        if backend == "reference":  # MLX's autodiff of the composite: the VJP below; and no
+            return _reference(q, k, v, p)  # custom_function, so shapeless compile traces it
+        # The primals: q, k, v, then the sinks and an additive mask where given (a bool mask
+        # and kv_len are not differentiable: closed over).
+        additive = p.mask_kind == MASK_ADDITIVE
+        extra = [a for a in (p.sinks, p.mask if additive else None) if a is not None]
+
+        def problem(rest) -> _Problem:
+            it = iter(rest)
+            sinks = next(it) if p.sinks is not None else None
+            return replace(p, sinks=sinks, mask=next(it) if additive else p.mask)
+
+        def reference(q, k, v, *rest):
+            return _reference(q, k, v, problem(rest))
+
+        @mx.custom_function
+        def op(q, k, v, *rest):
+            with on_stream(OP, stream):  # backends.launch refuses the emulator in a trace
+                return _launch(q, k, v, problem(rest), backend)
+
+        @op.vjp
+        def op_vjp(primals, cotangent, output):
+            # MLX's autodiff of the composite, recomputing the softmax (no backward kernel).
+            with on_stream(OP, stream):
+                return tuple(mx.vjp(reference, list(primals), [cotangent])[1])
+
+        return op(q, k, v, *extra)

@@ -386,7 +386,7 @@ def _call(args, **kw):
     (lambda x, w, s, b, i: (x, w.astype(mx.int32), s, b, i), TypeError, "w must be uint32"),
     (lambda x, w, s, b, i: (x, w, s, b, i.astype(mx.float32)), TypeError,
      "indices must be uint32 or int32, got float32"),
-    (lambda x, w, s, b, i: (x[None], w, s, b, i), ValueError, "x must have 2 dimensions, got 3"),
+    (lambda x, w, s, b, i: (x[0], w, s, b, i), ValueError, "x must have at least 2 dimensions"),
     (lambda x, w, s, b, i: (x, w[0], s, b, i), ValueError, "w must have 3 dimensions, got 2"),
     (lambda x, w, s, b, i: (x, w, s, b, i[None]), ValueError,
      "indices must have 1 dimensions, got 2"),

@@ -187,9 +187,9 @@ def test_matches_native_sdpa(rng):
 def test_compile_with_device_kv_len(rng, backend):
     """mx.compile traces once; a device-side kv_len (and the mask and sinks, inputs too)
     changes between calls without a new trace. Shapeless on the reference backend; on the
-    kernel backends MLX's custom-kernel primitive cannot infer output shapes (MLX 0.32:
-    "[Primitive::output_shapes] CustomKernel cannot infer output shapes"), so a decode
-    loop compiles at its cache's fixed shape there."""
+    kernel backends neither MLX's custom-kernel primitive nor the op's custom_function (its
+    VJP) can infer output shapes in MLX 0.32, so a decode loop compiles at its cache's
+    fixed shape there."""
     require_backend(backend)
     shapeless = backend == "reference"
     q, k, v = make_inputs(rng, 1, 8, 2, 4, 96, 64, mx.float32)

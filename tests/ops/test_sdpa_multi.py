@@ -606,7 +606,7 @@ def test_bad_input(mutate, exc, match):
     ({"kv_len": "8"}, TypeError, "kv_len must be a Python int"),
     ({"scale": float("nan")}, ValueError, "scale must be finite"),
     ({"scale": float("inf")}, ValueError, "scale must be finite"),
-    ({"scale": "0.1"}, TypeError, "scale must be a Python float"),
+    ({"scale": "0.1"}, TypeError, "scale must be a Python or NumPy real number"),
     ({"scale": -2.4e38}, ValueError, r"scale must satisfy \|scale\| <= 2.359e\+38 .* got -2.4e\+38"),
     ({"causal": 1}, TypeError, "causal must be a bool"),
 ])
