@@ -28,6 +28,7 @@ from ._templates import render
 
 BACKENDS = ("auto", "metal", "cuda", "emulator", "reference")
 KERNEL_BACKENDS = ("metal", "cuda", "emulator")
+GPU_BACKENDS = ("metal", "cuda")
 
 MAX_THREADS_PER_THREADGROUP = 1024
 MAX_THREADGROUP_MEMORY = 32 * 1024
@@ -251,6 +252,12 @@ def launch(spec: KernelSpec, backend: str, *, inputs: Mapping[str, mx.array],
             f"template parameters {spec.params} and outputs {spec.output_names}; got "
             f"{tuple(inputs)}, {tuple(template)} and {tuple(outputs)}")
     check_geometry(spec.op, grid, threadgroup, threadgroup_memory)
+    if backend in GPU_BACKENDS and mx.default_device() != mx.gpu:
+        # MLX's own refusal ("[custom_kernel] Only supports the GPU") names neither the op
+        # nor the way out
+        raise ValueError(f"[{spec.op}] the {backend} backend runs kernels on the GPU, got a "
+                         f"stream on {mx.default_device()}; pass a GPU stream or device, or "
+                         "use the reference backend for the CPU")
     kernel = get_kernel(spec, backend)
     _launches[(backend, spec.name)] += 1
     outs = tuple(outputs.values())

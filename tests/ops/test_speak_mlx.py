@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated
+from support import backend_params, require_backend
 
 import mlx_metaltile as mt
 from mlx_metaltile import backends
@@ -66,7 +67,8 @@ def test_stream_runs_there_with_the_same_result(any_backend, inputs, op):
     want = call()
     mx.eval(want)
     default = mx.default_stream(mx.default_device())
-    for stream in (mx.new_stream(mx.cpu), mx.cpu, mx.Device(mx.cpu), None):
+    device = mx.gpu if any_backend in backends.GPU_BACKENDS else mx.cpu  # where it can run
+    for stream in (mx.new_stream(device), device, mx.Device(device), None):
         before = backends.launch_count(backend=any_backend)
         got = call(stream=stream)
         mx.eval(got)
@@ -75,6 +77,15 @@ def test_stream_runs_there_with_the_same_result(any_backend, inputs, op):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert mx.array_equal(got, want, equal_nan=True).item(), (op, stream)
         assert mx.default_stream(mx.default_device()) == default  # the context was left
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", backend_params("metal", "cuda"))
+def test_cpu_stream_on_a_gpu_backend(inputs, op, backend):
+    require_backend(backend)
+    with backends.use_backend(backend), pytest.raises(
+            ValueError, match=rf"^\[{op}\] the {backend} backend runs kernels on the GPU"):
+        mx.eval(_calls(inputs)[op](stream=mx.cpu))
 
 
 @pytest.mark.parametrize("op", OPS)
