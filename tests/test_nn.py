@@ -204,7 +204,10 @@ def test_switch_glu_combine_falls_back(monkeypatch):
     _close(got, (theirs(x, ids) * scores[..., None]).sum(axis=-2), 2 * 96)
 
 
-_NO_DISPATCH = {"Reshape", "ExpandDims", "Squeeze", "Broadcast", "StopGradient", "View"}
+# CustomTransforms: the node of an op's mx.custom_function (its VJP), which hands its
+# forward's outputs through without a kernel
+_NO_DISPATCH = {"Reshape", "ExpandDims", "Squeeze", "Broadcast", "StopGradient", "View",
+                "CustomTransforms"}
 
 
 def _graph_dispatches(out: mx.array) -> list[str]:
