@@ -54,14 +54,15 @@ def _act_grads(gate, up, c, activation):
 
 def glu_grad_oracle(x, wg, wu, bg, bu, ids, c, activation):
     """float64 (dx, dbias_gate, dbias_up) and their magnitudes for x [T, K] shared by the
-    token's k experts (gate = x Wg[e]^T + bg[e], up alike). The magnitude of d gate / d up
+    token's k experts or [T, k, K] one per expert (gate = x Wg[e]^T + bg[e], up alike). The magnitude of d gate / d up
     adds their sensitivity to gate and up (the activation's second derivatives, central
     differences of these float64 formulas) times the |terms| behind gate and up: the
     float32 gate and up differ from the exact ones by about accum times that."""
-    gate = np.einsum("tc,tknc->tkn", x, wg[ids]) + bg[ids]
-    up = np.einsum("tc,tknc->tkn", x, wu[ids]) + bu[ids]
-    g_mag = np.einsum("tc,tknc->tkn", np.abs(x), np.abs(wg[ids])) + np.abs(bg[ids])
-    u_mag = np.einsum("tc,tknc->tkn", np.abs(x), np.abs(wu[ids])) + np.abs(bu[ids])
+    sub = "tc,tknc->tkn" if x.ndim == 2 else "tkc,tknc->tkn"
+    gate = np.einsum(sub, x, wg[ids]) + bg[ids]
+    up = np.einsum(sub, x, wu[ids]) + bu[ids]
+    g_mag = np.einsum(sub, np.abs(x), np.abs(wg[ids])) + np.abs(bg[ids])
+    u_mag = np.einsum(sub, np.abs(x), np.abs(wu[ids])) + np.abs(bu[ids])
     d_gate, d_up = _act_grads(gate, up, c, activation)
     mags = [np.abs(d_gate), np.abs(d_up)]
     for v, v_mag, shift in ((gate, g_mag, (1, 0)), (up, u_mag, (0, 1))):
@@ -71,9 +72,10 @@ def glu_grad_oracle(x, wg, wu, bg, bu, ids, c, activation):
         for i in range(2):
             mags[i] = mags[i] + np.abs(hi[i] - lo[i]) / (2 * h) * v_mag
     terms = np.concatenate([d_gate[..., None] * wg[ids], d_up[..., None] * wu[ids]], axis=2)
-    dx = terms.sum((1, 2))
+    axes = (1, 2) if x.ndim == 2 else 2  # shared x: summed over the token's k experts too
+    dx = terms.sum(axes)
     dx_mag = (np.concatenate([mags[0][..., None] * np.abs(wg[ids]),
-                              mags[1][..., None] * np.abs(wu[ids])], axis=2)).sum((1, 2))
+                              mags[1][..., None] * np.abs(wu[ids])], axis=2)).sum(axes)
     dbias = []
     for d, mag in zip((d_gate, d_up), mags, strict=True):
         acc, acc_mag = np.zeros((E, N)), np.zeros((E, N))
@@ -83,19 +85,20 @@ def glu_grad_oracle(x, wg, wu, bg, bu, ids, c, activation):
     return (dx, dx_mag), *dbias
 
 
-def _glu_inputs(rng, dtype, k, bias):
+def _glu_inputs(rng, dtype, k, bias, per_expert=False):
     gate, wg = _quantize(rng, (E, N, K), dtype)
     up, wu = _quantize(rng, (E, N, K), dtype)
     # k = 3: expert 0 twice in the first token (duplicated ids), the last expert in both.
     ids = np.array([[0, 3, 0], [3, 2, 1]] if k == 3 else [[3], [0]], dtype=np.uint32)
-    x = _rand(rng, (2, K), dtype)  # gate, up ~ N(0, 8): swiglu_oai clamps some of them
+    # gate, up ~ N(0, 8): swiglu_oai clamps some of them
+    x = _rand(rng, (2, k, K) if per_expert else (2, K), dtype)
     biases = (_rand(rng, (E, N), dtype), _rand(rng, (E, N), dtype)) if bias else ()
     c = _rand(rng, (2, k, N), dtype)
     return gate, up, wg, wu, ids, x, biases, c
 
 
-def glu_check(rng, dtype, k, activation, bias):
-    gate, up, wg, wu, ids, x, biases, c = _glu_inputs(rng, dtype, k, bias)
+def glu_check(rng, dtype, k, activation, bias, per_expert=False):
+    gate, up, wg, wu, ids, x, biases, c = _glu_inputs(rng, dtype, k, bias, per_expert)
 
     def fn(x, *b):
         kw = dict(bias_gate=b[0], bias_up=b[1]) if b else {}
@@ -124,6 +127,12 @@ def test_expert_glu_vjp(any_backend, rng, dtype, activation, bias, k):
     assert np.any(to_f64(dx) != 0)  # no silent zero
     if any_backend != "reference":
         assert backends.launch_count() > before  # the kernel ran forward
+
+
+@pytest.mark.parametrize("activation", ("silu", "swiglu_oai"))
+def test_expert_glu_vjp_per_expert_x(any_backend, rng, activation):
+    """x [T, k, K], one input per selected expert: each gets its own pair's gradient."""
+    glu_check(rng, mx.bfloat16, 3, activation, True, per_expert=True)
 
 
 def test_expert_glu_vjp_clamps_give_zero(rng):
