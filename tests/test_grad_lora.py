@@ -79,3 +79,40 @@ def test_lora_step_through_patched_model(arch, backend):
         assert np.any(np.array(g) != 0), name
         err = mx.abs(got[name] - g).max().item()
         assert err <= slack * mx.abs(g).max().item(), (name, err)
+
+
+@pytest.mark.parametrize("backend", ("reference", "emulator"))
+def test_lora_step_at_decode_through_patched_moe(backend):
+    """Two tokens per row (fewer token-expert pairs than PREFILL_MIN_PAIRS): the patched
+    experts take the decode path (expert_glu, then expert_qmv); the loss, the LoRA gradients and the gradient w.r.t. the MoE block's input
+    x are the unpatched model's, nonzero."""
+    model = _lora_model("qwen3_moe")
+    batch, lengths = BATCH[:, :3], mx.array([[1, 2], [1, 2]])
+    x = mx.random.normal((2, 1, 64))  # hidden_size
+    r = mx.random.normal(x.shape)
+
+    def run():
+        (loss, _), grads = nn.value_and_grad(model, default_loss)(model, batch, lengths)
+        dx = mx.grad(lambda x: (model.model.layers[0].mlp(x) * r).sum())(x)
+        mx.eval(loss, grads, dx)
+        return loss, dict(tree_flatten(grads)), dx
+
+    want_loss, want, want_dx = run()
+    report = mt.patch(model)
+    try:
+        with backends.use_backend(backend):
+            before = backends.launch_count("expert_glu_simd_rows")
+            loss, got, dx = run()
+            glu_launches = backends.launch_count("expert_glu_simd_rows") - before
+    finally:
+        mt.unpatch(model)
+    if backend != "reference":
+        assert glu_launches > 0  # the decode path ran
+    slack = 2 * TOLERANCES["float32"].accum * len(report.replaced)
+    assert abs(loss.item() - want_loss.item()) <= slack * abs(want_loss.item())
+    assert np.any(np.array(want_dx) != 0)
+    assert mx.abs(dx - want_dx).max().item() <= slack * mx.abs(want_dx).max().item()
+    for name, g in want.items():
+        assert np.any(np.array(g) != 0), name
+        err = mx.abs(got[name] - g).max().item()
+        assert err <= slack * mx.abs(g).max().item(), (name, err)

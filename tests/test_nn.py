@@ -182,6 +182,43 @@ def test_switch_glu_decode_and_combine_fused(backend, kind):
     _close(got_block, want_block, 2 * 96)
 
 
+@pytest.mark.parametrize("backend", ("reference", "emulator"))
+@pytest.mark.parametrize("kind", ("silu", "swiglu_oai"))
+def test_switch_glu_decode_gradients(backend, kind):
+    """A training step's gradients through the decode path (expert_glu + expert_qmv, and
+    combine's expert_glu + expert_down_combine) w.r.t. x and the scores: nonzero and
+    mlx-lm's modules' (MLX's autodiff of gather_qmm)."""
+    from mlx_lm.models.activations import SwigluOAI
+    from mlx_lm.models.switch_layers import SwiGLU
+
+    silu = kind == "silu"
+    ours, theirs = _quantized_pair(SwiGLU() if silu else SwigluOAI(), bias=not silu,
+                                   mode="affine" if silu else "mxfp4")
+    x = mx.random.normal((2, 3, 64))
+    ids = mx.random.randint(0, 5, (2, 3, 2)).astype(mx.uint32)
+    scores = mx.softmax(mx.random.normal((2, 3, 2)), axis=-1)
+    r, r_block = mx.random.normal((2, 3, 2, 64)), mx.random.normal((2, 3, 64))
+
+    def loss(module, x, scores):
+        block = (module.combine(x, ids, scores) if module is ours
+                 else (theirs(x, ids) * scores[..., None]).sum(axis=-2))
+        return (module(x, ids) * r).sum() + (block * r_block).sum()
+
+    want = mx.grad(lambda x, s: loss(theirs, x, s), argnums=(0, 1))(x, scores)
+    with mt.use_backend(backend):
+        counts = {n: backends.launch_count(f"{n}_simd_rows", "emulator")
+                  for n in ("expert_glu", "expert_down_combine")}
+        got = mx.grad(lambda x, s: loss(ours, x, s), argnums=(0, 1))(x, scores)
+        mx.eval(got)
+        ran = {n: backends.launch_count(f"{n}_simd_rows", "emulator") - c
+               for n, c in counts.items()}
+    if backend == "emulator":
+        assert ran == {"expert_glu": 2, "expert_down_combine": 1}
+    for g, w in zip(got, want, strict=True):
+        assert bool(mx.any(g != 0).item())  # no silent zero
+        _close(g, w, 4 * 96)
+
+
 def test_switch_glu_combine_falls_back(monkeypatch):
     """An activation expert_glu does not compute, or prefill: the module's call, then the
     scores and the sum (no expert_down_combine launch)."""
@@ -204,15 +241,15 @@ def test_switch_glu_combine_falls_back(monkeypatch):
     _close(got, (theirs(x, ids) * scores[..., None]).sum(axis=-2), 2 * 96)
 
 
-# CustomTransforms: the node of an op's mx.custom_function (its VJP), which hands its
-# forward's outputs through without a kernel
+# CustomTransforms: mx.custom_function's wrapper (the ops' VJPs) shares its forward's
+# output buffers, no kernel.
 _NO_DISPATCH = {"Reshape", "ExpandDims", "Squeeze", "Broadcast", "StopGradient", "View",
                 "CustomTransforms"}
 
 
 def _graph_dispatches(out: mx.array) -> list[str]:
     """The primitives of ``out``'s lazy graph that run a kernel (views of contiguous
-    arrays, broadcasts and stop_gradient do not)."""
+    arrays, broadcasts, stop_gradient and custom_function's wrapper do not)."""
     import io
     import re
 

@@ -25,11 +25,13 @@ from ._common import (
     MODES,
     QUANTIZED_PARAMS,
     dtype_name,
+    on_stream,
     require_array,
     require_float,
     scalar,
 )
-from .expert_qmv import ROWS_PER_THREADGROUP, SIMDGROUPS, _check_expert_qmv
+from ._grad import _frozen
+from .expert_qmv import ROWS_PER_THREADGROUP, SIMDGROUPS, _check_expert_qmv, _x_vjp
 from .expert_qmv import _reference as _qmv_reference
 
 OP = "expert_down_combine"
@@ -102,19 +104,46 @@ def _out_shape(info: dict) -> tuple[int, ...]:
     return (*info["lead"], info["n_out"])
 
 
-def _reference(h, w, scales, biases, indices, scores, bias, info: dict) -> mx.array:
-    """expert_qmv's composite, then the scores and the sum over k, in float32."""
+def _valid(indices: mx.array, n_experts: int) -> mx.array:
+    valid = indices < n_experts
+    return valid & (indices >= 0) if indices.dtype == mx.int32 else valid
+
+
+def _expert_outputs(h, w, scales, biases, indices, bias, info: dict) -> mx.array:
+    """y [..., k, D] = h @ W[e]^T + bias[e] per pair in float32 (NaN rows for bad ids)."""
     hf = h.astype(mx.float32)
     if info["mode"] == "affine":
         scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
     y = _qmv_reference(hf, w, scales, biases, indices, info)  # NaN rows for bad ids
     if bias is not None:
-        valid = indices < info["n_experts"]
-        if indices.dtype == mx.int32:
-            valid = valid & (indices >= 0)
+        valid = _valid(indices, info["n_experts"])
         y = y + bias[mx.where(valid, indices, 0)].astype(mx.float32)
+    return y
+
+
+def _reference(h, w, scales, biases, indices, scores, bias, info: dict) -> mx.array:
+    """expert_qmv's composite, then the scores and the sum over k, in float32."""
+    y = _expert_outputs(h, w, scales, biases, indices, bias, info)
     y = (y * scores.astype(mx.float32)[..., None]).sum(axis=-2)
     return y.astype(h.dtype)
+
+
+def _backward(g, h, w, scales, biases, indices, scores, bias, info: dict) -> list[mx.array]:
+    """[dh, dscores] (+ [dbias]) for the cotangent g [..., D], in float32: dh_j = s_j g W[e_j]
+    (expert_qmv's dx), dscores_j = g . y_j (y recomputed), dbias[e] = sum of s_j g over the
+    pairs naming e. A pair with an id outside [0, E) gives its h row and its score NaN, as
+    its NaN term, and adds nothing to the bias' gradient."""
+    gf = g.astype(mx.float32)[..., None, :]
+    sf = scores.astype(mx.float32)[..., None]
+    dh = _x_vjp(gf * sf, w, scales, biases, indices, h.shape, h.dtype, info)
+    y = _expert_outputs(h, w, scales, biases, indices, bias, info)
+    grads = [dh, (gf * y).sum(axis=-1).astype(scores.dtype)]
+    if bias is not None:
+        valid = _valid(indices, info["n_experts"]).reshape(-1)
+        rows = mx.where(valid, indices.reshape(-1), 0)
+        d = mx.where(valid[:, None], (gf * sf).reshape(-1, info["n_out"]), 0.0)
+        grads.append(mx.zeros(bias.shape, mx.float32).at[rows].add(d).astype(bias.dtype))
+    return grads
 
 
 def _launch(h, w, scales, biases, indices, scores, bias, info: dict, backend: str):
@@ -141,21 +170,15 @@ def _launch(h, w, scales, biases, indices, scores, bias, info: dict, backend: st
     return out.reshape(_out_shape(info))
 
 
-def _run(impl, args, stream):
-    if stream is None:
-        return impl(*args)
-    with mx.stream(stream):
-        return impl(*args)
-
-
 def expert_down_combine_reference(h, w, scales, biases, indices, scores, *, bias=None,
                                   mode: str = "affine", group_size: int | None = None,
                                   bits: int | None = None, stream=None) -> mx.array:
     """Pure-MLX composite with :func:`expert_down_combine`'s contract (float32 inside)."""
     info = _check(h, w, scales, biases, indices, scores, bias, group_size, bits, mode)
-    if 0 in _out_shape(info) or info["k"] == 0:
-        return mx.zeros(_out_shape(info), dtype=h.dtype)
-    return _run(_reference, (h, w, scales, biases, indices, scores, bias, info), stream)
+    with on_stream(OP, stream):
+        if 0 in _out_shape(info) or info["k"] == 0:
+            return mx.zeros(_out_shape(info), dtype=h.dtype)
+        return _reference(h, w, scales, biases, indices, scores, bias, info)
 
 
 def expert_down_combine(h: mx.array, w: mx.array, scales: mx.array, biases,
@@ -181,10 +204,36 @@ def expert_down_combine(h: mx.array, w: mx.array, scales: mx.array, biases,
     k = 0 gives zeros.
     """
     info = _check(h, w, scales, biases, indices, scores, bias, group_size, bits, mode)
-    if 0 in _out_shape(info) or info["k"] == 0:
-        return mx.zeros(_out_shape(info), dtype=h.dtype)
-    args = (h, w, scales, biases, indices, scores, bias, info)
-    backend = backends.resolve_backend()
-    if backend == "reference":
-        return _run(_reference, args, stream)
-    return _run(_launch, (*args, backend), stream)
+    with on_stream(OP, stream):
+        if 0 in _out_shape(info) or info["k"] == 0:
+            return mx.zeros(_out_shape(info), dtype=h.dtype)
+        backend = backends.resolve_backend()
+        # The primals: h, scores, the bias where given, then the quantized constants
+        # (through _frozen: asking for their gradient raises).
+        quantized = _frozen(OP, (w, scales, biases))
+        slots = [a is not None for a in quantized]
+        n_float = 2 if bias is None else 3
+
+        def unpack(primals):
+            h, s, *rest = primals
+            b = rest[0] if bias is not None else None
+            it = iter(rest[n_float - 2:])
+            return h, s, b, [next(it) if x else None for x in slots]
+
+        @mx.custom_function
+        def op(*primals):
+            h, s, b, (w, scales, biases) = unpack(primals)
+            with on_stream(OP, stream):  # backends.launch refuses the emulator in a trace
+                if backend == "reference":
+                    return _reference(h, w, scales, biases, indices, s, b, info)
+                return _launch(h, w, scales, biases, indices, s, b, info, backend)
+
+        @op.vjp
+        def op_vjp(primals, cotangent, output):
+            h, s, b, (w, scales, biases) = unpack(primals)
+            with on_stream(OP, stream):  # run at backward time: the stream again
+                grads = _backward(cotangent, h, w, scales, biases, indices, s, b, info)
+                return (*grads, *(mx.zeros_like(a) for a in primals[n_float:]))
+
+        extra = () if bias is None else (bias,)
+        return op(h, scores, *extra, *(a for a in quantized if a is not None))

@@ -22,9 +22,11 @@ from ._common import (
     MODES,
     QUANTIZED_PARAMS,
     dtype_name,
+    on_stream,
     require_array,
     scalar,
 )
+from ._grad import _frozen
 from .expert_qmv import (
     BCAST_DIMS,
     ROWS_PER_THREADGROUP,
@@ -33,6 +35,7 @@ from .expert_qmv import (
     _bcast_input,
     _check_expert_qmv,
     _out_shape,
+    _x_vjp,
 )
 from .expert_qmv import _reference as _qmv_reference
 
@@ -125,19 +128,8 @@ def _reference(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, 
                bias_gate, bias_up, info: dict) -> mx.array:
     """expert_qmv's composite for each projection, kept in float32 (one rounding at the end,
     as the kernel)."""
-    xf = x.astype(mx.float32)
-    if info["mode"] == "affine":
-        scales_gate, biases_gate, scales_up, biases_up = (
-            a.astype(mx.float32) for a in (scales_gate, biases_gate, scales_up, biases_up))
-    gate = _qmv_reference(xf, w_gate, scales_gate, biases_gate, indices, info)
-    up = _qmv_reference(xf, w_up, scales_up, biases_up, indices, info)
-    if info["has_bias"]:
-        valid = indices < info["n_experts"]
-        if indices.dtype == mx.int32:
-            valid = valid & (indices >= 0)
-        safe = mx.where(valid, indices, 0)
-        gate = gate + bias_gate[safe].astype(mx.float32)
-        up = up + bias_up[safe].astype(mx.float32)
+    gate, up = _projections(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up,
+                            indices, bias_gate, bias_up, info)
     return _activate(gate, up, info["activation"]).astype(x.dtype)
 
 
@@ -180,11 +172,49 @@ def _launch(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, ind
     return out.reshape(_out_shape(info))
 
 
-def _run(impl, args, kwargs, stream):
-    if stream is None:
-        return impl(*args, **kwargs)
-    with mx.stream(stream):
-        return impl(*args, **kwargs)
+def _valid(indices: mx.array, n_experts: int) -> mx.array:
+    valid = indices < n_experts
+    return valid & (indices >= 0) if indices.dtype == mx.int32 else valid
+
+
+def _projections(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
+                 bias_gate, bias_up, info: dict) -> tuple[mx.array, mx.array]:
+    """gate and up [..., k, N] in float32 (NaN rows for ids outside [0, E))."""
+    xf = x.astype(mx.float32)
+    if info["mode"] == "affine":
+        scales_gate, biases_gate, scales_up, biases_up = (
+            a.astype(mx.float32) for a in (scales_gate, biases_gate, scales_up, biases_up))
+    gate = _qmv_reference(xf, w_gate, scales_gate, biases_gate, indices, info)
+    up = _qmv_reference(xf, w_up, scales_up, biases_up, indices, info)
+    if info["has_bias"]:
+        safe = mx.where(_valid(indices, info["n_experts"]), indices, 0)
+        gate = gate + bias_gate[safe].astype(mx.float32)
+        up = up + bias_up[safe].astype(mx.float32)
+    return gate, up
+
+
+def _backward(g, x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
+              bias_gate, bias_up, info: dict) -> list[mx.array]:
+    """[dx] (+ [dbias_gate, dbias_up] with biases) for the cotangent g [..., k, N]: gate and
+    up recomputed in float32, MLX's autodiff of the activation (zero where swiglu_oai
+    clamps), then the transposed quantized products (expert_qmv's dx: a pair with an id
+    outside [0, E) gives its x NaN). The biases' gradients sum each expert's pairs; a pair
+    with an out-of-range id reads no bias row and adds nothing to them."""
+    gate, up = _projections(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up,
+                            indices, bias_gate, bias_up, info)
+    _, (d_gate, d_up) = mx.vjp(lambda a, b: _activate(a, b, info["activation"]), [gate, up],
+                               [g.astype(mx.float32)])
+    dx = (_x_vjp(d_gate, w_gate, scales_gate, biases_gate, indices, x.shape, mx.float32, info)
+          + _x_vjp(d_up, w_up, scales_up, biases_up, indices, x.shape, mx.float32, info))
+    grads = [dx.astype(x.dtype)]
+    if info["has_bias"]:
+        ids_shape = (*info["lead"], info["k"])
+        valid = mx.broadcast_to(_valid(indices, info["n_experts"]), ids_shape).reshape(-1)
+        rows = mx.where(valid, mx.broadcast_to(indices, ids_shape).reshape(-1), 0)
+        for d, bias in ((d_gate, bias_gate), (d_up, bias_up)):
+            d = mx.where(valid[:, None], d.reshape(-1, info["n_out"]), 0.0)
+            grads.append(mx.zeros(bias.shape, mx.float32).at[rows].add(d).astype(bias.dtype))
+    return grads
 
 
 def expert_glu_reference(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up,
@@ -194,10 +224,11 @@ def expert_glu_reference(x, w_gate, scales_gate, biases_gate, w_up, scales_up, b
     """Pure-MLX composite with :func:`expert_glu`'s contract (float32 inside, NaN rows)."""
     info = _check(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
                   bias_gate, bias_up, activation, group_size, bits, mode)
-    if 0 in _out_shape(info):
-        return mx.zeros(_out_shape(info), dtype=x.dtype)
-    return _run(_reference, (x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up,
-                             indices, bias_gate, bias_up, info), {}, stream)
+    with on_stream(OP, stream):
+        if 0 in _out_shape(info):
+            return mx.zeros(_out_shape(info), dtype=x.dtype)
+        return _reference(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up,
+                          indices, bias_gate, bias_up, info)
 
 
 def expert_glu(x: mx.array, w_gate: mx.array, scales_gate: mx.array, biases_gate,
@@ -224,14 +255,45 @@ def expert_glu(x: mx.array, w_gate: mx.array, scales_gate: mx.array, biases_gate
 
     Returns: ``[..., k, N]`` in x's dtype; gate, up and the activation in float32, rounded
     once. An id outside ``[0, E)`` gives a NaN row.
+
+    Differentiable with respect to x and the expert biases (gate and up recomputed in
+    float32, MLX's autodiff of the activation: zero where swiglu_oai clamps; the transposed
+    quantized products as :func:`expert_qmv`'s): a pair with an out-of-range id gives its x
+    a NaN gradient, as its NaN output row, and adds nothing to the biases' gradients.
+    Asking for the gradient of the quantized weights, scales or biases raises.
     """
     info = _check(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
                   bias_gate, bias_up, activation, group_size, bits, mode)
-    if 0 in _out_shape(info):
-        return mx.zeros(_out_shape(info), dtype=x.dtype)
-    args = (x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
-            bias_gate, bias_up, info)
-    backend = backends.resolve_backend()
-    if backend == "reference":
-        return _run(_reference, args, {}, stream)
-    return _run(_launch, (*args, backend), {}, stream)
+    with on_stream(OP, stream):
+        if 0 in _out_shape(info):
+            return mx.zeros(_out_shape(info), dtype=x.dtype)
+        backend = backends.resolve_backend()
+        # The primals: x, the expert biases where given, then the quantized constants
+        # (through _frozen: asking for their gradient raises).
+        quantized = _frozen(OP, (w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up))
+        slots = [a is not None for a in quantized]
+        n_bias = 2 if info["has_bias"] else 0
+
+        def unpack(primals):
+            x, *rest = primals
+            biases = rest[:n_bias] if n_bias else [None, None]
+            it = iter(rest[n_bias:])
+            return x, [next(it) if s else None for s in slots], biases
+
+        @mx.custom_function
+        def op(*primals):
+            x, q, (bg, bu) = unpack(primals)
+            with on_stream(OP, stream):  # backends.launch refuses the emulator in a trace
+                if backend == "reference":
+                    return _reference(x, *q, indices, bg, bu, info)
+                return _launch(x, *q, indices, bg, bu, info, backend)
+
+        @op.vjp
+        def op_vjp(primals, cotangent, output):
+            x, q, (bg, bu) = unpack(primals)
+            with on_stream(OP, stream):  # run at backward time: the stream again
+                grads = _backward(cotangent, x, *q, indices, bg, bu, info)
+                return (*grads, *(mx.zeros_like(a) for a in primals[1 + n_bias:]))
+
+        biases = (bias_gate, bias_up) if n_bias else ()
+        return op(x, *biases, *(a for a in quantized if a is not None))
