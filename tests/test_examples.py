@@ -25,6 +25,7 @@ def test_quickstart_script():
     assert res.returncode == 0, res.stdout + res.stderr
     assert "op calls run on:" in res.stdout and "kernel variants" in res.stdout
     assert "OUTSIDE" not in res.stdout
+    assert "PatchReport: " in res.stdout and "greedy tokens, unpatched:" in res.stdout
 
 
 def test_quickstart_notebook(monkeypatch):
@@ -40,3 +41,4 @@ def test_quickstart_notebook(monkeypatch):
     assert not [o for o in outputs if o.output_type == "error"]
     html = "".join(o.get("data", {}).get("text/html", "") for o in outputs)
     assert "<table>" in html and "gated_rms_norm_row" in html  # the registry as a table
+    assert "<p>PatchReport: " in html  # the patched model's report as a table
