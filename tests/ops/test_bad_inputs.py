@@ -48,7 +48,7 @@ def array_variants(name: str, a: mx.array) -> Iterator[tuple[str, Any]]:
     yield f"{name}=list", a.tolist()
     for dt in WRONG_DTYPES:
         if dt != a.dtype:
-            yield f"{name}.astype({dt})", a.astype(dt)
+            yield f"{name} as {dt}", a.astype(dt)
     if a.ndim:
         yield f"{name} without axis 0", a[0]
     yield f"{name} with a new axis 0", a[None]
@@ -59,14 +59,28 @@ def array_variants(name: str, a: mx.array) -> Iterator[tuple[str, Any]]:
         yield f"{name} axis {axis} empty", _resized(a, axis, 0)
 
 
+def _show(value) -> str:
+    """A one-line description of a bad value."""
+    if isinstance(value, mx.array):
+        return f"mx.array({value.tolist()}, {value.dtype})"
+    text = repr(value)
+    return text if len(text) < 40 else f"{text[:8]}...({len(text)} digits)"
+
+
 def variants(valid: dict, scalars: dict) -> Iterator[tuple[str, dict]]:
     for name, value in valid.items():
         if isinstance(value, mx.array):
             for what, bad in array_variants(name, value):
                 yield what, {**valid, name: bad}
+    scalars = {**scalars, "stream": ("gpu0", 3, mx.float32)}
+    if "indices" in valid:  # ids outside [0, E): NaN rows, as documented
+        ids = valid["indices"]
+        scalars["indices"] = (mx.full(ids.shape, 3, dtype=ids.dtype),
+                              mx.full(ids.shape, -1, dtype=mx.int32),
+                              mx.full(ids.shape, 2**32 - 1, dtype=mx.uint32))
     for name, bads in scalars.items():
         for bad in bads:
-            yield f"{name}={bad!r}", {**valid, name: bad}
+            yield f"{name}={_show(bad)}", {**valid, name: bad}
 
 
 # ---- one small valid call per op, its bad scalars, its oracle check ---------------------
