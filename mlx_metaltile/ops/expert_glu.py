@@ -99,7 +99,6 @@ def _check(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indi
         if tuple(arr.shape) != tuple(ref.shape):
             raise ValueError(f"[{OP}] {name} must have the gate's shape {tuple(ref.shape)}, "
                              f"got {tuple(arr.shape)}")
-    assert up["n_out"] == info["n_out"]
     if (bias_gate is None) != (bias_up is None):
         raise ValueError(f"[{OP}] bias_gate and bias_up must both be arrays or both None, got "
                          f"{type(bias_gate).__name__} and {type(bias_up).__name__}")
