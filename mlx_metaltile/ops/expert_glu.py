@@ -92,7 +92,7 @@ def _check(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indi
     try:
         info = _check_expert_qmv(x, w_gate, scales_gate, biases_gate, indices, group_size,
                                  bits, mode)
-        up = _check_expert_qmv(x, w_up, scales_up, biases_up, indices, group_size, bits, mode)
+        _check_expert_qmv(x, w_up, scales_up, biases_up, indices, group_size, bits, mode)
     except (TypeError, ValueError) as err:  # same checks, this op's name
         raise type(err)(str(err).replace("[expert_qmv]", f"[{OP}]", 1)) from None
     for name, arr, ref in (("w_up", w_up, w_gate), ("scales_up", scales_up, scales_gate)):
