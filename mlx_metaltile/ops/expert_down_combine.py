@@ -16,16 +16,12 @@ import mlx.core as mx
 from .. import backends
 from .._registry import Arg, KernelSpec, register, scalars
 from ._common import (
-    BITS,
-    DEFAULTS,
-    FLOAT_TYPES,
-    GROUP_SIZES,
-    INDEX_TYPES,
     MODE_IDS,
     MODES,
     QUANTIZED_PARAMS,
     dtype_name,
     on_stream,
+    quantized_bindings,
     require_array,
     require_float,
     scalar,
@@ -39,16 +35,9 @@ __all__ = ["expert_down_combine", "expert_down_combine_reference"]
 
 
 def _bindings():
-    for t in FLOAT_TYPES:
-        for mode in MODES:
-            sizes = ([(b, gs) for b in BITS for gs in GROUP_SIZES] if mode == "affine"
-                     else [DEFAULTS[mode][::-1]])
-            s = t if mode == "affine" else mx.uint8
-            for bits, gs in sizes:
-                for i in INDEX_TYPES:
-                    for r in dict.fromkeys((t, mx.float32)):
-                        yield dict(T=t, S=s, BITS=bits, GROUP_SIZE=gs, MODE=MODE_IDS[mode],
-                                   I=i, R=r)
+    for binding in quantized_bindings(MODES)():
+        for r in dict.fromkeys((binding["T"], mx.float32)):  # scores in h's dtype or float32
+            yield dict(binding, R=r)
 
 
 (SPEC,) = register(

@@ -13,16 +13,12 @@ import mlx.core as mx
 from .. import backends
 from .._registry import Arg, KernelSpec, register, scalars
 from ._common import (
-    BITS,
-    DEFAULTS,
-    FLOAT_TYPES,
-    GROUP_SIZES,
-    INDEX_TYPES,
     MODE_IDS,
     MODES,
     QUANTIZED_PARAMS,
     dtype_name,
     on_stream,
+    quantized_bindings,
     require_array,
     scalar,
 )
@@ -49,16 +45,9 @@ SWIGLU_OAI_LIMIT = 7.0
 
 
 def _bindings():
-    for t in FLOAT_TYPES:
-        for mode in MODES:
-            sizes = ([(b, gs) for b in BITS for gs in GROUP_SIZES] if mode == "affine"
-                     else [DEFAULTS[mode][::-1]])
-            s = t if mode == "affine" else mx.uint8
-            for bits, gs in sizes:
-                for i in INDEX_TYPES:
-                    for act in ACTIVATIONS.values():
-                        yield dict(T=t, S=s, BITS=bits, GROUP_SIZE=gs, MODE=MODE_IDS[mode],
-                                   ACT=act, I=i)
+    for binding in quantized_bindings(MODES)():
+        for act in ACTIVATIONS.values():
+            yield dict(binding, ACT=act)
 
 
 (SPEC,) = register(
