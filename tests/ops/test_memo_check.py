@@ -10,9 +10,9 @@ from mlx_metaltile.ops._common import memo_check
 def _counting(fn):
     calls = []
 
-    def check(*args):
+    def check(*args, **kwargs):
         calls.append(args)
-        return fn(*args)
+        return fn(*args, **kwargs)
 
     return memo_check(check), calls
 
