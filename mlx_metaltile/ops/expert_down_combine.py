@@ -20,6 +20,7 @@ from ._common import (
     MODES,
     QUANTIZED_PARAMS,
     dtype_name,
+    memo_check,
     on_stream,
     quantized_bindings,
     require_array,
@@ -57,6 +58,7 @@ def _bindings():
 )
 
 
+@memo_check
 def _check(h, w, scales, biases, indices, scores, bias, group_size, bits, mode) -> dict:
     require_array(OP, "h", h)
     require_array(OP, "indices", indices)

@@ -17,6 +17,7 @@ from ._common import (
     MODES,
     QUANTIZED_PARAMS,
     dtype_name,
+    memo_check,
     on_stream,
     quantized_bindings,
     require_array,
@@ -71,6 +72,7 @@ def _bindings():
 )
 
 
+@memo_check
 def _check(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
            bias_gate, bias_up, activation, group_size, bits, mode) -> dict:
     """Validate (the projections as expert_qmv checks one, under this op's name); return the

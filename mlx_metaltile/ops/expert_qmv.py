@@ -21,6 +21,7 @@ from ._common import (
     QUANTIZED_INPUTS,
     QUANTIZED_PARAMS,
     check_quantized,
+    memo_check,
     on_stream,
     quantized_bindings,
     scalar,
@@ -65,6 +66,7 @@ def _broadcast_lead(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] |
     return tuple(out)
 
 
+@memo_check
 def _check_expert_qmv(x, w, scales, biases, indices, group_size, bits, mode) -> dict:
     """Validate the inputs; return the derived sizes and the x layout."""
     group_size, bits, mode = check_quantized(OP, x, w, scales, biases, indices, group_size,
@@ -195,15 +197,20 @@ def _row_strides(shape: tuple[int, ...], rank: int, unit: int) -> list[int]:
     return strides[::-1]
 
 
-def _bcast_dims(info: dict) -> list[tuple[int, int, int]]:
+def _bcast_dims(info: dict) -> tuple[tuple[int, int, int], ...]:
     """The token grid as (size, x row stride, indices stride) per dimension, outermost first:
     token t with coordinates c_d reads x row sum c_d * xs_d (+ slot j for a per-expert x)
     and ids at sum c_d * is_d + j. Dimensions of size 1 are dropped and neighbours that step
     both arrays alike are merged, so the list is short unless broadcasts alternate."""
-    lead, k = info["lead"], info["k"]
+    return _bcast_dims_of(info["lead"], info["k"], info["x_lead"], info["idx_lead"],
+                          info["shared"])
+
+
+@lru_cache(maxsize=1024)
+def _bcast_dims_of(lead, k, x_lead, idx_lead, shared) -> tuple[tuple[int, int, int], ...]:
     rank = len(lead)
-    xs = _row_strides(info["x_lead"], rank, 1 if info["shared"] else k)
-    ids = _row_strides(info["idx_lead"], rank, k)
+    xs = _row_strides(x_lead, rank, 1 if shared else k)
+    ids = _row_strides(idx_lead, rank, k)
     dims: list[tuple[int, int, int]] = []
     for n, xd, idd in zip(lead, xs, ids, strict=True):
         if n == 1:
@@ -214,7 +221,7 @@ def _bcast_dims(info: dict) -> list[tuple[int, int, int]]:
                 dims[-1] = (pn * n, xd, idd)
                 continue
         dims.append((n, xd, idd))
-    return dims
+    return tuple(dims)
 
 
 @lru_cache(maxsize=1024)

@@ -30,6 +30,7 @@ from ._common import (
     check_mode_arrays,
     choose_variant,
     dtype_name,
+    memo_check,
     on_stream,
     require_array,
     require_float,
@@ -157,6 +158,7 @@ def _scale_mode(scales: mx.array, group_size: int) -> int:
                     f"bfloat16, got {dtype_name(scales.dtype)}")
 
 
+@memo_check
 def _check_fp4_qmm(x, w, scales, group_size, mode=None) -> tuple[int, int, int, int, int]:
     """Validate the inputs; return (M, N, K, scale_mode, group_size)."""
     for name, arr in (("x", x), ("w", w), ("scales", scales)):

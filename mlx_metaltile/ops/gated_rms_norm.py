@@ -15,6 +15,7 @@ from .. import backends
 from .._registry import Arg, KernelSpec, register, scalars
 from ._common import (
     FLOAT_TYPES,
+    memo_check,
     on_stream,
     require_array,
     require_finite_scalar,
@@ -86,6 +87,7 @@ BACKWARD_SPECS = (BACKWARD_SPEC, BACKWARD_SUM_SPEC)
 MAX_DW_PARTIALS = 256  # threadgroups of the backward (rows of dweight's partial sums)
 
 
+@memo_check
 def _check_gated_rms_norm(y, z, weight, eps) -> tuple[int, int, float]:
     """Validate the inputs; return (n, rows, eps)."""
     if not (isinstance(y, mx.array) and isinstance(z, mx.array)

@@ -29,6 +29,7 @@ from ._common import (
     as_bool,
     check_quantized,
     choose_variant,
+    memo_check,
     on_stream,
     quantized_bindings,
     require_ndim,
@@ -92,6 +93,7 @@ def _lead(x, indices) -> tuple[int, ...] | None:
                          "mx.gather_qmm's rhs_indices)") from None
 
 
+@memo_check
 def _check_moe_gather_qmm(x, w, scales, biases, indices, group_size, bits, mode):
     """Validate the inputs; return (M, N, K, E, group_size, bits, mode, lead): M the rows
     the kernel runs (all of them in mx.gather_qmm's form), lead its batch shape or None."""
