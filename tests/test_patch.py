@@ -377,6 +377,41 @@ def test_moe_blocks_two_dispatches_and_unknown_blocks(op_calls):
     assert mx.abs(got - want).max().item() <= logits_bound(report, want)
 
 
+# Dispatches of one MoE block call at one decode token, from MLX's graph: (mlx-lm's block,
+# the patched block). The router (and Qwen3-Next's shared expert) are the same code on
+# both sides; mlx-lm's experts and score sum take 9 dispatches (15 with gpt-oss's expert
+# biases), ours 2.
+BLOCK_DISPATCHES = {"qwen3_moe": (15, 8), "qwen3_next": (23, 16), "qwen3_5_moe": (23, 16),
+                    "gpt_oss": (20, 7), "mixtral": (14, 7), "olmoe": (14, 7)}
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_block_dispatches_at_decode(arch):
+    """The README's counts, from each block's graph (moe_bench.dispatches: on the emulator
+    our kernels run eagerly and are counted at launch, with the graph of their inputs)."""
+    from mlx_metaltile.moe_bench import dispatches
+
+    model = model_for(arch, **({"mode": "mxfp4"} if arch == "gpt_oss" else {}))
+    block = next(m for _, m in model.named_modules() if mtnn.moe_routing(type(m)))
+    config = CONFIGS[arch].get("text_config", CONFIGS[arch])
+    x = mx.random.normal((1, 1, config["hidden_size"]))
+    mx.eval(x)
+    with mt.use_backend("emulator"):
+        native = dispatches(block, x)
+        mt.patch(model)
+        try:
+            ours = dispatches(block, x)
+        finally:
+            mt.unpatch(model)
+    kernels = Counter({k: v for k, v in ours.items() if k.startswith("kernel:")})
+    assert kernels == {"kernel:expert_glu": 1, "kernel:expert_down_combine": 1}, ours
+    shared = ours - kernels  # the router and shared expert: mlx-lm's own primitives
+    assert not shared - native, (shared, native)
+    experts = native - shared
+    assert experts["GatherQMM"] == 3 and experts.total() == (15 if arch == "gpt_oss" else 9)
+    assert (native.total(), ours.total()) == BLOCK_DISPATCHES[arch], (native, ours)
+
+
 def test_unserved_cache_falls_back(op_calls):
     model = model_for("llama")
 
