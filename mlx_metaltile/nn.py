@@ -183,7 +183,8 @@ class SwitchGLU(nn.Module):
     returns the per-expert rows ``[..., k, D]`` mlx-lm's contract promises (the MoE block
     applies the scores). :meth:`combine` also takes the scores and runs the down projection,
     the scores and the sum over k as one ``expert_down_combine`` dispatch: two dispatches per
-    MoE block at decode for a block that calls it. From :data:`PREFILL_MIN_PAIRS` pairs the
+    MoE block at decode for a block that calls it (:func:`moe_block`, which ``patch`` gives
+    the blocks :data:`MOE_ROUTING` names). From :data:`PREFILL_MIN_PAIRS` pairs the
     rows are sorted by expert and run ``moe_gather_qmm``. Experts the kernels do not serve
     (see :func:`switch_glu_unserved`), or activations in another dtype than the quantization
     scales, run mlx-lm's own ``SwitchGLU`` computation.
