@@ -168,7 +168,7 @@ def measure(block: Block, tokens: int, iters: int, reps: int) -> dict:
     out["native_max_abs"] = mx.abs(want).max().item()
     times: dict[str, list[float]] = {p: [] for p in PATHS}
     for i in range(iters + 1):  # the first round warms up
-        for path in PATHS:
+        for path in PATHS[i % 3:] + PATHS[:i % 3]:  # each path first in turn
             with forced_path("auto" if path == "native" else path):
                 t = _sample(calls[path], xs)
             if i:
@@ -204,23 +204,26 @@ def switch_point(rows: list[dict]) -> int | None:
 
 def _table(rows: list[dict]) -> str:
     head = ("tokens", "pairs", "native us", "decode us", "prefill us", "auto",
-            "native/best", "max|diff|")
+            "native/best", "max|diff|/max|y|")
     body = []
     for r in rows:
         best = min(r["decode_us"], r["prefill_us"])
+        diff = max(r["decode_max_diff"], r["prefill_max_diff"]) / r["native_max_abs"]
         body.append((str(r["tokens"]), str(r["pairs"]), f"{r['native_us']:.1f}",
                      f"{r['decode_us']:.1f}", f"{r['prefill_us']:.1f}", r["auto"],
                      f"{r['native_us'] / best:.2f}x",
-                     f"{max(r['decode_max_diff'], r['prefill_max_diff']):.3g}"))
+                     f"{diff:.2g}"))
     widths = [max(len(c[i]) for c in (head, *body)) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True))
                      for line in (head, *body))
 
 
 def _count_line(counts: dict) -> str:
-    total = sum(counts.values())
-    return f"{total}: " + ", ".join(f"{k} x{v}" if v > 1 else k
-                                    for k, v in sorted(counts.items()))
+    short = Counter()  # mx.compile'd functions are named after all their ops: "Compiled"
+    for name, n in counts.items():
+        short["Compiled" if name.startswith("Compiled") else name] += n
+    return f"{short.total()}: " + ", ".join(f"{k} x{v}" if v > 1 else k
+                                            for k, v in sorted(short.items()))
 
 
 def run(args) -> int:
@@ -239,7 +242,7 @@ def _run(args, mlx_lm_version: str) -> int:
     gpu = backend in backends.GPU_BACKENDS
     iters = args.iters or (20 if gpu else 1)
     reps = args.reps or (8 if gpu else 1)
-    tokens = args.tokens or TOKENS
+    tokens = sorted(set(args.tokens or TOKENS))  # ascending: switch_point reads them so
     device = _device.device_name()
     print(f"moe-bench  mlx {mx.__version__}  mlx-lm {mlx_lm_version}  device: {device}  "
           f"backend: {backend}  bfloat16  median of {iters} samples x {reps} calls"
