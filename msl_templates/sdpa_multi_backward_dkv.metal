@@ -36,7 +36,9 @@
 //   stats are read once per key block (ceil(kv_len / 32) times); dk, dv written once (all S
 //   rows), dmask once. Per (row, key): two simd_sum dot products.
 //
-// REDUCTION ORDER: rows in increasing order (g, then l); dot products with simd_sum.
+// REDUCTION ORDER: rows in increasing order (g, then l); dot products as a per-lane sum
+//   over the lane's columns, then simd_sum: the scores are sdpa_multi_backward_dq.metal's
+//   bit for bit, so P = 2^(b (d - m)) / l never exceeds 1 (see there).
 //
 // Checked only on a Mac: that Apple's compiler accepts the body, register pressure (16 *
 //   D / 32 floats of key state per thread), and the speed. The emulator checks the
@@ -115,18 +117,20 @@ for (uint rb = 0; rb < (n_keys > 0u ? n_rows : 0u); rb += uint(RB)) {
     const float d_r = st_tile[i * 3u + 2u];
     const bool nan_row = !(l_r > 0.0f);
     float qv[DPL];
+    float qs[DPL];
     float gv[DPL];
     for (int c = 0; c < DPL; ++c) {
       qv[c] = float(q_tile[i * TSTRIDE + lane + 32u * uint(c)]);
+      qs[c] = q_scale * qv[c];
       gv[c] = float(g_tile[i * TSTRIDE + lane + 32u * uint(c)]);
     }
     for (int kk = 0; kk < KPS; ++kk) {
       const uint j = j0 + uint(kk);
       if (j < kvn) {  // uniform over the simdgroup
-        float sp = 0.0f;
+        float sp = 0.0f;  // the score as the dq kernel sums it: the same bits
         float dpp = 0.0f;
         for (int c = 0; c < DPL; ++c) {
-          sp += (q_scale * qv[c]) * kr[kk][c];
+          sp += qs[c] * kr[kk][c];
           dpp += gv[c] * vr[kk][c];
         }
         float sc = simd_sum(sp);

@@ -39,21 +39,26 @@
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
 //   threadgroup = (256, 1, 1): 8 simdgroups of RS = 4 rows (a 32-row tile);
 //   grid = (256, ceil(G*L / 32), B * Hkv): threadgroup_position_in_grid = (0, tile, b*Hkv+kvh).
-//   Lane i owns key kb + i of each staged block (lanes >= KB own none), the q / dO columns
-//   [i*D/32, (i+1)*D/32) (shuffled to the other lanes), and o / dq columns i + 32c.
+//   Lane i owns the q / dO / o / dq columns i + 32c; each dot product (a score, a dP) is a
+//   simd_sum, kept by lane i for key kb + i of each staged block (lanes >= KB own none).
 //   threadgroup memory: kv_tile KB * (D + 4 / sizeof(T)) elements of T (<= 16.5 KiB) and
 //   p_tile 32 x 32 floats. Every thread reaches every barrier (uniform loop bounds).
 //
 // TRAFFIC per call: each visible K and V row is read twice per row tile (once per pass;
 //   ceil(G*L / 32) tiles per KV head; causal tiles stop at their last visible key); q read
-//   once, dO twice (shuffle layout, then Dr's layout); dq, stats, dsink_part written once.
+//   once, dO once; dq, stats, dsink_part written once. Per (row, key) and pass: one
+//   simd_sum dot product (two in pass 1).
 //
-// REDUCTION ORDER: keys in increasing order in both passes (the same score code, so pass 1
-//   sees pass 0's scores bit for bit); Dr with simd_sum over the lanes.
+// REDUCTION ORDER: keys in increasing order in both passes. A score is the per-lane sum
+//   over c of (a * q[i + 32c]) * k[i + 32c], then simd_sum: exactly as the dk/dv kernel
+//   computes it, so both kernels (and both passes) see the same bits, and a probability
+//   recomputed from (m, l) never exceeds 1 (b multiplies any rounding difference of d:
+//   with scale 1e30 one ulp would overflow 2^(b (d - m))). Dr with simd_sum.
 //
-// Checked only on a Mac: that Apple's compiler accepts the body, register pressure (about
-//   4 * (3 * D / 32) floats of row state per thread), and the speed. The emulator checks
-//   the semantics, barriers, threadgroup races and the device traffic.
+// Checked only on a Mac: that Apple's compiler accepts the body, that it contracts the two
+//   kernels' score sums alike (the same expression), register pressure (about 4 * (3 * D /
+//   32) floats of row state per thread), and the speed. The emulator checks the semantics,
+//   barriers, threadgroup races and the device traffic.
 #include "common.h"
 // ---- kernel body ----
 constexpr int DPL = D / 32;                       // columns per lane
@@ -80,7 +85,6 @@ const float q_scale = score_unit.x;
 const float unit = score_unit.y;
 const uint key0 = mask_block != 0u ? kvn - L : 0u;
 const float mask_unit = 1.4426950408889634f / unit;
-const uint jl = min(lane, uint(KB) - 1u);  // the staged row this lane scores
 
 const uint tile_row0 = tile_idx * 32u;
 const uint row0 = tile_row0 + sg * uint(RS);
@@ -98,9 +102,9 @@ if (is_causal) {  // the last key any row of the tile sees
 }
 
 const size_t q_row0 = size_t(bh) * n_rows;
-float qc[RS][DPL];   // a * q, columns lane * DPL + e
+float qc[RS][DPL];   // a * q, columns lane + 32c
 float gc[RS][DPL];   // dO, same columns
-float acc[RS][DPL];  // pass 0: O / l; pass 1: sum dS k (columns lane + 32c)
+float acc[RS][DPL];  // pass 0: O / l; pass 1: sum dS k (same columns)
 uint lim[RS];
 size_t mask_row[RS];
 float m[RS];
@@ -118,11 +122,11 @@ for (int rr = 0; rr < RS; ++rr) {
   m[rr] = -INFINITY;
   l_sum[rr] = 0.0f;
   dd[rr] = 0.0f;
-  for (int e = 0; e < DPL; ++e) {
-    const size_t at = (q_row0 + r) * D + lane * uint(DPL) + uint(e);
-    qc[rr][e] = valid ? q_scale * float(q[at]) : 0.0f;
-    gc[rr][e] = valid ? float(dout[at]) : 0.0f;
-    acc[rr][e] = 0.0f;
+  for (int c = 0; c < DPL; ++c) {
+    const size_t at = (q_row0 + r) * D + lane + 32u * uint(c);
+    qc[rr][c] = valid ? q_scale * float(q[at]) : 0.0f;
+    gc[rr][c] = valid ? float(dout[at]) : 0.0f;
+    acc[rr][c] = 0.0f;
   }
 }
 
@@ -148,15 +152,15 @@ for (int pass = 0; pass < 2; ++pass) {
         kv_tile[jj * TSTRIDE + d] = jj < nk ? v_head[size_t(kb + jj) * D + d] : T(0);
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      if (nr > 0u) {
-        for (uint i = 0; i < 32u; ++i) {
-          for (int e = 0; e < DPL; ++e) {
-            const float vval = float(kv_tile[jl * TSTRIDE + i * uint(DPL) + uint(e)]);
-            for (int rr = 0; rr < RS; ++rr) {
-              if (uint(rr) < nr) {
-                dp[rr] += simd_shuffle(gc[rr][e], ushort(i)) * vval;
-              }
+      for (int rr = 0; rr < RS; ++rr) {
+        if (uint(rr) < nr) {
+          for (uint jj = 0; jj < nk; ++jj) {
+            float part = 0.0f;
+            for (int c = 0; c < DPL; ++c) {
+              part += gc[rr][c] * float(kv_tile[jj * TSTRIDE + uint(c) * 32u + lane]);
             }
+            const float total = simd_sum(part);
+            dp[rr] = lane == jj ? total : dp[rr];
           }
         }
       }
@@ -173,16 +177,14 @@ for (int pass = 0; pass < 2; ++pass) {
     float s[RS];
     for (int rr = 0; rr < RS; ++rr) {
       s[rr] = 0.0f;
-    }
-    if (nr > 0u) {
-      for (uint i = 0; i < 32u; ++i) {
-        for (int e = 0; e < DPL; ++e) {
-          const float kval = float(kv_tile[jl * TSTRIDE + i * uint(DPL) + uint(e)]);
-          for (int rr = 0; rr < RS; ++rr) {
-            if (uint(rr) < nr) {
-              s[rr] += simd_shuffle(qc[rr][e], ushort(i)) * kval;
-            }
+      if (uint(rr) < nr) {
+        for (uint jj = 0; jj < nk; ++jj) {
+          float part = 0.0f;
+          for (int c = 0; c < DPL; ++c) {
+            part += qc[rr][c] * float(kv_tile[jj * TSTRIDE + uint(c) * 32u + lane]);
           }
+          const float total = simd_sum(part);  // as the dk/dv kernel: the same bits
+          s[rr] = lane == jj ? total : s[rr];
         }
       }
     }
@@ -265,7 +267,7 @@ for (int pass = 0; pass < 2; ++pass) {
         const float ratio = l_f > 0.0f ? l_keys / l_f : NAN;  // O = acc * ratio
         float part = 0.0f;
         for (int c = 0; c < DPL; ++c) {
-          part += float(dout[(q_row0 + r) * D + lane + 32u * uint(c)]) * (acc[rr][c] * ratio);
+          part += gc[rr][c] * (acc[rr][c] * ratio);
           acc[rr][c] = 0.0f;
         }
         dd[rr] = simd_sum(part);
