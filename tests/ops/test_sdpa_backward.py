@@ -145,6 +145,14 @@ def test_sdpa_vjp_fully_masked_rows(any_backend, rng, dtype, kind, sink):
         mask = mx.array(m).astype(dtype)
     sinks = (mx.array(rng.uniform(-1, 1, size=(Hq,)).astype(np.float32)).astype(dtype)
              if sink else None)
+    if any_backend == "reference" and kind == "additive" and not sink:
+        # MLX's autodiff of the composite: mx.where's VJP multiplies the cotangent by the
+        # condition, so the NaN row's cotangent leaks NaN into the k rows past kv_len
+        # (documented in the README); the kernels' VJP gives them 0.
+        with pytest.raises(AssertionError, match=r"dk .*got np.float64\(nan\), want "
+                                                 r"np.float64\(0.0\)"):
+            check(any_backend, rng, B, Hq, Hkv, L, S, D, dtype, kv_len, mask=mask)
+        return
     grads = check(any_backend, rng, B, Hq, Hkv, L, S, D, dtype, kv_len, mask=mask,
                   sinks=sinks)
     nan_row = np.isnan(np.array(grads["dq"].astype(mx.float32))[0, 1, 2])
