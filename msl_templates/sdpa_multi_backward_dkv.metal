@@ -63,7 +63,11 @@ const uint sg = simdgroup_index_in_threadgroup;
 
 const uint L = n_q;
 const uint n_rows = group * L;
-const uint kvn = max(min(kv_len, kv_rows), L);
+// Scalars read once into registers (each read of a 0-d input is a device load).
+const uint S_rows = kv_rows;
+const uint n_kv_heads = kv_heads;
+const float g_scale = grad_scale;
+const uint kvn = max(min(kv_len, S_rows), L);
 const bool is_causal = causal != 0u;
 const float2 score_unit = mt_score_unit(scale);
 const float q_scale = score_unit.x;
@@ -74,7 +78,7 @@ const uint kb = block * uint(8 * KPS);
 const uint j0 = kb + sg * uint(KPS);  // this simdgroup's first key
 
 const size_t q_row0 = size_t(bh) * n_rows;
-const size_t head_off = size_t(bh) * kv_rows * D;
+const size_t head_off = size_t(bh) * S_rows * D;
 float kr[KPS][DPL];
 float vr[KPS][DPL];
 float dkr[KPS][DPL];
@@ -108,8 +112,8 @@ for (uint rb = 0; rb < (n_keys > 0u ? n_rows : 0u); rb += uint(RB)) {
   for (uint i = 0; i < nrb; ++i) {
     const uint r = rb + i;
     const uint l_idx = r % L;
-    const uint head = (bh % kv_heads) * group + r / L;
-    const size_t mrow = size_t(bh / kv_heads) * mask_sb + size_t(head) * mask_sh
+    const uint head = (bh % n_kv_heads) * group + r / L;
+    const size_t mrow = size_t(bh / n_kv_heads) * mask_sb + size_t(head) * mask_sh
                         + size_t(l_idx) * mask_sl;
     const uint lim = is_causal ? kvn - L + l_idx + 1u : kvn;
     const float m_r = st_tile[i * 3u];
@@ -164,10 +168,10 @@ for (uint rb = 0; rb < (n_keys > 0u ? n_rows : 0u); rb += uint(RB)) {
 
 for (int kk = 0; kk < KPS; ++kk) {
   const uint j = j0 + uint(kk);
-  if (j < kv_rows) {
+  if (j < S_rows) {
     for (int c = 0; c < DPL; ++c) {
       const size_t at = head_off + size_t(j) * D + lane + 32u * uint(c);
-      dk[at] = T(grad_scale * dkr[kk][c]);
+      dk[at] = T(g_scale * dkr[kk][c]);
       dv[at] = T(dvr[kk][c]);
     }
   }

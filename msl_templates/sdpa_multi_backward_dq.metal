@@ -48,6 +48,9 @@
 //   ceil(G*L / 32) tiles per KV head; causal tiles stop at their last visible key); q read
 //   once, dO once; dq, stats, dsink_part written once. Per (row, key) and pass: one
 //   simd_sum dot product (two in pass 1).
+//   The KV range is not split across threadgroups (the forward splits it): B * Hkv *
+//   ceil(G*L / 32) threadgroups in all, few for decode-sized L; a split would need the
+//   statistics merged before pass 1 (another kernel). Not measured.
 //
 // REDUCTION ORDER: keys in increasing order in both passes. A score is the per-lane sum
 //   over c of (a * q[i + 32c]) * k[i + 32c], then simd_sum: exactly as the dk/dv kernel
@@ -78,7 +81,12 @@ const uint sg = simdgroup_index_in_threadgroup;
 
 const uint L = n_q;
 const uint n_rows = group * L;
-const uint kvn = max(min(kv_len, kv_rows), L);
+// Scalars read once into registers (each read of a 0-d input is a device load).
+const uint S_rows = kv_rows;
+const uint n_kv_heads = kv_heads;
+const bool with_sinks = has_sinks != 0u;
+const float g_scale = grad_scale;
+const uint kvn = max(min(kv_len, S_rows), L);
 const bool is_causal = causal != 0u;
 const float2 score_unit = mt_score_unit(scale);
 const float q_scale = score_unit.x;
@@ -114,11 +122,11 @@ float sink_s[RS];    // the sink in score units (-INFINITY without one)
 for (int rr = 0; rr < RS; ++rr) {
   const uint r = row0 + uint(rr);
   const bool valid = uint(rr) < nr;
-  const uint head = (bh % kv_heads) * group + r / L;
-  mask_row[rr] = size_t(bh / kv_heads) * mask_sb + size_t(head) * mask_sh
+  const uint head = (bh % n_kv_heads) * group + r / L;
+  mask_row[rr] = size_t(bh / n_kv_heads) * mask_sb + size_t(head) * mask_sh
                  + size_t(r % L) * mask_sl;
   lim[rr] = !valid ? 0u : (is_causal ? kvn - L + r % L + 1u : kvn);
-  sink_s[rr] = (valid && has_sinks != 0u) ? sinks[head] * mask_unit : -INFINITY;
+  sink_s[rr] = (valid && with_sinks) ? sinks[head] * mask_unit : -INFINITY;
   m[rr] = -INFINITY;
   l_sum[rr] = 0.0f;
   dd[rr] = 0.0f;
@@ -130,7 +138,7 @@ for (int rr = 0; rr < RS; ++rr) {
   }
 }
 
-const size_t head_off = size_t(bh) * kv_rows * D;
+const size_t head_off = size_t(bh) * S_rows * D;
 const device T* k_head = k + head_off;
 const device T* v_head = v + head_off;
 
@@ -261,7 +269,7 @@ for (int pass = 0; pass < 2; ++pass) {
         const uint r = row0 + uint(rr);
         const float m_f = max(m[rr], sink_s[rr]);
         const float l_keys = m[rr] == m_f ? l_sum[rr] : l_sum[rr] * exp2(unit * (m[rr] - m_f));
-        const float p_sink = has_sinks == 0u ? 0.0f
+        const float p_sink = !with_sinks ? 0.0f
                              : (sink_s[rr] == m_f ? 1.0f : exp2(unit * (sink_s[rr] - m_f)));
         const float l_f = l_keys + p_sink;
         const float ratio = l_f > 0.0f ? l_keys / l_f : NAN;  // O = acc * ratio
@@ -277,7 +285,7 @@ for (int pass = 0; pass < 2; ++pass) {
           stats[(q_row0 + r) * 3u] = m_f;
           stats[(q_row0 + r) * 3u + 1u] = l_f;
           stats[(q_row0 + r) * 3u + 2u] = dd[rr];
-          dsink_part[q_row0 + r] = has_sinks == 0u ? 0.0f : -(p_sink / l_f) * dd[rr];
+          dsink_part[q_row0 + r] = !with_sinks ? 0.0f : -(p_sink / l_f) * dd[rr];
         }
       }
     }
@@ -287,7 +295,7 @@ for (int pass = 0; pass < 2; ++pass) {
 for (int rr = 0; rr < RS; ++rr) {
   if (uint(rr) < nr) {
     for (int c = 0; c < DPL; ++c) {
-      dq[(q_row0 + row0 + uint(rr)) * D + lane + 32u * uint(c)] = T(grad_scale * acc[rr][c]);
+      dq[(q_row0 + row0 + uint(rr)) * D + lane + 32u * uint(c)] = T(g_scale * acc[rr][c]);
     }
   }
 }
