@@ -35,11 +35,26 @@
 //   the number of runs in the tile, and x rows of other runs are never read.
 //   The 4 simdgroups split K into 4 contiguous ranges of BK = 16 steps. Per step a
 //   simdgroup stages x (8 x 16, rows outside the run zeroed) and W^T (16 x 32, lane l
-//   dequantises output column 32 bx + l) in its own threadgroup slices, then does
-//   2 x 4 products 8x8x8 into four float 8x8 accumulators (8 rows x 32 columns); the codes
-//   and x values of the next step are fetched into registers before the products.
-//   The 4 partial accumulators are summed through threadgroup memory in simdgroup order
-//   0, 1, 2, 3 (a fixed reduction order) and the run's rows are written.
+//   dequantises output column 32 bx + l) in its own threadgroup slices, in T, then does
+//   2 x 4 products 8x8x8 of T fragments into four float 8x8 accumulators (8 rows x 32
+//   columns); the codes and x values of the next step are fetched into registers before
+//   the products. The 4 partial accumulators are summed through threadgroup memory in
+//   simdgroup order 0, 1, 2, 3 (a fixed reduction order) and the run's rows are written.
+//
+// STAGING IN T (exact): every staged value is a T value already -- x is T and each weight
+//   is T(...) by the MATH above (as MLX's quantized kernels see it; the oracle rounds the
+//   same way) -- so T fragments hold exactly what float fragments held, a product of two
+//   T values is exact in float32 (half: 11 + 11 <= 24 significant bits; bfloat 8 + 8; the
+//   exponent range of a float product equals that of the float fragments'), and the sums
+//   stay in float accumulators: the result is bit for bit that of float staging. float32
+//   inputs stage float, as before. No tolerance is involved.
+//   Apple: T staging halves the staging bytes and the fragment registers of half / bfloat
+//   (what MLX's own Apple qmm kernels stage); the float partial sums then need a float
+//   array of their own (sums, 4 x 8 x 36 floats), which float32 inputs do not (they reuse
+//   ws, as before): 5,632 + 4,608 = 10,240 bytes for half / bfloat, 11,264 for float32.
+//   CUDA/NVIDIA: a product of two half or two bfloat fragments with a float accumulator
+//   runs on the tensor cores (mt_cuda/matrix.cuh: mma.sync m16n8k8); float32 inputs stay
+//   on shuffles and FMAs (TF32 would break the tolerance table).
 //   An out-of-range expert id (>= E) reads no weight: its slot writes NaN to its own row.
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
@@ -47,7 +62,8 @@
 //   grid        = (128 * N / 32, 8, ceil(M / 8)) threads: threadgroup_position_in_grid is
 //                 (column block, slot, row tile)
 //   N % 32 == 0, K % 32 == 0 (a multiple of BK and of GROUP_SIZE), GROUP_SIZE % 16 == 0
-//   threadgroup memory: 4 x 8 x 16 + 4 x 16 x 36 floats = 11,264 bytes
+//   threadgroup memory: (4 x 8 x 16 + 4 x 16 x 36) T + (T not float) 4 x 8 x 36 floats:
+//   10,240 bytes (half, bfloat) or 11,264 bytes (float32, + 4 for an unused sums[1])
 //   indices are read only for rows < M; expert ids are checked against E before any access.
 //
 // TRAFFIC per call: for each (tile, distinct expert in the tile): N * K * BITS / 8 bytes of
@@ -58,9 +74,11 @@
 //   Each thread also reads its slot's id and the tile's <= 8 ids (36 bytes, cache hits);
 //   the slots of a tile that lead no run exit after those reads.
 //
-// ONLY CHECKED ON A MAC: that Apple's compiler accepts this body as written (float
-//   simdgroup_matrix loads from threadgroup memory, make_filled_simdgroup_matrix), and its
-//   speed. The emulator checks the arithmetic, every memory access and the barriers.
+// ONLY CHECKED ON A MAC: that Apple's compiler accepts this body as written (half /
+//   bfloat / float simdgroup_matrix loads from threadgroup memory, products of half or
+//   bfloat fragments into float accumulators, the overloads of mt_moe_sums,
+//   make_filled_simdgroup_matrix), and its speed (the argument above: fewer bytes, no more
+//   registers). The emulator checks the arithmetic, every memory access and the barriers.
 #include "common.h"
 
 // Dequantise 16 consecutive codes of one weight row that lie in one quantisation group,
@@ -91,6 +109,12 @@ inline void mt_moe_dequant16(WordPtr words, float scale, float bias, thread floa
     }
   }
 }
+
+// Where the float partial sums go: the W staging itself when it is float (T = float),
+// else their own float array (overloads: no cast, valid for every T).
+inline threadgroup float* mt_moe_sums(threadgroup float* ws, threadgroup float*) { return ws; }
+template <typename U>
+inline threadgroup float* mt_moe_sums(threadgroup U*, threadgroup float* own) { return own; }
 // ---- kernel body ----
 constexpr uint SG = 4;           // simdgroups per threadgroup (K split)
 constexpr uint BM = 8;           // rows per tile
@@ -99,8 +123,11 @@ constexpr uint BK = 16;          // K step of a simdgroup
 constexpr uint WS_LD = BN + 4;   // padded row length of the staged W^T block
 constexpr uint PER_WORD = 32 / BITS;
 constexpr int SCALE_FORMAT = MODE == 3 ? 1 : MODE;  // mt_fp4_scale's: mxfp8 scales are E8M0
-threadgroup float xs[SG][BM * BK];
-threadgroup float ws[SG][BK * WS_LD];
+threadgroup T xs[SG][BM * BK];
+threadgroup T ws[SG][BK * WS_LD];
+// The float partial sums of the K split: ws itself when T is float, else their own array.
+constexpr uint SUMS_LD = sizeof(T) == 4 ? BK * WS_LD : BM * WS_LD;  // one simdgroup's
+threadgroup float sums_own[sizeof(T) == 4 ? 1 : SG * BM * WS_LD];
 
 const uint n_block = threadgroup_position_in_grid.x;
 const uint slot = threadgroup_position_in_grid.y;
@@ -148,8 +175,9 @@ const uint xk = (lane % 4) * 4;
 const bool x_live = ((run >> xr) & 1u) != 0u;
 const auto x_row = x + size_t(row0 + (x_live ? xr : 0u)) * K + xk;
 
-threadgroup float* my_x = xs[sg];
-threadgroup float* my_w = ws[sg];
+threadgroup T* my_x = xs[sg];
+threadgroup T* my_w = ws[sg];
+threadgroup float* sums = mt_moe_sums(&ws[0][0], sums_own);
 simdgroup_matrix<float, 8, 8> acc[BN / 8];
 for (uint j = 0; j < BN / 8; ++j) {
   acc[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
@@ -182,12 +210,12 @@ for (uint step = step_begin; step < step_end; ++step) {
     }
   }
   for (uint i = 0; i < 4; ++i) {
-    my_x[xr * BK + xk + i] = xq[i];
+    my_x[xr * BK + xk + i] = T(xq[i]);  // exact: x is T
   }
   float wv[BK];
   mt_moe_dequant16<T, MODE, BITS>(wq, scale, bias, wv);
   for (uint i = 0; i < BK; ++i) {
-    my_w[i * WS_LD + lane] = wv[i];
+    my_w[i * WS_LD + lane] = T(wv[i]);  // exact: wv holds T values
   }
   // Fetch the next step while this one is multiplied.
   if (step + 1 < step_end) {
@@ -200,10 +228,10 @@ for (uint step = step_begin; step < step_end; ++step) {
   }
   simdgroup_barrier(mem_flags::mem_threadgroup);
   for (uint kk = 0; kk < BK; kk += 8) {
-    simdgroup_matrix<float, 8, 8> a;
+    simdgroup_matrix<T, 8, 8> a;
     simdgroup_load(a, my_x + kk, BK);
     for (uint j = 0; j < BN / 8; ++j) {
-      simdgroup_matrix<float, 8, 8> b;
+      simdgroup_matrix<T, 8, 8> b;
       simdgroup_load(b, my_w + kk * WS_LD + j * 8, WS_LD);
       simdgroup_multiply_accumulate(acc[j], a, b, acc[j]);
     }
@@ -211,9 +239,10 @@ for (uint step = step_begin; step < step_end; ++step) {
   simdgroup_barrier(mem_flags::mem_threadgroup);
 }
 
-// Partial sums of the 4 simdgroups -> rows 0..7 of each simdgroup's W slice, then summed.
+// Partial sums of the 4 simdgroups -> rows 0..7 of each simdgroup's own slice of sums
+// (float32: its own W slice, as before), then summed.
 for (uint j = 0; j < BN / 8; ++j) {
-  simdgroup_store(acc[j], my_w + j * 8, WS_LD);
+  simdgroup_store(acc[j], sums + sg * SUMS_LD + j * 8, WS_LD);
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 for (uint o = tid; o < BM * BN; o += SG * 32) {
@@ -222,7 +251,7 @@ for (uint o = tid; o < BM * BN; o += SG * 32) {
   if (((run >> r) & 1u) != 0u) {
     float v = 0.0f;
     for (uint s = 0; s < SG; ++s) {
-      v += ws[s][r * WS_LD + c];
+      v += sums[s * SUMS_LD + r * WS_LD + c];
     }
     out[size_t(row0 + r) * N + n0 + c] = T(v);
   }
