@@ -40,6 +40,7 @@
 //   columns); the codes and x values of the next step are fetched into registers before
 //   the products. The 4 partial accumulators are summed through threadgroup memory in
 //   simdgroup order 0, 1, 2, 3 (a fixed reduction order) and the run's rows are written.
+//   An out-of-range expert id (>= E) reads no weight: its slot writes NaN to its own row.
 //
 // STAGING IN T (exact): every staged value is a T value already -- x is T and each weight
 //   is T(...) by the MATH above (as MLX's quantized kernels see it; the oracle rounds the
@@ -47,7 +48,9 @@
 //   T values is exact in float32 (half: 11 + 11 <= 24 significant bits; bfloat 8 + 8; the
 //   exponent range of a float product equals that of the float fragments'), and the sums
 //   stay in float accumulators: the result is bit for bit that of float staging. float32
-//   inputs stage float, as before. No tolerance is involved.
+//   inputs stage float, as before. No tolerance is involved: the affine weights are
+//   rounded to T by the op's definition (not by the staging), so no bound has to absorb
+//   a staging rounding, and the op's scale * q + bias stays one float32 fma, rounded once.
 //   Apple: T staging halves the staging bytes and the fragment registers of half / bfloat
 //   (what MLX's own Apple qmm kernels stage); the float partial sums then need a float
 //   array of their own (sums, 4 x 8 x 36 floats), which float32 inputs do not (they reuse
@@ -55,7 +58,8 @@
 //   CUDA/NVIDIA: a product of two half or two bfloat fragments with a float accumulator
 //   runs on the tensor cores (mt_cuda/matrix.cuh: mma.sync m16n8k8); float32 inputs stay
 //   on shuffles and FMAs (TF32 would break the tolerance table).
-//   An out-of-range expert id (>= E) reads no weight: its slot writes NaN to its own row.
+//   The body names the staging type S (typedef T S): S = float is the former float-staged
+//   kernel, the same result.
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
 //   threadgroup = (128, 1, 1): 4 simdgroups of 32
@@ -110,8 +114,8 @@ inline void mt_moe_dequant16(WordPtr words, float scale, float bias, thread floa
   }
 }
 
-// Where the float partial sums go: the W staging itself when it is float (T = float),
-// else their own float array (overloads: no cast, valid for every T).
+// Where the float partial sums go: the W staging itself when it is float (S = float),
+// else their own float array (overloads: no cast, valid for every S).
 inline threadgroup float* mt_moe_sums(threadgroup float* ws, threadgroup float*) { return ws; }
 template <typename U>
 inline threadgroup float* mt_moe_sums(threadgroup U*, threadgroup float* own) { return own; }
@@ -123,11 +127,12 @@ constexpr uint BK = 16;          // K step of a simdgroup
 constexpr uint WS_LD = BN + 4;   // padded row length of the staged W^T block
 constexpr uint PER_WORD = 32 / BITS;
 constexpr int SCALE_FORMAT = MODE == 3 ? 1 : MODE;  // mt_fp4_scale's: mxfp8 scales are E8M0
-threadgroup T xs[SG][BM * BK];
-threadgroup T ws[SG][BK * WS_LD];
-// The float partial sums of the K split: ws itself when T is float, else their own array.
-constexpr uint SUMS_LD = sizeof(T) == 4 ? BK * WS_LD : BM * WS_LD;  // one simdgroup's
-threadgroup float sums_own[sizeof(T) == 4 ? 1 : SG * BM * WS_LD];
+typedef T S;  // the staging and fragment type (STAGING IN T)
+threadgroup S xs[SG][BM * BK];
+threadgroup S ws[SG][BK * WS_LD];
+// The float partial sums of the K split: ws itself when S is float, else their own array.
+constexpr uint SUMS_LD = sizeof(S) == 4 ? BK * WS_LD : BM * WS_LD;  // one simdgroup's
+threadgroup float sums_own[sizeof(S) == 4 ? 1 : SG * BM * WS_LD];
 
 const uint n_block = threadgroup_position_in_grid.x;
 const uint slot = threadgroup_position_in_grid.y;
@@ -175,8 +180,8 @@ const uint xk = (lane % 4) * 4;
 const bool x_live = ((run >> xr) & 1u) != 0u;
 const auto x_row = x + size_t(row0 + (x_live ? xr : 0u)) * K + xk;
 
-threadgroup T* my_x = xs[sg];
-threadgroup T* my_w = ws[sg];
+threadgroup S* my_x = xs[sg];
+threadgroup S* my_w = ws[sg];
 threadgroup float* sums = mt_moe_sums(&ws[0][0], sums_own);
 simdgroup_matrix<float, 8, 8> acc[BN / 8];
 for (uint j = 0; j < BN / 8; ++j) {
@@ -210,12 +215,12 @@ for (uint step = step_begin; step < step_end; ++step) {
     }
   }
   for (uint i = 0; i < 4; ++i) {
-    my_x[xr * BK + xk + i] = T(xq[i]);  // exact: x is T
+    my_x[xr * BK + xk + i] = S(xq[i]);  // exact: x is T
   }
   float wv[BK];
   mt_moe_dequant16<T, MODE, BITS>(wq, scale, bias, wv);
   for (uint i = 0; i < BK; ++i) {
-    my_w[i * WS_LD + lane] = T(wv[i]);  // exact: wv holds T values
+    my_w[i * WS_LD + lane] = S(wv[i]);  // exact: wv holds T values
   }
   // Fetch the next step while this one is multiplied.
   if (step + 1 < step_end) {
@@ -228,10 +233,10 @@ for (uint step = step_begin; step < step_end; ++step) {
   }
   simdgroup_barrier(mem_flags::mem_threadgroup);
   for (uint kk = 0; kk < BK; kk += 8) {
-    simdgroup_matrix<T, 8, 8> a;
+    simdgroup_matrix<S, 8, 8> a;
     simdgroup_load(a, my_x + kk, BK);
     for (uint j = 0; j < BN / 8; ++j) {
-      simdgroup_matrix<T, 8, 8> b;
+      simdgroup_matrix<S, 8, 8> b;
       simdgroup_load(b, my_w + kk * WS_LD + j * 8, WS_LD);
       simdgroup_multiply_accumulate(acc[j], a, b, acc[j]);
     }
