@@ -37,7 +37,7 @@ from mlx_metaltile.cases import moe_gather_qmm as moe_cases  # noqa: E402
 # op -> (its simdgroup kernel's spec, the edit that stages float fragments again)
 FLOAT_STAGING = {
     "moe_gather_qmm": (importlib.import_module("mlx_metaltile.ops.moe_gather_qmm").SIMDGROUP_SPEC,
-                       ("typedef T S;", "typedef float S;")),
+                       ("typedef typename mt_moe_staging<T>::type S;", "typedef float S;")),
     "fp4_qmm": (importlib.import_module("mlx_metaltile.ops.fp4_qmm").SIMDGROUP_SPEC,
                 ("typedef typename mt_fp4_staging<T, SCALE_MODE>::type S;", "typedef float S;")),
 }

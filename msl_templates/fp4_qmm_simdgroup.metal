@@ -56,8 +56,10 @@
 //     exponent in [-131, 126]: bfloat has float32's exponent range, and its smallest
 //     subnormal 2^-133 divides every such value (1.5 * 2^-130 is the finest); inf (s = 255)
 //     stays inf. Exact (subnormals for bytes 1..3, as float staging: see RANGE).
-//   - E8M0 scale, half: S = float. 2^(s - 127) leaves half's range [2^-24, 65504] for most
-//     bytes (s >= 141 overflows), so T staging would not be exact.
+//   - E8M0 scale, half: S = float. c * 2^(s - 131) is a half value for every code only for
+//     bytes s in 107 .. 143 (scales 2^-20 .. 2^16): below, 2^-24 (half's finest) no longer
+//     divides it; above, 12 * 2^13 = 98304 > 65504 overflows. The bytes are data, so the
+//     kernel cannot promise that range (a per-tile runtime choice could; not done).
 //   - float scales: S = float. A float32 scale (24 significant bits) times c needs up to
 //     26 bits, rounded once to float32 here: not a T value.
 //   - float32 x: S = float.
@@ -88,7 +90,8 @@
 //   half or bfloat array, products of half / bfloat fragments into float accumulators,
 //   the overloads of mt_fp4_out_tile, the compiler's register allocation for 4 accumulators,
 //   that float -> bfloat conversion keeps the subnormal weights of E8M0 bytes 1..3 (as
-//   the float staging needs float32 subnormals kept), speed.
+//   the float staging needs float32 subnormals kept), that __METAL_VERSION__ >= 310 is
+//   where MLX's bfloat16_t is Metal's bfloat (the guard of the bfloat staging), speed.
 #include "common.h"
 
 // The staging (fragment) type S: T where the staged weights are exactly T values (STAGING).
@@ -100,6 +103,9 @@ template <>
 struct mt_fp4_staging<half, 2> {
   typedef half type;
 };
+// bfloat fragments need Metal's bfloat type (Metal 3.1, macOS 14); below it MLX's
+// bfloat16_t is a struct that no simdgroup_matrix holds, and bfloat x stages float.
+#if !defined(__METAL_VERSION__) || __METAL_VERSION__ >= 310
 template <>
 struct mt_fp4_staging<bfloat, 2> {
   typedef bfloat type;
@@ -108,6 +114,7 @@ template <>
 struct mt_fp4_staging<bfloat, 1> {
   typedef bfloat type;
 };
+#endif
 // The float accumulators' round trip: the x staging itself when it is float, else a float
 // array of its own (overloads: no cast, valid for every S).
 inline threadgroup float* mt_fp4_out_tile(threadgroup float* xs, threadgroup float*) {

@@ -58,8 +58,8 @@
 //   CUDA/NVIDIA: a product of two half or two bfloat fragments with a float accumulator
 //   runs on the tensor cores (mt_cuda/matrix.cuh: mma.sync m16n8k8); float32 inputs stay
 //   on shuffles and FMAs (TF32 would break the tolerance table).
-//   The body names the staging type S (typedef T S): S = float is the former float-staged
-//   kernel, the same result.
+//   The body names the staging type S (T; mt_moe_staging): S = float is the former
+//   float-staged kernel, the same result.
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
 //   threadgroup = (128, 1, 1): 4 simdgroups of 32
@@ -81,8 +81,10 @@
 // ONLY CHECKED ON A MAC: that Apple's compiler accepts this body as written (half /
 //   bfloat / float simdgroup_matrix loads from threadgroup memory, products of half or
 //   bfloat fragments into float accumulators, the overloads of mt_moe_sums,
-//   make_filled_simdgroup_matrix), and its speed (the argument above: fewer bytes, no more
-//   registers). The emulator checks the arithmetic, every memory access and the barriers.
+//   make_filled_simdgroup_matrix), that __METAL_VERSION__ < 310 is where MLX's bfloat16_t
+//   is not Metal's bfloat (the guard of mt_moe_staging), and its speed (the argument
+//   above: fewer bytes, no more registers). The emulator checks the arithmetic, every
+//   memory access and the barriers.
 #include "common.h"
 
 // Dequantise 16 consecutive codes of one weight row that lie in one quantisation group,
@@ -114,6 +116,20 @@ inline void mt_moe_dequant16(WordPtr words, float scale, float bias, thread floa
   }
 }
 
+// The staging and fragment type S: T (STAGING IN T). bfloat fragments need Metal's bfloat
+// type (Metal 3.1, macOS 14); below it MLX's bfloat16_t is a struct that no
+// simdgroup_matrix holds, and bfloat x stages float (the same result).
+template <typename T>
+struct mt_moe_staging {
+  typedef T type;
+};
+#if defined(__METAL_VERSION__) && __METAL_VERSION__ < 310
+template <>
+struct mt_moe_staging<bfloat16_t> {
+  typedef float type;
+};
+#endif
+
 // Where the float partial sums go: the W staging itself when it is float (S = float),
 // else their own float array (overloads: no cast, valid for every S).
 inline threadgroup float* mt_moe_sums(threadgroup float* ws, threadgroup float*) { return ws; }
@@ -127,7 +143,7 @@ constexpr uint BK = 16;          // K step of a simdgroup
 constexpr uint WS_LD = BN + 4;   // padded row length of the staged W^T block
 constexpr uint PER_WORD = 32 / BITS;
 constexpr int SCALE_FORMAT = MODE == 3 ? 1 : MODE;  // mt_fp4_scale's: mxfp8 scales are E8M0
-typedef T S;  // the staging and fragment type (STAGING IN T)
+typedef typename mt_moe_staging<T>::type S;
 threadgroup S xs[SG][BM * BK];
 threadgroup S ws[SG][BK * WS_LD];
 // The float partial sums of the K split: ws itself when S is float, else their own array.
