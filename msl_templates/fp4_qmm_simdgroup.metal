@@ -26,13 +26,13 @@
 //
 // DESIGN: a threadgroup of 128 threads (4 simdgroups) owns out[m_tile : +32, n_tile : +32]
 //   and walks its part of K in steps of BK = 32. Per step, thread t stages row t / 4, columns
-//   (t % 4) * 8 .. +8 of both operands into threadgroup float: 8 values of x (zeros for rows
-//   past M) and one uint32 word of w (8 codes, decoded with mt_e2m1x2 -- integer bit
-//   placement, no table (common.h) -- and multiplied by the row's group scale: each weight
-//   is dequantised once per threadgroup). Both are loaded into registers before the first
-//   barrier of the step. Simdgroup s computes the
-//   16x16 block (rows 16 (s / 2), columns 16 (s % 2)) as 2x2 simdgroup_float8x8 accumulators,
-//   4 k-slices of 8 per step (B is loaded transposed: B[k][n] = ws[n][k]). The accumulators
+//   (t % 4) * 8 .. +8 of both operands into threadgroup memory (as S, see STAGING): 8 values
+//   of x (zeros for rows past M) and one uint32 word of w (8 codes, decoded with mt_e2m1x2
+//   -- integer bit placement, no table (common.h) -- and multiplied by the row's group
+//   scale: each weight is dequantised once per threadgroup). Both are loaded into registers
+//   before the first barrier of the step. Simdgroup s computes the 16x16 block (rows
+//   16 (s / 2), columns 16 (s % 2)) as 2x2 simdgroup_float8x8 accumulators, 4 k-slices of
+//   8 per step (B is loaded transposed: B[k][n] = ws[n][k]). The accumulators
 //   go through threadgroup float memory (xs reused when it is float, else an array of their
 //   own) so that the store to out can be guarded per row.
 //   Split-K (as MLX's qmm_splitk) gives small-M problems enough threadgroups: the
