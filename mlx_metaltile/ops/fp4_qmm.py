@@ -330,7 +330,9 @@ def _launch(spec: KernelSpec, x2, w, scales, m, n, k, mode, group_size, backend)
             out_dtype = t if parts == 1 else mx.float32
             template["OT"] = out_dtype
             inputs.update(gs_shift=gs_shift, k_part=scalar(k_part, mx.uint32))
-            tg_mem = 2 * TILE * (TILE + 4) * 4  # x and w tiles, float, rows padded to 36
+            # x and w tiles (rows padded to 36) in float, or in T plus a float output
+            # tile (the template's STAGING); at most 9216 + 4 bytes either way
+            tg_mem = 2 * TILE * (TILE + 4) * 4 + 4
         else:
             tg_mem = TILE * (TILE + 8) * 2 + 2 * TILE * 4  # half w tile + 2 x 32 scales
         grid = (TILE_THREADS * (n // TILE), -(-m // TILE), parts)

@@ -44,7 +44,6 @@ BN = 32  # output columns per threadgroup (both paths)
 K_TILE = 32  # K must be a multiple of this tile depth (both paths)
 SLOTS = BM  # threadgroups per (tile, column block): one per possible run start
 SIMDGROUP_THREADS = 128  # 4 simdgroups split K
-SIMDGROUP_TG_MEMORY = (4 * 8 * 16 + 4 * 16 * 36) * 4  # bytes, as in the template
 MPP_THREADS = 32  # one simdgroup: the matmul2d execution_simdgroup scope
 MAX_DIM = 2**31 - 1
 
@@ -226,12 +225,22 @@ def _select_variant(variant, backend: str, mode: str = "affine") -> KernelSpec |
     return choose_variant(OP, VARIANT_SPECS, variant, backend, lambda: _auto(backend))
 
 
+def _simdgroup_tg_memory(dtype) -> int:
+    """Threadgroup bytes of the simdgroup kernel, as in its template: x (4 x 8 x 16) and W^T
+    (4 x 16 x 36) staged in T, and the float partial sums (4 x 8 x 36) in an array of their
+    own unless T is float32 (they reuse the W slices; a 1-element array remains)."""
+    staged = 4 * 8 * 16 + 4 * 16 * 36
+    if dtype == mx.float32:
+        return staged * 4 + 4
+    return staged * 2 + 4 * 8 * 36 * 4
+
+
 def _launch(x, w, scales, biases, indices, M, N, K, E, group_size, bits, backend,
             spec, mode) -> mx.array:
     if biases is None:  # fp modes: the kernel never reads its biases input
         biases = scales
     if spec.variant == "simdgroup":
-        threads, tg_memory = SIMDGROUP_THREADS, SIMDGROUP_TG_MEMORY
+        threads, tg_memory = SIMDGROUP_THREADS, _simdgroup_tg_memory(x.dtype)
     else:
         threads = MPP_THREADS
         tg_memory = 2 * (BM * 16 + BN * 16) * (4 if x.dtype == mx.float32 else 2)
