@@ -26,7 +26,13 @@ from ._common import (
     require_float,
     scalar,
 )
-from ._grad import _frozen
+from ._grad import (
+    GATHER_QMM_REASON,
+    _frozen,
+    refuse_shapeless,
+    shapeless_tracing,
+    vmap_refusal,
+)
 from .expert_qmv import ROWS_PER_THREADGROUP, SIMDGROUPS, _check_expert_qmv, _x_vjp
 from .expert_qmv import _reference as _qmv_reference
 
@@ -197,9 +203,12 @@ def expert_down_combine(h: mx.array, w: mx.array, scales: mx.array, biases,
         if 0 in _out_shape(info) or info["k"] == 0:
             return mx.zeros(_out_shape(info), dtype=h.dtype)
         backend = backends.resolve_backend()
+        if backend == "reference" and shapeless_tracing():
+            refuse_shapeless(OP)
         # The primals: h, scores, the bias where given, then the quantized constants
-        # (through _frozen: asking for their gradient raises).
-        quantized = _frozen(OP, (w, scales, biases))
+        # (through _frozen: asking for their gradient raises; the first node of mx.vmap).
+        quantized = _frozen(OP, (w, scales, biases), (), (h, indices, scores, bias),
+                            vmap_refusal(backend, GATHER_QMM_REASON))
         slots = [a is not None for a in quantized]
         n_float = 2 if bias is None else 3
 

@@ -22,7 +22,13 @@ from ._common import (
     require_array,
     scalar,
 )
-from ._grad import _frozen
+from ._grad import (
+    GATHER_QMM_REASON,
+    _frozen,
+    refuse_shapeless,
+    shapeless_tracing,
+    vmap_refusal,
+)
 from .expert_qmv import (
     BCAST_DIMS,
     ROWS_PER_THREADGROUP,
@@ -256,9 +262,14 @@ def expert_glu(x: mx.array, w_gate: mx.array, scales_gate: mx.array, biases_gate
         if 0 in _out_shape(info):
             return mx.zeros(_out_shape(info), dtype=x.dtype)
         backend = backends.resolve_backend()
+        if backend == "reference" and shapeless_tracing():
+            refuse_shapeless(OP)
         # The primals: x, the expert biases where given, then the quantized constants
-        # (through _frozen: asking for their gradient raises).
-        quantized = _frozen(OP, (w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up))
+        # (through _frozen: asking for their gradient raises; the first node of mx.vmap).
+        quantized = _frozen(OP, (w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up),
+                            ("w_gate", "scales_gate", "biases_gate", "w_up", "scales_up",
+                             "biases_up"), (x, indices, bias_gate, bias_up),
+                            vmap_refusal(backend, GATHER_QMM_REASON))
         slots = [a is not None for a in quantized]
         n_bias = 2 if info["has_bias"] else 0
 

@@ -25,7 +25,14 @@ from ._common import (
     quantized_bindings,
     scalar,
 )
-from ._grad import sum_to_shape, with_x_vjp
+from ._grad import (
+    GATHER_QMM_REASON,
+    refuse_shapeless,
+    shapeless_tracing,
+    sum_to_shape,
+    vmap_refusal,
+    with_x_vjp,
+)
 
 OP = "expert_qmv"
 __all__ = ["expert_qmv", "expert_qmv_reference"]
@@ -314,18 +321,21 @@ def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
         if 0 in out_shape:
             return mx.zeros(out_shape, dtype=x.dtype)
         backend = backends.resolve_backend()
+        if backend == "reference" and shapeless_tracing():
+            refuse_shapeless(OP)
 
-        def forward(x, w, scales, biases):
+        def forward(x, w, scales, biases, indices):
             with on_stream(OP, stream):
                 if backend == "reference":
                     return _reference(x, w, scales, biases, indices, info)
                 return _launch(x, w, scales, biases, indices, info, backend)
 
-        def x_vjp(g, w, scales, biases):  # run at backward time: the stream again
+        def x_vjp(g, w, scales, biases, indices):  # run at backward time: the stream again
             with on_stream(OP, stream):
                 return _x_vjp(g, w, scales, biases, indices, x.shape, x.dtype, info)
 
-        return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases))
+        return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases), watched=(indices,),
+                          unmapped=vmap_refusal(backend, GATHER_QMM_REASON))
 
 
 def _x_vjp(g, w, scales, biases, indices, x_shape, x_dtype, info: dict) -> mx.array:

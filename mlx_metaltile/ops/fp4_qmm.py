@@ -37,7 +37,7 @@ from ._common import (
     round_up,
     scalar,
 )
-from ._grad import with_x_vjp
+from ._grad import shapeless_tracing, vmap_refusal, with_x_vjp
 
 OP = "fp4_qmm"
 __all__ = ["fp4_dequantize_reference", "fp4_qmm", "fp4_qmm_reference"]
@@ -402,4 +402,6 @@ def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | Non
             return dx.astype(x.dtype)
 
     with on_stream(OP, stream):
-        return with_x_vjp(OP, forward, x_vjp, x, (w, scales))
+        return with_x_vjp(OP, forward, x_vjp, x, (w, scales), names=("w", "scales"),
+                          unmapped=vmap_refusal(backend),
+                          plain=spec is None and shapeless_tracing())

@@ -22,6 +22,7 @@ from ._common import (
     round_up,
     scalar,
 )
+from ._grad import shapeless_tracing, vmap_gate, vmap_refusal
 
 OP = "gated_rms_norm"
 __all__ = ["gated_rms_norm", "gated_rms_norm_reference"]
@@ -260,4 +261,10 @@ def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float = 1e-5
     with on_stream(OP, stream):
         if rows == 0:
             return mx.zeros(y.shape, dtype=y.dtype)
-        return _differentiable(y, z, weight, n, rows, eps, backends.resolve_backend(), stream)
+        backend = backends.resolve_backend()
+        if backend == "reference":
+            if shapeless_tracing():  # no custom function: MLX's autodiff of the composite
+                return _reference(y, z, weight, eps)
+        else:  # the first node of mx.vmap: MLX cannot map the kernels
+            y = vmap_gate(OP, y, (z, weight), vmap_refusal(backend))
+        return _differentiable(y, z, weight, n, rows, eps, backend, stream)

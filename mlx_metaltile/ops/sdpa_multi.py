@@ -26,6 +26,7 @@ from ._common import (
     require_float,
     scalar,
 )
+from ._grad import vmap_gate, vmap_refusal
 
 OP = "sdpa_multi"
 __all__ = ["sdpa_multi", "sdpa_multi_reference"]
@@ -464,4 +465,6 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
             with on_stream(OP, stream):
                 return tuple(mx.vjp(reference, list(primals), [cotangent])[1])
 
+        q = vmap_gate(OP, q, (k, v, p.mask, p.sinks, p.kv_len if isinstance(p.kv_len, mx.array)
+                               else None), vmap_refusal(backend))  # MLX cannot map kernels
         return op(q, k, v, *extra)
