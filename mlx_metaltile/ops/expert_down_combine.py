@@ -197,6 +197,15 @@ def expert_down_combine(h: mx.array, w: mx.array, scales: mx.array, biases,
     experts are summed in slot order (j = 0, 1, ...), so results are bitwise reproducible
     run to run. If any of a token's ids is outside ``[0, E)`` that token's whole row is NaN.
     k = 0 gives zeros.
+
+    Reference backend: ``mx.compile(shapeless=True)`` and ``mx.vmap`` raise an
+    ``[expert_down_combine]`` error: the composite is ``mx.gather_qmm``, which MLX 0.32
+    cannot map and whose default ``lhs_indices`` a shapeless trace fixes. On metal / cuda
+    (MLX 0.32.4) ``mx.compile(shapeless=True)`` raises MLX's ``[Primitive::output_shapes]
+    CustomTransforms cannot infer output shapes.`` and ``mx.vmap`` raises
+    ``[expert_down_combine] mx.vmap is not supported here: ...`` (MLX has no vmap for custom
+    kernels); the emulator refuses both (eager). README: "mx.compile(shapeless=True) and
+    mx.vmap".
     """
     info = _check(h, w, scales, biases, indices, scores, bias, group_size, bits, mode)
     with on_stream(OP, stream):

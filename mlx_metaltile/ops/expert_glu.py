@@ -255,6 +255,14 @@ def expert_glu(x: mx.array, w_gate: mx.array, scales_gate: mx.array, biases_gate
     quantized products as :func:`expert_qmv`'s): a pair with an out-of-range id gives its x
     a NaN gradient, as its NaN output row, and adds nothing to the biases' gradients.
     Asking for the gradient of the quantized weights, scales or biases raises.
+
+    Reference backend: ``mx.compile(shapeless=True)`` and ``mx.vmap`` raise an
+    ``[expert_glu]`` error: the composite is ``mx.gather_qmm``, which MLX 0.32 cannot map
+    and whose default ``lhs_indices`` a shapeless trace fixes. On metal / cuda (MLX 0.32.4)
+    ``mx.compile(shapeless=True)`` raises MLX's ``[Primitive::output_shapes]
+    CustomTransforms cannot infer output shapes.`` and ``mx.vmap`` raises ``[expert_glu]
+    mx.vmap is not supported here: ...`` (MLX has no vmap for custom kernels); the emulator
+    refuses both (eager). README: "mx.compile(shapeless=True) and mx.vmap".
     """
     info = _check(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
                   bias_gate, bias_up, activation, group_size, bits, mode)

@@ -314,6 +314,14 @@ def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
     (dtype, mode, bits, group_size, index dtype), plus one more the first time ``indices`` holds
     fewer than 8 ids (for example k = 2 for one token): MLX passes such small inputs in
     Metal's ``constant`` address space, which is a different kernel source.
+
+    Reference backend: ``mx.compile(shapeless=True)`` and ``mx.vmap`` raise an
+    ``[expert_qmv]`` error: the composite is ``mx.gather_qmm``, which MLX 0.32 cannot map
+    and whose default ``lhs_indices`` a shapeless trace fixes. On metal / cuda (MLX 0.32.4)
+    ``mx.compile(shapeless=True)`` raises MLX's ``[Primitive::output_shapes]
+    CustomTransforms cannot infer output shapes.`` and ``mx.vmap`` raises ``[expert_qmv]
+    mx.vmap is not supported here: ...`` (MLX has no vmap for custom kernels); the emulator
+    refuses both (eager). README: "mx.compile(shapeless=True) and mx.vmap".
     """
     info = _check_expert_qmv(x, w, scales, biases, indices, group_size, bits, mode)
     out_shape = _out_shape(info)

@@ -378,6 +378,13 @@ def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | Non
 
     Differentiable with respect to x (``g @ W`` on the decoded weights, float32); asking for
     the gradient of w or scales raises.
+
+    Reference backend: ``mx.compile(shapeless=True)`` (any leading dims of x) and
+    ``mx.vmap`` over x work (mapping w or scales raises on every backend). On metal / cuda
+    (MLX 0.32.4) ``mx.compile(shapeless=True)`` raises MLX's ``[Primitive::output_shapes]
+    CustomTransforms cannot infer output shapes.`` and ``mx.vmap`` raises ``[fp4_qmm]
+    mx.vmap is not supported here: ...`` (MLX has no vmap for custom kernels); the emulator
+    refuses both (eager). README: "mx.compile(shapeless=True) and mx.vmap".
     """
     m, n, k, scale_mode, group_size = _check_fp4_qmm(x, w, scales, group_size, mode)
     out_shape = (*x.shape[:-1], n)

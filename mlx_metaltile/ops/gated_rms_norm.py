@@ -256,6 +256,13 @@ def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float = 1e-5
     Differentiable with respect to y, z and weight (``mx.grad`` / ``mx.vjp``): on a kernel
     backend through the fused backward kernel (msl_templates/gated_rms_norm_backward.metal),
     with dy in y's dtype, dz in z's and dweight in weight's.
+
+    Reference backend: ``mx.compile(shapeless=True)`` (any rows and leading dims) and
+    ``mx.vmap`` (any axis of y, z, weight) work. On metal / cuda (MLX 0.32.4)
+    ``mx.compile(shapeless=True)`` raises MLX's ``[Primitive::output_shapes]
+    CustomTransforms cannot infer output shapes.`` and ``mx.vmap`` raises ``[gated_rms_norm]
+    mx.vmap is not supported here: ...`` (MLX has no vmap for custom kernels); the emulator
+    refuses both (eager). README: "mx.compile(shapeless=True) and mx.vmap".
     """
     n, rows, eps = _check_gated_rms_norm(y, z, weight, eps)
     with on_stream(OP, stream):

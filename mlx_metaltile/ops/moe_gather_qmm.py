@@ -309,6 +309,15 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
     M, E, N and K are runtime inputs: one kernel instantiation per (variant, dtype, mode,
     bits, group_size, index dtype), plus one more the first time M < 8: MLX passes inputs of
     fewer than 8 elements in Metal's ``constant`` address space, a different kernel source.
+
+    Reference backend: ``mx.compile(shapeless=True)`` (rows: any M; ``mx.gather_qmm``'s
+    form: traced with at most E ids) and ``mx.vmap`` over x and indices (while one call has
+    at most E ids: more take ``mx.gather_mm``, which MLX cannot map or trace shapeless, and
+    raise). On metal / cuda (MLX 0.32.4) ``mx.compile(shapeless=True)`` raises MLX's
+    ``[Primitive::output_shapes] CustomTransforms cannot infer output shapes.`` and
+    ``mx.vmap`` raises ``[moe_gather_qmm] mx.vmap is not supported here: ...`` (MLX has no
+    vmap for custom kernels); the emulator refuses both (eager). README:
+    "mx.compile(shapeless=True) and mx.vmap".
     """
     M, N, K, E, group_size, bits, mode, lead = _check_moe_gather_qmm(
         x, w, scales, biases, indices, group_size, bits, mode)
