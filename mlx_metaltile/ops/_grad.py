@@ -95,31 +95,6 @@ def vmap_refusal(backend: str, reference: str | None = None) -> str | None:
             "use_backend('reference')")
 
 
-@functools.cache
-def _gate_fn(op: str, reason: str) -> Callable:
-    @mx.custom_function
-    def gate(x, *watched):
-        return x
-
-    @gate.vjp
-    def gate_vjp(primals, cotangent, output):
-        return (cotangent, *(mx.zeros_like(a) for a in primals[1:]))
-
-    @gate.vmap
-    def gate_vmap(inputs, axes):
-        raise ValueError(f"[{op}] mx.vmap is not supported here: {reason}")
-
-    return gate
-
-
-def vmap_gate(op: str, x: mx.array, watched: Sequence[mx.array | None],
-              reason: str) -> mx.array:
-    """``x`` unchanged (its gradient passes through) as the first node of an op's graph
-    with no quantized constants, refusing ``mx.vmap`` with ``reason``; ``watched``: the
-    op's other inputs."""
-    return _gate_fn(op, reason)(x, *(mx.stop_gradient(a) for a in watched if a is not None))
-
-
 GATHER_QMM_REASON = ("its reference composite is mx.gather_qmm, which MLX (0.32) cannot "
                      "map (GatherQMM::vmap NYI); pass the mapped axis as a leading "
                      "dimension of x and indices")

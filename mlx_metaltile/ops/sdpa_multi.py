@@ -26,7 +26,6 @@ from ._common import (
     require_float,
     scalar,
 )
-from ._grad import vmap_gate, vmap_refusal
 
 OP = "sdpa_multi"
 __all__ = ["sdpa_multi", "sdpa_multi_reference"]
@@ -425,9 +424,11 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
     multiple of 32 (MLX 0.32: ``Pad cannot infer output shapes``). ``mx.vmap`` maps any axis
     of q, k, v on the reference backend. On metal / cuda (MLX 0.32.4)
     ``mx.compile(shapeless=True)`` raises MLX's ``[Primitive::output_shapes]
-    CustomTransforms cannot infer output shapes.`` and ``mx.vmap`` raises ``[sdpa_multi]
-    mx.vmap is not supported here: ...`` (MLX has no vmap for custom kernels); the emulator
-    refuses both (eager). README: "mx.compile(shapeless=True) and mx.vmap".
+    CustomTransforms cannot infer output shapes.`` and ``mx.vmap`` MLX's ``[Primitive::vmap]
+    Not implemented for CustomKernel.`` (MLX maps the kernel before any rule of the op; a
+    first node refusing with an ``[op]`` error would cost a custom function call, about 6 us
+    a call); the emulator refuses both (eager). README: "mx.compile(shapeless=True) and
+    mx.vmap".
 
     Differentiable with respect to q, k, v, sinks and an additive mask on every backend,
     through MLX's autodiff of the reference composite (it recomputes the softmax; no
@@ -469,6 +470,4 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
             with on_stream(OP, stream):
                 return tuple(mx.vjp(reference, list(primals), [cotangent])[1])
 
-        q = vmap_gate(OP, q, (k, v, p.mask, p.sinks, p.kv_len if isinstance(p.kv_len, mx.array)
-                               else None), vmap_refusal(backend))  # MLX cannot map kernels
         return op(q, k, v, *extra)

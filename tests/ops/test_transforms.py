@@ -307,40 +307,35 @@ def test_vmap_over_quantized_weights_refused(t, op):
         mx.eval(mx.vmap(fn, in_axes=1)(w))
 
 
-KERNEL_PATH = {  # op module -> the private launcher a kernel backend calls
-    "gated_rms_norm": "_launch", "sdpa_multi": "_launch", "expert_qmv": "_launch",
-}
-
-
-@pytest.mark.parametrize("op", KERNEL_PATH)
+@pytest.mark.parametrize("op", ["expert_qmv", "expert_glu", "expert_down_combine"])
 def test_vmap_kernel_backend_refused(t, monkeypatch, op):
-    """A kernel backend's graph holds custom kernels, which MLX cannot map: the op's first
-    node refuses with an [op] error before MLX reaches them, and passes gradients through.
-    (Run on the cuda code path with the kernel replaced by the reference composite: this
-    machine has no GPU; the real kernels meet the same first node.)"""
+    """A kernel backend's graph holds custom kernels, which MLX cannot map: the constants'
+    wrapper, the op's first node, refuses with an [op] error before MLX reaches them, and
+    gradients pass as before. (Run on the cuda code path with the kernel replaced by the
+    reference composite, which takes the kernel's arguments but the backend: this machine
+    has no GPU; the real kernels meet the same first node.)"""
     mod = importlib.import_module(f"mlx_metaltile.ops.{op}")
-    stand_in = {
-        "gated_rms_norm": lambda y, z, w, n, rows, eps, backend: mod._reference(y, z, w, eps),
-        "sdpa_multi": lambda q, k, v, p, backend: mod._reference(q, k, v, p),
-        "expert_qmv": lambda x, w, s, b, i, info, backend: mod._reference(x, w, s, b, i, info),
-    }[op]
-    monkeypatch.setattr(mod, KERNEL_PATH[op], stand_in)
-    if op == "gated_rms_norm":  # its VJP is a kernel too
-        monkeypatch.setattr(mod, "_launch_backward", lambda y, z, w, g, n, rows, eps, backend:
-                            mod._backward_reference(y, z, w, g, eps))
-    arr, ids = t["arr"], t["ids"]((3, 2))
-    call, x = {
-        "gated_rms_norm": (lambda a: mt.gated_rms_norm(a, a, t["w100"]), arr((2, 3, 100))),
-        "sdpa_multi": (lambda a: mt.sdpa_multi(a, t["k"], t["v"], scale=0.125),
-                       arr((2, 1, 4, 2, 64))),
-        "expert_qmv": (lambda a: mt.expert_qmv(a, t["wq"], t["s"], t["b"], ids),
-                       arr((2, 3, K))),
-    }[op]
+    monkeypatch.setattr(mod, "_launch", lambda *a: mod._reference(*a[:-1]))
+    call, args = _expert_calls(t)[op]
     with backends.use_backend("reference"):
-        want = mx.grad(lambda a: call(a).sum())(x[0])
+        want = mx.grad(lambda a: call(a, *(b[0] for b in args[1:])).sum())(args[0][0])
     monkeypatch.setattr(backends, "resolve_backend", lambda name=None: "cuda")
     with pytest.raises(ValueError, match=rf"^\[{op}\] mx.vmap is not supported here: MLX "
                                          r"\(0.32\) has no vmap for custom kernels \(the cuda "
                                          "backend"):
-        mx.eval(mx.vmap(call)(x))
-    assert _same(mx.grad(lambda a: call(a).sum())(x[0]), want)
+        mx.eval(mx.vmap(call)(*args))
+    got = mx.grad(lambda a: call(a, *(b[0] for b in args[1:])).sum())(args[0][0])
+    assert _same(got, want)
+
+
+@pytest.mark.parametrize("backend", backend_params("metal", "cuda"))
+@pytest.mark.parametrize("op", ["gated_rms_norm", "sdpa_multi"])
+def test_vmap_kernel_backend_mlx_error(t, backend, op):
+    """gated_rms_norm and sdpa_multi have no first node to refuse (it would cost a custom
+    function call on their short call path): MLX's own error, recorded."""
+    require_backend(backend)
+    call, args, _ = _vmap_cases(t)[{"gated_rms_norm": "gated_rms_norm y, z",
+                                    "sdpa_multi": "sdpa_multi q, k, v"}[op]]
+    with backends.use_backend(backend), pytest.raises(
+            ValueError, match=r"\[Primitive::vmap\] Not implemented for CustomKernel"):
+        mx.eval(mx.vmap(call)(*args))
