@@ -10,6 +10,9 @@ has no vmap (a custom kernel, ``gather_qmm``). The constants' wrapper is the fir
 an op's graph instead: it also takes the op's other inputs (through ``stop_gradient``: no
 gradient flows into it), so its vmap rule runs before any of the op's primitives and
 refuses, with an ``[op]`` error, what the op's graph cannot map.
+
+MLX cannot trace a custom function under ``mx.compile(shapeless=True)``: inside such a trace
+(``shapeless_tracing``) the reference backend's ops are their plain composites instead.
 """
 
 from __future__ import annotations
