@@ -7,9 +7,11 @@ matmuls; it differentiates affine scales and biases, these ops do not).
 Under ``mx.vmap`` MLX maps every primitive of a custom function's forward graph before it
 reaches the function's own vmap rule, so a rule there cannot route around a primitive that
 has no vmap (a custom kernel, ``gather_qmm``). The constants' wrapper is the first node of
-an op's graph instead: it also takes the op's other inputs (through ``stop_gradient``: no
-gradient flows into it), so its vmap rule runs before any of the op's primitives and
-refuses, with an ``[op]`` error, what the op's graph cannot map.
+an op's graph instead: it refuses a mapped constant, and where the reference composite
+cannot be mapped it also takes the op's other inputs (through ``stop_gradient``: no gradient
+flows into it), so that its vmap rule runs before any of the op's primitives and refuses
+with an ``[op]`` error. (On a kernel backend MLX's own error for the custom kernel stands:
+watching the inputs there costs about 6 us a call.)
 
 MLX cannot trace a custom function under ``mx.compile(shapeless=True)``: inside such a trace
 (``shapeless_tracing``) the reference backend's ops are their plain composites instead.
@@ -86,16 +88,6 @@ def _frozen(op: str, arrays: Sequence[mx.array | None], names: Sequence[str] = (
     out = iter(fn(*(a for a, _ in given),
                   *(mx.stop_gradient(a) for a in watched if a is not None)))
     return [None if a is None else next(out) for a in arrays]
-
-
-def vmap_refusal(backend: str, reference: str | None = None) -> str | None:
-    """Why an op cannot be mapped on ``backend``: ``reference`` (None: it can) on the
-    reference backend; on a kernel backend, MLX's custom kernels."""
-    if backend == "reference":
-        return reference
-    return (f"MLX (0.32) has no vmap for custom kernels (the {backend} backend runs the op "
-            "as one); pass the mapped axis as a leading dimension, or map under "
-            "use_backend('reference')")
 
 
 GATHER_QMM_REASON = ("its reference composite is mx.gather_qmm, which MLX (0.32) cannot "

@@ -27,7 +27,6 @@ from ._grad import (
     _frozen,
     refuse_shapeless,
     shapeless_tracing,
-    vmap_refusal,
 )
 from .expert_qmv import (
     BCAST_DIMS,
@@ -260,8 +259,10 @@ def expert_glu(x: mx.array, w_gate: mx.array, scales_gate: mx.array, biases_gate
     ``[expert_glu]`` error: the composite is ``mx.gather_qmm``, which MLX 0.32 cannot map
     and whose default ``lhs_indices`` a shapeless trace fixes. On metal / cuda (MLX 0.32.4)
     ``mx.compile(shapeless=True)`` raises MLX's ``[Primitive::output_shapes]
-    CustomTransforms cannot infer output shapes.`` and ``mx.vmap`` raises ``[expert_glu]
-    mx.vmap is not supported here: ...`` (MLX has no vmap for custom kernels); the emulator
+    CustomTransforms cannot infer output shapes.`` and ``mx.vmap`` MLX's ``[Primitive::vmap]
+    Not implemented for CustomKernel.`` (MLX maps the kernel before any rule of the op; a
+    first node refusing with an ``[op]`` error would cost about 6 us a call), except that
+    mapping a quantized constant raises an ``[op]`` error on every backend; the emulator
     refuses both (eager). README: "mx.compile(shapeless=True) and mx.vmap".
     """
     info = _check(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
@@ -273,11 +274,12 @@ def expert_glu(x: mx.array, w_gate: mx.array, scales_gate: mx.array, biases_gate
         if backend == "reference" and shapeless_tracing():
             refuse_shapeless(OP)
         # The primals: x, the expert biases where given, then the quantized constants
-        # (through _frozen: asking for their gradient raises; the first node of mx.vmap).
+        # (through _frozen: asking for their gradient raises; under mx.vmap it refuses
+        # the reference composite, mx.gather_qmm; a custom kernel is refused by MLX).
         quantized = _frozen(OP, (w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up),
                             ("w_gate", "scales_gate", "biases_gate", "w_up", "scales_up",
                              "biases_up"), (x, indices, bias_gate, bias_up),
-                            vmap_refusal(backend, GATHER_QMM_REASON))
+                            GATHER_QMM_REASON if backend == "reference" else None)
         slots = [a is not None for a in quantized]
         n_bias = 2 if info["has_bias"] else 0
 

@@ -30,7 +30,6 @@ from ._grad import (
     refuse_shapeless,
     shapeless_tracing,
     sum_to_shape,
-    vmap_refusal,
     with_x_vjp,
 )
 
@@ -319,8 +318,10 @@ def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
     ``[expert_qmv]`` error: the composite is ``mx.gather_qmm``, which MLX 0.32 cannot map
     and whose default ``lhs_indices`` a shapeless trace fixes. On metal / cuda (MLX 0.32.4)
     ``mx.compile(shapeless=True)`` raises MLX's ``[Primitive::output_shapes]
-    CustomTransforms cannot infer output shapes.`` and ``mx.vmap`` raises ``[expert_qmv]
-    mx.vmap is not supported here: ...`` (MLX has no vmap for custom kernels); the emulator
+    CustomTransforms cannot infer output shapes.`` and ``mx.vmap`` MLX's ``[Primitive::vmap]
+    Not implemented for CustomKernel.`` (MLX maps the kernel before any rule of the op; a
+    first node refusing with an ``[op]`` error would cost about 6 us a call), except that
+    mapping a quantized constant raises an ``[op]`` error on every backend; the emulator
     refuses both (eager). README: "mx.compile(shapeless=True) and mx.vmap".
     """
     info = _check_expert_qmv(x, w, scales, biases, indices, group_size, bits, mode)
@@ -332,18 +333,22 @@ def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
         if backend == "reference" and shapeless_tracing():
             refuse_shapeless(OP)
 
-        def forward(x, w, scales, biases, indices):
+        def forward(x, w, scales, biases, indices=indices):
             with on_stream(OP, stream):
                 if backend == "reference":
                     return _reference(x, w, scales, biases, indices, info)
                 return _launch(x, w, scales, biases, indices, info, backend)
 
-        def x_vjp(g, w, scales, biases, indices):  # run at backward time: the stream again
+        def x_vjp(g, w, scales, biases, indices=indices):  # at backward time: the stream again
             with on_stream(OP, stream):
                 return _x_vjp(g, w, scales, biases, indices, x.shape, x.dtype, info)
 
-        return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases), watched=(indices,),
-                          unmapped=vmap_refusal(backend, GATHER_QMM_REASON))
+        # mx.vmap: the reference composite (mx.gather_qmm) is refused by the constants'
+        # wrapper; a kernel backend's custom kernel by MLX (a refusal here would cost a call).
+        ref = backend == "reference"
+        return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases),
+                          watched=(indices,) if ref else (),
+                          unmapped=GATHER_QMM_REASON if ref else None)
 
 
 def _x_vjp(g, w, scales, biases, indices, x_shape, x_dtype, info: dict) -> mx.array:

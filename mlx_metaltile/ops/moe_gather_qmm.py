@@ -34,7 +34,7 @@ from ._common import (
     require_ndim,
     scalar,
 )
-from ._grad import shapeless_tracing, sum_to_shape, vmap_refusal, with_x_vjp
+from ._grad import shapeless_tracing, sum_to_shape, with_x_vjp
 
 OP = "moe_gather_qmm"
 __all__ = ["moe_gather_qmm", "moe_gather_qmm_reference"]
@@ -315,8 +315,10 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
     at most E ids: more take ``mx.gather_mm``, which MLX cannot map or trace shapeless, and
     raise). On metal / cuda (MLX 0.32.4) ``mx.compile(shapeless=True)`` raises MLX's
     ``[Primitive::output_shapes] CustomTransforms cannot infer output shapes.`` and
-    ``mx.vmap`` raises ``[moe_gather_qmm] mx.vmap is not supported here: ...`` (MLX has no
-    vmap for custom kernels); the emulator refuses both (eager). README:
+    ``mx.vmap`` MLX's ``[Primitive::vmap] Not implemented for CustomKernel.`` (MLX maps the
+    kernel before any rule of the op; a first node refusing with an ``[op]`` error would
+    cost about 6 us a call), except that mapping a quantized constant raises an ``[op]``
+    error on every backend; the emulator refuses both (eager). README:
     "mx.compile(shapeless=True) and mx.vmap".
     """
     M, N, K, E, group_size, bits, mode, lead = _check_moe_gather_qmm(
@@ -329,7 +331,7 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
         return _launch(x, w, scales, biases, ids, M, N, K, E, group_size, bits, backend,
                        spec, mode)
 
-    def forward(x, w, scales, biases, indices):
+    def forward(x, w, scales, biases, indices=indices):
         with on_stream(OP, stream):
             if spec is None or M == 0:
                 return _reference(x, w, scales, biases, indices, lead, M, N, E, group_size,
@@ -344,7 +346,7 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
             out = run(rows[order], ids[order])
             return out[mx.argsort(order)].reshape(out_shape)
 
-    def x_vjp(g, w, scales, biases, indices):  # run at backward time: the stream again
+    def x_vjp(g, w, scales, biases, indices=indices):  # at backward time: the stream again
         with on_stream(OP, stream):
             if lead is None:
                 return _x_vjp(g, w, scales, biases, indices, E, group_size, bits, mode,
@@ -358,8 +360,9 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
             return sum_to_shape(d, tuple(x.shape)).astype(x.dtype)
 
     with on_stream(OP, stream):
-        # The reference composite maps (mx.vmap) unless it takes mx.gather_mm (more ids than
-        # experts), which MLX cannot map.
+        # mx.vmap: the reference composite maps unless it takes mx.gather_mm (more ids than
+        # experts), which MLX cannot map: refused by the constants' wrapper (a kernel
+        # backend's custom kernel: by MLX; a refusal here would cost a call).
         plain = spec is None and shapeless_tracing()
         if plain and lead is not None and indices.size > E:
             raise ValueError(
@@ -371,8 +374,9 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
             f"its reference composite takes mx.gather_mm for more ids ({indices.size}) than "
             f"experts ({E}), which MLX (0.32) cannot map; pass the mapped axis as a leading "
             "dimension of x and indices")
-        return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases), watched=(indices,),
-                          unmapped=vmap_refusal(backend, gather_mm or None),
+        return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases),
+                          watched=(indices,) if spec is None else (),
+                          unmapped=(gather_mm or None) if spec is None else None,
                           plain=plain)
 
 

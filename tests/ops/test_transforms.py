@@ -307,35 +307,32 @@ def test_vmap_over_quantized_weights_refused(t, op):
         mx.eval(mx.vmap(fn, in_axes=1)(w))
 
 
-@pytest.mark.parametrize("op", ["expert_qmv", "expert_glu", "expert_down_combine"])
-def test_vmap_kernel_backend_refused(t, monkeypatch, op):
-    """A kernel backend's graph holds custom kernels, which MLX cannot map: the constants'
-    wrapper, the op's first node, refuses with an [op] error before MLX reaches them, and
-    gradients pass as before. (Run on the cuda code path with the kernel replaced by the
-    reference composite, which takes the kernel's arguments but the backend: this machine
-    has no GPU; the real kernels meet the same first node.)"""
+@pytest.mark.parametrize("op", ["expert_qmv", "moe_gather_qmm", "fp4_qmm"])
+def test_vmap_over_quantized_weights_refused_kernel_path(t, monkeypatch, op):
+    """On a kernel backend's code path too (cuda, the kernel replaced by the reference
+    composite: this machine has no GPU) a mapped quantized constant is refused by the
+    constants' wrapper before MLX meets the kernel."""
     mod = importlib.import_module(f"mlx_metaltile.ops.{op}")
-    monkeypatch.setattr(mod, "_launch", lambda *a: mod._reference(*a[:-1]))
-    call, args = _expert_calls(t)[op]
-    with backends.use_backend("reference"):
-        want = mx.grad(lambda a: call(a, *(b[0] for b in args[1:])).sum())(args[0][0])
+    stand_in = {  # the kernel's arguments -> the reference composite
+        "expert_qmv": lambda *a: mod._reference(*a[:-1]),
+        "moe_gather_qmm": lambda x, w, s, b, i, M, N, K, E, gs, bits, backend, spec, mode:
+            mod._reference(x, w, s, b, i, None, M, N, E, gs, bits, mode),
+        "fp4_qmm": lambda spec, x, w, s, m, n, k, mode, gs, backend:
+            mod._reference(x, w, s, gs, mode),
+    }[op]
+    monkeypatch.setattr(mod, "_launch", stand_in)
     monkeypatch.setattr(backends, "resolve_backend", lambda name=None: "cuda")
-    with pytest.raises(ValueError, match=rf"^\[{op}\] mx.vmap is not supported here: MLX "
-                                         r"\(0.32\) has no vmap for custom kernels \(the cuda "
-                                         "backend"):
-        mx.eval(mx.vmap(call)(*args))
-    got = mx.grad(lambda a: call(a, *(b[0] for b in args[1:])).sum())(args[0][0])
-    assert _same(got, want)
+    test_vmap_over_quantized_weights_refused(t, op)
 
 
 @pytest.mark.parametrize("backend", backend_params("metal", "cuda"))
-@pytest.mark.parametrize("op", ["gated_rms_norm", "sdpa_multi"])
+@pytest.mark.parametrize("op", ["gated_rms_norm y, z", "sdpa_multi q, k, v", "fp4_qmm x",
+                                "moe_gather_qmm rows"])
 def test_vmap_kernel_backend_mlx_error(t, backend, op):
-    """gated_rms_norm and sdpa_multi have no first node to refuse (it would cost a custom
-    function call on their short call path): MLX's own error, recorded."""
+    """MLX cannot map custom kernels (MLX 0.32.4): its own error reaches the caller (an
+    [op] refusal first would cost about 6 us a call). An MLX that maps them fails this."""
     require_backend(backend)
-    call, args, _ = _vmap_cases(t)[{"gated_rms_norm": "gated_rms_norm y, z",
-                                    "sdpa_multi": "sdpa_multi q, k, v"}[op]]
+    call, args, in_axes = _vmap_cases(t)[op]
     with backends.use_backend(backend), pytest.raises(
             ValueError, match=r"\[Primitive::vmap\] Not implemented for CustomKernel"):
-        mx.eval(mx.vmap(call)(*args))
+        mx.eval(mx.vmap(call, in_axes=in_axes)(*args))
