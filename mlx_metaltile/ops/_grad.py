@@ -38,14 +38,15 @@ def shapeless_tracing() -> bool:
 _PROBE = mx.zeros((1,))
 
 
-
 @functools.cache
-def _frozen_fn(op: str, names: tuple[str, ...], unmapped: str | None) -> Callable:
-    """Identity on the arrays ``names`` (more inputs after them only make it a node of the
-    vmap), with a VJP that raises: MLX calls it only when a gradient w.r.t. one of them is
-    asked for. Under ``mx.vmap`` it refuses a mapped one of them, then ``unmapped`` (why the
-    op cannot be mapped on this backend) if given. One per (op, names, reason): cheap per
-    call."""
+def _frozen_fn(op: str, names: tuple[str, ...], present: tuple[bool, ...],
+               unmapped: str | None) -> Callable:
+    """Identity on the arrays ``names`` that are ``present`` (more inputs after them only
+    make it a node of the vmap), with a VJP that raises: MLX calls it only when a gradient
+    w.r.t. one of them is asked for. Under ``mx.vmap`` it refuses a mapped one of them, then
+    ``unmapped`` (why the op cannot be mapped on this backend) if given. One per (op, names,
+    None pattern, reason): cheap per call."""
+    names = tuple(n for n, p in zip(names, present, strict=True) if p)
 
     @mx.custom_function
     def frozen(*a):
@@ -72,21 +73,22 @@ def _frozen_fn(op: str, names: tuple[str, ...], unmapped: str | None) -> Callabl
     return frozen
 
 
-def _frozen(op: str, arrays: Sequence[mx.array | None], names: Sequence[str] = (),
+_NAMES = ("w", "scales", "biases")
+
+
+def _frozen(op: str, arrays: Sequence[mx.array | None], names: tuple[str, ...] = _NAMES,
             watched: Sequence[mx.array | None] = (),
             unmapped: str | None = None) -> list[mx.array | None]:
-    """The arrays unchanged, through ``_frozen_fn``; ``names`` name them in its messages
-    (default ``w``, ``scales``, ``biases``); ``unmapped`` as ``_frozen_fn``'s. ``watched``:
-    the op's other inputs, taken only with ``unmapped`` (then a mapped input makes the node
-    refuse first). Without it the node joins a vmap only for a mapped constant: MLX would
-    still map the primitives after an unmapped output of a vmap rule, and MLX 0.32's
-    expand_dims and squeeze refuse that."""
-    names = tuple(names) or ("w", "scales", "biases")
-    watched = watched if unmapped is not None else ()
-    given = [(a, n) for a, n in zip(arrays, names, strict=True) if a is not None]
-    fn = _frozen_fn(op, tuple(n for _, n in given), unmapped)
-    out = iter(fn(*(a for a, _ in given),
-                  *(mx.stop_gradient(a) for a in watched if a is not None)))
+    """The arrays unchanged, through ``_frozen_fn``; ``names`` name them in its messages;
+    ``unmapped`` as ``_frozen_fn``'s. ``watched``: the op's other inputs, taken only with
+    ``unmapped`` (then a mapped input makes the node refuse first). Without it the node
+    joins a vmap only for a mapped constant: MLX would still map the primitives after an
+    unmapped output of a vmap rule, and MLX 0.32's expand_dims and squeeze refuse that."""
+    given = [a for a in arrays if a is not None]
+    fn = _frozen_fn(op, names, tuple(a is not None for a in arrays), unmapped)
+    if unmapped is not None:
+        given += [mx.stop_gradient(a) for a in watched if a is not None]
+    out = iter(fn(*given))
     return [None if a is None else next(out) for a in arrays]
 
 
@@ -105,7 +107,7 @@ def refuse_shapeless(op: str) -> None:
 
 
 def with_x_vjp(op: str, forward: Callable, x_vjp: Callable, x: mx.array,
-               quantized: Sequence[mx.array | None], *, names: Sequence[str] = (),
+               quantized: Sequence[mx.array | None], *, names: tuple[str, ...] = _NAMES,
                watched: Sequence[mx.array | None] = (), unmapped: str | None = None,
                plain: bool = False) -> mx.array:
     """``forward(x, *quantized, *watched)`` with the VJP
@@ -117,7 +119,7 @@ def with_x_vjp(op: str, forward: Callable, x_vjp: Callable, x: mx.array,
     MLX's autodiff of the composite)."""
     if plain:
         return forward(x, *quantized, *watched)
-    quantized = _frozen(op, quantized, names, (x, *watched), unmapped)
+    quantized = _frozen(op, quantized, names, (x, *watched) if unmapped else (), unmapped)
     slots = [a is not None for a in quantized]
 
     def full(rest):

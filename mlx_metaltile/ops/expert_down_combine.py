@@ -217,8 +217,8 @@ def expert_down_combine(h: mx.array, w: mx.array, scales: mx.array, biases,
         # The primals: h, scores, the bias where given, then the quantized constants
         # (through _frozen: asking for their gradient raises; under mx.vmap it refuses
         # the reference composite, mx.gather_qmm; a custom kernel is refused by MLX).
-        quantized = _frozen(OP, (w, scales, biases), (), (h, indices, scores, bias),
-                            GATHER_QMM_REASON if backend == "reference" else None)
+        quantized = _frozen(OP, (w, scales, biases), watched=(h, indices, scores, bias),
+                            unmapped=GATHER_QMM_REASON if backend == "reference" else None)
         slots = [a is not None for a in quantized]
         n_float = 2 if bias is None else 3
 
