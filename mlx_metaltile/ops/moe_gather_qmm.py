@@ -360,24 +360,23 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
             return sum_to_shape(d, tuple(x.shape)).astype(x.dtype)
 
     with on_stream(OP, stream):
-        # mx.vmap: the reference composite maps unless it takes mx.gather_mm (more ids than
-        # experts), which MLX cannot map: refused by the constants' wrapper (a kernel
-        # backend's custom kernel: by MLX; a refusal here would cost a call).
-        plain = spec is None and shapeless_tracing()
+        if spec is not None:  # mx.vmap: MLX refuses the custom kernel itself
+            return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases))
+        plain = shapeless_tracing()
         if plain and lead is not None and indices.size > E:
             raise ValueError(
                 f"[{OP}] mx.compile(shapeless=True) of mx.gather_qmm's form with more ids "
                 f"({indices.size}) than experts ({E}) is not supported on the reference "
                 "backend: its composite's mx.gather_mm fixes its default lhs_indices at the "
                 "trace (MLX 0.32); pass rows (2-D x) or compile without shapeless=True")
-        gather_mm = "" if indices.size <= E else (
+        # mx.vmap: the composite maps unless it takes mx.gather_mm (more ids than experts),
+        # which MLX cannot map: then the constants' wrapper refuses.
+        gather_mm = None if indices.size <= E else (
             f"its reference composite takes mx.gather_mm for more ids ({indices.size}) than "
             f"experts ({E}), which MLX (0.32) cannot map; pass the mapped axis as a leading "
             "dimension of x and indices")
-        return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases),
-                          watched=(indices,) if spec is None else (),
-                          unmapped=(gather_mm or None) if spec is None else None,
-                          plain=plain)
+        return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases), watched=(indices,),
+                          unmapped=gather_mm, plain=plain)
 
 
 def _x_vjp(g, w, scales, biases, indices, E, group_size, bits, mode, dtype,
