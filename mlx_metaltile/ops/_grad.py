@@ -46,6 +46,8 @@ def _frozen_fn(op: str, names: tuple[str, ...], present: tuple[bool, ...],
     w.r.t. one of them is asked for. Under ``mx.vmap`` it refuses a mapped one of them, then
     ``unmapped`` (why the op cannot be mapped on this backend) if given. One per (op, names,
     None pattern, reason): cheap per call."""
+    if len(names) != len(present):  # unnamed by the caller: by position
+        names = tuple(f"quantized input {i}" for i in range(len(present)))
     names = tuple(n for n, p in zip(names, present, strict=True) if p)
 
     @mx.custom_function
