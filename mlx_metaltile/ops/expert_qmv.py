@@ -26,7 +26,13 @@ from ._common import (
     quantized_bindings,
     scalar,
 )
-from ._grad import sum_to_shape, with_x_vjp
+from ._grad import (
+    GATHER_QMM_REASON,
+    refuse_shapeless,
+    shapeless_tracing,
+    sum_to_shape,
+    with_x_vjp,
+)
 
 OP = "expert_qmv"
 __all__ = ["expert_qmv", "expert_qmv_reference"]
@@ -314,6 +320,16 @@ def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
     (dtype, mode, bits, group_size, index dtype), plus one more the first time ``indices`` holds
     fewer than 8 ids (for example k = 2 for one token): MLX passes such small inputs in
     Metal's ``constant`` address space, which is a different kernel source.
+
+    Reference backend: ``mx.compile(shapeless=True)`` and ``mx.vmap`` raise an
+    ``[expert_qmv]`` error: the composite is ``mx.gather_qmm``, which MLX 0.32 cannot map
+    and whose default ``lhs_indices`` a shapeless trace fixes. On metal / cuda (MLX 0.32.4)
+    ``mx.compile(shapeless=True)`` raises MLX's ``[Primitive::output_shapes]
+    CustomTransforms cannot infer output shapes.`` and ``mx.vmap`` MLX's ``[Primitive::vmap]
+    Not implemented for CustomKernel.`` (MLX maps the kernel before any rule of the op; a
+    first node refusing with an ``[op]`` error would cost about 6 us a call), except that
+    mapping a quantized constant raises an ``[op]`` error on every backend; the emulator
+    refuses both (eager). README: "mx.compile(shapeless=True) and mx.vmap".
     """
     info = _check_expert_qmv(x, w, scales, biases, indices, group_size, bits, mode)
     out_shape = _out_shape(info)
@@ -321,18 +337,25 @@ def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
         if 0 in out_shape:
             return mx.zeros(out_shape, dtype=x.dtype)
         backend = backends.resolve_backend()
+        if backend == "reference" and shapeless_tracing():
+            refuse_shapeless(OP)
 
-        def forward(x, w, scales, biases):
+        def forward(x, w, scales, biases, indices=indices):
             with on_stream(OP, stream):
                 if backend == "reference":
                     return _reference(x, w, scales, biases, indices, info)
                 return _launch(x, w, scales, biases, indices, info, backend)
 
-        def x_vjp(g, w, scales, biases):  # run at backward time: the stream again
+        def x_vjp(g, w, scales, biases, indices=indices):  # at backward time: the stream again
             with on_stream(OP, stream):
                 return _x_vjp(g, w, scales, biases, indices, x.shape, x.dtype, info)
 
-        return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases))
+        # mx.vmap: the reference composite (mx.gather_qmm) is refused by the constants'
+        # wrapper; a kernel backend's custom kernel by MLX (a refusal here would cost a call).
+        ref = backend == "reference"
+        return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases),
+                          watched=(indices,) if ref else (),
+                          unmapped=GATHER_QMM_REASON if ref else None)
 
 
 def _x_vjp(g, w, scales, biases, indices, x_shape, x_dtype, info: dict) -> mx.array:

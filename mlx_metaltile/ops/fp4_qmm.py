@@ -38,7 +38,7 @@ from ._common import (
     round_up,
     scalar,
 )
-from ._grad import with_x_vjp
+from ._grad import shapeless_tracing, with_x_vjp
 
 OP = "fp4_qmm"
 __all__ = ["fp4_dequantize_reference", "fp4_qmm", "fp4_qmm_reference"]
@@ -382,6 +382,15 @@ def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | Non
 
     Differentiable with respect to x (``g @ W`` on the decoded weights, float32); asking for
     the gradient of w or scales raises.
+
+    Reference backend: ``mx.compile(shapeless=True)`` (any leading dims of x) and
+    ``mx.vmap`` over x work (mapping w or scales raises on every backend). On metal / cuda
+    (MLX 0.32.4) ``mx.compile(shapeless=True)`` raises MLX's ``[Primitive::output_shapes]
+    CustomTransforms cannot infer output shapes.`` and ``mx.vmap`` MLX's ``[Primitive::vmap]
+    Not implemented for CustomKernel.`` (MLX maps the kernel before any rule of the op; a
+    first node refusing with an ``[op]`` error would cost about 6 us a call), except that
+    mapping a quantized constant raises an ``[op]`` error on every backend; the emulator
+    refuses both (eager). README: "mx.compile(shapeless=True) and mx.vmap".
     """
     m, n, k, scale_mode, group_size = _check_fp4_qmm(x, w, scales, group_size, mode)
     out_shape = (*x.shape[:-1], n)
@@ -406,4 +415,5 @@ def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | Non
             return dx.astype(x.dtype)
 
     with on_stream(OP, stream):
-        return with_x_vjp(OP, forward, x_vjp, x, (w, scales))
+        return with_x_vjp(OP, forward, x_vjp, x, (w, scales), names=("w", "scales"),
+                          plain=spec is None and shapeless_tracing())

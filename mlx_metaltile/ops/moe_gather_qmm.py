@@ -35,7 +35,7 @@ from ._common import (
     require_ndim,
     scalar,
 )
-from ._grad import sum_to_shape, with_x_vjp
+from ._grad import shapeless_tracing, sum_to_shape, with_x_vjp
 
 OP = "moe_gather_qmm"
 __all__ = ["moe_gather_qmm", "moe_gather_qmm_reference"]
@@ -176,7 +176,8 @@ def moe_gather_qmm_reference(x, w, scales, biases, indices, *, group_size: int |
 def _reference(x, w, scales, biases, indices, lead, M, N, E, group_size, bits,
                mode) -> mx.array:
     """Both forms on mx.gather_qmm's broadcasting (the row form as x[:, None, :]), with no
-    reshape to fixed sizes, so it traces under mx.compile(shapeless=True)."""
+    reshape to fixed sizes, so it traces under mx.compile(shapeless=True) (gather_mm's
+    lhs_indices given as a running count: its default is fixed at the trace)."""
     if M == 0:
         return mx.zeros((*lead, x.shape[-2], N) if lead else (0, N), dtype=x.dtype)
     xf = x.astype(mx.float32)
@@ -193,7 +194,8 @@ def _reference(x, w, scales, biases, indices, lead, M, N, E, group_size, bits,
         out = xf @ wr.swapaxes(-1, -2)
     else:  # dequantise every expert once: [E, N, K]
         wd = _dequantize_rounded(w, scales, biases, group_size, bits, x.dtype, mode)
-        out = mx.gather_mm(xf, wd.swapaxes(-1, -2), rhs_indices=safe)
+        lhs = None if lead is not None else mx.cumsum(mx.ones_like(safe), axis=0) - 1
+        out = mx.gather_mm(xf, wd.swapaxes(-1, -2), lhs_indices=lhs, rhs_indices=safe)
     out = mx.where(mx.expand_dims(valid, (-2, -1)), out, mx.array(float("nan"), mx.float32))
     if lead is None:
         out = mx.squeeze(out, 1)
@@ -318,6 +320,17 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
     M, E, N and K are runtime inputs: one kernel instantiation per (variant, dtype, mode,
     bits, group_size, index dtype), plus one more the first time M < 8: MLX passes inputs of
     fewer than 8 elements in Metal's ``constant`` address space, a different kernel source.
+
+    Reference backend: ``mx.compile(shapeless=True)`` (rows: any M; ``mx.gather_qmm``'s
+    form: traced with at most E ids) and ``mx.vmap`` over x and indices (while one call has
+    at most E ids: more take ``mx.gather_mm``, which MLX cannot map or trace shapeless, and
+    raise). On metal / cuda (MLX 0.32.4) ``mx.compile(shapeless=True)`` raises MLX's
+    ``[Primitive::output_shapes] CustomTransforms cannot infer output shapes.`` and
+    ``mx.vmap`` MLX's ``[Primitive::vmap] Not implemented for CustomKernel.`` (MLX maps the
+    kernel before any rule of the op; a first node refusing with an ``[op]`` error would
+    cost about 6 us a call), except that mapping a quantized constant raises an ``[op]``
+    error on every backend; the emulator refuses both (eager). README:
+    "mx.compile(shapeless=True) and mx.vmap".
     """
     M, N, K, E, group_size, bits, mode, lead = _check_moe_gather_qmm(
         x, w, scales, biases, indices, group_size, bits, mode)
@@ -329,7 +342,7 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
         return _launch(x, w, scales, biases, ids, M, N, K, E, group_size, bits, backend,
                        spec, mode)
 
-    def forward(x, w, scales, biases):
+    def forward(x, w, scales, biases, indices=indices):
         with on_stream(OP, stream):
             if spec is None or M == 0:
                 return _reference(x, w, scales, biases, indices, lead, M, N, E, group_size,
@@ -344,7 +357,7 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
             out = run(rows[order], ids[order])
             return out[mx.argsort(order)].reshape(out_shape)
 
-    def x_vjp(g, w, scales, biases):  # run at backward time: the stream again
+    def x_vjp(g, w, scales, biases, indices=indices):  # at backward time: the stream again
         with on_stream(OP, stream):
             if lead is None:
                 return _x_vjp(g, w, scales, biases, indices, E, group_size, bits, mode,
@@ -358,7 +371,23 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
             return sum_to_shape(d, tuple(x.shape)).astype(x.dtype)
 
     with on_stream(OP, stream):
-        return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases))
+        if spec is not None:  # mx.vmap: MLX refuses the custom kernel itself
+            return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases))
+        plain = shapeless_tracing()
+        if plain and lead is not None and indices.size > E:
+            raise ValueError(
+                f"[{OP}] mx.compile(shapeless=True) of mx.gather_qmm's form with more ids "
+                f"({indices.size}) than experts ({E}) is not supported on the reference "
+                "backend: its composite's mx.gather_mm fixes its default lhs_indices at the "
+                "trace (MLX 0.32); pass rows (2-D x) or compile without shapeless=True")
+        # mx.vmap: the composite maps unless it takes mx.gather_mm (more ids than experts),
+        # which MLX cannot map: then the constants' wrapper refuses.
+        gather_mm = None if indices.size <= E else (
+            f"its reference composite takes mx.gather_mm for more ids ({indices.size}) than "
+            f"experts ({E}), which MLX (0.32) cannot map; pass the mapped axis as a leading "
+            "dimension of x and indices")
+        return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases), watched=(indices,),
+                          unmapped=gather_mm, plain=plain)
 
 
 def _x_vjp(g, w, scales, biases, indices, E, group_size, bits, mode, dtype,
