@@ -101,26 +101,81 @@ inline void mt_sdpa_stage(threadgroup T* tile, const device T* src, uint n_valid
     tile[j * TSTRIDE + d] = j < n_valid ? src[size_t(j) * D + col0 + d] : T(0);
   }
 }
+
+// Last visible key + 1 of query row r (query l = r % L): kvn, or kvn - L + l + 1 causal.
+inline uint mt_sdpa_row_end(uint r, uint L, uint kvn, bool is_causal) {
+  return is_causal ? kvn - L + r % L + 1u : kvn;
+}
+
+// The end of the keys [.., k_end) that rows first .. last (of one tile) need: a causal tile
+// stops at the last key its latest query sees.
+inline uint mt_sdpa_tile_end(uint k_end, uint first, uint last, uint L, uint kvn,
+                             bool is_causal) {
+  if (is_causal) {
+    const uint span = last - first + 1u;
+    const uint l_first = first % L;
+    const uint l_last = last % L;
+    const uint l_max = (span >= L || l_last < l_first) ? L - 1u : l_last;
+    k_end = min(k_end, kvn - L + l_max + 1u);
+  }
+  return k_end;
+}
+
+// The mask's element at column 0 for query row r of KV head bh (batch bh / kv_heads).
+inline size_t mt_sdpa_mask_row(uint bh, uint r, uint L, uint group, uint kv_heads, uint sb,
+                               uint sh, uint sl) {
+  const uint head = (bh % kv_heads) * group + r / L;  // query head of row r
+  return size_t(bh / kv_heads) * sb + size_t(head) * sh + size_t(r % L) * sl;
+}
+
+// A visible score sc with the mask element mv applied (MASK_KIND 1 bool, 2 additive: see
+// MATH); ok becomes false where an additive -inf makes the key weigh 0.
+template <int MASK_KIND, typename MT>
+inline float mt_sdpa_masked(float sc, MT mv, float mask_unit, thread bool& ok) {
+  if (MASK_KIND == 1) {
+    sc = bool(mv) ? sc : -FLT_MAX;
+  } else {
+    sc += float(mv) * mask_unit;
+    ok = sc != -INFINITY;  // a -inf mask entry: the key weighs 0
+  }
+  return sc;
+}
+
+// dst[0 .. VW) = the VW elements at src as float, in one vector load (VW = 4 or 2: src is
+// VW-element aligned, as the VECTOR PATH's layout guarantees) or one scalar load (VW = 1).
+template <int VW, typename T>
+inline void mt_sdpa_load(thread float* dst, const device T* src) {
+  if (VW == 4) {
+    const vec<T, 4> x = *reinterpret_cast<const device vec<T, 4>*>(src);
+    dst[0] = float(x[0]);
+    dst[1] = float(x[1]);
+    dst[2] = float(x[2]);
+    dst[3] = float(x[3]);
+  } else if (VW == 2) {
+    const vec<T, 2> x = *reinterpret_cast<const device vec<T, 2>*>(src);
+    dst[0] = float(x[0]);
+    dst[1] = float(x[1]);
+  } else {
+    dst[0] = float(src[0]);
+  }
+}
 // ---- kernel body ----
 constexpr int DPL = D / 32;                   // q / o columns per lane
 constexpr int QV = DPL < 4 ? DPL : 4;         // q columns moved by one shuffle
 constexpr int NQV = DPL / QV;                 // q vectors per lane
 constexpr int CPL = DC / 32;                  // staged o columns per lane
-constexpr int NCH = D / DC;                   // column chunks per 32-key block
+constexpr int NCH = DC == 0 ? 1 : D / DC;     // column chunks per 32-key block
 constexpr int LPC = 32 / NCH;                 // lanes whose q columns lie in one chunk
 constexpr int TSTRIDE = DC + 4 / int(sizeof(T));  // odd word stride: lane-per-row reads hit
                                                   // 32 different banks
 static_assert(D % 32 == 0 && DPL >= 2 && DPL % QV == 0, "head dim tiling");
-static_assert(DC % 32 == 0 && D % DC == 0, "staged column chunks");
+static_assert(DC == 0 || (DC % 32 == 0 && D % DC == 0), "staged column chunks");
 static_assert(RS >= 1 && RS <= 32 && 32 % RS == 0, "rows per simdgroup");
 typedef vec<float, QV> qvec;
-threadgroup T kv_tile[32 * TSTRIDE];
-threadgroup float p_tile[32 * 32];
+threadgroup T kv_tile[DC == 0 ? 1 : 32 * TSTRIDE];  // the vector path stages nothing
+threadgroup float p_tile[DC == 0 ? 1 : 32 * 32];
 
-const uint split = threadgroup_position_in_grid.x;
-const uint tile_idx = threadgroup_position_in_grid.y;
 const uint bh = threadgroup_position_in_grid.z;
-const uint n_splits = threadgroups_per_grid.x;
 const uint tid = thread_position_in_threadgroup.x;
 const uint n_threads = threads_per_threadgroup.x;
 const uint lane = thread_index_in_simdgroup;
@@ -136,6 +191,170 @@ const float q_scale = score_unit.x;  // scores in units of b = score_unit.y
 const float unit = score_unit.y;
 const uint key0 = mask_block != 0u ? kvn - L : 0u;  // the mask's column 0
 const float mask_unit = 1.4426950408889634f / unit;  // natural-log mask -> score units
+const size_t q_row0 = size_t(bh) * n_rows;
+const size_t head_off = size_t(bh) * kv_rows * D;
+const device T* k_head = k + head_off;
+const device T* v_head = v + head_off;
+
+if (DC == 0) {
+  // ---- VECTOR PATH (see its section above): one simdgroup = one slice of RS rows ----
+  constexpr int VW = DPL % 4 == 0 ? 4 : (DPL % 2 == 0 ? 2 : 1);  // columns per load
+  constexpr int NV = DPL / VW;  // loads per lane per K (or V) row
+  constexpr int KB = 32 / RS;   // keys per batch: RS * KB = 32 scores, one per lane
+  const uint n_splits = threadgroups_per_grid.y * (n_threads / 32u);
+  const uint slice = threadgroup_position_in_grid.y * (n_threads / 32u) + sg;
+  const uint row0 = threadgroup_position_in_grid.x * uint(RS);
+  const uint nr = min(uint(RS), n_rows - row0);  // >= 1: the grid has ceil(rows / RS) tiles
+  const uint k_begin = slice * chunk_keys;
+  const uint k_end = mt_sdpa_tile_end(min(k_begin + chunk_keys, kvn), row0, row0 + nr - 1u,
+                                      L, kvn, is_causal);
+
+  // Lane layout: lane i holds columns w * 32 * VW + i * VW + e (w < NV, e < VW) of q and o;
+  // after a batch's reduction it holds the score of row lr = lane / KB, key kb + lane % KB.
+  const uint col0 = lane * uint(VW);
+  const uint lr = lane / uint(KB);
+  const uint lj = lane % uint(KB);
+  float qr_v[RS][DPL];
+  for (int rr = 0; rr < RS; ++rr) {
+    for (int c = 0; c < DPL; ++c) {
+      qr_v[rr][c] = 0.0f;
+    }
+    if (uint(rr) < nr) {
+      for (int w = 0; w < NV; ++w) {
+        mt_sdpa_load<VW>(&qr_v[rr][w * VW], q + (q_row0 + row0 + uint(rr)) * D
+                                                + uint(w * 32 * VW) + col0);
+      }
+      for (int c = 0; c < DPL; ++c) {
+        qr_v[rr][c] *= q_scale;
+      }
+    }
+  }
+  const bool lane_valid = lr < nr;
+  const uint lane_lim = lane_valid ? mt_sdpa_row_end(row0 + lr, L, kvn, is_causal) : 0u;
+  const size_t lane_mask_row = mt_sdpa_mask_row(bh, row0 + lr, L, group, kv_heads, mask_sb,
+                                                mask_sh, mask_sl);
+  float m_l = -INFINITY;  // the running max and sum of row lr (the same in its KB lanes)
+  float l_l = 0.0f;
+  float ov[RS][DPL];  // o of every row at this lane's columns, kept divided by its lsum
+  for (int rr = 0; rr < RS; ++rr) {
+    for (int c = 0; c < DPL; ++c) {
+      ov[rr][c] = 0.0f;
+    }
+  }
+
+  for (uint kb = k_begin; kb < k_end; kb += uint(KB)) {
+    // Partial scores of the batch: sv[rr * KB + j] = q_rr . k_{kb + j} over this lane's
+    // columns; keys past k_end are not read.
+    float sv[32];
+    for (int i = 0; i < 32; ++i) {
+      sv[i] = 0.0f;
+    }
+    for (int j = 0; j < KB; ++j) {
+      if (kb + uint(j) < k_end) {
+        float kx[DPL];
+        const device T* krow = k_head + size_t(kb + uint(j)) * D + col0;
+        for (int w = 0; w < NV; ++w) {
+          mt_sdpa_load<VW>(&kx[w * VW], krow + w * 32 * VW);
+        }
+        for (int rr = 0; rr < RS; ++rr) {
+          if (uint(rr) < nr) {
+            for (int c = 0; c < DPL; ++c) {
+              sv[rr * KB + j] += qr_v[rr][c] * kx[c];
+            }
+          }
+        }
+      }
+    }
+    // Reduce-scatter over the lanes (31 shuffles): at each step a lane keeps the half of
+    // its values whose index has its lane bit, adding the partner's copy of them; after
+    // the last, sv[0] is the full score of value index `lane` (row lr, key lj).
+    for (int h = 16; h >= 1; h /= 2) {
+      const bool upper = (lane & uint(h)) != 0u;
+      for (int i = 0; i < h; ++i) {
+        const float give = upper ? sv[i] : sv[i + h];
+        const float keep = upper ? sv[i + h] : sv[i];
+        sv[i] = keep + simd_shuffle_xor(give, ushort(h));
+      }
+    }
+
+    // Online softmax of row lr over the batch (its KB lanes), base 2, as the staged path.
+    const uint key = kb + lj;
+    bool ok = key < min(lane_lim, k_end);
+    float sc = sv[0];
+    if (MASK_KIND != 0 && ok && key >= key0) {
+      sc = mt_sdpa_masked<MASK_KIND>(sc, mask[lane_mask_row + (key - key0)], mask_unit, ok);
+    }
+    sc = ok ? sc : -INFINITY;
+    float bmax = sc;
+    for (int h = 1; h < KB; h *= 2) {
+      bmax = max(bmax, simd_shuffle_xor(bmax, ushort(h)));
+    }
+    const float m_new = max(m_l, bmax);  // -INFINITY while no key was visible
+    const float alpha = m_l == m_new ? 1.0f : exp2(unit * (m_l - m_new));
+    const float p = ok ? exp2(unit * (sc - m_new)) : 0.0f;
+    float bsum = p;
+    for (int h = 1; h < KB; h *= 2) {
+      bsum += simd_shuffle_xor(bsum, ushort(h));
+    }
+    const float l_old = l_l * alpha;
+    const float l_new = l_old + bsum;
+    const float inv_l = l_new > 0.0f ? 1.0f / l_new : 0.0f;  // 0 until a key was visible
+    const float wgt = p * inv_l;       // this key's weight in the new o
+    const float keep = l_old * inv_l;  // the old o's weight: keep + sum of wgt = 1
+    m_l = m_new;
+    l_l = l_new;
+
+    // o = keep * o + sum_j wgt_j v_j: each row's weights come from its lanes by shuffle.
+    for (int rr = 0; rr < RS; ++rr) {
+      const float kr = simd_shuffle(keep, ushort(rr * KB));
+      if (uint(rr) < nr) {
+        for (int c = 0; c < DPL; ++c) {
+          ov[rr][c] *= kr;
+        }
+      }
+    }
+    for (int j = 0; j < KB; ++j) {
+      if (kb + uint(j) < k_end) {
+        float vx[DPL];
+        const device T* vrow = v_head + size_t(kb + uint(j)) * D + col0;
+        for (int w = 0; w < NV; ++w) {
+          mt_sdpa_load<VW>(&vx[w * VW], vrow + w * 32 * VW);
+        }
+        for (int rr = 0; rr < RS; ++rr) {
+          const float pj = simd_shuffle(wgt, ushort(rr * KB + j));
+          if (uint(rr) < nr) {
+            for (int c = 0; c < DPL; ++c) {
+              ov[rr][c] += pj * vx[c];
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // Partial results of this slice (an empty slice writes m = -INFINITY, lsum = 0, o = 0).
+  for (int rr = 0; rr < RS; ++rr) {
+    if (uint(rr) < nr) {
+      const size_t entry = (q_row0 + row0 + uint(rr)) * n_splits + slice;
+      for (int w = 0; w < NV; ++w) {
+        for (int e = 0; e < VW; ++e) {
+          o_part[entry * D + uint(w * 32 * VW + e) + col0] = ov[rr][w * VW + e];
+        }
+      }
+    }
+  }
+  if (lane_valid && lj == 0u) {
+    const size_t entry = (q_row0 + row0 + lr) * n_splits + slice;
+    ml_part[entry * 2u] = m_l;
+    ml_part[entry * 2u + 1u] = l_l;
+  }
+  return;
+}
+
+// ---- STAGED PATH: a 32-row tile per threadgroup, RS rows per simdgroup ----
+const uint split = threadgroup_position_in_grid.x;
+const uint tile_idx = threadgroup_position_in_grid.y;
+const uint n_splits = threadgroups_per_grid.x;
 
 // Rows of this simdgroup: row0 .. row0 + nr - 1 (nr may be 0 in a ragged last tile).
 const uint tile_row0 = tile_idx * 32u;
@@ -145,28 +364,18 @@ threadgroup float* p_rows = p_tile + sg * uint(RS) * 32u;  // this simdgroup's r
 
 // Keys of this slice; a causal tile stops at the last key its rows can see.
 const uint k_begin = split * chunk_keys;
-uint k_end = min(k_begin + chunk_keys, kvn);
-if (is_causal) {
-  const uint last_row = min(tile_row0 + 32u, n_rows) - 1u;
-  const uint span = last_row - tile_row0 + 1u;
-  const uint l_first = tile_row0 % L;
-  const uint l_last = last_row % L;
-  const uint l_max = (span >= L || l_last < l_first) ? L - 1u : l_last;
-  k_end = min(k_end, kvn - L + l_max + 1u);
-}
+const uint k_end = mt_sdpa_tile_end(min(k_begin + chunk_keys, kvn), tile_row0,
+                                    min(tile_row0 + 32u, n_rows) - 1u, L, kvn, is_causal);
 
 // Query rows in registers, pre-scaled: lane holds columns lane * DPL .. lane * DPL + DPL - 1.
-const size_t q_row0 = size_t(bh) * n_rows;
 qvec qr[RS][NQV];
 uint lim[RS];  // last visible key + 1 of each row (0 for rows past n_rows)
 size_t mask_row[RS];  // the row's mask element at column 0 (MASK_KIND != 0)
 for (int rr = 0; rr < RS; ++rr) {
   const uint r = row0 + uint(rr);
   const bool valid = uint(rr) < nr;
-  const uint head = (bh % kv_heads) * group + r / L;  // query head of row r
-  mask_row[rr] = size_t(bh / kv_heads) * mask_sb + size_t(head) * mask_sh
-                 + size_t(r % L) * mask_sl;
-  lim[rr] = !valid ? 0u : (is_causal ? kvn - L + r % L + 1u : kvn);
+  mask_row[rr] = mt_sdpa_mask_row(bh, r, L, group, kv_heads, mask_sb, mask_sh, mask_sl);
+  lim[rr] = !valid ? 0u : mt_sdpa_row_end(r, L, kvn, is_causal);
   for (int w = 0; w < NQV; ++w) {
     for (int e = 0; e < QV; ++e) {
       const size_t at = (q_row0 + r) * D + lane * uint(DPL) + uint(w * QV + e);
@@ -186,10 +395,6 @@ for (int rr = 0; rr < RS; ++rr) {
     o[rr][c] = 0.0f;
   }
 }
-
-const size_t head_off = size_t(bh) * kv_rows * D;
-const device T* k_head = k + head_off;
-const device T* v_head = v + head_off;
 
 for (uint kb = k_begin; kb < k_end; kb += 32u) {
   const uint nk = min(32u, k_end - kb);  // keys of this block (uniform)
@@ -232,13 +437,8 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
       bool ok = kb + lane < min(lim[rr], k_end);
       float sc = s[rr];
       if (MASK_KIND != 0 && ok && kb + lane >= key0) {
-        const auto mv = mask[mask_row[rr] + (kb + lane - key0)];
-        if (MASK_KIND == 1) {
-          sc = bool(mv) ? sc : -FLT_MAX;
-        } else {
-          sc += float(mv) * mask_unit;
-          ok = sc != -INFINITY;  // a -inf mask entry: the key weighs 0
-        }
+        sc = mt_sdpa_masked<MASK_KIND>(sc, mask[mask_row[rr] + (kb + lane - key0)],
+                                       mask_unit, ok);
       }
       sc = ok ? sc : -INFINITY;
       const float m_new = max(m[rr], simd_max(sc));  // -INFINITY while no key was visible
