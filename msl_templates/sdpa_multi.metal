@@ -1,7 +1,13 @@
-// sdpa_multi.metal: pass 1 of sdpa_multi. A tile of up to 32 query rows (L queries x the
-// G = Hq/Hkv query heads that share one KV head) attends one slice of the KV cache; the slice
-// is read from device memory once for all rows of the tile. Writes unnormalised partial
-// softmax results; sdpa_multi_combine.metal merges the slices.
+// sdpa_multi.metal: pass 1 of sdpa_multi. A tile of query rows (L queries x the G = Hq/Hkv
+// query heads that share one KV head) attends one slice of the KV cache; the slice is read
+// from device memory once for all rows of the tile. Writes partial softmax results (o
+// divided by the slice's lsum); sdpa_multi_combine.metal merges the slices.
+// Two paths, chosen by the template parameter DC (the launch plan picks one per backend,
+// ops/sdpa_multi.py SPLIT_PATH): the STAGED PATH (DC > 0: 32-row tiles, K/V staged through
+// threadgroup memory 32 keys at a time, one key per lane; the Metal plan) and the VECTOR PATH
+// (DC = 0: RS-row tiles, one simdgroup per slice, each lane reading D/32 contiguous
+// elements of every K/V row straight from device memory; the CUDA plan). Both share the
+// math, the masks, the partials' layout and the combine below.
 //
 // MATH (per query row r of a KV head's group, all in float32; base-2 exponentials):
 //   row r = g * L + l is query l of query head kvh * G + g (G = Hq / Hkv)
@@ -45,17 +51,20 @@
 //     row >= S even if a launcher passed kv_len > S: the kernel clamps it)
 //   o_part [B*Hq*L, n_splits, D] float32, ml_part [B*Hq*L, n_splits, 2] float32 (m, lsum)
 //   0-d runtime inputs: n_q (L), group (G), kv_len, kv_rows (S), chunk (keys per slice,
-//   a multiple of 32), causal (0/1) as uint, scale (float, times log2(e)). kv_len may be
+//   a multiple of 32; of KB on the VECTOR PATH), causal (0/1) as uint, scale (float, times
+//   log2(e)). kv_len may be
 //   device-side: it is clamped to [L, S] here, and slices past it see no key.
 //   mask [MB, MH, L, MC] (bool or T; a 1-element dummy when MASK_KIND == 0), read with the
 //   element strides mask_sb, mask_sh, mask_sl (0 on a broadcast axis), column stride 1;
 //   kv_heads (Hkv) and mask_block (0/1: key0 above) as uint.
 //   ml_part's m is in units of d (as above): the combine takes the same scale to undo them.
-//   Template: T, D (head dim, multiple of 32), RS (rows per simdgroup), DC (columns
+//   Template: T, D (head dim, multiple of 32), RS (rows per simdgroup), DC (0: the VECTOR
+//   PATH below; else the STAGED PATH's columns
 //   staged at a time: D or D/2, a multiple of 32, with 32 * DC * sizeof(T) <= 16 KiB),
 //   MASK_KIND (0 none or causal, 1 bool, 2 additive: the unmasked path reads no mask).
 //
-// DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
+// DISPATCH INVARIANTS of the STAGED PATH (the wrapper derives them from validated shapes;
+// the VECTOR PATH's are in its section below):
 //   threadgroup = (32 * NSG, 1, 1), NSG = 32 / RS simdgroups (also when G*L < 32: the
 //     simdgroups without rows still share the staging loads)
 //   grid = (32 * NSG * n_splits, ceil(G*L / 32), B * Hkv):
@@ -80,6 +89,47 @@
 //
 // REDUCTION ORDER: scores accumulate over d in increasing order; l and o accumulate over the
 //   keys of a slice in increasing block order; a block's p are summed with simd_sum.
+//
+// VECTOR PATH (DC == 0), after MLX's own sdpa_vector kernels (a SIMD-group per key, each lane
+//   holding D/32 contiguous elements of q, k and the output) extended to the RS query rows
+//   of a tile so that K/V are read once for all of them:
+//   threadgroup = (32 * NSG, 1, 1): NSG simdgroups, each its own KV slice (no threadgroup
+//     memory, no barrier); grid = (32 * NSG * ceil(G*L / RS), n_splits / NSG, B * Hkv):
+//     threadgroup_position_in_grid = (row tile, slice group, b * Hkv + kvh), the row tiles
+//     of one slice adjacent (their re-reads of the same keys meet in the GPU's L2);
+//     simdgroup sg of slice group y owns slice y * NSG + sg, n_splits = NSG * groups.
+//   Lane i holds columns w * 32 * VW + i * VW + e (w < NV, e < VW; VW = 4, 2 or 1 as D/32
+//     allows: D 64 -> one 2-vector, 96 -> three scalars, 128 -> one 4-vector, 256 -> two
+//     4-vectors) of q (pre-scaled) and o for each of the tile's RS rows, and reads the same
+//     columns of each K and V row with one vector load per w: every K/V byte of the slice
+//     is loaded by exactly one lane. Alignment: rows are D * sizeof(T) bytes (a multiple of
+//     128) and a lane's first column a multiple of VW.
+//   Keys go in batches of KB = 32 / RS: the RS * KB partial dot products of a lane are
+//     summed over the lanes by a reduce-scatter (5 steps of simd_shuffle_xor, 31 shuffles:
+//     at step h a lane keeps the half of its values whose index bit h matches its lane bit
+//     and adds the partner's copy of them), after which lane i holds the whole score of row
+//     i / KB, key i % KB. The batch's softmax update of a row runs on its KB lanes (max and
+//     sum over log2(KB) xor steps; masks read once per (row, key)); then each lane takes the
+//     rows' rescale factors and weights by simd_shuffle and updates o from the batch's V.
+//   Per key, one simdgroup, nr <= RS valid rows, NV loads per K or V row per lane:
+//     loads per lane: 2 * NV vector loads (D 128 half: two 8-byte loads; D 256: four);
+//     shuffles: (31 + 2 log2 KB) / KB + nr / KB + nr (RS 4, 4 rows: 9.1; RS 8, 8 rows: 18.8).
+//     The staged path, per key: 2 * D / (32 * NSG) scalar loads per thread into threadgroup
+//     memory (D 128, 4 simdgroups: two 16-bit loads), 2 * DPL + RS threadgroup reads per
+//     lane, and per simdgroup with rows DPL * nr + 10 * nr / 32 shuffles of 32 bits (q
+//     from the key's lane, each block's max and sum: 4 rows at D 128: 17.3; 8 rows: 34.5).
+//   RS is chosen from G alone (a decode loop that changes L builds no new kernel): q and o
+//     of RS rows take RS * D/32 floats each per lane (<= 32: RS 16 for D 64, 8 for D 96/128,
+//     4 for D 256). TRAFFIC: each visible K/V byte is read once per KV head when G * L <= RS
+//     (decode), else once per RS-row tile (ceil(G*L / RS) times; a causal tile stops at its
+//     latest query's last key); q once per slice; partials as in the staged path.
+//   REDUCTION ORDER: a score sums the lane's columns in increasing order, then the lanes by
+//     the reduce-scatter's fixed tree; l and o accumulate over the slice's batches in
+//     increasing key order; the combine merges slices in order. Different from the staged
+//     path's order (results differ in the last bits, both within the tolerance table).
+//   Apple: the same structure as MLX's sdpa_vector on Apple GPUs, no threadgroup memory
+//     (occupancy), K/V read once at decode; the Metal plan keeps the staged path until the
+//     two are timed on a Mac. Relies on vec<bfloat16_t, 4> (Metal 3.1's bfloat).
 //
 // Checked only on a Mac: that Apple's compiler accepts the body as written (the register
 //   arrays are indexed with compile-time indices once the constant-trip loops unroll;
@@ -306,8 +356,8 @@ if (DC == 0) {
 
     // o = keep * o + sum_j wgt_j v_j: each row's weights come from its lanes by shuffle.
     for (int rr = 0; rr < RS; ++rr) {
-      const float kr = simd_shuffle(keep, ushort(rr * KB));
-      if (uint(rr) < nr) {
+      if (uint(rr) < nr) {  // uniform over the simdgroup
+        const float kr = simd_shuffle(keep, ushort(rr * KB));
         for (int c = 0; c < DPL; ++c) {
           ov[rr][c] *= kr;
         }
@@ -321,8 +371,8 @@ if (DC == 0) {
           mt_sdpa_load<VW>(&vx[w * VW], vrow + w * 32 * VW);
         }
         for (int rr = 0; rr < RS; ++rr) {
-          const float pj = simd_shuffle(wgt, ushort(rr * KB + j));
           if (uint(rr) < nr) {
+            const float pj = simd_shuffle(wgt, ushort(rr * KB + j));
             for (int c = 0; c < DPL; ++c) {
               ov[rr][c] += pj * vx[c];
             }

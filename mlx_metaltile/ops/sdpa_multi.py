@@ -103,11 +103,15 @@ SPLIT_SPEC, COMBINE_SPEC = register(
                 *scalars("mask_sb", "mask_sh", "mask_sl", "kv_heads", "mask_block")),
         outputs=(Arg("o_part", "float32", 3), Arg("ml_part", "float32", 3)),
         params=("T", "D", "RS", "DC", "MASK_KIND"), bindings=_split_bindings,
-        geometry="rows = L*Hq/Hkv per KV head, tiles of 32; TG = 32*(32/RS) threads "
-                 "(RS = 8, or 4 for D=256); grid (TG*n_splits, ceil(rows/32), B*Hkv); "
-                 "each TG reads its KV slice once (staged 32 keys at a time)",
-        notes="template T, D, RS, DC, MASK_KIND (none/bool/additive); L, kv_len (device-side "
-              "too), S, G, chunk, causal, scale, the mask's strides and block form are runtime",
+        geometry="staged path (DC > 0, Metal): rows = L*Hq/Hkv per KV head, tiles of 32; "
+                 "TG = 32*(32/RS) threads (RS = 8, or 4 for D=256); grid (TG*n_splits, "
+                 "ceil(rows/32), B*Hkv); each TG reads its KV slice once (staged 32 keys at a "
+                 "time). vector path (DC = 0, CUDA): tiles of RS rows (RS >= Hq/Hkv where "
+                 "registers allow); TG = 4 simdgroups, one KV slice each; grid "
+                 "(TG*ceil(rows/RS), n_splits/4, B*Hkv)",
+        notes="template T, D, RS, DC (0: vector path), MASK_KIND (none/bool/additive); L, "
+              "kv_len (device-side too), S, G, chunk, causal, scale, the mask's strides and "
+              "block form are runtime",
     ),
     KernelSpec(
         op=OP, variant="combine", template="sdpa_multi_combine.metal",
@@ -352,24 +356,25 @@ def plan(B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int, dtype: mx.Dtype
 def vector_plan(B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int, dtype: mx.Dtype,
                 cores: int | None = None) -> dict:
     """The vector path's launch geometry (sdpa_multi.metal, VECTOR PATH): tiles of RS rows
-    (the smallest built RS holding every row, else the largest), VEC_SIMDGROUPS slices per
+    (the smallest built RS >= Hq/Hkv, else the largest: a decode step is one tile per KV
+    head, and a change of L or B builds no new kernel), VEC_SIMDGROUPS slices per
     threadgroup, and enough slices for about VEC_SIMDGROUPS_PER_CORE simdgroups per core,
     each slice at least VEC_MIN_KEYS keys and MIN_KEYS_PER_ROW keys per row (partials stay
-    small next to the K/V it reads), at most VEC_MAX_SPLITS."""
+    small next to the K/V it reads), about VEC_MAX_SPLITS at most."""
     rows = (Hq // Hkv) * L
     choices = _vec_rows(D)
-    rs = next((r for r in choices if r >= rows), choices[-1])
+    rs = next((r for r in choices if r >= Hq // Hkv), choices[-1])
     n_tiles = -(-rows // rs)
     keys_per_batch = KEY_BLOCK // rs
     nsg = VEC_SIMDGROUPS
     cores = cores or _device.gpu_cores() or _device.DEFAULT_GPU_CORES
-    want = -(-cores * VEC_SIMDGROUPS_PER_CORE // (B * Hkv * n_tiles))
+    want = min(-(-cores * VEC_SIMDGROUPS_PER_CORE // (B * Hkv * n_tiles)), VEC_MAX_SPLITS)
     min_keys = max(VEC_MIN_KEYS, MIN_KEYS_PER_ROW * rs)
-    n_slices = max(1, min(want, -(-kv_len // min_keys), VEC_MAX_SPLITS))
-    n_groups = -(-n_slices // nsg)
+    # Up to min_keys * want keys the slices are min_keys long whatever kv_len is, so a
+    # device-side kv_len (planned at S) sums in the same order as the same int kv_len.
+    chunk = -(-max(min_keys, -(-kv_len // want)) // keys_per_batch) * keys_per_batch
+    n_groups = -(-kv_len // (chunk * nsg))
     n_splits = n_groups * nsg  # whole threadgroups; trailing slices may see no key
-    batches = -(-kv_len // keys_per_batch)
-    chunk = -(-batches // n_splits) * keys_per_batch
     tg = 32 * nsg
     return {
         "path": "vector", "rs": rs, "dc": 0, "rows": rows, "n_tiles": n_tiles,

@@ -38,18 +38,19 @@ def vplan(B, Hq, Hkv, L, D, kv_len, dtype):
     return op_module.vector_plan(B, Hq, Hkv, L, D, kv_len, dtype)
 
 
-# (B, Hq, Hkv, L, kv_len, S, D, causal): decode (L 1) and verify blocks (L 2..8), GQA 1..8,
+# (B, Hq, Hkv, L, kv_len, S, D, causal): decode (L 1) and verify blocks (L 2..8), GQA 1..16,
 # every head dim and RS, ragged key batches, several row tiles, slack, several slices.
 CASES = [
     (1, 4, 4, 1, 37, 37, 64, False),      # MHA decode, RS 4 with one row
     (1, 32, 8, 1, 300, 320, 128, True),   # Llama-style decode, GQA 4
     (1, 16, 2, 1, 520, 520, 128, False),  # GQA 8 decode: RS 8
-    (2, 8, 2, 8, 70, 96, 64, True),       # GQA 4 x L 8 = 32 rows: two RS-16 tiles, batch 2
-    (1, 8, 2, 8, 200, 256, 128, True),    # 32 rows at D 128: four RS-8 tiles, causal
+    (2, 8, 2, 8, 70, 96, 64, True),       # GQA 4 x L 8 = 32 rows: eight RS-4 tiles, batch 2
+    (1, 8, 2, 8, 200, 256, 128, True),    # 32 rows at D 128: eight tiles, causal
     (1, 6, 3, 8, 129, 200, 96, True),     # D 96 (scalar loads), GQA 2 x L 8 = 16 rows
     (1, 4, 4, 4, 300, 320, 256, False),   # D 256: RS 4
-    (1, 16, 2, 5, 90, 100, 256, True),    # D 256, 40 rows: ten tiles, the last a query mix
+    (1, 16, 2, 5, 90, 100, 256, True),    # D 256, GQA 8 (RS 4): ten tiles mixing two heads
     (1, 4, 1, 3, 3, 3, 64, True),         # kv_len == L: the first query sees one key
+    (1, 16, 1, 2, 100, 100, 64, True),    # GQA 16 x L 2 at D 64: two RS-16 tiles
 ]
 
 
@@ -174,8 +175,8 @@ def test_launches_are_declared_instantiations(kernel_backend, vector_path, launc
     check builds exactly those)."""
     declared = {inst.template for inst in instantiations(op_module.SPLIT_SPEC)}
     for dtype, D in itertools.product(DTYPES, op_module.HEAD_DIMS):
-        for Hq, L in ((2, 1), (8, 2), (8, 4)):  # 2, 8 and 16 rows: every RS of D
-            q, k, v = make_inputs(rng, 1, Hq, 1, L, 40, D, dtype)
+        for Hq in (2, 8, 16):  # GQA 2, 8, 16: every RS of D
+            q, k, v = make_inputs(rng, 1, Hq, 1, 2, 40, D, dtype)
             run_and_check(q, k, v, scale=0.1, causal=False, kv_len=40, backend=kernel_backend)
     splits = [launch.template for launch in launches if launch.name == op_module.SPLIT_SPEC.name]
     assert {dict(t)["RS"] for t in splits} == set(op_module.VEC_ROWS)
@@ -194,11 +195,13 @@ def test_plan():
         rows, rs = L * Hq // Hkv, p["rs"]
         assert rs in op_module.VEC_ROWS and rs * D <= 32 * 32 or rs == op_module.VEC_ROWS[0]
         assert p["n_tiles"] == -(-rows // rs) and p["keys_per_batch"] * rs == 32
-        if rows <= rs:
-            assert p["n_tiles"] == 1
+        if L == 1 and Hq // Hkv <= rs:
+            assert p["n_tiles"] == 1  # decode: one tile per KV head
         n, chunk, nsg = p["n_splits"], p["chunk"], p["n_simdgroups"]
-        assert chunk % p["keys_per_batch"] == 0 and n * chunk >= kv_len
-        assert n % nsg == 0 and n <= max(nsg, op_module.VEC_MAX_SPLITS + nsg - 1)
+        assert chunk % p["keys_per_batch"] == 0 and (n - nsg) * chunk < kv_len <= n * chunk
+        assert n % nsg == 0 and n <= op_module.VEC_MAX_SPLITS + nsg - 1
+        if kv_len <= 256:  # short caches: slices of a fixed length (device kv_len: same sums)
+            assert chunk == max(op_module.VEC_MIN_KEYS, op_module.MIN_KEYS_PER_ROW * rs)
         assert p["threadgroup"] == (32 * nsg, 1, 1) and p["threadgroup_memory"] == 0
         assert p["grid"] == (32 * nsg * p["n_tiles"], n // nsg, B * Hkv)
 
@@ -218,11 +221,12 @@ def vector_bytes_read(B, Hq, Hkv, L, kv_len, D, causal, itemsize, rs):
 
 TRAFFIC_CASES = [
     # (B, Hq, Hkv, L, kv_len, S, D, causal)
-    (1, 32, 8, 1, 1000, 1024, 128, False),  # decode, GQA 4: once
+    (1, 32, 8, 1, 1000, 1024, 128, False),  # decode, GQA 4 (RS 4): once
     (1, 16, 2, 1, 700, 768, 128, True),     # decode, GQA 8 (RS 8): once
-    (2, 8, 2, 4, 150, 200, 64, True),       # 16 rows (RS 16): once, causal
+    (1, 16, 1, 1, 150, 200, 64, True),      # decode, GQA 16 (RS 16): once
     (1, 4, 4, 2, 90, 96, 256, False),       # D 256, 2 rows: once
-    (1, 8, 2, 8, 300, 320, 128, True),      # 32 rows at D 128: four tiles, causal
+    (2, 8, 2, 4, 150, 200, 64, True),       # 16 rows, RS 4: four tiles, causal
+    (1, 8, 2, 8, 300, 320, 128, True),      # 32 rows at D 128: eight tiles, causal
 ]
 
 
@@ -230,8 +234,9 @@ TRAFFIC_CASES = [
 @pytest.mark.parametrize("case", TRAFFIC_CASES, ids=case_id)
 def test_cache_is_read_once_per_tile(launches, vector_path, rng, case, dtype):
     """From the emulator's counters: each visible K/V byte once per KV head when the
-    L * Hq/Hkv rows fit one tile (the decode and small verify shapes), else once per tile
-    of RS rows; q once per slice; partials written once."""
+    L * Hq/Hkv rows fit one tile (decode: RS >= Hq/Hkv), else once per tile of RS rows (a
+    causal tile stops at its latest query's last key); q once per slice; partials written
+    once."""
     _run_traffic_case(launches, rng, case, dtype)
 
 
