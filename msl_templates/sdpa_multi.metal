@@ -111,6 +111,8 @@
 //     i / KB, key i % KB. The batch's softmax update of a row runs on its KB lanes (max and
 //     sum over log2(KB) xor steps; masks read once per (row, key)); then each lane takes the
 //     rows' rescale factors and weights by simd_shuffle and updates o from the batch's V.
+//     A batch's K and V rows are loaded together at its start (one memory round trip per
+//     batch, 2 * KB * D * sizeof(T) bytes in flight per simdgroup), held in T until used.
 //   Per key, one simdgroup, nr <= RS valid rows, NV loads per K or V row per lane:
 //     loads per lane: 2 * NV vector loads (D 128 half: two 8-byte loads; D 256: four);
 //     shuffles: (31 + 2 log2 KB) / KB + nr / KB + nr (RS 4, 4 rows: 9.1; RS 8, 8 rows: 18.8).
@@ -127,6 +129,8 @@
 //     the reduce-scatter's fixed tree; l and o accumulate over the slice's batches in
 //     increasing key order; the combine merges slices in order. Different from the staged
 //     path's order (results differ in the last bits, both within the tolerance table).
+//   CUDA (nvcc sm_90, half): 133 registers per thread at RS 4 / D 128, 149 at RS 8, 197 at
+//     D 256, no spills (the staged path: 123); K/V as ld.global.v4.u16 (D 64: v2).
 //   Apple: the same structure as MLX's sdpa_vector on Apple GPUs, no threadgroup memory
 //     (occupancy), K/V read once at decode; the Metal plan keeps the staged path until the
 //     two are timed on a Mac. Relies on vec<bfloat16_t, 4> (Metal 3.1's bfloat).
@@ -146,7 +150,7 @@ template <typename T, int D, int DC, int TSTRIDE>
 inline void mt_sdpa_stage(threadgroup T* tile, const device T* src, uint n_valid, uint col0,
                           uint tid, uint n_threads) {
   for (uint e = tid; e < 32u * uint(DC); e += n_threads) {
-    const uint j = e / uint(DC);
+    const uint j = e / uint(DC > 0 ? DC : 1);  // DC 0 (the vector path) never stages
     const uint d = e - j * uint(DC);
     tile[j * TSTRIDE + d] = j < n_valid ? src[size_t(j) * D + col0 + d] : T(0);
   }
@@ -193,6 +197,19 @@ inline float mt_sdpa_masked(float sc, MT mv, float mask_unit, thread bool& ok) {
 
 // dst[0 .. VW) = the VW elements at src as float, in one vector load (VW = 4 or 2: src is
 // VW-element aligned, as the VECTOR PATH's layout guarantees) or one scalar load (VW = 1).
+// The VW elements at src as they are stored, in one load, in a VWS-vector (VWS = VW, or 2
+// for VW = 1, the second element then 0): K and V rows stay in T until used.
+template <int VW, int VWS, typename T>
+inline vec<T, VWS> mt_sdpa_fetch(const device T* src) {
+  vec<T, VWS> x = vec<T, VWS>(T(0));
+  if (VW == 1) {
+    x[0] = src[0];
+  } else {
+    x = *reinterpret_cast<const device vec<T, VWS>*>(src);
+  }
+  return x;
+}
+
 template <int VW, typename T>
 inline void mt_sdpa_load(thread float* dst, const device T* src) {
   if (VW == 4) {
@@ -251,6 +268,8 @@ if (DC == 0) {
   constexpr int VW = DPL % 4 == 0 ? 4 : (DPL % 2 == 0 ? 2 : 1);  // columns per load
   constexpr int NV = DPL / VW;  // loads per lane per K (or V) row
   constexpr int KB = 32 / RS;   // keys per batch: RS * KB = 32 scores, one per lane
+  constexpr int VWS = VW == 1 ? 2 : VW;  // a loaded fragment's vector width
+  typedef vec<T, VWS> tfrag;
   const uint n_splits = threadgroups_per_grid.y * (n_threads / 32u);
   const uint slice = threadgroup_position_in_grid.y * (n_threads / 32u) + sg;
   const uint row0 = threadgroup_position_in_grid.x * uint(RS);
@@ -293,23 +312,33 @@ if (DC == 0) {
   }
 
   for (uint kb = k_begin; kb < k_end; kb += uint(KB)) {
-    // Partial scores of the batch: sv[rr * KB + j] = q_rr . k_{kb + j} over this lane's
-    // columns; keys past k_end are not read.
+    // The batch's K and V rows, all loads issued before any is used (keys past k_end are
+    // not read); then the partial scores sv[rr * KB + j] = q_rr . k_{kb + j} over this
+    // lane's columns.
+    const uint nk = min(uint(KB), k_end - kb);
+    tfrag kf[KB][NV];
+    tfrag vf[KB][NV];
+    for (int j = 0; j < KB; ++j) {
+      if (uint(j) < nk) {
+        const size_t at = size_t(kb + uint(j)) * D + col0;
+        for (int w = 0; w < NV; ++w) {
+          kf[j][w] = mt_sdpa_fetch<VW, VWS>(k_head + at + w * 32 * VW);
+          vf[j][w] = mt_sdpa_fetch<VW, VWS>(v_head + at + w * 32 * VW);
+        }
+      }
+    }
     float sv[32];
     for (int i = 0; i < 32; ++i) {
       sv[i] = 0.0f;
     }
     for (int j = 0; j < KB; ++j) {
-      if (kb + uint(j) < k_end) {
-        float kx[DPL];
-        const device T* krow = k_head + size_t(kb + uint(j)) * D + col0;
-        for (int w = 0; w < NV; ++w) {
-          mt_sdpa_load<VW>(&kx[w * VW], krow + w * 32 * VW);
-        }
+      if (uint(j) < nk) {
         for (int rr = 0; rr < RS; ++rr) {
           if (uint(rr) < nr) {
-            for (int c = 0; c < DPL; ++c) {
-              sv[rr * KB + j] += qr_v[rr][c] * kx[c];
+            for (int w = 0; w < NV; ++w) {
+              for (int e = 0; e < VW; ++e) {
+                sv[rr * KB + j] += qr_v[rr][w * VW + e] * float(kf[j][w][e]);
+              }
             }
           }
         }
@@ -364,17 +393,14 @@ if (DC == 0) {
       }
     }
     for (int j = 0; j < KB; ++j) {
-      if (kb + uint(j) < k_end) {
-        float vx[DPL];
-        const device T* vrow = v_head + size_t(kb + uint(j)) * D + col0;
-        for (int w = 0; w < NV; ++w) {
-          mt_sdpa_load<VW>(&vx[w * VW], vrow + w * 32 * VW);
-        }
+      if (uint(j) < nk) {
         for (int rr = 0; rr < RS; ++rr) {
           if (uint(rr) < nr) {
             const float pj = simd_shuffle(wgt, ushort(rr * KB + j));
-            for (int c = 0; c < DPL; ++c) {
-              ov[rr][c] += pj * vx[c];
+            for (int w = 0; w < NV; ++w) {
+              for (int e = 0; e < VW; ++e) {
+                ov[rr][w * VW + e] += pj * float(vf[j][w][e]);
+              }
             }
           }
         }
