@@ -5,7 +5,7 @@
 // Two paths, chosen by the template parameter DC (the launch plan picks one per backend,
 // ops/sdpa_multi.py SPLIT_PATH): the STAGED PATH (DC > 0: 32-row tiles, K/V staged through
 // threadgroup memory 32 keys at a time, one key per lane; the Metal plan) and the VECTOR PATH
-// (DC = 0: RS-row tiles, one simdgroup per slice, each lane reading D/32 contiguous
+// (DC = 0: RS-row tiles, 4 simdgroups per slice, each lane reading D/32 contiguous
 // elements of every K/V row straight from device memory; the CUDA plan). Both share the
 // math, the masks, the partials' layout and the combine below.
 //
@@ -93,11 +93,14 @@
 // VECTOR PATH (DC == 0), after MLX's own sdpa_vector kernels (a SIMD-group per key, each lane
 //   holding D/32 contiguous elements of q, k and the output) extended to the RS query rows
 //   of a tile so that K/V are read once for all of them:
-//   threadgroup = (32 * NSG, 1, 1): NSG simdgroups, each its own KV slice (no threadgroup
-//     memory, no barrier); grid = (32 * NSG * ceil(G*L / RS), n_splits / NSG, B * Hkv):
-//     threadgroup_position_in_grid = (row tile, slice group, b * Hkv + kvh), the row tiles
-//     of one slice adjacent (their re-reads of the same keys meet in the GPU's L2);
-//     simdgroup sg of slice group y owns slice y * NSG + sg, n_splits = NSG * groups.
+//   threadgroup = (32 * VSG, 1, 1), VSG = 4 simdgroups sharing one KV slice (the launcher's
+//     VEC_SIMDGROUPS must equal VSG); grid = (32 * VSG * ceil(G*L / RS), n_splits, B * Hkv):
+//     threadgroup_position_in_grid = (row tile, slice, b * Hkv + kvh), the row tiles of one
+//     slice adjacent (their re-reads of the same keys meet in the GPU's L2). Simdgroup sg
+//     takes the slice's key batches sg, sg + VSG, ..., keeping its own (m, lsum, o) per
+//     row; at the end each writes them to p_tile (VSG * RS * (D + 2) floats, <= 16.6 KiB),
+//     one barrier, and simdgroup sg merges rows sg, sg + VSG, ... as the combine merges
+//     slices (weights 2^(m_s - M) lsum_s / W, summing to 1) into the slice's entry.
 //   Lane i holds columns w * 32 * VW + i * VW + e (w < NV, e < VW; VW = 4, 2 or 1 as D/32
 //     allows: D 64 -> one 2-vector, 96 -> three scalars, 128 -> one 4-vector, 256 -> two
 //     4-vectors) of q (pre-scaled) and o for each of the tile's RS rows, and reads the same
@@ -124,15 +127,17 @@
 //     of RS rows take RS * D/32 floats each per lane (<= 32: RS 16 for D 64, 8 for D 96/128,
 //     4 for D 256). TRAFFIC: each visible K/V byte is read once per KV head when G * L <= RS
 //     (decode), else once per RS-row tile (ceil(G*L / RS) times; a causal tile stops at its
-//     latest query's last key); q once per slice; partials as in the staged path.
+//     latest query's last key); q once per slice and simdgroup; partials as in the staged
+//     path, one entry per slice.
 //   REDUCTION ORDER: a score sums the lane's columns in increasing order, then the lanes by
-//     the reduce-scatter's fixed tree; l and o accumulate over the slice's batches in
-//     increasing key order; the combine merges slices in order. Different from the staged
+//     the reduce-scatter's fixed tree; a simdgroup's l and o accumulate over its batches in
+//     increasing key order; the simdgroups merge in order, then the combine the slices. Different from the staged
 //     path's order (results differ in the last bits, both within the tolerance table).
-//   CUDA (nvcc sm_90, half): 133 registers per thread at RS 4 / D 128, 149 at RS 8, 197 at
-//     D 256, no spills (the staged path: 123); K/V as ld.global.v4.u16 (D 64: v2).
-//   Apple: the same structure as MLX's sdpa_vector on Apple GPUs, no threadgroup memory
-//     (occupancy), K/V read once at decode; the Metal plan keeps the staged path until the
+//   CUDA (nvcc sm_90, half): 132 registers per thread at RS 4 / D 128, 140 at RS 8, 196 at
+//     D 256, 126 at RS 16 / D 64, no spills (the staged path: 123); K/V as ld.global.v4.u16
+//     (D 64: v2; D 96: scalar u16, coalesced).
+//   Apple: the same structure as MLX's sdpa_vector on Apple GPUs (its cross-simdgroup
+//     merge included), K/V read once at decode; the Metal plan keeps the staged path until the
 //     two are timed on a Mac. Relies on vec<bfloat16_t, 4> (Metal 3.1's bfloat).
 //
 // Checked only on a Mac: that Apple's compiler accepts the body as written (the register
@@ -240,7 +245,9 @@ static_assert(DC == 0 || (DC % 32 == 0 && D % DC == 0), "staged column chunks");
 static_assert(RS >= 1 && RS <= 32 && 32 % RS == 0, "rows per simdgroup");
 typedef vec<float, QV> qvec;
 threadgroup T kv_tile[DC == 0 ? 1 : 32 * TSTRIDE];  // the vector path stages nothing
-threadgroup float p_tile[DC == 0 ? 1 : 32 * 32];
+constexpr int VSG = 4;  // the vector path's simdgroups per threadgroup (VEC_SIMDGROUPS)
+// staged: each simdgroup's rows of p; vector: each simdgroup's partial (o, m, lsum) rows
+threadgroup float p_tile[DC == 0 ? VSG * RS * (D + 2) : 32 * 32];
 
 const uint bh = threadgroup_position_in_grid.z;
 const uint tid = thread_position_in_threadgroup.x;
@@ -264,14 +271,14 @@ const device T* k_head = k + head_off;
 const device T* v_head = v + head_off;
 
 if (DC == 0) {
-  // ---- VECTOR PATH (see its section above): one simdgroup = one slice of RS rows ----
+  // ---- VECTOR PATH (see its section above): VSG simdgroups share a slice of RS rows ----
   constexpr int VW = DPL % 4 == 0 ? 4 : (DPL % 2 == 0 ? 2 : 1);  // columns per load
   constexpr int NV = DPL / VW;  // loads per lane per K (or V) row
   constexpr int KB = 32 / RS;   // keys per batch: RS * KB = 32 scores, one per lane
   constexpr int VWS = VW == 1 ? 2 : VW;  // a loaded fragment's vector width
   typedef vec<T, VWS> tfrag;
-  const uint n_splits = threadgroups_per_grid.y * (n_threads / 32u);
-  const uint slice = threadgroup_position_in_grid.y * (n_threads / 32u) + sg;
+  const uint n_splits = threadgroups_per_grid.y;
+  const uint slice = threadgroup_position_in_grid.y;
   const uint row0 = threadgroup_position_in_grid.x * uint(RS);
   const uint nr = min(uint(RS), n_rows - row0);  // >= 1: the grid has ceil(rows / RS) tiles
   const uint k_begin = slice * chunk_keys;
@@ -311,7 +318,8 @@ if (DC == 0) {
     }
   }
 
-  for (uint kb = k_begin; kb < k_end; kb += uint(KB)) {
+  // Simdgroup sg takes batches sg, sg + VSG, ... of the slice.
+  for (uint kb = k_begin + sg * uint(KB); kb < k_end; kb += uint(VSG * KB)) {
     // The batch's K and V rows, all loads issued before any is used (keys past k_end are
     // not read); then the partial scores sv[rr * KB + j] = q_rr . k_{kb + j} over this
     // lane's columns.
@@ -408,21 +416,52 @@ if (DC == 0) {
     }
   }
 
-  // Partial results of this slice (an empty slice writes m = -INFINITY, lsum = 0, o = 0).
+  // Merge the simdgroups' partials through threadgroup memory (as the combine merges
+  // slices, weights 2^(m_s - M) lsum_s / W summing to 1); simdgroup sg then writes rows
+  // sg, sg + VSG, ... of the slice's entry (an empty slice: m = -INFINITY, lsum = 0, o = 0).
+  threadgroup float* mine = p_tile + sg * uint(RS * (D + 2));
   for (int rr = 0; rr < RS; ++rr) {
     if (uint(rr) < nr) {
-      const size_t entry = (q_row0 + row0 + uint(rr)) * n_splits + slice;
       for (int w = 0; w < NV; ++w) {
         for (int e = 0; e < VW; ++e) {
-          o_part[entry * D + uint(w * 32 * VW + e) + col0] = ov[rr][w * VW + e];
+          mine[rr * (D + 2) + w * 32 * VW + e + int(col0)] = ov[rr][w * VW + e];
         }
       }
     }
   }
   if (lane_valid && lj == 0u) {
-    const size_t entry = (q_row0 + row0 + lr) * n_splits + slice;
-    ml_part[entry * 2u] = m_l;
-    ml_part[entry * 2u + 1u] = l_l;
+    mine[lr * uint(D + 2) + uint(D)] = m_l;
+    mine[lr * uint(D + 2) + uint(D) + 1u] = l_l;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint rr = sg; rr < nr; rr += uint(VSG)) {
+    const threadgroup float* row = p_tile + rr * uint(D + 2);  // simdgroup s: + s * RS*(D+2)
+    float m_max = -INFINITY;
+    for (int s2 = 0; s2 < VSG; ++s2) {
+      m_max = max(m_max, row[s2 * RS * (D + 2) + D]);
+    }
+    float wt[VSG];
+    float w_sum = 0.0f;
+    for (int s2 = 0; s2 < VSG; ++s2) {
+      const float m_s = row[s2 * RS * (D + 2) + D];
+      wt[s2] = (m_s == m_max ? 1.0f : exp2(unit * (m_s - m_max)))
+               * row[s2 * RS * (D + 2) + D + 1];
+      w_sum += wt[s2];
+    }
+    const float inv = w_sum > 0.0f ? 1.0f / w_sum : 0.0f;  // 0: the slice saw no key
+    const size_t entry = (q_row0 + row0 + rr) * n_splits + slice;
+    for (int c = 0; c < DPL; ++c) {
+      const uint col = lane + 32u * uint(c);
+      float acc = 0.0f;
+      for (int s2 = 0; s2 < VSG; ++s2) {
+        acc += (wt[s2] * inv) * row[s2 * RS * (D + 2) + int(col)];
+      }
+      o_part[entry * D + col] = acc;
+    }
+    if (lane == 0u) {
+      ml_part[entry * 2u] = m_max;
+      ml_part[entry * 2u + 1u] = w_sum;
+    }
   }
   return;
 }

@@ -45,18 +45,18 @@ MIN_SPLIT_BLOCKS = 4
 MIN_KEYS_PER_ROW = 16
 MAX_SPLITS = 128
 # The split kernel's two paths (sdpa_multi.metal), chosen per backend: "staged" (32-row
-# tiles, K/V staged through threadgroup memory, lane per key) or "vector" (RS-row tiles, one
-# simdgroup per KV slice, each lane reading D/32 contiguous elements of every K/V row). The
+# tiles, K/V staged through threadgroup memory, lane per key) or "vector" (RS-row tiles, 4
+# simdgroups per KV slice, each lane reading D/32 contiguous elements of every K/V row). The
 # Metal plan keeps the staged path until the vector path is timed on a Mac; the emulator
 # follows Metal (tests force either).
 SPLIT_PATH = {"metal": "staged", "emulator": "staged", "cuda": "vector"}
 VEC_ROWS = (4, 8, 16)  # rows per simdgroup (RS) the vector path is built for
-VEC_SIMDGROUPS = 4  # simdgroups (KV slices) per threadgroup
+VEC_SIMDGROUPS = 4  # simdgroups sharing a KV slice per threadgroup (the kernel's VSG)
 # Simdgroups in flight per GPU core the vector plan aims for, its shortest slice and most
 # slices (tuning constants: they change speed, never results).
 VEC_SIMDGROUPS_PER_CORE = 16
 VEC_MIN_KEYS = 64
-VEC_MAX_SPLITS = 256
+VEC_MAX_SPLITS = 64
 LOG2E = 1.4426950408889634
 MAX_SCALE = 3.4028234663852886e38 / LOG2E  # scale * log2(e) stays a finite float32
 
@@ -107,8 +107,8 @@ SPLIT_SPEC, COMBINE_SPEC = register(
                  "TG = 32*(32/RS) threads (RS = 8, or 4 for D=256); grid (TG*n_splits, "
                  "ceil(rows/32), B*Hkv); each TG reads its KV slice once (staged 32 keys at a "
                  "time). vector path (DC = 0, CUDA): tiles of RS rows (RS >= Hq/Hkv where "
-                 "registers allow); TG = 4 simdgroups, one KV slice each; grid "
-                 "(TG*ceil(rows/RS), n_splits/4, B*Hkv)",
+                 "registers allow); TG = 4 simdgroups sharing one KV slice, merged in "
+                 "threadgroup memory; grid (TG*ceil(rows/RS), n_splits, B*Hkv)",
         notes="template T, D, RS, DC (0: vector path), MASK_KIND (none/bool/additive); L, "
               "kv_len (device-side too), S, G, chunk, causal, scale, the mask's strides and "
               "block form are runtime",
@@ -357,10 +357,10 @@ def vector_plan(B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int, dtype: m
                 cores: int | None = None) -> dict:
     """The vector path's launch geometry (sdpa_multi.metal, VECTOR PATH): tiles of RS rows
     (the smallest built RS >= Hq/Hkv, else the largest: a decode step is one tile per KV
-    head, and a change of L or B builds no new kernel), VEC_SIMDGROUPS slices per
-    threadgroup, and enough slices for about VEC_SIMDGROUPS_PER_CORE simdgroups per core,
-    each slice at least VEC_MIN_KEYS keys and MIN_KEYS_PER_ROW keys per row (partials stay
-    small next to the K/V it reads), about VEC_MAX_SPLITS at most."""
+    head, and a change of L or B builds no new kernel), threadgroups of VEC_SIMDGROUPS
+    simdgroups sharing one KV slice, and enough slices for about VEC_SIMDGROUPS_PER_CORE
+    simdgroups per core, each slice at least VEC_MIN_KEYS keys and MIN_KEYS_PER_ROW keys per
+    row (partials stay small next to the K/V it reads), at most VEC_MAX_SPLITS."""
     rows = (Hq // Hkv) * L
     choices = _vec_rows(D)
     rs = next((r for r in choices if r >= Hq // Hkv), choices[-1])
@@ -368,19 +368,21 @@ def vector_plan(B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int, dtype: m
     keys_per_batch = KEY_BLOCK // rs
     nsg = VEC_SIMDGROUPS
     cores = cores or _device.gpu_cores() or _device.DEFAULT_GPU_CORES
-    want = min(-(-cores * VEC_SIMDGROUPS_PER_CORE // (B * Hkv * n_tiles)), VEC_MAX_SPLITS)
+    want = -(-cores * VEC_SIMDGROUPS_PER_CORE // (B * Hkv * n_tiles * nsg))
+    want = max(1, min(want, VEC_MAX_SPLITS))
     min_keys = max(VEC_MIN_KEYS, MIN_KEYS_PER_ROW * rs)
     # Up to min_keys * want keys the slices are min_keys long whatever kv_len is, so a
     # device-side kv_len (planned at S) sums in the same order as the same int kv_len.
     chunk = -(-max(min_keys, -(-kv_len // want)) // keys_per_batch) * keys_per_batch
-    n_groups = -(-kv_len // (chunk * nsg))
-    n_splits = n_groups * nsg  # whole threadgroups; trailing slices may see no key
+    n_splits = -(-kv_len // chunk)
     tg = 32 * nsg
     return {
         "path": "vector", "rs": rs, "dc": 0, "rows": rows, "n_tiles": n_tiles,
         "n_simdgroups": nsg, "n_splits": n_splits, "chunk": chunk,
         "keys_per_batch": keys_per_batch, "threadgroup": (tg, 1, 1),
-        "grid": (tg * n_tiles, n_groups, B * Hkv), "threadgroup_memory": 0,
+        "grid": (tg * n_tiles, n_splits, B * Hkv),
+        # the simdgroups' partials, and the staged path's 1-element tile (16-byte aligned)
+        "threadgroup_memory": nsg * rs * (D + 2) * 4 + 16,
     }
 
 

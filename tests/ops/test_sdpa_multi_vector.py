@@ -184,8 +184,8 @@ def test_launches_are_declared_instantiations(kernel_backend, vector_path, launc
 
 
 def test_plan():
-    """Slices of whole key batches covering [0, kv_len), whole threadgroups of
-    VEC_SIMDGROUPS slices, tiles of RS rows, the dispatch limits."""
+    """Non-empty slices of whole key batches covering [0, kv_len), one threadgroup of
+    VEC_SIMDGROUPS simdgroups per slice and tile of RS rows, the dispatch limits."""
     for B, Hq, Hkv, L, kv_len, D, dtype in itertools.product(
             (1, 2, 8), (32, 8), (8, 1), (1, 4, 8, 16), (8, 100, 1024, 16384),
             op_module.HEAD_DIMS, DTYPES):
@@ -198,12 +198,10 @@ def test_plan():
         if L == 1 and Hq // Hkv <= rs:
             assert p["n_tiles"] == 1  # decode: one tile per KV head
         n, chunk, nsg = p["n_splits"], p["chunk"], p["n_simdgroups"]
-        assert chunk % p["keys_per_batch"] == 0 and (n - nsg) * chunk < kv_len <= n * chunk
-        assert n % nsg == 0 and n <= op_module.VEC_MAX_SPLITS + nsg - 1
-        if kv_len <= 256:  # short caches: slices of a fixed length (device kv_len: same sums)
-            assert chunk == max(op_module.VEC_MIN_KEYS, op_module.MIN_KEYS_PER_ROW * rs)
-        assert p["threadgroup"] == (32 * nsg, 1, 1) and p["threadgroup_memory"] == 0
-        assert p["grid"] == (32 * nsg * p["n_tiles"], n // nsg, B * Hkv)
+        assert chunk % p["keys_per_batch"] == 0 and (n - 1) * chunk < kv_len <= n * chunk
+        assert 1 <= n <= op_module.VEC_MAX_SPLITS
+        assert p["threadgroup"] == (32 * nsg, 1, 1) and p["threadgroup_memory"] <= 32 * 1024
+        assert p["grid"] == (32 * nsg * p["n_tiles"], n, B * Hkv)
 
 
 # ---- device traffic (emulator counters) -------------------------------------------------
@@ -235,8 +233,8 @@ TRAFFIC_CASES = [
 def test_cache_is_read_once_per_tile(launches, vector_path, rng, case, dtype):
     """From the emulator's counters: each visible K/V byte once per KV head when the
     L * Hq/Hkv rows fit one tile (decode: RS >= Hq/Hkv), else once per tile of RS rows (a
-    causal tile stops at its latest query's last key); q once per slice; partials written
-    once."""
+    causal tile stops at its latest query's last key); q once per slice and simdgroup;
+    partials written once per slice."""
     _run_traffic_case(launches, rng, case, dtype)
 
 
@@ -258,11 +256,12 @@ def _run_traffic_case(launches, rng, case, dtype):
         assert split.bytes_read[name] == want, (
             f"{name}: read {split.bytes_read[name]} bytes, want {want} "
             f"({split.bytes_read[name] / ideal:.3f} x the visible cache)")
-    assert split.bytes_read["q"] == plan["n_splits"] * q.nbytes
+    assert split.bytes_read["q"] == plan["n_splits"] * plan["n_simdgroups"] * q.nbytes
     n_out = B * Hq * L
     assert split.bytes_written["o_part"] == n_out * plan["n_splits"] * D * 4
     assert split.bytes_written["ml_part"] == n_out * plan["n_splits"] * 2 * 4
     assert split.grid == plan["grid"] and split.threadgroup == plan["threadgroup"]
+    assert split.threadgroup_memory <= plan["threadgroup_memory"]
     assert combine.bytes_read["o_part"] == n_out * plan["n_splits"] * D * 4
 
 
@@ -289,3 +288,41 @@ def test_negative_control_stale_weights(kernel_backend, vector_path, broken_kern
     q, k, v = make_inputs(rng, 1, 4, 2, 2, 300, 64, mx.float32)
     with pytest.raises(AssertionError, match="out of tolerance"):
         run_and_check(q, k, v, scale=0.125, causal=False, kv_len=300, backend=kernel_backend)
+
+
+# ---- the simdgroups' merge through threadgroup memory (emulator strict mode) -------------
+
+@pytest.mark.parametrize("seed", (1, 2))
+def test_emulator_strict_shuffled(vector_path, rng, seed):
+    """Strict mode (no read of threadgroup memory before it is written, no race on it) with
+    threads and threadgroups in a permuted order: the result must not change."""
+    require_backend("emulator")
+    from mlx_metaltile import emulator
+
+    previous = emulator.configure(strict=True, shuffle_seed=seed)
+    try:
+        with backends.use_backend("emulator"):
+            for B, Hq, Hkv, L, kv_len, S, D, causal in ((1, 8, 2, 8, 200, 256, 64, True),
+                                                        (1, 32, 8, 1, 300, 320, 128, False)):
+                q, k, v = make_inputs(rng, B, Hq, Hkv, L, S, D, mx.float16)
+                run_and_check(q, k, v, scale=D ** -0.5, causal=causal, kv_len=kv_len,
+                              backend="emulator")
+    finally:
+        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
+
+
+def test_negative_control_missing_merge_barrier(vector_path, broken_kernel, rng):
+    """Merging the simdgroups' partials without waiting for all of them must be caught."""
+    require_backend("emulator")
+    from mlx_metaltile import emulator
+
+    merge = "  threadgroup_barrier(mem_flags::mem_threadgroup);\n  for (uint rr = sg; rr < nr;"
+    broken_kernel(op_module.SPLIT_SPEC, (merge, "  for (uint rr = sg; rr < nr;"))
+    q, k, v = make_inputs(rng, 1, 8, 2, 2, 300, 64, mx.float16)
+    previous = emulator.configure(strict=True, shuffle_seed=1)
+    try:
+        with backends.use_backend("emulator"), pytest.raises((emulator.ThreadgroupRace,
+                                                           emulator.UninitializedThreadgroupRead)):
+            mx.eval(mt.sdpa_multi(q, k, v, scale=0.125, causal=True, kv_len=290))
+    finally:
+        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
