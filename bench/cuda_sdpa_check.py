@@ -1,9 +1,10 @@
 """sdpa_multi against mx.fast.scaled_dot_product_attention on the CUDA backend, at decode and
 verify shapes, with the split kernel's staged and vector paths side by side.
 
-    MLX_METALTILE_BACKEND=cuda python bench/cuda_sdpa_check.py [--variant vector staged]
+    python bench/cuda_sdpa_check.py [--variant vector staged]
         [--heads 32/8 16/2] [--dims 128 256] [--L 1 4 8] [--kv 1024 4096 16384]
         [--dtypes float16 bfloat16] [--iters 20] [--batch 8]
+        [--vec-simdgroups-per-core 16] [--vec-min-keys 64] [--vec-max-splits 64]
 
 Per case: native and ours in microseconds per call (median of --iters samples, each the
 evaluation of --batch queued calls on rotating device copies of the inputs, as
@@ -35,6 +36,7 @@ from mlx_metaltile.cases.sdpa_multi import launch_counts, oracle  # noqa: E402
 
 op_module = importlib.import_module("mlx_metaltile.ops.sdpa_multi")
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+BACKEND = "cuda"
 
 
 def error_ratio(out, want, limit) -> float:
@@ -56,11 +58,23 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
+    # the vector plan's tuning constants (ops/sdpa_multi.py), for sweeps: speed only
+    for name in ("VEC_SIMDGROUPS_PER_CORE", "VEC_MIN_KEYS", "VEC_MAX_SPLITS"):
+        ap.add_argument("--" + name.lower().replace("_", "-"), type=int,
+                        default=getattr(op_module, name), help=f"sdpa_multi.{name}")
     args = ap.parse_args()
-    if backends.resolve_backend() != "cuda":
-        sys.exit("run with MLX_METALTILE_BACKEND=cuda on MLX's CUDA build")
+    for name in ("VEC_SIMDGROUPS_PER_CORE", "VEC_MIN_KEYS", "VEC_MAX_SPLITS"):
+        setattr(op_module, name, getattr(args, name.lower()))
+    why = backends.unavailable_reason(BACKEND)
+    if why is not None:
+        sys.exit(f"the {BACKEND} backend is unavailable here: {why}")
+    with backends.use_backend(BACKEND):
+        run(args)
+
+
+def run(args) -> None:
     rng = np.random.default_rng(0)
-    head = ["heads", "D", "L", "kv", "dtype", "native us"]
+    head = ["heads", "D", "L", "kv", "dtype", "splits", "native us"]
     for name in args.variant:
         head += [f"{name} us", f"{name} x", f"{name} GB/s", f"{name} err"]
     print(" | ".join(head))
@@ -87,13 +101,14 @@ def main() -> None:
         limit = bound(want, dtype, magnitude)
         t_native = statistics.median(samples(native, inputs, args.warmup, args.iters,
                                              args.batch))
-        row = [heads, str(D), str(L), str(kv), dname, f"{t_native * 1e6:.1f}"]
+        splits = op_module.vector_plan(1, Hq, Hkv, L, D, kv, dtype)["n_splits"]
+        row = [heads, str(D), str(L), str(kv), dname, str(splits), f"{t_native * 1e6:.1f}"]
         for name in args.variant:
-            op_module.SPLIT_PATH["cuda"] = name
-            before = launch_counts("cuda")
+            op_module.SPLIT_PATH[BACKEND] = name
+            before = launch_counts(BACKEND)
             out = ours(**base)
             mx.eval(out)
-            assert launch_counts("cuda") == (before[0] + 1, before[1] + 1)
+            assert launch_counts(BACKEND) == (before[0] + 1, before[1] + 1)
             err = error_ratio(out, want, limit)
             t = statistics.median(samples(ours, inputs, args.warmup, args.iters, args.batch))
             row += [f"{t * 1e6:.1f}", f"{t_native / t:.2f}", f"{nbytes / t / 1e9:.0f}",
