@@ -4,7 +4,7 @@ verify shapes, with the split kernel's staged and vector paths side by side.
     python bench/cuda_sdpa_check.py [--variant vector staged]
         [--heads 32/8 16/2] [--dims 128 256] [--L 1 4 8] [--kv 1024 4096 16384]
         [--dtypes float16 bfloat16] [--iters 20] [--batch 8]
-        [--vec-simdgroups-per-core 16] [--vec-min-keys 64] [--vec-max-splits 64]
+        [--vec-simdgroups-per-core 12] [--vec-min-keys 64] [--vec-max-splits 64]
 
 Per case: native and ours in microseconds per call (median of --iters samples, each the
 evaluation of --batch queued calls on rotating device copies of the inputs, as

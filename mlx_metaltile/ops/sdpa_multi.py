@@ -52,9 +52,10 @@ MAX_SPLITS = 128
 SPLIT_PATH = {"metal": "staged", "emulator": "staged", "cuda": "vector"}
 VEC_ROWS = (4, 8, 16)  # rows per simdgroup (RS) the vector path is built for
 VEC_SIMDGROUPS = 4  # simdgroups sharing a KV slice per threadgroup (the kernel's VSG)
-# Simdgroups in flight per GPU core the vector plan aims for, its shortest slice and most
-# slices (tuning constants: they change speed, never results).
-VEC_SIMDGROUPS_PER_CORE = 16
+# Simdgroups in flight per GPU core the vector plan aims for (12: three 4-simdgroup
+# threadgroups, what an H100/H200 SM holds at the kernel's 132-140 registers per thread),
+# its shortest slice and most slices (tuning constants: they change speed, never results).
+VEC_SIMDGROUPS_PER_CORE = 12
 VEC_MIN_KEYS = 64
 VEC_MAX_SPLITS = 64
 LOG2E = 1.4426950408889634
@@ -368,8 +369,9 @@ def vector_plan(B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int, dtype: m
     keys_per_batch = KEY_BLOCK // rs
     nsg = VEC_SIMDGROUPS
     cores = cores or _device.gpu_cores() or _device.DEFAULT_GPU_CORES
-    want = -(-cores * VEC_SIMDGROUPS_PER_CORE // (B * Hkv * n_tiles * nsg))
-    want = max(1, min(want, VEC_MAX_SPLITS))
+    # rounded down: a last partial wave of threadgroups would cost a whole one
+    want = max(1, min(cores * VEC_SIMDGROUPS_PER_CORE // (B * Hkv * n_tiles * nsg),
+                      VEC_MAX_SPLITS))
     min_keys = max(VEC_MIN_KEYS, MIN_KEYS_PER_ROW * rs)
     # Up to min_keys * want keys the slices are min_keys long whatever kv_len is, so a
     # device-side kv_len (planned at S) sums in the same order as the same int kv_len.
