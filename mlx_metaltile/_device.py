@@ -22,6 +22,11 @@ PEAK_GBPS = {
 }
 # Chips published with more than one figure (binned parts) are left out: "unknown" beats a guess.
 
+# GPU cores (NVIDIA SMs; Apple GPU cores) by chip name as MLX reports it, lower-case: launch
+# plans size their grids by it. DEFAULT_GPU_CORES stands in for a chip not listed.
+GPU_CORES = {"nvidia h100 80gb hbm3": 132, "nvidia h100": 132, "nvidia h200": 132}
+DEFAULT_GPU_CORES = 132
+
 
 def device_name() -> str:
     try:
@@ -38,6 +43,12 @@ def device_slug(name: str | None = None) -> str:
 
 def peak_gbps(name: str | None = None) -> float | None:
     return PEAK_GBPS.get((name or device_name()).lower().strip())
+
+
+@functools.cache
+def gpu_cores() -> int | None:
+    """This machine's GPU core count (GPU_CORES), None if its chip is not listed."""
+    return GPU_CORES.get(device_name().lower().strip())
 
 
 def git_sha() -> str:

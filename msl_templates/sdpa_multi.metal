@@ -1,7 +1,13 @@
-// sdpa_multi.metal: pass 1 of sdpa_multi. A tile of up to 32 query rows (L queries x the
-// G = Hq/Hkv query heads that share one KV head) attends one slice of the KV cache; the slice
-// is read from device memory once for all rows of the tile. Writes unnormalised partial
-// softmax results; sdpa_multi_combine.metal merges the slices.
+// sdpa_multi.metal: pass 1 of sdpa_multi. A tile of query rows (L queries x the G = Hq/Hkv
+// query heads that share one KV head) attends one slice of the KV cache; the slice is read
+// from device memory once for all rows of the tile. Writes partial softmax results (o
+// divided by the slice's lsum); sdpa_multi_combine.metal merges the slices.
+// Two paths, chosen by the template parameter DC (the launch plan picks one per backend,
+// ops/sdpa_multi.py SPLIT_PATH): the STAGED PATH (DC > 0: 32-row tiles, K/V staged through
+// threadgroup memory 32 keys at a time, one key per lane; the Metal plan) and the VECTOR PATH
+// (DC = 0: RS-row tiles, 4 simdgroups per slice, each lane reading D/32 contiguous
+// elements of every K/V row straight from device memory; the CUDA plan). Both share the
+// math, the masks, the partials' layout and the combine below.
 //
 // MATH (per query row r of a KV head's group, all in float32; base-2 exponentials):
 //   row r = g * L + l is query l of query head kvh * G + g (G = Hq / Hkv)
@@ -45,17 +51,20 @@
 //     row >= S even if a launcher passed kv_len > S: the kernel clamps it)
 //   o_part [B*Hq*L, n_splits, D] float32, ml_part [B*Hq*L, n_splits, 2] float32 (m, lsum)
 //   0-d runtime inputs: n_q (L), group (G), kv_len, kv_rows (S), chunk (keys per slice,
-//   a multiple of 32), causal (0/1) as uint, scale (float, times log2(e)). kv_len may be
+//   a multiple of 32; of KB on the VECTOR PATH), causal (0/1) as uint, scale (float, times
+//   log2(e)). kv_len may be
 //   device-side: it is clamped to [L, S] here, and slices past it see no key.
 //   mask [MB, MH, L, MC] (bool or T; a 1-element dummy when MASK_KIND == 0), read with the
 //   element strides mask_sb, mask_sh, mask_sl (0 on a broadcast axis), column stride 1;
 //   kv_heads (Hkv) and mask_block (0/1: key0 above) as uint.
 //   ml_part's m is in units of d (as above): the combine takes the same scale to undo them.
-//   Template: T, D (head dim, multiple of 32), RS (rows per simdgroup), DC (columns
+//   Template: T, D (head dim, multiple of 32), RS (rows per simdgroup), DC (0: the VECTOR
+//   PATH below; else the STAGED PATH's columns
 //   staged at a time: D or D/2, a multiple of 32, with 32 * DC * sizeof(T) <= 16 KiB),
 //   MASK_KIND (0 none or causal, 1 bool, 2 additive: the unmasked path reads no mask).
 //
-// DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
+// DISPATCH INVARIANTS of the STAGED PATH (the wrapper derives them from validated shapes;
+// the VECTOR PATH's are in its section below):
 //   threadgroup = (32 * NSG, 1, 1), NSG = 32 / RS simdgroups (also when G*L < 32: the
 //     simdgroups without rows still share the staging loads)
 //   grid = (32 * NSG * n_splits, ceil(G*L / 32), B * Hkv):
@@ -81,6 +90,56 @@
 // REDUCTION ORDER: scores accumulate over d in increasing order; l and o accumulate over the
 //   keys of a slice in increasing block order; a block's p are summed with simd_sum.
 //
+// VECTOR PATH (DC == 0), after MLX's own sdpa_vector kernels (a SIMD-group per key, each lane
+//   holding D/32 contiguous elements of q, k and the output) extended to the RS query rows
+//   of a tile so that K/V are read once for all of them:
+//   threadgroup = (32 * VSG, 1, 1), VSG = 4 simdgroups sharing one KV slice (the launcher's
+//     VEC_SIMDGROUPS must equal VSG); grid = (32 * VSG * ceil(G*L / RS), n_splits, B * Hkv):
+//     threadgroup_position_in_grid = (row tile, slice, b * Hkv + kvh), the row tiles of one
+//     slice adjacent (their re-reads of the same keys meet in the GPU's L2). Simdgroup sg
+//     takes the slice's key batches sg, sg + VSG, ..., keeping its own (m, lsum, o) per
+//     row; at the end each writes them to p_tile (VSG * RS * (D + 2) floats, <= 16.6 KiB),
+//     one barrier, and simdgroup sg merges rows sg, sg + VSG, ... as the combine merges
+//     slices (weights 2^(m_s - M) lsum_s / W, summing to 1) into the slice's entry.
+//   Lane i holds columns w * 32 * VW + i * VW + e (w < NV, e < VW; VW = 4, 2 or 1 as D/32
+//     allows: D 64 -> one 2-vector, 96 -> three scalars, 128 -> one 4-vector, 256 -> two
+//     4-vectors) of q (pre-scaled) and o for each of the tile's RS rows, and reads the same
+//     columns of each K and V row with one vector load per w: every K/V byte of the slice
+//     is loaded by exactly one lane. Alignment: rows are D * sizeof(T) bytes (a multiple of
+//     128) and a lane's first column a multiple of VW.
+//   Keys go in batches of KB = 32 / RS: the RS * KB partial dot products of a lane are
+//     summed over the lanes by a reduce-scatter (5 steps of simd_shuffle_xor, 31 shuffles:
+//     at step h a lane keeps the half of its values whose index bit h matches its lane bit
+//     and adds the partner's copy of them), after which lane i holds the whole score of row
+//     i / KB, key i % KB. The batch's softmax update of a row runs on its KB lanes (max and
+//     sum over log2(KB) xor steps; masks read once per (row, key)); then each lane takes the
+//     rows' rescale factors and weights by simd_shuffle and updates o from the batch's V.
+//     A batch's K and V rows are loaded together at its start (one memory round trip per
+//     batch, 2 * KB * D * sizeof(T) bytes in flight per simdgroup), held in T until used.
+//   Per key, one simdgroup, nr <= RS valid rows, NV loads per K or V row per lane:
+//     loads per lane: 2 * NV vector loads (D 128 half: two 8-byte loads; D 256: four);
+//     shuffles: (31 + 2 log2 KB) / KB + nr / KB + nr (RS 4, 4 rows: 9.1; RS 8, 8 rows: 18.8).
+//     The staged path, per key: 2 * D / (32 * NSG) scalar loads per thread into threadgroup
+//     memory (D 128, 4 simdgroups: two 16-bit loads), 2 * DPL + RS threadgroup reads per
+//     lane, and per simdgroup with rows DPL * nr + 10 * nr / 32 shuffles of 32 bits (q
+//     from the key's lane, each block's max and sum: 4 rows at D 128: 17.3; 8 rows: 34.5).
+//   RS is chosen from G alone (a decode loop that changes L builds no new kernel): q and o
+//     of RS rows take RS * D/32 floats each per lane (<= 32: RS 16 for D 64, 8 for D 96/128,
+//     4 for D 256). TRAFFIC: each visible K/V byte is read once per KV head when G * L <= RS
+//     (decode), else once per RS-row tile (ceil(G*L / RS) times; a causal tile stops at its
+//     latest query's last key); q once per slice and simdgroup; partials as in the staged
+//     path, one entry per slice.
+//   REDUCTION ORDER: a score sums the lane's columns in increasing order, then the lanes by
+//     the reduce-scatter's fixed tree; a simdgroup's l and o accumulate over its batches in
+//     increasing key order; the simdgroups merge in order, then the combine the slices. Different from the staged
+//     path's order (results differ in the last bits, both within the tolerance table).
+//   CUDA (nvcc sm_90, half): 132 registers per thread at RS 4 / D 128, 140 at RS 8, 196 at
+//     D 256, 126 at RS 16 / D 64, no spills (the staged path: 123); K/V as ld.global.v4.u16
+//     (D 64: v2; D 96: scalar u16, coalesced).
+//   Apple: the same structure as MLX's sdpa_vector on Apple GPUs (its cross-simdgroup
+//     merge included), K/V read once at decode; the Metal plan keeps the staged path until the
+//     two are timed on a Mac. Relies on vec<bfloat16_t, 4> (Metal 3.1's bfloat).
+//
 // Checked only on a Mac: that Apple's compiler accepts the body as written (the register
 //   arrays are indexed with compile-time indices once the constant-trip loops unroll;
 //   simd_shuffle of float2/float3/float4 for D = 64/96/128+), that the register arrays
@@ -96,9 +155,80 @@ template <typename T, int D, int DC, int TSTRIDE>
 inline void mt_sdpa_stage(threadgroup T* tile, const device T* src, uint n_valid, uint col0,
                           uint tid, uint n_threads) {
   for (uint e = tid; e < 32u * uint(DC); e += n_threads) {
-    const uint j = e / uint(DC);
+    const uint j = e / uint(DC > 0 ? DC : 1);  // DC 0 (the vector path) never stages
     const uint d = e - j * uint(DC);
     tile[j * TSTRIDE + d] = j < n_valid ? src[size_t(j) * D + col0 + d] : T(0);
+  }
+}
+
+// Last visible key + 1 of query row r (query l = r % L): kvn, or kvn - L + l + 1 causal.
+inline uint mt_sdpa_row_end(uint r, uint L, uint kvn, bool is_causal) {
+  return is_causal ? kvn - L + r % L + 1u : kvn;
+}
+
+// The end of the keys [.., k_end) that rows first .. last (of one tile) need: a causal tile
+// stops at the last key its latest query sees.
+inline uint mt_sdpa_tile_end(uint k_end, uint first, uint last, uint L, uint kvn,
+                             bool is_causal) {
+  if (is_causal) {
+    const uint span = last - first + 1u;
+    const uint l_first = first % L;
+    const uint l_last = last % L;
+    const uint l_max = (span >= L || l_last < l_first) ? L - 1u : l_last;
+    k_end = min(k_end, kvn - L + l_max + 1u);
+  }
+  return k_end;
+}
+
+// The mask's element at column 0 for query row r of KV head bh (batch bh / kv_heads).
+inline size_t mt_sdpa_mask_row(uint bh, uint r, uint L, uint group, uint kv_heads, uint sb,
+                               uint sh, uint sl) {
+  const uint head = (bh % kv_heads) * group + r / L;  // query head of row r
+  return size_t(bh / kv_heads) * sb + size_t(head) * sh + size_t(r % L) * sl;
+}
+
+// A visible score sc with the mask element mv applied (MASK_KIND 1 bool, 2 additive: see
+// MATH); ok becomes false where an additive -inf makes the key weigh 0.
+template <int MASK_KIND, typename MT>
+inline float mt_sdpa_masked(float sc, MT mv, float mask_unit, thread bool& ok) {
+  if (MASK_KIND == 1) {
+    sc = bool(mv) ? sc : -FLT_MAX;
+  } else {
+    sc += float(mv) * mask_unit;
+    ok = sc != -INFINITY;  // a -inf mask entry: the key weighs 0
+  }
+  return sc;
+}
+
+// dst[0 .. VW) = the VW elements at src as float, in one vector load (VW = 4 or 2: src is
+// VW-element aligned, as the VECTOR PATH's layout guarantees) or one scalar load (VW = 1).
+// The VW elements at src as they are stored, in one load, in a VWS-vector (VWS = VW, or 2
+// for VW = 1, the second element then 0): K and V rows stay in T until used.
+template <int VW, int VWS, typename T>
+inline vec<T, VWS> mt_sdpa_fetch(const device T* src) {
+  vec<T, VWS> x = vec<T, VWS>(T(0));
+  if (VW == 1) {
+    x[0] = src[0];
+  } else {
+    x = *reinterpret_cast<const device vec<T, VWS>*>(src);
+  }
+  return x;
+}
+
+template <int VW, typename T>
+inline void mt_sdpa_load(thread float* dst, const device T* src) {
+  if (VW == 4) {
+    const vec<T, 4> x = *reinterpret_cast<const device vec<T, 4>*>(src);
+    dst[0] = float(x[0]);
+    dst[1] = float(x[1]);
+    dst[2] = float(x[2]);
+    dst[3] = float(x[3]);
+  } else if (VW == 2) {
+    const vec<T, 2> x = *reinterpret_cast<const device vec<T, 2>*>(src);
+    dst[0] = float(x[0]);
+    dst[1] = float(x[1]);
+  } else {
+    dst[0] = float(src[0]);
   }
 }
 // ---- kernel body ----
@@ -106,21 +236,20 @@ constexpr int DPL = D / 32;                   // q / o columns per lane
 constexpr int QV = DPL < 4 ? DPL : 4;         // q columns moved by one shuffle
 constexpr int NQV = DPL / QV;                 // q vectors per lane
 constexpr int CPL = DC / 32;                  // staged o columns per lane
-constexpr int NCH = D / DC;                   // column chunks per 32-key block
+constexpr int NCH = DC == 0 ? 1 : D / DC;     // column chunks per 32-key block
 constexpr int LPC = 32 / NCH;                 // lanes whose q columns lie in one chunk
 constexpr int TSTRIDE = DC + 4 / int(sizeof(T));  // odd word stride: lane-per-row reads hit
                                                   // 32 different banks
 static_assert(D % 32 == 0 && DPL >= 2 && DPL % QV == 0, "head dim tiling");
-static_assert(DC % 32 == 0 && D % DC == 0, "staged column chunks");
+static_assert(DC == 0 || (DC % 32 == 0 && D % DC == 0), "staged column chunks");
 static_assert(RS >= 1 && RS <= 32 && 32 % RS == 0, "rows per simdgroup");
 typedef vec<float, QV> qvec;
-threadgroup T kv_tile[32 * TSTRIDE];
-threadgroup float p_tile[32 * 32];
+threadgroup T kv_tile[DC == 0 ? 1 : 32 * TSTRIDE];  // the vector path stages nothing
+constexpr int VSG = 4;  // the vector path's simdgroups per threadgroup (VEC_SIMDGROUPS)
+// staged: each simdgroup's rows of p; vector: each simdgroup's partial (o, m, lsum) rows
+threadgroup float p_tile[DC == 0 ? VSG * RS * (D + 2) : 32 * 32];
 
-const uint split = threadgroup_position_in_grid.x;
-const uint tile_idx = threadgroup_position_in_grid.y;
 const uint bh = threadgroup_position_in_grid.z;
-const uint n_splits = threadgroups_per_grid.x;
 const uint tid = thread_position_in_threadgroup.x;
 const uint n_threads = threads_per_threadgroup.x;
 const uint lane = thread_index_in_simdgroup;
@@ -136,6 +265,211 @@ const float q_scale = score_unit.x;  // scores in units of b = score_unit.y
 const float unit = score_unit.y;
 const uint key0 = mask_block != 0u ? kvn - L : 0u;  // the mask's column 0
 const float mask_unit = 1.4426950408889634f / unit;  // natural-log mask -> score units
+const size_t q_row0 = size_t(bh) * n_rows;
+const size_t head_off = size_t(bh) * kv_rows * D;
+const device T* k_head = k + head_off;
+const device T* v_head = v + head_off;
+
+if (DC == 0) {
+  // ---- VECTOR PATH (see its section above): VSG simdgroups share a slice of RS rows ----
+  constexpr int VW = DPL % 4 == 0 ? 4 : (DPL % 2 == 0 ? 2 : 1);  // columns per load
+  constexpr int NV = DPL / VW;  // loads per lane per K (or V) row
+  constexpr int KB = 32 / RS;   // keys per batch: RS * KB = 32 scores, one per lane
+  constexpr int VWS = VW == 1 ? 2 : VW;  // a loaded fragment's vector width
+  typedef vec<T, VWS> tfrag;
+  const uint n_splits = threadgroups_per_grid.y;
+  const uint slice = threadgroup_position_in_grid.y;
+  const uint row0 = threadgroup_position_in_grid.x * uint(RS);
+  const uint nr = min(uint(RS), n_rows - row0);  // >= 1: the grid has ceil(rows / RS) tiles
+  const uint k_begin = slice * chunk_keys;
+  const uint k_end = mt_sdpa_tile_end(min(k_begin + chunk_keys, kvn), row0, row0 + nr - 1u,
+                                      L, kvn, is_causal);
+
+  // Lane layout: lane i holds columns w * 32 * VW + i * VW + e (w < NV, e < VW) of q and o;
+  // after a batch's reduction it holds the score of row lr = lane / KB, key kb + lane % KB.
+  const uint col0 = lane * uint(VW);
+  const uint lr = lane / uint(KB);
+  const uint lj = lane % uint(KB);
+  float qr_v[RS][DPL];
+  for (int rr = 0; rr < RS; ++rr) {
+    for (int c = 0; c < DPL; ++c) {
+      qr_v[rr][c] = 0.0f;
+    }
+    if (uint(rr) < nr) {
+      for (int w = 0; w < NV; ++w) {
+        mt_sdpa_load<VW>(&qr_v[rr][w * VW], q + (q_row0 + row0 + uint(rr)) * D
+                                                + uint(w * 32 * VW) + col0);
+      }
+      for (int c = 0; c < DPL; ++c) {
+        qr_v[rr][c] *= q_scale;
+      }
+    }
+  }
+  const bool lane_valid = lr < nr;
+  const uint lane_lim = lane_valid ? mt_sdpa_row_end(row0 + lr, L, kvn, is_causal) : 0u;
+  const size_t lane_mask_row = mt_sdpa_mask_row(bh, row0 + lr, L, group, kv_heads, mask_sb,
+                                                mask_sh, mask_sl);
+  float m_l = -INFINITY;  // the running max and sum of row lr (the same in its KB lanes)
+  float l_l = 0.0f;
+  float ov[RS][DPL];  // o of every row at this lane's columns, kept divided by its lsum
+  for (int rr = 0; rr < RS; ++rr) {
+    for (int c = 0; c < DPL; ++c) {
+      ov[rr][c] = 0.0f;
+    }
+  }
+
+  // Simdgroup sg takes batches sg, sg + VSG, ... of the slice.
+  for (uint kb = k_begin + sg * uint(KB); kb < k_end; kb += uint(VSG * KB)) {
+    // The batch's K and V rows, all loads issued before any is used (keys past k_end are
+    // not read); then the partial scores sv[rr * KB + j] = q_rr . k_{kb + j} over this
+    // lane's columns.
+    const uint nk = min(uint(KB), k_end - kb);
+    tfrag kf[KB][NV];
+    tfrag vf[KB][NV];
+    for (int j = 0; j < KB; ++j) {
+      if (uint(j) < nk) {
+        const size_t at = size_t(kb + uint(j)) * D + col0;
+        for (int w = 0; w < NV; ++w) {
+          kf[j][w] = mt_sdpa_fetch<VW, VWS>(k_head + at + w * 32 * VW);
+          vf[j][w] = mt_sdpa_fetch<VW, VWS>(v_head + at + w * 32 * VW);
+        }
+      }
+    }
+    float sv[32];
+    for (int i = 0; i < 32; ++i) {
+      sv[i] = 0.0f;
+    }
+    for (int j = 0; j < KB; ++j) {
+      if (uint(j) < nk) {
+        for (int rr = 0; rr < RS; ++rr) {
+          if (uint(rr) < nr) {
+            for (int w = 0; w < NV; ++w) {
+              for (int e = 0; e < VW; ++e) {
+                sv[rr * KB + j] += qr_v[rr][w * VW + e] * float(kf[j][w][e]);
+              }
+            }
+          }
+        }
+      }
+    }
+    // Reduce-scatter over the lanes (31 shuffles): at each step a lane keeps the half of
+    // its values whose index has its lane bit, adding the partner's copy of them; after
+    // the last, sv[0] is the full score of value index `lane` (row lr, key lj).
+    for (int h = 16; h >= 1; h /= 2) {
+      const bool upper = (lane & uint(h)) != 0u;
+      for (int i = 0; i < h; ++i) {
+        const float give = upper ? sv[i] : sv[i + h];
+        const float keep = upper ? sv[i + h] : sv[i];
+        sv[i] = keep + simd_shuffle_xor(give, ushort(h));
+      }
+    }
+
+    // Online softmax of row lr over the batch (its KB lanes), base 2, as the staged path.
+    const uint key = kb + lj;
+    bool ok = key < min(lane_lim, k_end);
+    float sc = sv[0];
+    if (MASK_KIND != 0 && ok && key >= key0) {
+      sc = mt_sdpa_masked<MASK_KIND>(sc, mask[lane_mask_row + (key - key0)], mask_unit, ok);
+    }
+    sc = ok ? sc : -INFINITY;
+    float bmax = sc;
+    for (int h = 1; h < KB; h *= 2) {
+      bmax = max(bmax, simd_shuffle_xor(bmax, ushort(h)));
+    }
+    const float m_new = max(m_l, bmax);  // -INFINITY while no key was visible
+    const float alpha = m_l == m_new ? 1.0f : exp2(unit * (m_l - m_new));
+    const float p = ok ? exp2(unit * (sc - m_new)) : 0.0f;
+    float bsum = p;
+    for (int h = 1; h < KB; h *= 2) {
+      bsum += simd_shuffle_xor(bsum, ushort(h));
+    }
+    const float l_old = l_l * alpha;
+    const float l_new = l_old + bsum;
+    const float inv_l = l_new > 0.0f ? 1.0f / l_new : 0.0f;  // 0 until a key was visible
+    const float wgt = p * inv_l;       // this key's weight in the new o
+    const float keep = l_old * inv_l;  // the old o's weight: keep + sum of wgt = 1
+    m_l = m_new;
+    l_l = l_new;
+
+    // o = keep * o + sum_j wgt_j v_j: each row's weights come from its lanes by shuffle.
+    for (int rr = 0; rr < RS; ++rr) {
+      if (uint(rr) < nr) {  // uniform over the simdgroup
+        const float kr = simd_shuffle(keep, ushort(rr * KB));
+        for (int c = 0; c < DPL; ++c) {
+          ov[rr][c] *= kr;
+        }
+      }
+    }
+    for (int j = 0; j < KB; ++j) {
+      if (uint(j) < nk) {
+        for (int rr = 0; rr < RS; ++rr) {
+          if (uint(rr) < nr) {
+            const float pj = simd_shuffle(wgt, ushort(rr * KB + j));
+            for (int w = 0; w < NV; ++w) {
+              for (int e = 0; e < VW; ++e) {
+                ov[rr][w * VW + e] += pj * float(vf[j][w][e]);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // Merge the simdgroups' partials through threadgroup memory (as the combine merges
+  // slices, weights 2^(m_s - M) lsum_s / W summing to 1); simdgroup sg then writes rows
+  // sg, sg + VSG, ... of the slice's entry (an empty slice: m = -INFINITY, lsum = 0, o = 0).
+  threadgroup float* mine = p_tile + sg * uint(RS * (D + 2));
+  for (int rr = 0; rr < RS; ++rr) {
+    if (uint(rr) < nr) {
+      for (int w = 0; w < NV; ++w) {
+        for (int e = 0; e < VW; ++e) {
+          mine[rr * (D + 2) + w * 32 * VW + e + int(col0)] = ov[rr][w * VW + e];
+        }
+      }
+    }
+  }
+  if (lane_valid && lj == 0u) {
+    mine[lr * uint(D + 2) + uint(D)] = m_l;
+    mine[lr * uint(D + 2) + uint(D) + 1u] = l_l;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint rr = sg; rr < nr; rr += uint(VSG)) {
+    const threadgroup float* row = p_tile + rr * uint(D + 2);  // simdgroup s: + s * RS*(D+2)
+    float m_max = -INFINITY;
+    for (int s2 = 0; s2 < VSG; ++s2) {
+      m_max = max(m_max, row[s2 * RS * (D + 2) + D]);
+    }
+    float wt[VSG];
+    float w_sum = 0.0f;
+    for (int s2 = 0; s2 < VSG; ++s2) {
+      const float m_s = row[s2 * RS * (D + 2) + D];
+      wt[s2] = (m_s == m_max ? 1.0f : exp2(unit * (m_s - m_max)))
+               * row[s2 * RS * (D + 2) + D + 1];
+      w_sum += wt[s2];
+    }
+    const float inv = w_sum > 0.0f ? 1.0f / w_sum : 0.0f;  // 0: the slice saw no key
+    const size_t entry = (q_row0 + row0 + rr) * n_splits + slice;
+    for (int c = 0; c < DPL; ++c) {
+      const uint col = lane + 32u * uint(c);
+      float acc = 0.0f;
+      for (int s2 = 0; s2 < VSG; ++s2) {
+        acc += (wt[s2] * inv) * row[s2 * RS * (D + 2) + int(col)];
+      }
+      o_part[entry * D + col] = acc;
+    }
+    if (lane == 0u) {
+      ml_part[entry * 2u] = m_max;
+      ml_part[entry * 2u + 1u] = w_sum;
+    }
+  }
+  return;
+}
+
+// ---- STAGED PATH: a 32-row tile per threadgroup, RS rows per simdgroup ----
+const uint split = threadgroup_position_in_grid.x;
+const uint tile_idx = threadgroup_position_in_grid.y;
+const uint n_splits = threadgroups_per_grid.x;
 
 // Rows of this simdgroup: row0 .. row0 + nr - 1 (nr may be 0 in a ragged last tile).
 const uint tile_row0 = tile_idx * 32u;
@@ -145,28 +479,18 @@ threadgroup float* p_rows = p_tile + sg * uint(RS) * 32u;  // this simdgroup's r
 
 // Keys of this slice; a causal tile stops at the last key its rows can see.
 const uint k_begin = split * chunk_keys;
-uint k_end = min(k_begin + chunk_keys, kvn);
-if (is_causal) {
-  const uint last_row = min(tile_row0 + 32u, n_rows) - 1u;
-  const uint span = last_row - tile_row0 + 1u;
-  const uint l_first = tile_row0 % L;
-  const uint l_last = last_row % L;
-  const uint l_max = (span >= L || l_last < l_first) ? L - 1u : l_last;
-  k_end = min(k_end, kvn - L + l_max + 1u);
-}
+const uint k_end = mt_sdpa_tile_end(min(k_begin + chunk_keys, kvn), tile_row0,
+                                    min(tile_row0 + 32u, n_rows) - 1u, L, kvn, is_causal);
 
 // Query rows in registers, pre-scaled: lane holds columns lane * DPL .. lane * DPL + DPL - 1.
-const size_t q_row0 = size_t(bh) * n_rows;
 qvec qr[RS][NQV];
 uint lim[RS];  // last visible key + 1 of each row (0 for rows past n_rows)
 size_t mask_row[RS];  // the row's mask element at column 0 (MASK_KIND != 0)
 for (int rr = 0; rr < RS; ++rr) {
   const uint r = row0 + uint(rr);
   const bool valid = uint(rr) < nr;
-  const uint head = (bh % kv_heads) * group + r / L;  // query head of row r
-  mask_row[rr] = size_t(bh / kv_heads) * mask_sb + size_t(head) * mask_sh
-                 + size_t(r % L) * mask_sl;
-  lim[rr] = !valid ? 0u : (is_causal ? kvn - L + r % L + 1u : kvn);
+  mask_row[rr] = mt_sdpa_mask_row(bh, r, L, group, kv_heads, mask_sb, mask_sh, mask_sl);
+  lim[rr] = !valid ? 0u : mt_sdpa_row_end(r, L, kvn, is_causal);
   for (int w = 0; w < NQV; ++w) {
     for (int e = 0; e < QV; ++e) {
       const size_t at = (q_row0 + r) * D + lane * uint(DPL) + uint(w * QV + e);
@@ -186,10 +510,6 @@ for (int rr = 0; rr < RS; ++rr) {
     o[rr][c] = 0.0f;
   }
 }
-
-const size_t head_off = size_t(bh) * kv_rows * D;
-const device T* k_head = k + head_off;
-const device T* v_head = v + head_off;
 
 for (uint kb = k_begin; kb < k_end; kb += 32u) {
   const uint nk = min(32u, k_end - kb);  // keys of this block (uniform)
@@ -232,13 +552,8 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
       bool ok = kb + lane < min(lim[rr], k_end);
       float sc = s[rr];
       if (MASK_KIND != 0 && ok && kb + lane >= key0) {
-        const auto mv = mask[mask_row[rr] + (kb + lane - key0)];
-        if (MASK_KIND == 1) {
-          sc = bool(mv) ? sc : -FLT_MAX;
-        } else {
-          sc += float(mv) * mask_unit;
-          ok = sc != -INFINITY;  // a -inf mask entry: the key weighs 0
-        }
+        sc = mt_sdpa_masked<MASK_KIND>(sc, mask[mask_row[rr] + (kb + lane - key0)],
+                                       mask_unit, ok);
       }
       sc = ok ? sc : -INFINITY;
       const float m_new = max(m[rr], simd_max(sc));  // -INFINITY while no key was visible

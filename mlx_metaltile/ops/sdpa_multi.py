@@ -8,13 +8,14 @@ threadgroups to fill the GPU, and merges the partial softmax results in a small 
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
-from .. import backends
+from .. import _device, backends
 from .._registry import Arg, KernelSpec, grid, register, scalars
 from ._common import (
     FLOAT_TYPES,
@@ -44,6 +45,20 @@ TARGET_THREADS = 32 * 1024
 MIN_SPLIT_BLOCKS = 4
 MIN_KEYS_PER_ROW = 16
 MAX_SPLITS = 128
+# The split kernel's two paths (sdpa_multi.metal), chosen per backend: "staged" (32-row
+# tiles, K/V staged through threadgroup memory, lane per key) or "vector" (RS-row tiles, 4
+# simdgroups per KV slice, each lane reading D/32 contiguous elements of every K/V row). The
+# Metal plan keeps the staged path until the vector path is timed on a Mac; the emulator
+# follows Metal (tests force either).
+SPLIT_PATH = {"metal": "staged", "emulator": "staged", "cuda": "vector"}
+VEC_ROWS = (4, 8, 16)  # rows per simdgroup (RS) the vector path is built for
+VEC_SIMDGROUPS = 4  # simdgroups sharing a KV slice per threadgroup (the kernel's VSG)
+# Simdgroups in flight per GPU core the vector plan aims for (12: three 4-simdgroup
+# threadgroups, what an H100/H200 SM holds at the kernel's 132-140 registers per thread),
+# its shortest slice and most slices (tuning constants: they change speed, never results).
+VEC_SIMDGROUPS_PER_CORE = 12
+VEC_MIN_KEYS = 64
+VEC_MAX_SPLITS = 64
 LOG2E = 1.4426950408889634
 MAX_SCALE = 3.4028234663852886e38 / LOG2E  # scale * log2(e) stays a finite float32
 
@@ -65,11 +80,18 @@ def _mask_type(kind: int, dtype: mx.Dtype) -> mx.Dtype:
     return dtype if kind == MASK_ADDITIVE else mx.bool_
 
 
+def _vec_rows(D: int) -> tuple[int, ...]:
+    """The vector path's RS choices for head dim D: q and o of RS rows take RS * D / 32
+    floats each per lane, kept <= 32."""
+    return tuple(rs for rs in VEC_ROWS if rs * D <= 32 * 32 or rs == VEC_ROWS[0])
+
+
 def _split_bindings():
     for t in FLOAT_TYPES:
         for d in HEAD_DIMS:
             rs, dc = _tiles(d, t)
-            for kind in (MASK_NONE, MASK_BOOL, MASK_ADDITIVE):
+            tiles = [(rs, dc)] + [(r, 0) for r in _vec_rows(d)]  # staged, then vector (DC 0)
+            for (rs, dc), kind in itertools.product(tiles, (MASK_NONE, MASK_BOOL, MASK_ADDITIVE)):
                 yield {"T": t, "D": d, "RS": rs, "DC": dc, "MASK_KIND": kind,
                        "MT": _mask_type(kind, t)}
 
@@ -83,11 +105,15 @@ SPLIT_SPEC, COMBINE_SPEC = register(
                 *scalars("mask_sb", "mask_sh", "mask_sl", "kv_heads", "mask_block")),
         outputs=(Arg("o_part", "float32", 3), Arg("ml_part", "float32", 3)),
         params=("T", "D", "RS", "DC", "MASK_KIND"), bindings=_split_bindings,
-        geometry="rows = L*Hq/Hkv per KV head, tiles of 32; TG = 32*(32/RS) threads "
-                 "(RS = 8, or 4 for D=256); grid (TG*n_splits, ceil(rows/32), B*Hkv); "
-                 "each TG reads its KV slice once (staged 32 keys at a time)",
-        notes="template T, D, RS, DC, MASK_KIND (none/bool/additive); L, kv_len (device-side "
-              "too), S, G, chunk, causal, scale, the mask's strides and block form are runtime",
+        geometry="staged path (DC > 0, Metal): rows = L*Hq/Hkv per KV head, tiles of 32; "
+                 "TG = 32*(32/RS) threads (RS = 8, or 4 for D=256); grid (TG*n_splits, "
+                 "ceil(rows/32), B*Hkv); each TG reads its KV slice once (staged 32 keys at a "
+                 "time). vector path (DC = 0, CUDA): tiles of RS rows (RS >= Hq/Hkv where "
+                 "registers allow); TG = 4 simdgroups sharing one KV slice, merged in "
+                 "threadgroup memory; grid (TG*ceil(rows/RS), n_splits, B*Hkv)",
+        notes="template T, D, RS, DC (0: vector path), MASK_KIND (none/bool/additive); L, "
+              "kv_len (device-side too), S, G, chunk, causal, scale, the mask's strides and "
+              "block form are runtime",
     ),
     KernelSpec(
         op=OP, variant="combine", template="sdpa_multi_combine.metal",
@@ -322,11 +348,53 @@ def plan(B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int, dtype: mx.Dtype
     n_splits = -(-kv_len // chunk)
     pad = 4 // dtype.size
     return {
-        "rs": rs, "dc": dc, "rows": rows, "n_tiles": n_tiles, "n_simdgroups": n_simdgroups,
+        "path": "staged", "rs": rs, "dc": dc, "rows": rows, "n_tiles": n_tiles, "n_simdgroups": n_simdgroups,
         "n_splits": n_splits, "chunk": chunk, "threadgroup": (tg, 1, 1),
         "grid": (tg * n_splits, n_tiles, B * Hkv),
         "threadgroup_memory": KEY_BLOCK * (dc + pad) * dtype.size + ROW_TILE * KEY_BLOCK * 4,
     }
+
+
+def vector_plan(B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int, dtype: mx.Dtype,
+                cores: int | None = None) -> dict:
+    """The vector path's launch geometry (sdpa_multi.metal, VECTOR PATH): tiles of RS rows
+    (the smallest built RS >= Hq/Hkv, else the largest: a decode step is one tile per KV
+    head, and a change of L or B builds no new kernel), threadgroups of VEC_SIMDGROUPS
+    simdgroups sharing one KV slice, and enough slices for about VEC_SIMDGROUPS_PER_CORE
+    simdgroups per core, each slice at least VEC_MIN_KEYS keys and MIN_KEYS_PER_ROW keys per
+    row (partials stay small next to the K/V it reads), at most VEC_MAX_SPLITS."""
+    rows = (Hq // Hkv) * L
+    choices = _vec_rows(D)
+    rs = next((r for r in choices if r >= Hq // Hkv), choices[-1])
+    n_tiles = -(-rows // rs)
+    keys_per_batch = KEY_BLOCK // rs
+    nsg = VEC_SIMDGROUPS
+    cores = cores or _device.gpu_cores() or _device.DEFAULT_GPU_CORES
+    # rounded down: a last partial wave of threadgroups would cost a whole one
+    want = max(1, min(cores * VEC_SIMDGROUPS_PER_CORE // (B * Hkv * n_tiles * nsg),
+                      VEC_MAX_SPLITS))
+    min_keys = max(VEC_MIN_KEYS, MIN_KEYS_PER_ROW * rs)
+    # Up to min_keys * want keys the slices are min_keys long whatever kv_len is, so a
+    # device-side kv_len (planned at S) sums in the same order as the same int kv_len.
+    chunk = -(-max(min_keys, -(-kv_len // want)) // keys_per_batch) * keys_per_batch
+    n_splits = -(-kv_len // chunk)
+    tg = 32 * nsg
+    return {
+        "path": "vector", "rs": rs, "dc": 0, "rows": rows, "n_tiles": n_tiles,
+        "n_simdgroups": nsg, "n_splits": n_splits, "chunk": chunk,
+        "keys_per_batch": keys_per_batch, "threadgroup": (tg, 1, 1),
+        "grid": (tg * n_tiles, n_splits, B * Hkv),
+        # the simdgroups' partials, and the staged path's 1-element tile (16-byte aligned)
+        "threadgroup_memory": nsg * rs * (D + 2) * 4 + 16,
+    }
+
+
+def split_plan(backend: str, B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int,
+               dtype: mx.Dtype) -> dict:
+    """The split kernel's geometry on ``backend`` (SPLIT_PATH chooses the path)."""
+    if SPLIT_PATH.get(backend, "staged") == "vector":
+        return vector_plan(B, Hq, Hkv, L, D, kv_len, dtype)
+    return plan(B, Hq, Hkv, L, D, kv_len, dtype)
 
 
 _NO_MASK = {0: mx.zeros((1, 1, 1, 1), dtype=mx.bool_)}  # MASK_KIND 0's dummy mask
@@ -335,7 +403,8 @@ _NO_MASK = {0: mx.zeros((1, 1, 1, 1), dtype=mx.bool_)}  # MASK_KIND 0's dummy ma
 def _launch(q, k, v, p: _Problem, backend) -> mx.array:
     B, Hq, Hkv, L, S, D = p.B, p.Hq, p.Hkv, p.L, p.S, p.D
     # A device-side kv_len: the grid covers the whole buffer; slices past kv_len see no key.
-    pl = plan(B, Hq, Hkv, L, D, p.kv_len if isinstance(p.kv_len, int) else S, q.dtype)
+    pl = split_plan(backend, B, Hq, Hkv, L, D, p.kv_len if isinstance(p.kv_len, int) else S,
+                    q.dtype)
     n_out = B * Hq * L
     scale2 = scalar(p.scale * LOG2E, mx.float32)
     kv_len = scalar(p.kv_len, mx.uint32) if isinstance(p.kv_len, int) else p.kv_len
