@@ -48,8 +48,7 @@
 //   space, which changes the generated source. indices holding fewer than 8 ids (decode
 //   with k < 8, one token) therefore compile a second instantiation next to the `device`
 //   one, once per process and (T, BITS, GS, index type); so do toy-sized w / scales /
-//   biases. The body reads them through `auto` pointers and a templated helper, so both
-//   forms compile; bcast always has 12 elements (device). Padding the ids to 8 would cost
+//   biases. The body reads them through `auto` pointers, so both forms compile; bcast always has 12 elements (device). Padding the ids to 8 would cost
 //   a copy per call instead of one extra compile.
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
@@ -64,6 +63,20 @@
 //   No threadgroup memory, no threadgroup barrier; every early return is uniform over a
 //   SIMD-group, so simd_sum / simd_shuffle always see a full SIMD-group.
 //
+// LOADS (memory-level parallelism): a decode GEMV moves few bytes, so its time is DRAM latency
+//   times the number of dependent round trips; what matters is how many loads each lane has
+//   in flight. Each 32-lane step first issues every load it needs, none waiting for another:
+//   WORDS words of each of the ROWS rows (16 words at 4 and 8 bits, 8 for nvfp4), the group
+//   leader's scale (and bias) of each row, the VALS activations; then the shuffles, then the
+//   arithmetic. (Before: per row, scale load -> shuffle -> word load -> math, one row after the
+//   other: a chain of dependent latencies per step.) MLX's own Apple qmv kernels likewise load
+//   all of a step's weights before computing; Apple GPUs are latency-bound at decode as well
+//   (few SIMD-groups per core), so the same order serves both. Loads stay scalar (uint32
+//   words, T activations): MLX passes row-contiguous views that may start at any element
+//   (e.g. a reshaped slice), so no wider alignment is known from the shapes; the lanes'
+//   neighbouring words coalesce into the same memory transactions anyway.
+//   Registers: 16 words + VALS (<= 32) activations + 8 scales/biases per lane.
+//
 // TRAFFIC PER CALL: w, scales and (affine) biases of each valid pair's expert once (the selected
 //   experts' bytes; unselected experts and out-of-range ids read nothing), out once. x is
 //   loaded once per SIMD-group (K values per 4 rows), i.e. from cache after the first tile of
@@ -71,18 +84,17 @@
 //   loads, one per thread. A broadcast x or indices is read in place (no copy).
 //
 // CHECKED ONLY ON A MAC: that Apple's compiler accepts this body (address-space deduction of
-//   `auto` pointers and of the helper's WordPtr for device and constant inputs, simd_shuffle
+//   `auto` pointers for device and constant inputs, simd_shuffle
 //   with a ushort lane, numeric_limits NaN converted to bfloat), register use / occupancy, and
 //   the performance (GB/s vs mx.gather_qmm). The emulator checks the arithmetic, the bounds,
 //   the SIMD-group collectives and the read counts; the CUDA translation compiles in CI.
 #include "common.h"
 
 // q * x summed over the VALS values a lane holds: WORDS packed uint32 words of BITS-bit
-// codes against VALS float activations; q is the unsigned integer (MODE 0), the E2M1 value
-// (MODE 1, 2; BITS 4) or the E4M3 value (MODE 3; BITS 8). `words` points to device or constant memory (MLX passes inputs
-// of fewer than 8 elements in the constant address space).
-template <int MODE, int BITS, int WORDS, typename WordPtr>
-inline float mt_expert_qdot(WordPtr words, thread const float* xv) {
+// codes (already loaded) against VALS float activations; q is the unsigned integer (MODE 0),
+// the E2M1 value (MODE 1, 2; BITS 4) or the E4M3 value (MODE 3; BITS 8).
+template <int MODE, int BITS, int WORDS>
+inline float mt_expert_qdot(thread const uint* words, thread const float* xv) {
   constexpr int PACK = 32 / BITS;
   constexpr uint MASK = (1u << BITS) - 1u;
   float dot = 0.0f;
@@ -109,9 +121,10 @@ inline float mt_expert_qdot(WordPtr words, thread const float* xv) {
 constexpr uint SIMDGROUPS = 2;         // SIMD-groups per threadgroup
 constexpr uint ROWS = 4;               // output rows per SIMD-group
 constexpr uint PACK = 32 / BITS;       // values per uint32 word
-constexpr int WORDS = 2;               // words per lane per step
-constexpr uint VALS = WORDS * PACK;    // values per lane per step: 16 (4-bit), 8 (8-bit)
-constexpr uint LANES_PER_GROUP = GROUP_SIZE / VALS;  // 1..16, divides 32
+// Words per lane per step: 4, or one whole group where a group holds fewer (nvfp4: 2).
+constexpr int WORDS = GROUP_SIZE * BITS / 32 < 4 ? GROUP_SIZE * BITS / 32 : 4;
+constexpr uint VALS = WORDS * PACK;    // values per lane per step: 32 (4-bit), 16 (8-bit, nvfp4)
+constexpr uint LANES_PER_GROUP = GROUP_SIZE / VALS;  // 1..8, divides 32
 constexpr int SCALE_FORMAT = MODE == 3 ? 1 : MODE;  // mt_fp4_scale's: mxfp8 scales are E8M0
 
 const uint lane = thread_index_in_simdgroup;
@@ -166,30 +179,54 @@ float acc[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
 for (uint base = 0; base < n_chunks; base += 32) {  // trip count uniform over the SIMD-group
   const uint chunk = base + lane;
   const bool active = chunk < n_chunks;
-  float xv[VALS];
-  float x_sum = 0.0f;
-  for (uint i = 0; i < VALS; ++i) {
-    xv[i] = active ? float(x_row[chunk * VALS + i]) : 0.0f;
-    x_sum += xv[i];
-  }
   const uint group = chunk / LANES_PER_GROUP;
+  // 1. Every load of the step, none of them waiting for another: the words of all rows,
+  //    the group leader's scales (and biases), the activations.
+  uint words[ROWS][WORDS];
   for (uint r = 0; r < ROWS; ++r) {
-    if (r >= rows) {
-      break;  // uniform over the SIMD-group
+    for (int wi = 0; wi < WORDS; ++wi) {
+      words[r][wi] = active && r < rows
+                         ? w_rows[size_t(r) * words_per_row + chunk * WORDS + wi] : 0u;
     }
+  }
+  float scale[ROWS];
+  float bias[ROWS];
+  for (uint r = 0; r < ROWS; ++r) {
     float s = 0.0f;
     float b = 0.0f;
-    if (active && loads_group) {
+    if (active && loads_group && r < rows) {
       s = mt_fp4_scale<SCALE_FORMAT>(s_rows[r * groups_per_row + group]);  // 0: float(s)
       if constexpr (MODE == 0) {
         b = float(b_rows[r * groups_per_row + group]);
       }
     }
-    s = simd_shuffle(s, group_leader);
-    b = simd_shuffle(b, group_leader);
+    scale[r] = s;
+    bias[r] = b;
+  }
+  float xv[VALS];
+  for (uint i = 0; i < VALS; ++i) {
+    xv[i] = active ? float(x_row[chunk * VALS + i]) : 0.0f;
+  }
+  // 2. The group leaders' scales (and biases) to their groups' lanes.
+  for (uint r = 0; r < ROWS; ++r) {
+    scale[r] = simd_shuffle(scale[r], group_leader);
+    if constexpr (MODE == 0) {
+      bias[r] = simd_shuffle(bias[r], group_leader);
+    }
+  }
+  // 3. The arithmetic.
+  float x_sum = 0.0f;
+  for (uint i = 0; i < VALS; ++i) {
+    x_sum += xv[i];
+  }
+  for (uint r = 0; r < ROWS; ++r) {
+    if (r >= rows) {
+      break;  // uniform over the SIMD-group
+    }
     if (active) {
-      const float dot = mt_expert_qdot<MODE, BITS, WORDS>(
-          w_rows + size_t(r) * words_per_row + chunk * WORDS, xv);
+      const float s = scale[r];
+      const float b = bias[r];
+      const float dot = mt_expert_qdot<MODE, BITS, WORDS>(words[r], xv);
       if constexpr (MODE == 0) {
         acc[r] += s * dot + b * x_sum;
       } else {
