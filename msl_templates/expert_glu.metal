@@ -25,6 +25,11 @@
 //   and up rows is read by exactly one lane; the activations x_p are loaded once per
 //   SIMD-group for both projections.
 //
+// LOADS: as expert_qmv.metal's LOADS: each 32-lane step issues all of its loads first (2
+//   words of each of the 4 rows of both projections: 16 words per lane, as expert_qmv's 4 x
+//   4; the group leaders' scales and biases; the activations), then shuffles and computes.
+//   2 words per projection keeps the registers near expert_qmv's (16 words, 16 activations).
+//
 // TRAFFIC PER CALL: the valid pairs' gate and up rows once each, x once per SIMD-group (from
 //   cache after the first tile: DRAM sees it once per token), out [P, N] once.
 //
@@ -36,6 +41,7 @@
 constexpr uint SIMDGROUPS = 2;
 constexpr uint ROWS = 4;
 constexpr uint PACK = 32 / BITS;
+// Words per lane per step and projection: 2 (16 words in flight with both projections).
 constexpr int WORDS = 2;
 constexpr uint VALS = WORDS * PACK;
 constexpr uint LANES_PER_GROUP = GROUP_SIZE / VALS;
@@ -94,35 +100,55 @@ float acc_u[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
 for (uint base = 0; base < n_chunks; base += 32) {  // trip count uniform over the SIMD-group
   const uint chunk = base + lane;
   const bool active = chunk < n_chunks;
+  const uint group = chunk / LANES_PER_GROUP;
+  // 1. Every load of the step, none waiting for another (expert_qmv.metal's LOADS): the
+  //    words of all rows of both projections, the leaders' scales (and biases), x.
+  uint words_g[ROWS][WORDS];
+  uint words_u[ROWS][WORDS];
+  for (uint r = 0; r < ROWS; ++r) {
+    for (int wi = 0; wi < WORDS; ++wi) {
+      const bool here = active && r < rows;
+      const size_t at = size_t(r) * words_per_row + chunk * WORDS + wi;
+      words_g[r][wi] = here ? wg_rows[at] : 0u;
+      words_u[r][wi] = here ? wu_rows[at] : 0u;
+    }
+  }
+  float scale_g[ROWS], scale_u[ROWS], bias_g[ROWS], bias_u[ROWS];
+  for (uint r = 0; r < ROWS; ++r) {
+    scale_g[r] = scale_u[r] = bias_g[r] = bias_u[r] = 0.0f;
+    if (active && loads_group && r < rows) {
+      const uint at = r * groups_per_row + group;
+      scale_g[r] = mt_fp4_scale<SCALE_FORMAT>(sg_rows[at]);
+      scale_u[r] = mt_fp4_scale<SCALE_FORMAT>(su_rows[at]);
+      if constexpr (MODE == 0) {
+        bias_g[r] = float(bg_rows[at]);
+        bias_u[r] = float(bu_rows[at]);
+      }
+    }
+  }
   float xv[VALS];
-  float x_sum = 0.0f;
   for (uint i = 0; i < VALS; ++i) {
     xv[i] = active ? float(x_row[chunk * VALS + i]) : 0.0f;
+  }
+  // 2. Shuffles and arithmetic.
+  float x_sum = 0.0f;
+  for (uint i = 0; i < VALS; ++i) {
     x_sum += xv[i];
   }
-  const uint group = chunk / LANES_PER_GROUP;
   for (uint r = 0; r < ROWS; ++r) {
     if (r >= rows) {
       break;  // uniform over the SIMD-group
     }
-    float sg = 0.0f, bg = 0.0f, su = 0.0f, bu = 0.0f;
-    if (active && loads_group) {
-      const uint at = r * groups_per_row + group;
-      sg = mt_fp4_scale<SCALE_FORMAT>(sg_rows[at]);
-      su = mt_fp4_scale<SCALE_FORMAT>(su_rows[at]);
-      if constexpr (MODE == 0) {
-        bg = float(bg_rows[at]);
-        bu = float(bu_rows[at]);
-      }
-    }
+    float sg = scale_g[r], bg = bias_g[r], su = scale_u[r], bu = bias_u[r];
     sg = simd_shuffle(sg, group_leader);
     su = simd_shuffle(su, group_leader);
-    bg = simd_shuffle(bg, group_leader);
-    bu = simd_shuffle(bu, group_leader);
+    if constexpr (MODE == 0) {
+      bg = simd_shuffle(bg, group_leader);
+      bu = simd_shuffle(bu, group_leader);
+    }
     if (active) {
-      const size_t at = size_t(r) * words_per_row + chunk * WORDS;
-      const float dg = mt_expert_qdot<MODE, BITS, WORDS>(wg_rows + at, xv);
-      const float du = mt_expert_qdot<MODE, BITS, WORDS>(wu_rows + at, xv);
+      const float dg = mt_expert_qdot<MODE, BITS, WORDS>(words_g[r], xv);
+      const float du = mt_expert_qdot<MODE, BITS, WORDS>(words_u[r], xv);
       if constexpr (MODE == 0) {
         acc_g[r] += sg * dg + bg * x_sum;
         acc_u[r] += su * du + bu * x_sum;
