@@ -4,10 +4,14 @@
 // MATH (token t, slots j < k, e_j = ids(t, j), d in [0, D)):
 //   out[t, d] = sum_{j < k} score(t, j) * (sum_n h[t, j, n] * W[e_j, d, n] + bias[e_j, d])
 //   (W dequantized per MODE exactly as in expert_qmv.metal; the bias term only if has_bias)
-//   REDUCTION ORDER (fixed: bitwise reproducible run to run): lane l sums its chunks l,
-//   l + 32, ... of slot j in order into a partial (lane 0 then adds bias[e_j, d]) and adds
-//   score_j * partial to its accumulator, for j = 0, 1, ..., k - 1 in turn; the 32 lane
-//   accumulators are then combined by one simd_sum. float32 throughout, rounded once to T.
+//   REDUCTION ORDER (fixed for a given k and launch plan: bitwise reproducible run to run):
+//   the token's slots j are dealt to the S slot groups of a row block, slot group g taking
+//   j = g, g + S, g + 2S, ... (S = 1: every slot). For each of its slots in increasing j, lane
+//   l sums its chunks l, l + 32, ... in order into a partial (lane 0 then adds bias[e_j, d])
+//   and adds score_j * partial to its accumulator; the 32 lane accumulators are combined by
+//   one simd_sum. S = 1: that is the output. S > 1: the S slot-group sums are added in order
+//   g = 0, 1, ..., S - 1 (through threadgroup memory) by slot group 0. float32 throughout,
+//   rounded once to T.
 //   No atomics.
 //   OUT-OF-RANGE IDS: if any of the token's k ids is >= E (uint; negative int32 ids too) the
 //   token's whole output row is NaN and nothing of its experts is read.
@@ -22,17 +26,35 @@
 //   n_experts (E), n_out (D), k_in (N), n_sel (k), has_bias: 0-d uint runtime inputs.
 //   Template: T, BITS, GROUP_SIZE, MODE as expert_qmv.metal.
 //
-// DISPATCH INVARIANTS: threadgroup (64, 1, 1) = 2 SIMD-groups x 4 output rows;
-//   grid (64, ceil(D / 8), T): SIMD-group s of row-tile y owns rows [(2y + s) * 4, + 4) of
-//   token z: each output element is written by one lane, and each word/scale/bias of each
-//   selected expert's rows by exactly one lane (scales/biases by a group's first lane,
-//   shuffled to the others). No threadgroup memory or barrier; early returns are uniform.
+// DISPATCH INVARIANTS (the wrapper derives them from validated shapes and the backend):
+//   threadgroup (64 * S, 1, 1): SIMD-group i is row block i % 2 of slot group i / 2, S in
+//   [1, MAX_SLOT_GROUPS] (the kernel reads S from simdgroups_per_threadgroup);
+//   grid (64 * S, ceil(D / 8), T): row block b of row-tile y owns rows [(2y + b) * 4, + 4) of
+//   token z clipped to D (a block past D owns none, reads nothing, and still meets the
+//   barrier); each output element is written by one lane, and each word/scale/bias of each
+//   selected expert's rows is read by exactly one lane (scales/biases by a group's first
+//   lane, shuffled to the others), by the one SIMD-group holding that slot and row block.
+//   Threadgroup memory: MAX_SLOT_GROUPS * 8 floats, written and read (after one barrier)
+//   only when S > 1. The only early return (an invalid id) is uniform over the threadgroup.
+//   K % GS == 0 with GS a multiple of VALS, as expert_qmv.metal.
 //
-// TRAFFIC PER CALL: each valid token's k experts' down rows once, h once per SIMD-group
-//   (from cache after the first tile), ids and scores once per thread (broadcast loads),
+// LAUNCH PLANS: Metal: S = 1, threadgroup (64, 1, 1) as before: each SIMD-group walks the k
+//   slots of its 4 rows, no barrier (the plan measured against MLX's Metal kernels; whether
+//   S > 1 pays on Apple GPUs is for a Mac to measure, so it is left unchanged). cuda: the k
+//   slots spread evenly over S = ceil(k / ceil(k / 8)) slot groups (k = 8: 8 groups of one
+//   slot): Qwen3-30B-A3B decode (D = 2048, one token) runs 256 threadgroups of 16 warps
+//   (4096 warps) instead of 512 warps that each walk 8 experts one after another.
+//
+// LOADS: as expert_qmv.metal's LOADS: per step, 4 words (nvfp4: 2) of each of the 4 rows,
+//   the group leaders' scales and biases and the VALS activations, all issued before any is
+//   used; then the shuffles and the arithmetic.
+//
+// TRAFFIC PER CALL: each valid token's k experts' down rows once, h once per (slot, row
+//   block) (from cache after the first tile), ids and scores once per thread (broadcast loads),
 //   out [T, D] once; no [T, k, D] intermediate exists.
 //
-// CHECKED ONLY ON A MAC: as expert_qmv.metal (same constructs).
+// CHECKED ONLY ON A MAC: as expert_qmv.metal (same constructs), plus a kernel-scope
+//   threadgroup array and threadgroup_barrier; S > 1 runs on the emulator in the tests.
 #include "common.h"
 #include "expert_qdot.h"
 // ---- kernel body ----

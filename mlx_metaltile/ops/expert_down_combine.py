@@ -206,8 +206,8 @@ def expert_down_combine(h: mx.array, w: mx.array, scales: mx.array, biases,
       stream: the MLX stream or device to run on (None: the default).
 
     Returns: ``[..., D]`` in h's dtype, accumulated in float32 and rounded once; the k
-    experts are summed in slot order (j = 0, 1, ...), so results are bitwise reproducible
-    run to run. If any of a token's ids is outside ``[0, E)`` that token's whole row is NaN.
+    experts are summed in a fixed order (the template's REDUCTION ORDER), so results are
+    bitwise reproducible run to run. If any of a token's ids is outside ``[0, E)`` that token's whole row is NaN.
     k = 0 gives zeros.
     """
     info = _check(h, w, scales, biases, indices, scores, bias, group_size, bits, mode)
