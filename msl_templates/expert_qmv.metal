@@ -77,7 +77,8 @@
 // LAUNCH PLANS: Metal: S = 1, threadgroup (64, 1, 1), no barrier: the plan measured against
 //   MLX's Metal qmv (2 SIMD-groups x 4 rows, as MLX's own); whether S > 1 pays on Apple
 //   GPUs is for a Mac to measure, so it is unchanged. cuda: S = min(steps of K, 8,
-//   ceil(4096 / warps)) where the grid's warps are few: Qwen3-30B-A3B's gate/up at one
+//   ceil(4096 / warps)) where the grid's warps are few, lowered to deal the steps evenly
+//   (ops/expert_qmv.py's _k_groups): Qwen3-30B-A3B's gate/up at one
 //   token (N = 768, K = 2048, 8 pairs) runs 768 threadgroups of 4 warps (3072 warps, each
 //   one step of K) instead of 1536 warps of two steps.
 //

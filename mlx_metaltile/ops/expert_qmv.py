@@ -245,14 +245,17 @@ def _k_groups(n_out: int, n_in: int, pairs: int, bits: int, group_size: int, wor
     """The launch plan's S: SIMD-groups sharing one row block's K steps (the template's
     DISPATCH INVARIANTS; ``words``: the template's words per lane per step, at most). Metal
     keeps one. cuda splits K where the grid is small, for about TARGET_WARPS warps, at most
-    one per 32-lane step of K and MAX_K_GROUPS, and only where N is a multiple of 8 (no row
-    block past N: every thread of a threadgroup reaches the combine's barrier)."""
+    one per 32-lane step of K and MAX_K_GROUPS, the steps dealt evenly (the group with the
+    most steps sets the time), and only where N is a multiple of 8 (no row block past N:
+    every thread of a threadgroup reaches the combine's barrier)."""
     if backend != "cuda" or n_out % ROWS_PER_THREADGROUP:
         return 1
     lane_values = min(words, group_size * bits // 32) * (32 // bits)
     steps = -(-(n_in // lane_values) // backends.SIMD_WIDTH)
     warps = SIMDGROUPS * (n_out // ROWS_PER_THREADGROUP) * pairs
-    return max(1, min(MAX_K_GROUPS, steps, -(-TARGET_WARPS // warps)))
+    wanted = max(1, min(MAX_K_GROUPS, steps, -(-TARGET_WARPS // warps)))
+    per_group = -(-steps // wanted)
+    return -(-steps // per_group)
 
 
 def _launch(x, w, scales, biases, indices, info: dict, backend: str) -> mx.array:
