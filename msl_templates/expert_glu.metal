@@ -19,13 +19,21 @@
 //   float32 scalars (ACT 1), out [P, N] T.
 //   Template: T, BITS, GROUP_SIZE, MODE as expert_qmv; ACT in {0, 1}.
 //
-// DISPATCH INVARIANTS: as expert_qmv.metal: threadgroup (64, 1, 1), grid (64, ceil(N / 8), P);
-//   SIMD-group s of row-tile y owns rows [(2y + s) * 4, + 4) of BOTH projections, so each
-//   (pair, row) is written by one lane and each word/scale/bias of the selected expert's gate
-//   and up rows is read by exactly one lane; the activations x_p are loaded once per
-//   SIMD-group for both projections.
+// DISPATCH INVARIANTS: as expert_qmv.metal's, launch plans included: threadgroup
+//   (64 * S, 1, 1), grid (64 * S, ceil(N / 8), P), S K groups per row block (S = 1 on Metal;
+//   cuda: K split where the grid is small, only where N % 8 == 0); row block s of row-tile y
+//   owns rows [(2y + s) * 4, + 4) of BOTH projections, so each (pair, row) is written by one
+//   lane and each word/scale/bias of the selected expert's gate and up rows is read by
+//   exactly one lane; the activations x_p are loaded once per row block for both projections.
+//   REDUCTION ORDER as expert_qmv.metal's for g and u alike (S > 1: the K groups' sums added
+//   in group order, then bias and activation by group 0's lane 0).
 //
-// TRAFFIC PER CALL: the valid pairs' gate and up rows once each, x once per SIMD-group (from
+// LOADS: as expert_qmv.metal's LOADS: each 32-lane step issues all of its loads first (2
+//   words of each of the 4 rows of both projections: 16 words per lane, as expert_qmv's 4 x
+//   4; the group leaders' scales and biases; the activations), then shuffles and computes.
+//   2 words per projection keeps the registers near expert_qmv's (16 words, 16 activations).
+//
+// TRAFFIC PER CALL: the valid pairs' gate and up rows once each, x once per row block (from
 //   cache after the first tile: DRAM sees it once per token), out [P, N] once.
 //
 // CHECKED ONLY ON A MAC: as expert_qmv.metal (same constructs), plus metal::exp / metal::min
@@ -36,15 +44,22 @@
 constexpr uint SIMDGROUPS = 2;
 constexpr uint ROWS = 4;
 constexpr uint PACK = 32 / BITS;
+// Words per lane per step and projection: 2 (16 words in flight with both projections).
 constexpr int WORDS = 2;
 constexpr uint VALS = WORDS * PACK;
 constexpr uint LANES_PER_GROUP = GROUP_SIZE / VALS;
 constexpr int SCALE_FORMAT = MODE == 3 ? 1 : MODE;
+constexpr uint MAX_K_GROUPS = 8;
+
+// Per (K group, row block, row): a K group's gate and up sums (S > 1 only).
+threadgroup float partials[MAX_K_GROUPS * SIMDGROUPS * ROWS * 2];
 
 const uint lane = thread_index_in_simdgroup;
 const uint pair = threadgroup_position_in_grid.z;
-const uint row0 = (threadgroup_position_in_grid.y * SIMDGROUPS + simdgroup_index_in_threadgroup)
-                  * ROWS;
+const uint k_groups = simdgroups_per_threadgroup / SIMDGROUPS;  // the launch plan's S
+const uint row_block = simdgroup_index_in_threadgroup % SIMDGROUPS;
+const uint k_group = simdgroup_index_in_threadgroup / SIMDGROUPS;
+const uint row0 = (threadgroup_position_in_grid.y * SIMDGROUPS + row_block) * ROWS;
 const uint n_rows_total = n_out;
 if (row0 >= n_rows_total) {
   return;  // uniform over the SIMD-group
@@ -68,7 +83,7 @@ for (int d = BCAST_DIMS - 1; d >= 0; --d) {
 
 const uint expert = uint(indices[id_at]);
 if (expert >= n_experts) {
-  if (lane < rows) {
+  if (k_group == 0 && lane < rows) {
     out_rows[lane] = T(metal::numeric_limits<float>::quiet_NaN());
   }
   return;
@@ -91,38 +106,59 @@ const bool loads_group = (lane % LANES_PER_GROUP) == 0;
 
 float acc_g[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
 float acc_u[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
-for (uint base = 0; base < n_chunks; base += 32) {  // trip count uniform over the SIMD-group
+// K group g takes the steps g, g + S, ... (trip count uniform over the SIMD-group).
+for (uint base = 32 * k_group; base < n_chunks; base += 32 * k_groups) {
   const uint chunk = base + lane;
   const bool active = chunk < n_chunks;
+  const uint group = chunk / LANES_PER_GROUP;
+  // 1. Every load of the step, none waiting for another (expert_qmv.metal's LOADS): the
+  //    words of all rows of both projections, the leaders' scales (and biases), x.
+  uint words_g[ROWS][WORDS];
+  uint words_u[ROWS][WORDS];
+  for (uint r = 0; r < ROWS; ++r) {
+    for (int wi = 0; wi < WORDS; ++wi) {
+      const bool here = active && r < rows;
+      const size_t at = size_t(r) * words_per_row + chunk * WORDS + wi;
+      words_g[r][wi] = here ? wg_rows[at] : 0u;
+      words_u[r][wi] = here ? wu_rows[at] : 0u;
+    }
+  }
+  float scale_g[ROWS], scale_u[ROWS], bias_g[ROWS], bias_u[ROWS];
+  for (uint r = 0; r < ROWS; ++r) {
+    scale_g[r] = scale_u[r] = bias_g[r] = bias_u[r] = 0.0f;
+    if (active && loads_group && r < rows) {
+      const uint at = r * groups_per_row + group;
+      scale_g[r] = mt_fp4_scale<SCALE_FORMAT>(sg_rows[at]);
+      scale_u[r] = mt_fp4_scale<SCALE_FORMAT>(su_rows[at]);
+      if constexpr (MODE == 0) {
+        bias_g[r] = float(bg_rows[at]);
+        bias_u[r] = float(bu_rows[at]);
+      }
+    }
+  }
   float xv[VALS];
-  float x_sum = 0.0f;
   for (uint i = 0; i < VALS; ++i) {
     xv[i] = active ? float(x_row[chunk * VALS + i]) : 0.0f;
+  }
+  // 2. Shuffles and arithmetic.
+  float x_sum = 0.0f;
+  for (uint i = 0; i < VALS; ++i) {
     x_sum += xv[i];
   }
-  const uint group = chunk / LANES_PER_GROUP;
   for (uint r = 0; r < ROWS; ++r) {
     if (r >= rows) {
       break;  // uniform over the SIMD-group
     }
-    float sg = 0.0f, bg = 0.0f, su = 0.0f, bu = 0.0f;
-    if (active && loads_group) {
-      const uint at = r * groups_per_row + group;
-      sg = mt_fp4_scale<SCALE_FORMAT>(sg_rows[at]);
-      su = mt_fp4_scale<SCALE_FORMAT>(su_rows[at]);
-      if constexpr (MODE == 0) {
-        bg = float(bg_rows[at]);
-        bu = float(bu_rows[at]);
-      }
-    }
+    float sg = scale_g[r], bg = bias_g[r], su = scale_u[r], bu = bias_u[r];
     sg = simd_shuffle(sg, group_leader);
     su = simd_shuffle(su, group_leader);
-    bg = simd_shuffle(bg, group_leader);
-    bu = simd_shuffle(bu, group_leader);
+    if constexpr (MODE == 0) {
+      bg = simd_shuffle(bg, group_leader);
+      bu = simd_shuffle(bu, group_leader);
+    }
     if (active) {
-      const size_t at = size_t(r) * words_per_row + chunk * WORDS;
-      const float dg = mt_expert_qdot<MODE, BITS, WORDS>(wg_rows + at, xv);
-      const float du = mt_expert_qdot<MODE, BITS, WORDS>(wu_rows + at, xv);
+      const float dg = mt_expert_qdot<MODE, BITS, WORDS>(words_g[r], xv);
+      const float du = mt_expert_qdot<MODE, BITS, WORDS>(words_u[r], xv);
       if constexpr (MODE == 0) {
         acc_g[r] += sg * dg + bg * x_sum;
         acc_u[r] += su * du + bu * x_sum;
@@ -131,6 +167,34 @@ for (uint base = 0; base < n_chunks; base += 32) {  // trip count uniform over t
         acc_u[r] += su * du;
       }
     }
+  }
+}
+
+if (k_groups > 1u) {  // uniform; every row block holds ROWS rows here (DISPATCH INVARIANTS)
+  for (uint r = 0; r < ROWS; ++r) {
+    const float g_sum = simd_sum(acc_g[r]);
+    const float u_sum = simd_sum(acc_u[r]);
+    if (lane == 0) {
+      const uint at = ((k_group * SIMDGROUPS + row_block) * ROWS + r) * 2;
+      partials[at] = g_sum;
+      partials[at + 1] = u_sum;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (k_group != 0) {
+    return;  // uniform over the SIMD-group; no barrier follows
+  }
+  for (uint r = 0; r < ROWS; ++r) {
+    float g_sum = 0.0f;
+    float u_sum = 0.0f;
+    for (uint g = 0; g < k_groups; ++g) {  // fixed order: K group 0, 1, ...
+      const uint at = ((g * SIMDGROUPS + row_block) * ROWS + r) * 2;
+      g_sum += partials[at];
+      u_sum += partials[at + 1];
+    }
+    // Lane 0 holds the totals, the other lanes 0: the simd_sums below return them exactly.
+    acc_g[r] = lane == 0 ? g_sum : 0.0f;
+    acc_u[r] = lane == 0 ? u_sum : 0.0f;
   }
 }
 

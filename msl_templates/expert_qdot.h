@@ -6,11 +6,10 @@
 #include "common.h"
 
 // q * x summed over the VALS values a lane holds: WORDS packed uint32 words of BITS-bit
-// codes against VALS float activations; q is the unsigned integer (MODE 0), the E2M1 value
-// (MODE 1, 2; BITS 4) or the E4M3 value (MODE 3; BITS 8). `words` points to device or constant memory (MLX passes inputs
-// of fewer than 8 elements in the constant address space).
-template <int MODE, int BITS, int WORDS, typename WordPtr>
-inline float mt_expert_qdot(WordPtr words, thread const float* xv) {
+// codes (already loaded) against VALS float activations; q is the unsigned integer (MODE 0),
+// the E2M1 value (MODE 1, 2; BITS 4) or the E4M3 value (MODE 3; BITS 8).
+template <int MODE, int BITS, int WORDS>
+inline float mt_expert_qdot(thread const uint* words, thread const float* xv) {
   constexpr int PACK = 32 / BITS;
   constexpr uint MASK = (1u << BITS) - 1u;
   float dot = 0.0f;

@@ -15,8 +15,12 @@
 //     scale * sum_i q_i * x_i + bias * sum_i x_i   (affine; fp modes: scale * sum_i v_i * x_i)
 //   in float32, then reduced over the SIMD-group and rounded once to T. x_p is x's row
 //   xrow(t, j) and ids(t, j) is indices[irow(t) + j] (BROADCAST below).
-//   REDUCTION ORDER: lane l accumulates chunks l, l + 32, l + 64, ... in order; the 32 lane
-//   partials are then combined by simd_sum (hardware order).
+//   REDUCTION ORDER (fixed for given shapes and launch plan: bitwise reproducible run to run):
+//   the 32-lane steps of K are dealt to the S K groups of a row block, group g taking steps
+//   g, g + S, ... (S = 1: every step); lane l of group g accumulates its chunks in increasing
+//   order; the 32 lane partials are combined by simd_sum (hardware order). S = 1: that is
+//   the output. S > 1: the S group sums are added in order g = 0, 1, ..., S - 1 (through
+//   threadgroup memory) by group 0.
 //   OUT-OF-RANGE IDS: the id is read as uint (a negative int32 id becomes >= 2^31), and an id
 //   >= E makes the whole output row out[p, :] NaN; no byte of w/scales/biases is read for p.
 //
@@ -48,41 +52,68 @@
 //   space, which changes the generated source. indices holding fewer than 8 ids (decode
 //   with k < 8, one token) therefore compile a second instantiation next to the `device`
 //   one, once per process and (T, BITS, GS, index type); so do toy-sized w / scales /
-//   biases. The body reads them through `auto` pointers and a templated helper, so both
-//   forms compile; bcast always has 12 elements (device). Padding the ids to 8 would cost
-//   a copy per call instead of one extra compile.
+//   biases. The body reads them through `auto` pointers, so both forms compile; bcast
+//   always has 12 elements (device). Padding the ids to 8 would cost a copy per call instead
+//   of one extra compile.
 //
-// DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
-//   threadgroup = (32 * SIMDGROUPS, 1, 1) = (64, 1, 1)
-//   grid        = (64, ceil(N / (SIMDGROUPS * ROWS)), P)
-//   threadgroup_position_in_grid.z is the pair; SIMD-group s of row-tile y owns output rows
+// DISPATCH INVARIANTS (the wrapper derives them from validated shapes and the backend):
+//   threadgroup = (32 * SIMDGROUPS * S, 1, 1): SIMD-group i is row block i % SIMDGROUPS of
+//   K group i / SIMDGROUPS, S in [1, MAX_K_GROUPS] (read from simdgroups_per_threadgroup)
+//   grid        = (64 * S, ceil(N / (SIMDGROUPS * ROWS)), P)
+//   threadgroup_position_in_grid.z is the pair; row block s of row-tile y owns output rows
 //   [(y * SIMDGROUPS + s) * ROWS, + ROWS) clipped to N: each (pair, row) is written by exactly
 //   one lane, and each word/scale/bias of the selected expert's rows is read by exactly one
-//   lane (the group's scale/bias by its first lane, passed to the others by simd_shuffle).
+//   lane (the group's scale/bias by its first lane, passed to the others by simd_shuffle),
+//   of the one K group holding that step.
+//   S > 1 only where N % (SIMDGROUPS * ROWS) == 0: no row block lies past N, so no thread
+//   returns before the combine's barrier (the only other early return, an invalid id, is
+//   uniform over the threadgroup). Threadgroup memory: MAX_K_GROUPS * 8 floats, used only
+//   when S > 1.
 //   K % GS == 0 with GS a multiple of VALS (so a lane chunk never straddles a group or the
 //   row end; nvfp4's K need only be a multiple of 16).
-//   No threadgroup memory, no threadgroup barrier; every early return is uniform over a
-//   SIMD-group, so simd_sum / simd_shuffle always see a full SIMD-group.
+//   Every early return is uniform over a SIMD-group, so simd_sum / simd_shuffle always see a
+//   full SIMD-group.
+//
+// LAUNCH PLANS: Metal: S = 1, threadgroup (64, 1, 1), no barrier: the plan measured against
+//   MLX's Metal qmv (2 SIMD-groups x 4 rows, as MLX's own); whether S > 1 pays on Apple
+//   GPUs is for a Mac to measure, so it is unchanged. cuda: S = min(steps of K, 8,
+//   ceil(4096 / warps)) where the grid's warps are few, lowered to deal the steps evenly
+//   (ops/expert_qmv.py's _k_groups): Qwen3-30B-A3B's gate/up at one
+//   token (N = 768, K = 2048, 8 pairs) runs 768 threadgroups of 4 warps (3072 warps, each
+//   one step of K) instead of 1536 warps of two steps.
+//
+// LOADS (memory-level parallelism): a decode GEMV moves few bytes, so its time is DRAM latency
+//   times the number of dependent round trips; what matters is how many loads each lane has
+//   in flight. Each 32-lane step first issues every load it needs, none waiting for another:
+//   WORDS words of each of the ROWS rows (16 words at 4 and 8 bits, 8 for nvfp4), the group
+//   leader's scale (and bias) of each row, the VALS activations; then the shuffles, then the
+//   arithmetic. (Before: per row, scale load -> shuffle -> word load -> math, one row after the
+//   other: a chain of dependent latencies per step.) MLX's own Apple qmv kernels likewise load
+//   all of a step's weights before computing; Apple GPUs are latency-bound at decode as well
+//   (few SIMD-groups per core), so the same order serves both. Loads stay scalar (uint32
+//   words, T activations): MLX passes row-contiguous views that may start at any element
+//   (e.g. a reshaped slice), so no wider alignment is known from the shapes; the lanes'
+//   neighbouring words coalesce into the same memory transactions anyway.
+//   Registers: 16 words + VALS (<= 32) activations + 8 scales/biases per lane.
 //
 // TRAFFIC PER CALL: w, scales and (affine) biases of each valid pair's expert once (the selected
 //   experts' bytes; unselected experts and out-of-range ids read nothing), out once. x is
-//   loaded once per SIMD-group (K values per 4 rows), i.e. from cache after the first tile of
+//   loaded once per row block (K values per 4 rows, each K group its own steps), i.e. from cache after the first tile of
 //   a pair, as in MLX's qmv kernels; the pair's id and the 12 bcast words are broadcast
 //   loads, one per thread. A broadcast x or indices is read in place (no copy).
 //
 // CHECKED ONLY ON A MAC: that Apple's compiler accepts this body (address-space deduction of
-//   `auto` pointers and of the helper's WordPtr for device and constant inputs, simd_shuffle
+//   `auto` pointers for device and constant inputs, a kernel-scope threadgroup array, simd_shuffle
 //   with a ushort lane, numeric_limits NaN converted to bfloat), register use / occupancy, and
 //   the performance (GB/s vs mx.gather_qmm). The emulator checks the arithmetic, the bounds,
 //   the SIMD-group collectives and the read counts; the CUDA translation compiles in CI.
 #include "common.h"
 
 // q * x summed over the VALS values a lane holds: WORDS packed uint32 words of BITS-bit
-// codes against VALS float activations; q is the unsigned integer (MODE 0), the E2M1 value
-// (MODE 1, 2; BITS 4) or the E4M3 value (MODE 3; BITS 8). `words` points to device or constant memory (MLX passes inputs
-// of fewer than 8 elements in the constant address space).
-template <int MODE, int BITS, int WORDS, typename WordPtr>
-inline float mt_expert_qdot(WordPtr words, thread const float* xv) {
+// codes (already loaded) against VALS float activations; q is the unsigned integer (MODE 0),
+// the E2M1 value (MODE 1, 2; BITS 4) or the E4M3 value (MODE 3; BITS 8).
+template <int MODE, int BITS, int WORDS>
+inline float mt_expert_qdot(thread const uint* words, thread const float* xv) {
   constexpr int PACK = 32 / BITS;
   constexpr uint MASK = (1u << BITS) - 1u;
   float dot = 0.0f;
@@ -109,15 +140,22 @@ inline float mt_expert_qdot(WordPtr words, thread const float* xv) {
 constexpr uint SIMDGROUPS = 2;         // SIMD-groups per threadgroup
 constexpr uint ROWS = 4;               // output rows per SIMD-group
 constexpr uint PACK = 32 / BITS;       // values per uint32 word
-constexpr int WORDS = 2;               // words per lane per step
-constexpr uint VALS = WORDS * PACK;    // values per lane per step: 16 (4-bit), 8 (8-bit)
-constexpr uint LANES_PER_GROUP = GROUP_SIZE / VALS;  // 1..16, divides 32
+// Words per lane per step: 4, or one whole group where a group holds fewer (nvfp4: 2).
+constexpr int WORDS = GROUP_SIZE * BITS / 32 < 4 ? GROUP_SIZE * BITS / 32 : 4;
+constexpr uint VALS = WORDS * PACK;    // values per lane per step: 32 (4-bit), 16 (8-bit, nvfp4)
+constexpr uint LANES_PER_GROUP = GROUP_SIZE / VALS;  // 1..8, divides 32
 constexpr int SCALE_FORMAT = MODE == 3 ? 1 : MODE;  // mt_fp4_scale's: mxfp8 scales are E8M0
+constexpr uint MAX_K_GROUPS = 8;       // SIMD-groups sharing one row block's K, at most
+
+// Per (K group, row block, row): a K group's sum, combined in K-group order (S > 1 only).
+threadgroup float partials[MAX_K_GROUPS * SIMDGROUPS * ROWS];
 
 const uint lane = thread_index_in_simdgroup;
 const uint pair = threadgroup_position_in_grid.z;
-const uint row0 = (threadgroup_position_in_grid.y * SIMDGROUPS + simdgroup_index_in_threadgroup)
-                  * ROWS;
+const uint k_groups = simdgroups_per_threadgroup / SIMDGROUPS;  // the launch plan's S
+const uint row_block = simdgroup_index_in_threadgroup % SIMDGROUPS;
+const uint k_group = simdgroup_index_in_threadgroup / SIMDGROUPS;
+const uint row0 = (threadgroup_position_in_grid.y * SIMDGROUPS + row_block) * ROWS;
 const uint n_rows_total = n_out;
 if (row0 >= n_rows_total) {
   return;  // uniform over the SIMD-group: a row tile past N
@@ -143,7 +181,7 @@ for (int d = BCAST_DIMS - 1; d >= 0; --d) {
 const uint expert = uint(indices[id_at]);
 if (expert >= n_experts) {
   // Out-of-range id (uniform over the threadgroup): NaN row, nothing of the expert is read.
-  if (lane < rows) {
+  if (k_group == 0 && lane < rows) {
     out_rows[lane] = T(metal::numeric_limits<float>::quiet_NaN());
   }
   return;
@@ -163,33 +201,58 @@ const ushort group_leader = ushort(lane & ~(LANES_PER_GROUP - 1));
 const bool loads_group = (lane % LANES_PER_GROUP) == 0;
 
 float acc[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
-for (uint base = 0; base < n_chunks; base += 32) {  // trip count uniform over the SIMD-group
+// K group g takes the steps g, g + S, ... (trip count uniform over the SIMD-group).
+for (uint base = 32 * k_group; base < n_chunks; base += 32 * k_groups) {
   const uint chunk = base + lane;
   const bool active = chunk < n_chunks;
-  float xv[VALS];
-  float x_sum = 0.0f;
-  for (uint i = 0; i < VALS; ++i) {
-    xv[i] = active ? float(x_row[chunk * VALS + i]) : 0.0f;
-    x_sum += xv[i];
-  }
   const uint group = chunk / LANES_PER_GROUP;
+  // 1. Every load of the step, none of them waiting for another: the words of all rows,
+  //    the group leader's scales (and biases), the activations.
+  uint words[ROWS][WORDS];
   for (uint r = 0; r < ROWS; ++r) {
-    if (r >= rows) {
-      break;  // uniform over the SIMD-group
+    for (int wi = 0; wi < WORDS; ++wi) {
+      words[r][wi] = active && r < rows
+                         ? w_rows[size_t(r) * words_per_row + chunk * WORDS + wi] : 0u;
     }
+  }
+  float scale[ROWS];
+  float bias[ROWS];
+  for (uint r = 0; r < ROWS; ++r) {
     float s = 0.0f;
     float b = 0.0f;
-    if (active && loads_group) {
+    if (active && loads_group && r < rows) {
       s = mt_fp4_scale<SCALE_FORMAT>(s_rows[r * groups_per_row + group]);  // 0: float(s)
       if constexpr (MODE == 0) {
         b = float(b_rows[r * groups_per_row + group]);
       }
     }
-    s = simd_shuffle(s, group_leader);
-    b = simd_shuffle(b, group_leader);
+    scale[r] = s;
+    bias[r] = b;
+  }
+  float xv[VALS];
+  for (uint i = 0; i < VALS; ++i) {
+    xv[i] = active ? float(x_row[chunk * VALS + i]) : 0.0f;
+  }
+  // 2. The group leaders' scales (and biases) to their groups' lanes.
+  for (uint r = 0; r < ROWS; ++r) {
+    scale[r] = simd_shuffle(scale[r], group_leader);
+    if constexpr (MODE == 0) {
+      bias[r] = simd_shuffle(bias[r], group_leader);
+    }
+  }
+  // 3. The arithmetic.
+  float x_sum = 0.0f;
+  for (uint i = 0; i < VALS; ++i) {
+    x_sum += xv[i];
+  }
+  for (uint r = 0; r < ROWS; ++r) {
+    if (r >= rows) {
+      break;  // uniform over the SIMD-group
+    }
     if (active) {
-      const float dot = mt_expert_qdot<MODE, BITS, WORDS>(
-          w_rows + size_t(r) * words_per_row + chunk * WORDS, xv);
+      const float s = scale[r];
+      const float b = bias[r];
+      const float dot = mt_expert_qdot<MODE, BITS, WORDS>(words[r], xv);
       if constexpr (MODE == 0) {
         acc[r] += s * dot + b * x_sum;
       } else {
@@ -199,12 +262,29 @@ for (uint base = 0; base < n_chunks; base += 32) {  // trip count uniform over t
   }
 }
 
-for (uint r = 0; r < ROWS; ++r) {
-  if (r >= rows) {
-    break;  // uniform over the SIMD-group
+if (k_groups == 1u) {  // uniform over the threadgroup
+  for (uint r = 0; r < ROWS; ++r) {
+    if (r >= rows) {
+      break;  // uniform over the SIMD-group
+    }
+    const float total = simd_sum(acc[r]);
+    if (lane == 0) {
+      out_rows[r] = T(total);
+    }
   }
-  const float total = simd_sum(acc[r]);
-  if (lane == 0) {
-    out_rows[r] = T(total);
+} else {  // every row block holds ROWS rows here (DISPATCH INVARIANTS): no thread returned
+  for (uint r = 0; r < ROWS; ++r) {
+    const float total = simd_sum(acc[r]);
+    if (lane == 0) {
+      partials[(k_group * SIMDGROUPS + row_block) * ROWS + r] = total;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (k_group == 0 && lane < rows) {
+    float total = 0.0f;
+    for (uint g = 0; g < k_groups; ++g) {  // fixed order: K group 0, 1, ...
+      total += partials[(g * SIMDGROUPS + row_block) * ROWS + lane];
+    }
+    out_rows[lane] = T(total);
   }
 }

@@ -54,9 +54,10 @@ def _bindings():
                 Arg("bias", "T", 2),
                 *scalars("n_experts", "n_out", "k_in", "n_sel", "has_bias")),
         outputs=(Arg("out", "T", 2),), params=QUANTIZED_PARAMS, bindings=_bindings,
-        geometry="threadgroup (64, 1, 1): 2 SIMD-groups x 4 output rows; "
-                 "grid (64, ceil(D / 8), tokens): one threadgroup per (token, 8-row tile), "
-                 "its k experts summed in order",
+        geometry="threadgroup (64 * S, 1, 1): 2 row blocks of 4 output rows x S slot "
+                 "groups (S = 1 on Metal: each SIMD-group sums all k slots; cuda: the k "
+                 "slots spread over up to 8); grid (64 * S, ceil(D / 8), tokens): one "
+                 "threadgroup per (token, 8-row tile), its k experts summed in a fixed order",
         notes="expert_qmv's modes; scores in h's dtype or float32; optional per-expert "
               "biases; any id >= E (or < 0) makes the token's row NaN",
     ),
@@ -142,13 +143,28 @@ def _backward(g, h, w, scales, biases, indices, scores, bias, info: dict) -> lis
     return grads
 
 
+MAX_SLOT_GROUPS = 8  # matches the template
+
+
+def _slot_groups(k: int, backend: str) -> int:
+    """The launch plan's S: SIMD-groups sharing one row block's k slots (the template's
+    DISPATCH INVARIANTS). Metal keeps one (each SIMD-group walks all k slots, the plan the
+    template was measured in); cuda spreads the slots evenly over at most MAX_SLOT_GROUPS
+    (k = 8: one slot each; k = 10: 5 groups of 2), for the warps an NVIDIA GPU needs in
+    flight."""
+    if backend != "cuda" or k <= 1:
+        return 1
+    per_group = -(-k // MAX_SLOT_GROUPS)
+    return -(-k // per_group)
+
+
 def _launch(h, w, scales, biases, indices, scores, bias, info: dict, backend: str):
     n_out, n_in, k = info["n_out"], info["in_features"], info["k"]
     tokens = math.prod(info["lead"])
     hs = h.reshape(-1, n_in)
     if biases is None:  # fp modes: never read
         biases = scales
-    tg = backends.SIMD_WIDTH * SIMDGROUPS
+    tg = backends.SIMD_WIDTH * SIMDGROUPS * _slot_groups(k, backend)
     (out,) = backends.launch(
         SPEC, backend,
         inputs={"h": hs, "w": w, "scales": scales, "biases": biases,
@@ -195,8 +211,8 @@ def expert_down_combine(h: mx.array, w: mx.array, scales: mx.array, biases,
       stream: the MLX stream or device to run on (None: the default).
 
     Returns: ``[..., D]`` in h's dtype, accumulated in float32 and rounded once; the k
-    experts are summed in slot order (j = 0, 1, ...), so results are bitwise reproducible
-    run to run. If any of a token's ids is outside ``[0, E)`` that token's whole row is NaN.
+    experts are summed in a fixed order (the template's REDUCTION ORDER), so results are
+    bitwise reproducible run to run. If any of a token's ids is outside ``[0, E)`` that token's whole row is NaN.
     k = 0 gives zeros.
 
     Reference backend: ``mx.compile(shapeless=True)`` and ``mx.vmap`` raise an

@@ -36,6 +36,7 @@ from .expert_qmv import (
     _bcast_dims,
     _bcast_input,
     _check_expert_qmv,
+    _k_groups,
     _out_shape,
     _x_vjp,
 )
@@ -69,8 +70,9 @@ def _bindings():
                 *scalars("alpha", "limit", dtype="float32")),
         outputs=(Arg("out", "T", 2),), params=(*QUANTIZED_PARAMS, "ACT"),
         bindings=_bindings,
-        geometry="threadgroup (64, 1, 1): 2 SIMD-groups x 4 rows of gate and up; "
-                 "grid (64, ceil(N / 8), tokens * k): one threadgroup per (pair, 8-row tile)",
+        geometry="threadgroup (64 * S, 1, 1): 2 row blocks of 4 rows of gate and up x S K "
+                 "groups (S = 1 on Metal; cuda: K split where the grid is small); "
+                 "grid (64 * S, ceil(N / 8), tokens * k): one threadgroup per (pair, 8-row tile)",
         notes="expert_qmv's modes; silu or swiglu_oai; optional per-expert biases; ids >= E "
               "(or < 0) give a NaN row",
     ),
@@ -145,7 +147,8 @@ def _launch(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, ind
         biases_gate, biases_up = scales_gate, scales_up
     if bias_gate is None:  # never read (has_bias = 0)
         bias_gate = bias_up = xs
-    tg = backends.SIMD_WIDTH * SIMDGROUPS
+    tg = backends.SIMD_WIDTH * SIMDGROUPS * _k_groups(
+        n_out, n_in, pairs, info["bits"], info["group_size"], 2, backend)
     (out,) = backends.launch(
         SPEC, backend,
         inputs={"x": xs, "w_gate": w_gate, "scales_gate": scales_gate,

@@ -47,8 +47,9 @@ ROWS_PER_THREADGROUP = SIMDGROUPS * ROWS
                 *scalars("n_experts", "n_out", "k_in", "n_sel", "x_slot")),
         outputs=(Arg("out", "T", 2),), params=QUANTIZED_PARAMS,
         bindings=quantized_bindings(MODES),
-        geometry="threadgroup (64, 1, 1): 2 SIMD-groups x 4 output rows; "
-                 "grid (64, ceil(N / 8), tokens * k): one threadgroup per (pair, 8-row tile)",
+        geometry="threadgroup (64 * S, 1, 1): 2 row blocks of 4 output rows x S K groups "
+                 "(S = 1 on Metal; cuda: K split where the grid is small); "
+                 "grid (64 * S, ceil(N / 8), tokens * k): one threadgroup per (pair, 8-row tile)",
         notes="affine bits 4/8, group_size 32/64/128; mxfp4, nvfp4, mxfp8; ids >= E (or "
               "< 0) give a NaN row",
     ),
@@ -239,6 +240,30 @@ def _bcast_input(dims: tuple[tuple[int, int, int], ...]) -> mx.array:
     return mx.array([v for triple in padded for v in triple], dtype=mx.uint32)
 
 
+MAX_K_GROUPS = 8  # matches the template
+# cuda plan: warps wanted in flight (an H100 holds 64 per SM on 132 SMs; a decode GEMV's
+# grid of 4-row SIMD-groups gives 1-3 thousand at one token).
+TARGET_WARPS = 4096
+
+
+def _k_groups(n_out: int, n_in: int, pairs: int, bits: int, group_size: int, words: int,
+              backend: str) -> int:
+    """The launch plan's S: SIMD-groups sharing one row block's K steps (the template's
+    DISPATCH INVARIANTS; ``words``: the template's words per lane per step, at most). Metal
+    keeps one. cuda splits K where the grid is small, for about TARGET_WARPS warps, at most
+    one per 32-lane step of K and MAX_K_GROUPS, the steps dealt evenly (the group with the
+    most steps sets the time), and only where N is a multiple of 8 (no row block past N:
+    every thread of a threadgroup reaches the combine's barrier)."""
+    if backend != "cuda" or n_out % ROWS_PER_THREADGROUP:
+        return 1
+    lane_values = min(words, group_size * bits // 32) * (32 // bits)
+    steps = -(-(n_in // lane_values) // backends.SIMD_WIDTH)
+    warps = SIMDGROUPS * (n_out // ROWS_PER_THREADGROUP) * pairs
+    wanted = max(1, min(MAX_K_GROUPS, steps, -(-TARGET_WARPS // warps)))
+    per_group = -(-steps // wanted)
+    return -(-steps // per_group)
+
+
 def _launch(x, w, scales, biases, indices, info: dict, backend: str) -> mx.array:
     lead, k, n_out, n_in = info["lead"], info["k"], info["n_out"], info["in_features"]
     pairs = info["tokens"] * k
@@ -258,7 +283,8 @@ def _launch(x, w, scales, biases, indices, info: dict, backend: str) -> mx.array
     idx = indices.reshape(-1)
     if biases is None:  # fp modes: the kernel never reads its biases input
         biases = scales
-    tg = backends.SIMD_WIDTH * SIMDGROUPS
+    tg = backends.SIMD_WIDTH * SIMDGROUPS * _k_groups(
+        n_out, n_in, pairs, info["bits"], info["group_size"], 4, backend)
     (out,) = backends.launch(
         SPEC, backend,
         inputs={"x": xs, "w": w, "scales": scales, "biases": biases, "indices": idx,

@@ -145,6 +145,106 @@ def test_emulator_strict_shuffled(poisoned_outputs, rng, seed):
         emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
 
 
+# ---- cuda's launch plan (a row block's k slots over S SIMD-groups), run on the emulator ----
+
+@pytest.fixture
+def slot_plan(monkeypatch):
+    """The emulator launched with the cuda backend's plan: S = _slot_groups(k, "cuda") slot
+    groups per row block, combined through threadgroup memory after a barrier."""
+    if backends.unavailable_reason("emulator") is not None:
+        pytest.skip("emulator unavailable")
+    real = op_module._slot_groups
+    monkeypatch.setattr(op_module, "_slot_groups", lambda k, backend: real(k, "cuda"))
+    with backends.use_backend("emulator"):
+        yield
+
+
+def _plan_ran(k, valid_tokens):
+    """The last launch used cuda's plan for k (threadgroup 64 * S; when S > 1 one barrier
+    release per threadgroup of a token with valid ids: the others return before it)."""
+    from mlx_metaltile import emulator
+
+    stats = emulator.last_launch_stats()
+    slot_groups = op_module._slot_groups(k, "cuda")
+    assert stats.threadgroup == (64 * slot_groups, 1, 1)
+    tiles = stats.threadgroups // stats.grid[2]
+    assert stats.threadgroup_barriers == (tiles * valid_tokens if slot_groups > 1 else 0)
+    return stats
+
+
+def test_slot_groups_of_each_plan():
+    """cuda spreads k slots evenly over at most 8 slot groups; Metal keeps one."""
+    assert [op_module._slot_groups(k, "cuda") for k in range(1, 17)] == [
+        1, 2, 3, 4, 5, 6, 7, 8, 5, 5, 6, 6, 7, 7, 8, 8]
+    assert {op_module._slot_groups(k, b) for k in range(1, 17)
+            for b in ("metal", "emulator", "reference")} == {1}
+
+
+@pytest.mark.parametrize("k", (2, 3, 8, 10))
+@pytest.mark.parametrize("mode, group_size, bits", QUANT, ids=lambda v: str(v))
+def test_slot_plan_matches_oracle(slot_plan, poisoned_outputs, rng, mode, group_size, bits, k):
+    """D = 13 (a ragged last row block; D = 20 below has one past D), a token with an invalid
+    id (NaN row), signed float32 scores, biases."""
+    n_experts, d, n = 11, 13, 2 * max(group_size, 32)
+    down = make_experts(rng, n_experts, d, n, mx.bfloat16, mode, group_size, bits, bias=True)
+    ids = np.stack([rng.permutation(n_experts)[:k] for _ in range(3)]).astype(np.int32)
+    ids[2, k - 1] = n_experts
+    scores = mx.array(rng.standard_normal((3, k)).astype(np.float32))
+    out = run_and_check(make_x(rng, (3, k, n), mx.bfloat16), down, mx.array(ids), scores,
+                        "emulator", mode=mode, group_size=group_size, bits=bits)
+    _plan_ran(k, valid_tokens=2)
+    assert np.isnan(to_f64(out)).all(axis=-1).tolist() == [False, False, True]
+
+
+def test_slot_plan_reads_each_selected_expert_once(slot_plan, poisoned_outputs, rng):
+    """The read-once invariant under cuda's plan: each (slot, row block) is one SIMD-group's."""
+    n_experts, d, n, k = 16, 20, 256, 3
+    down = make_experts(rng, n_experts, d, n, mx.float16, bias=True)
+    ids = mx.array([[3, 3, 0], [15, 7, 99]], dtype=mx.uint32)  # token 1 is NaN
+    run_and_check(make_x(rng, (2, k, n), mx.float16), down, ids,
+                  make_scores(rng, (2, k), mx.float16), "emulator")
+    stats = _plan_ran(k, valid_tokens=1)
+    slots, scale_bytes = 3, 3 * d * (n // 64) * 2
+    assert stats.bytes_read["w"] == slots * d * (n * 4 // 32) * 4
+    assert stats.bytes_read["scales"] == stats.bytes_read["biases"] == scale_bytes
+    assert stats.bytes_read["bias"] == slots * d * 2
+    assert stats.bytes_read["h"] == slots * -(-d // 4) * n * 2
+    assert stats.bytes_written["out"] == 2 * d * 2 and stats.bytes_read["out"] == 0
+
+
+@pytest.mark.parametrize("old, new", [
+    ("for (uint g = 0; g < slot_groups; ++g) {", "for (uint g = 0; g < 1; ++g) {"),
+    ("if (j % slot_groups != slot_group) {", "if (j % slot_groups == slot_group) {"),
+], ids=("first_slot_group_only", "other_groups_slots"))
+def test_slot_plan_negative_control(slot_plan, poisoned_outputs, broken_kernel, rng, old, new):
+    """The slot groups' combine and the dealing of slots must matter under cuda's plan."""
+    broken_kernel(op_module.SPEC, (old, new))
+    down = make_experts(rng, 6, 16, 128, mx.float32, bias=True)
+    ids = mx.array([[1, 3, 0, 5]], dtype=mx.uint32)
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check(make_x(rng, (1, 4, 128), mx.float32), down, ids,
+                      make_scores(rng, (1, 4)), "emulator")
+
+
+@pytest.mark.parametrize("seed", (1, 2))
+def test_slot_plan_strict_shuffled(slot_plan, poisoned_outputs, rng, seed):
+    """Strict mode (no read of unwritten threadgroup memory, no shuffle of an absent lane),
+    threads and threadgroups in a permuted order, and bitwise equal results run to run."""
+    from mlx_metaltile import emulator
+
+    down = make_experts(rng, 5, 13, 96, mx.bfloat16, group_size=32, bias=True)
+    ids = mx.array([[4, 0, 3, 1, 2], [2, 2, 1, 0, 0]], dtype=mx.int32)
+    h, s = make_x(rng, (2, 5, 96), mx.bfloat16), make_scores(rng, (2, 5))
+    previous = emulator.configure(strict=True, shuffle_seed=seed)
+    try:
+        out = run_and_check(h, down, ids, s, "emulator", group_size=32)
+        _plan_ran(5, valid_tokens=2)
+        again = mt.expert_down_combine(h, *down[:3], ids, s, bias=down[3], group_size=32)
+        assert mx.array_equal(out, again).item()
+    finally:
+        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
+
+
 # ---- build once ----------------------------------------------------------------------------
 
 def test_instantiations_match_the_launches(launch_recorder, rng):

@@ -179,6 +179,91 @@ def test_emulator_strict_shuffled(poisoned_outputs, rng, seed):
         emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
 
 
+# ---- cuda's launch plan (a row block's K steps over S SIMD-groups), run on the emulator ----
+
+@pytest.fixture
+def k_plan(monkeypatch):
+    """The emulator launched with the cuda backend's plan (expert_qmv's _k_groups)."""
+    if backends.unavailable_reason("emulator") is not None:
+        pytest.skip("emulator unavailable")
+    real = op_module._k_groups
+    monkeypatch.setattr(op_module, "_k_groups", lambda *a: real(*a[:-1], "cuda"))
+    with backends.use_backend("emulator"):
+        yield
+
+
+def _k_plan_ran(groups, valid_pairs):
+    from mlx_metaltile import emulator
+
+    stats = emulator.last_launch_stats()
+    assert stats.threadgroup == (64 * groups, 1, 1)
+    tiles = stats.threadgroups // stats.grid[2]
+    assert stats.threadgroup_barriers == tiles * valid_pairs
+    return stats
+
+
+@pytest.mark.parametrize("activation, bias", [("silu", False), ("swiglu_oai", True)])
+@pytest.mark.parametrize("mode, group_size, bits", QUANT, ids=lambda v: str(v))
+def test_k_plan_matches_oracle(k_plan, poisoned_outputs, rng, mode, group_size, bits,
+                               activation, bias):
+    """N = 16, K of 3 steps and a partial one (S = 4), a pair with an invalid id."""
+    per_step = 32 * 2 * (32 // bits)
+    n_in = 3 * per_step + 4 * group_size
+    gate, up = _pair(rng, 5, 16, n_in, mx.bfloat16, mode, group_size, bits, bias=bias,
+                     scale=0.5)
+    ids = mx.array([[4, 0], [5, 2]], dtype=mx.int32)
+    out = run_and_check(make_x(rng, (2, n_in), mx.bfloat16), gate, up, ids, "emulator",
+                        activation=activation, mode=mode, group_size=group_size, bits=bits)
+    _k_plan_ran(4, valid_pairs=3)
+    assert np.isnan(to_f64(out)).all(axis=-1).tolist() == [[False, False], [True, False]]
+
+
+def test_k_plan_reads_each_selected_expert_once(k_plan, poisoned_outputs, rng):
+    n_experts, n_out, n_in = 16, 24, 2048
+    gate, up = _pair(rng, n_experts, n_out, n_in, mx.float16, bias=True)
+    ids = mx.array([[3, 3, 0], [15, 7, 99]], dtype=mx.uint32)
+    run_and_check(make_x(rng, (2, n_in), mx.float16), gate, up, ids, "emulator")
+    stats = _k_plan_ran(4, valid_pairs=5)
+    pairs = 5
+    for proj in ("gate", "up"):
+        assert stats.bytes_read[f"w_{proj}"] == pairs * n_out * (n_in * 4 // 32) * 4
+        assert stats.bytes_read[f"scales_{proj}"] == pairs * n_out * (n_in // 64) * 2
+        assert stats.bytes_read[f"bias_{proj}"] == pairs * n_out * 2
+    assert stats.bytes_read["x"] == pairs * -(-n_out // 4) * n_in * 2
+    assert stats.bytes_written["out"] == 6 * n_out * 2 and stats.bytes_read["out"] == 0
+
+
+@pytest.mark.parametrize("seed", (1, 2))
+def test_k_plan_strict_shuffled(k_plan, poisoned_outputs, rng, seed):
+    from mlx_metaltile import emulator
+
+    gate, up = _pair(rng, 5, 8, 1024 + 128, mx.bfloat16, group_size=32, bias=True)
+    ids = mx.array([[4, 0, 3], [2, 2, 1]], dtype=mx.int32)
+    x = make_x(rng, (2, 1024 + 128), mx.bfloat16)
+    previous = emulator.configure(strict=True, shuffle_seed=seed)
+    try:
+        out = run_and_check(x, gate, up, ids, "emulator", group_size=32)
+        _k_plan_ran(3, valid_pairs=6)
+        again = mt.expert_glu(x, *gate[:3], *up[:3], ids, bias_gate=gate[3], bias_up=up[3],
+                              group_size=32)
+        assert mx.array_equal(out, again).item()
+    finally:
+        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
+
+
+@pytest.mark.parametrize("old, new", [
+    ("for (uint g = 0; g < k_groups; ++g) {", "for (uint g = 0; g < 1; ++g) {"),
+    ("u_sum += partials[at + 1];", "u_sum += partials[at];"),
+], ids=("first_k_group_only", "gate_sums_for_up"))
+def test_k_plan_negative_control(k_plan, poisoned_outputs, broken_kernel, rng, old, new):
+    broken_kernel(op_module.SPEC, (old, new))
+    gate, up = _pair(rng, 4, 16, 1024, mx.float32, group_size=32, scale=0.5)
+    ids = mx.array([[1, 3]], dtype=mx.uint32)
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check(make_x(rng, (1, 1024), mx.float32), gate, up, ids, "emulator",
+                      group_size=32)
+
+
 # ---- build once ----------------------------------------------------------------------------
 
 def test_instantiations_match_the_launches(launch_recorder, rng):

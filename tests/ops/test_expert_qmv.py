@@ -242,6 +242,113 @@ def test_emulator_strict_shuffled(poisoned_outputs, rng, seed):
         emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
 
 
+# ---- cuda's launch plan (a row block's K steps over S SIMD-groups), run on the emulator ----
+
+QUANT = (("affine", 32, 4), ("affine", 64, 8), ("affine", 128, 4), ("mxfp4", 32, 4),
+         ("nvfp4", 16, 4), ("mxfp8", 32, 8))
+
+
+@pytest.fixture
+def k_plan(monkeypatch):
+    """The emulator launched with the cuda backend's plan: S = _k_groups(..., "cuda") K
+    groups per row block, combined through threadgroup memory after a barrier."""
+    if backends.unavailable_reason("emulator") is not None:
+        pytest.skip("emulator unavailable")
+    real = op_module._k_groups
+    monkeypatch.setattr(op_module, "_k_groups", lambda *a: real(*a[:-1], "cuda"))
+    with backends.use_backend("emulator"):
+        yield
+
+
+def _k_plan_ran(groups, valid_pairs):
+    """The last launch ran ``groups`` K groups, each valid pair's threadgroups meeting the
+    barrier once (an invalid pair's return before it)."""
+    stats = _emulator_stats()
+    assert stats.threadgroup == (64 * groups, 1, 1)
+    tiles = stats.threadgroups // stats.grid[2]
+    assert stats.threadgroup_barriers == tiles * valid_pairs
+    return stats
+
+
+def test_k_groups_of_each_plan():
+    """cuda splits K where the grid is small and N is a multiple of 8; Metal never."""
+    plan = op_module._k_groups
+    assert plan(768, 2048, 8, 4, 64, 4, "cuda") == 2  # Qwen3-30B-A3B up: 2 steps of K
+    assert plan(512, 2048, 10, 4, 64, 4, "cuda") == 2  # Qwen3-Next up
+    assert plan(2880, 2880, 4, 4, 32, 4, "cuda") == 2  # gpt-oss mxfp4, 3 steps
+    assert plan(2048, 768, 8, 4, 64, 4, "cuda") == 1  # one step of K
+    assert plan(768, 2048, 32, 4, 64, 4, "cuda") == 1  # 4 tokens: enough warps
+    assert plan(16, 8192, 1, 8, 64, 4, "cuda") == 8  # at most MAX_K_GROUPS
+    assert plan(20, 8192, 1, 4, 64, 4, "cuda") == 1  # N % 8 != 0
+    assert {plan(768, 2048, 8, 4, 64, 4, b) for b in ("metal", "emulator")} == {1}
+
+
+@pytest.mark.parametrize("mode, group_size, bits", QUANT, ids=lambda v: str(v))
+def test_k_plan_matches_oracle(k_plan, poisoned_outputs, rng, mode, group_size, bits):
+    """N = 16, K of 3 steps and a partial one (S = 4, the last group's step ragged), a pair
+    with an invalid id (NaN row), both x layouts."""
+    from mlx_metaltile.cases.expert_glu import make_experts, project
+
+    per_step = 32 * min(4, group_size * bits // 32) * (32 // bits)
+    n_in = 3 * per_step + 4 * group_size
+    w, s, b, _ = make_experts(rng, 5, 16, n_in, mx.bfloat16, mode, group_size, bits)
+    ids = mx.array([[4, 0], [5, 2]], dtype=mx.int32)
+    for x_shape in ((2, n_in), (2, 2, n_in)):
+        x = make_x(rng, x_shape, mx.bfloat16)
+        out = mt.expert_qmv(x, w, s, b, ids, group_size=group_size, bits=bits, mode=mode)
+        mx.eval(out)
+        _k_plan_ran(4, valid_pairs=3)
+        want, mag, valid = project(x, w, s, b, None, ids, mode, group_size, bits)
+        got = to_f64(out)
+        assert np.isnan(got[~valid]).all() and valid.sum() == 3
+        assert_close(got[valid], want[valid], mx.bfloat16, magnitude=mag[valid],
+                     what="expert_qmv[emulator, K groups]")
+
+
+def test_k_plan_reads_each_selected_expert_once(k_plan, poisoned_outputs, rng):
+    n_experts, n_out, n_in = 16, 24, 4096
+    w, s, b = make_weights(rng, n_experts, n_out, n_in, mx.float16, 64, 4)
+    ids = mx.array([[3, 3, 0], [15, 7, 99]], dtype=mx.uint32)
+    run_and_check(make_x(rng, (2, n_in), mx.float16), w, s, b, ids, 64, 4, "emulator")
+    stats = _k_plan_ran(4, valid_pairs=5)
+    pairs = 5
+    assert stats.bytes_read["w"] == pairs * n_out * (n_in * 4 // 32) * 4
+    assert stats.bytes_read["scales"] == stats.bytes_read["biases"] == (
+        pairs * n_out * (n_in // 64) * 2)
+    assert stats.bytes_written["out"] == 6 * n_out * 2 and stats.bytes_read["out"] == 0
+    assert stats.bytes_read["x"] == pairs * -(-n_out // 4) * n_in * 2
+
+
+@pytest.mark.parametrize("seed", (1, 2))
+def test_k_plan_strict_shuffled(k_plan, poisoned_outputs, rng, seed):
+    """Strict mode, threads and threadgroups in a permuted order, equal bits run to run."""
+    from mlx_metaltile import emulator
+
+    w, s, b = make_weights(rng, 5, 8, 2048 + 256, mx.bfloat16, 32, 4)
+    ids = mx.array([[4, 0, 3], [2, 2, 1]], dtype=mx.int32)
+    x = make_x(rng, (2, 2048 + 256), mx.bfloat16)
+    previous = emulator.configure(strict=True, shuffle_seed=seed)
+    try:
+        out = run_and_check(x, w, s, b, ids, 32, 4, "emulator")
+        _k_plan_ran(3, valid_pairs=6)
+        again = mt.expert_qmv(x, w, s, b, ids, group_size=32, bits=4)
+        assert mx.array_equal(out, again).item()
+    finally:
+        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
+
+
+@pytest.mark.parametrize("old, new", [
+    ("for (uint g = 0; g < k_groups; ++g) {", "for (uint g = 0; g < 1; ++g) {"),
+    ("base += 32 * k_groups)", "base += 32)"),
+], ids=("first_k_group_only", "every_group_all_steps"))
+def test_k_plan_negative_control(k_plan, poisoned_outputs, broken_kernel, rng, old, new):
+    broken_kernel(op_module.SPEC, (old, new))
+    w, s, b = make_weights(rng, 4, 16, 2048, mx.float32, 64, 4)
+    ids = mx.array([[1, 3]], dtype=mx.uint32)
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check(make_x(rng, (1, 2048), mx.float32), w, s, b, ids, 64, 4, "emulator")
+
+
 # ---- build once, stay lazy ---------------------------------------------------------------
 
 def test_sizes_do_not_rebuild(kernel_backend, monkeypatch, launches, rng):
