@@ -9,7 +9,7 @@ import mlx_metaltile as mt
 
 from .. import backends
 from ..ops.sdpa_multi import COMBINE_SPEC, SPLIT_SPEC
-from ._base import DTYPES, BenchCase, assert_close, to_f64
+from ._base import DTYPES, BenchCase, assert_close, grad_case, to_f64
 
 OP = "sdpa_multi"
 
@@ -47,14 +47,40 @@ def sdpa_multi_terms(q, k, v, scale, causal, kv_len, mask=None, sinks=None):
     p_sink * (1 + |sink|) * max_j |v_j[d]| for the sink's rounding. ``p_magnitude``:
     sum_j p_j |v_j[d]|.
     """
-    q, k, v = to_f64(q), to_f64(k), to_f64(v)
+    v = to_f64(v)
+    B, Hq, L, D = q.shape
+    Hkv = v.shape[1]
+    G = Hq // Hkv
+    vv = v[:, :, :kv_len]
+    p, score_mag, p_sink = probabilities(q, k, scale, causal, kv_len, mask, sinks)
+    p = p.reshape(B, Hkv, G, L, kv_len)
+    score_mag = score_mag.reshape(B, Hkv, G, L, kv_len)
+    with np.errstate(invalid="ignore"):
+        out = [np.einsum("bkglj,bkjd->bkgld", p, vv),
+               np.einsum("bkglj,bkjd->bkgld", p * (1.0 + score_mag), np.abs(vv)),
+               np.einsum("bkglj,bkjd->bkgld", p, np.abs(vv))]
+    out = [x.reshape(B, Hq, L, D) for x in out]
+    if p_sink is not None:
+        sink = to_f64(sinks).reshape(1, Hq, 1, 1)
+        vmax = np.abs(vv).max(axis=2)[:, :, None, None, :]  # [B, Hkv, 1, 1, D]
+        extra = (p_sink * (1.0 + np.abs(sink))).reshape(B, Hkv, G, L, 1) * vmax
+        out[1] = out[1] + extra.reshape(B, Hq, L, D)
+    return tuple(out)
+
+
+def probabilities(q, k, scale, causal, kv_len, mask=None, sinks=None):
+    """float64 (p, score magnitude, p_sink) of the definition (see sdpa_multi_terms): the
+    softmax weights p [B, Hq, L, kv_len] of the visible keys, the sum of |terms| behind each
+    score (|scale| * sum_d |q_d k_j,d| + |a_j|), and the sink's weight [B, Hq, L, 1] (None
+    without sinks)."""
+    q, k = to_f64(q), to_f64(k)
     B, Hq, L, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
     # query head h = kvh * G + g reads KV head kvh = h // G. np.einsum (its own loops, one
     # thread) rather than BLAS: on a loaded CI machine threaded BLAS is many times slower.
     qg = q.reshape(B, Hkv, G, L, D)
-    kk, vv = k[:, :, :kv_len], v[:, :, :kv_len]
+    kk = k[:, :, :kv_len]
     s = scale * np.einsum("bkgld,bkjd->bkglj", qg, kk).reshape(B, Hq, L, kv_len)
     score_mag = abs(scale) * np.einsum("bkgld,bkjd->bkglj", np.abs(qg), np.abs(kk)).reshape(
         B, Hq, L, kv_len)
@@ -71,7 +97,7 @@ def sdpa_multi_terms(q, k, v, scale, causal, kv_len, mask=None, sinks=None):
         s = s + m
         score_mag = score_mag + np.where(np.isfinite(m), np.abs(m), 0.0)
     top = s.max(axis=-1, keepdims=True)
-    sink = None
+    sink = p_sink = None
     if sinks is not None:
         sink = to_f64(sinks).reshape(1, Hq, 1, 1)
         top = np.maximum(top, sink)
@@ -81,19 +107,9 @@ def sdpa_multi_terms(q, k, v, scale, causal, kv_len, mask=None, sinks=None):
         if sink is not None:
             p_sink = np.exp(sink - top)
             den = den + p_sink
+            p_sink = p_sink / den
         p /= den
-    p = p.reshape(B, Hkv, G, L, kv_len)
-    score_mag = score_mag.reshape(B, Hkv, G, L, kv_len)
-    with np.errstate(invalid="ignore"):
-        out = [np.einsum("bkglj,bkjd->bkgld", p, vv),
-               np.einsum("bkglj,bkjd->bkgld", p * (1.0 + score_mag), np.abs(vv)),
-               np.einsum("bkglj,bkjd->bkgld", p, np.abs(vv))]
-    out = [x.reshape(B, Hq, L, D) for x in out]
-    if sink is not None:
-        vmax = np.abs(vv).max(axis=2)[:, :, None, None, :]  # [B, Hkv, 1, 1, D]
-        extra = ((p_sink / den) * (1.0 + np.abs(sink))).reshape(B, Hkv, G, L, 1) * vmax
-        out[1] = out[1] + extra.reshape(B, Hq, L, D)
-    return tuple(out)
+    return p, score_mag, p_sink
 
 
 def oracle(q, k, v, scale, causal, kv_len, mask=None, sinks=None):
@@ -238,4 +254,88 @@ def bench_cases() -> list[BenchCase]:
                             flops=4 * B * Hq * visible * D,
                             quick=(dtype == mx.float16 and Hkv == 8 and kv_len == 4096
                                    and L in (1, 8))))
-    return out + _masked_bench_cases()
+    return out + _masked_bench_cases() + grad_bench_cases()
+
+
+# ---- forward + backward vs MLX's autodiff of its own sdpa ---------------------------------
+
+def grad_terms(q, k, v, g, scale, causal, kv_len, sinks=None):
+    """float64 [(dq, magnitude), (dk, ..), (dv, ..)] (+ [(dsinks, ..)]) of the VJP with
+    cotangent g [B, Hq, L, D], from the definition (no mask). With p_lj the softmax weights
+    and out_l = sum_j p_lj v_j: dv_j = sum_l p_lj g_l; ds_lj = p_lj (g_l . v_j - g_l . out_l);
+    dq_l = scale sum_j ds_lj k_j; dk_j = scale sum_l ds_lj q_l (k_j, v_j summed over the G
+    query heads that read them); dsinks[h] = -sum_l p_sink,l g_l . out_l; the cache rows
+    from kv_len on get 0.
+
+    Magnitudes: the sums of |terms|, each p_lj carrying the relative error of its rounded
+    score (1 + its score magnitude, as in sdpa_multi_terms), and ds_lj the errors of
+    g_l . v_j and g_l . out_l (their sums of |terms|) besides p_lj's.
+    """
+    q, k, v, g = (to_f64(a) for a in (q, k, v, g))
+    B, Hq, L, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    p, score_mag, p_sink = probabilities(q, k, scale, causal, kv_len, sinks=sinks)
+    p, score_mag = (a.reshape(B, Hkv, G, L, kv_len) for a in (p, score_mag))
+    qg, gg = q.reshape(B, Hkv, G, L, D), g.reshape(B, Hkv, G, L, D)
+    kk, vv = k[:, :, :kv_len], v[:, :, :kv_len]
+    rows, cols = "bkglj,bkjd->bkgld", "bkglj,bkgld->bkjd"  # sum over keys / over queries
+    pe = p * (1.0 + score_mag)  # p with its error scale
+    out = np.einsum(rows, p, vv)
+    gv = np.einsum("bkgld,bkjd->bkglj", gg, vv)
+    gv_mag = np.einsum("bkgld,bkjd->bkglj", np.abs(gg), np.abs(vv))
+    delta = (gg * out).sum(axis=-1, keepdims=True)  # g_l . out_l
+    delta_mag = (p * gv_mag + pe * np.abs(gv)).sum(axis=-1, keepdims=True)
+    ds = p * (gv - delta)
+    ds_mag = p * (gv_mag + delta_mag) + pe * np.abs(gv - delta)
+    pad = [(0, 0), (0, 0), (0, S - kv_len), (0, 0)]
+    grads = [(scale * np.einsum(rows, ds, kk).reshape(q.shape),
+              abs(scale) * np.einsum(rows, ds_mag, np.abs(kk)).reshape(q.shape)),
+             (np.pad(scale * np.einsum(cols, ds, qg), pad),
+              np.pad(abs(scale) * np.einsum(cols, ds_mag, np.abs(qg)), pad)),
+             (np.pad(np.einsum(cols, p, gg), pad), np.pad(np.einsum(cols, pe, np.abs(gg)), pad))]
+    if p_sink is not None:
+        ps = p_sink.reshape(B, Hkv, G, L, 1)
+        sink = to_f64(sinks).reshape(1, Hkv, G, 1, 1)
+        # p_sink's own error: its score's (1 + |sink|) and the denominator's (sum_j p_j e_j)
+        ps_err = ps * (1.0 + np.abs(sink) + pe.sum(axis=-1, keepdims=True))
+        grads.append(((-ps * delta).sum(axis=(0, 3, 4)).reshape(Hq),
+                      (ps * delta_mag + ps_err * np.abs(delta)).sum(axis=(0, 3, 4)).reshape(Hq)))
+    return grads
+
+
+def grad_bench_cases() -> list[BenchCase]:
+    """Forward + backward through the public ``mt.sdpa_multi`` and ``mx.vjp`` (whatever VJP
+    it has) against MLX's autodiff of ``mx.fast.scaled_dot_product_attention`` on the cache
+    slice, causal, a cache with 256 rows of slack: Llama-style h32/8 D 128 at a decode step
+    (L 1) and a 32-query block over 4k keys, w.r.t. q, k, v; gpt-oss-style sinks (h64/8,
+    D 64, L 8) w.r.t. q, k, v and the sinks. bytes: the forward's (q and the visible K and V
+    read, out written) plus the backward's (q, the visible K and V, and g read; dq written,
+    and dk, dv over every cache row: the rows from kv_len on are zeros, written too); with
+    sinks, the sinks read twice and their gradient written."""
+    out = []
+    B, slack, kv_len = 1, 256, 4096
+    S = kv_len + slack
+    for form, Hq, Hkv, D, L in (("", 32, 8, 128, 1), ("", 32, 8, 128, 32),
+                                ("sinks-", 64, 8, 64, 8)):
+        for dtype in DTYPES:
+            def make(rng, Hq=Hq, Hkv=Hkv, D=D, L=L, dtype=dtype, sinks=bool(form)):
+                def arr(shape, s=1.0):
+                    return mx.array((rng.standard_normal(shape) * s).astype(np.float32)
+                                    ).astype(dtype)
+                kw = dict(q=arr((B, Hq, L, D)), k=arr((B, Hkv, S, D)), v=arr((B, Hkv, S, D)),
+                          g=arr((B, Hq, L, D)), scale=D ** -0.5, causal=True, kv_len=kv_len)
+                if sinks:
+                    kw["sinks"] = arr((Hq,), 2.0)
+                return kw
+            visible = L * kv_len - L * (L - 1) // 2
+            nbytes = (B * Hq * L * D * (2 + 3) + B * Hkv * D * (4 * kv_len + 2 * S)
+                      + (3 * Hq if form else 0)) * dtype.size
+            out.append(grad_case(
+                op=OP, label=f"{form}h{Hq}/{Hkv}-d{D}-L{L}-kv{kv_len // 1024}k", dtype=dtype,
+                make=make, ours=mt.sdpa_multi, native=_native,
+                wrt=("q", "k", "v", "sinks") if form else ("q", "k", "v"),
+                grad_oracle=grad_terms, nbytes=nbytes,
+                flops=(4 + 10) * B * Hq * visible * D,
+                quick=L == 1 and dtype == mx.float16))
+    return out
