@@ -8,9 +8,8 @@ import numpy as np
 
 import mlx_metaltile as mt
 
-from .. import backends
 from . import _mxfp4
-from ._base import BenchCase, assert_close, grad_case, to_f64
+from ._base import BenchCase, check_rows, expect_launches, grad_case, to_f64
 from .expert_qmv import dequantize_f64
 
 OP = "expert_glu"
@@ -186,18 +185,13 @@ def run_and_check(x, gate, up, indices, backend, *, activation="silu", mode="aff
 
     gs, nb = DEFAULTS[mode]
     group_size, bits = group_size or gs, bits or nb
-    before = backends.launch_count(backend=backend)
-    out = mt.expert_glu(x, *gate[:3], *up[:3], indices, bias_gate=gate[3], bias_up=up[3],
-                        activation=activation, mode=mode, group_size=group_size, bits=bits)
-    mx.eval(out)
-    if backend != "reference":  # a kernel ran (never the reference compared with itself)
-        assert backends.launch_count(backend=backend) == before + launches
+    with expect_launches(backend, launches):
+        out = mt.expert_glu(x, *gate[:3], *up[:3], indices, bias_gate=gate[3], bias_up=up[3],
+                            activation=activation, mode=mode, group_size=group_size,
+                            bits=bits)
+        mx.eval(out)
     want, mag, valid = oracle(x, gate, up, indices, activation, mode, group_size, bits)
-    assert out.dtype == x.dtype and tuple(out.shape) == want.shape
-    got = to_f64(out)
-    assert np.isnan(got[~valid]).all(), "an out-of-range id must give a NaN row"
-    assert_close(got[valid], want[valid], x.dtype, magnitude=mag[valid],
-                 what=f"expert_glu[{backend}]")
+    check_rows(out, want, mag, valid, x.dtype, f"expert_glu[{backend}]")
     return out
 
 

@@ -9,9 +9,8 @@ import numpy as np
 
 import mlx_metaltile as mt
 
-from .. import backends
 from . import _mxfp4
-from ._base import BenchCase, assert_close, grad_case, to_f64
+from ._base import BenchCase, check_rows, expect_launches, grad_case, to_f64
 
 OP = "expert_qmv"
 ROW_BLOCK = 1024  # output rows dequantized at a time (the experts of big models are large)
@@ -92,18 +91,11 @@ def make_x(rng, shape, dtype, scale=1.0):
 
 
 def run_and_check(x, w, s, b, ids, group_size, bits, backend, *, launches=1):
-    dtype = x.dtype
-    before = backends.launch_count(backend=backend)
-    out = mt.expert_qmv(x, w, s, b, ids, group_size=group_size, bits=bits)
-    mx.eval(out)
-    if backend != "reference":  # prove a kernel ran (never the reference compared with itself)
-        assert backends.launch_count(backend=backend) == before + launches
+    with expect_launches(backend, launches):
+        out = mt.expert_qmv(x, w, s, b, ids, group_size=group_size, bits=bits)
+        mx.eval(out)
     want, mag, valid = oracle(x, w, s, b, ids, group_size, bits)
-    assert out.dtype == dtype and tuple(out.shape) == want.shape
-    got = to_f64(out)
-    assert np.isnan(got[~valid]).all(), "an out-of-range id must give a NaN row"
-    assert_close(got[valid], want[valid], dtype, magnitude=mag[valid],
-                 what=f"expert_qmv[{backend}]")
+    check_rows(out, want, mag, valid, x.dtype, f"expert_qmv[{backend}]")
     return out
 
 
