@@ -6,8 +6,9 @@ the shuffle-and-FMA path (float fragments), in one GEMM kernel written as the op
 The kernel is fp4_qmm_simdgroup.metal's tiling without the dequantisation: out[M, N] =
 x[M, K] @ w[N, K]^T, a threadgroup of 4 simdgroups per 32x32 tile, K in steps of 32 staged in
 threadgroup memory as S, 2x2 float accumulators per simdgroup. S = float (what fp4_qmm and
-moe_gather_qmm stage today) multiplies on warp shuffles and FMAs; S = T (half or bfloat)
-multiplies on mma.sync. Each result is checked against a float64 NumPy oracle under the
+moe_gather_qmm stage for float32 x and where T would round a weight) multiplies on warp shuffles
+and FMAs; S = T (half or bfloat, what they stage where exact) multiplies on mma.sync.
+bench/cuda_fragments_check.py times the two ops themselves. Each result is checked against a float64 NumPy oracle under the
 tolerance table before it is timed. Needs MLX's CUDA build and an NVIDIA GPU (sm_80+ for
 the tensor cores).
 """

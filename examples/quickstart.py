@@ -81,9 +81,11 @@ got = model(prompt)
 mx.eval(got)
 launched = backends.launch_count(backend=mt.current_backend()) - before
 # Each replaced module is within float32 accumulation error (accum, relative) of the module it
-# stands in for; summed over the replaced modules (the bound tests/test_patch.py uses):
+# stands in for; summed over the replaced modules (the bound tests/test_patch.py uses; a MoE
+# block and its SwitchGLU compute as one, SwitchGLU.combine, so they count once):
 err = mx.abs(got - want).max().item()
-bound = 2 * TOLERANCES["float32"].accum * len(report.replaced) * mx.abs(want).max().item()
+served = sum(e.kind != "moe_block" for e in report.replaced)
+bound = 2 * TOLERANCES["float32"].accum * served * mx.abs(want).max().item()
 print(f"patched forward: {launched} kernel launches; max |patched - unpatched| logits "
       f"{err:.2e} (bound {bound:.2e})")
 assert err <= bound, (err, bound)

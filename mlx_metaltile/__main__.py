@@ -336,9 +336,10 @@ def main(argv=None) -> int:
     kernels = sub.add_parser("kernels", help="the backends (with the reasons one cannot run) "
                              "and the kernel registry")
     kernels.set_defaults(fn=cmd_kernels, parser=kernels)
-    from mlx_metaltile import model_bench
+    from mlx_metaltile import model_bench, moe_bench
 
     model_bench.add_parser(sub)
+    moe_bench.add_parser(sub)
     args = parser.parse_args(argv)
     # --backend holds for this command only (a caller's process keeps its own choice)
     backend = getattr(args, "backend", None)

@@ -23,6 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from . import _templates
+from ._msl.kernel import MetalKernel
 from ._registry import KernelSpec
 from ._templates import render
 
@@ -201,6 +202,13 @@ def launch_count(name: str | None = None, backend: str | None = None) -> int:
                if (name is None or k == name) and (backend is None or b == backend))
 
 
+@functools.lru_cache(maxsize=4096)
+def _geometry_checked(op: str, grid: tuple[int, ...], threadgroup: tuple[int, ...],
+                      threadgroup_memory: int) -> None:
+    """check_geometry, remembered per geometry: a decode loop repeats a few shapes."""
+    check_geometry(op, grid, threadgroup, threadgroup_memory)
+
+
 def check_geometry(op: str, grid: Sequence[int], threadgroup: Sequence[int],
                    threadgroup_memory: int = 0) -> None:
     """Refuse a dispatch that would be illegal (or freeze a Mac) before it is made."""
@@ -226,16 +234,11 @@ def check_geometry(op: str, grid: Sequence[int], threadgroup: Sequence[int],
 _TRACING_MESSAGE = "during function transformations"  # MLX's eval refusal under compile/vmap
 
 
-@contextlib.contextmanager
-def require_eager_ok(op: str, backend: str) -> Iterator[None]:
+def _raise_if_traced(op: str, backend: str, err: Exception) -> None:
     """Turn MLX's refusal to evaluate inside ``mx.compile`` / ``mx.vmap`` into an ``[op]``
     error: the emulator runs each kernel eagerly on the CPU, so its inputs must be concrete
     arrays. (``mx.grad`` / ``mx.vjp`` / ``mx.value_and_grad`` evaluate eagerly and work.)"""
-    try:
-        yield
-    except (ValueError, RuntimeError) as err:
-        if backend != "emulator" or _TRACING_MESSAGE not in str(err):
-            raise
+    if backend == "emulator" and _TRACING_MESSAGE in str(err):
         raise ValueError(
             f"[{op}] the emulator backend runs kernels eagerly on the CPU and cannot be "
             "traced by mx.compile or mx.vmap; call the op outside the transform, or run the "
@@ -256,7 +259,8 @@ def launch(spec: KernelSpec, backend: str, *, inputs: Mapping[str, mx.array],
             f"[{spec.op}] internal: kernel {spec.name} takes inputs {spec.input_names}, "
             f"template parameters {spec.params} and outputs {spec.output_names}; got "
             f"{tuple(inputs)}, {tuple(template)} and {tuple(outputs)}")
-    check_geometry(spec.op, grid, threadgroup, threadgroup_memory)
+    grid, threadgroup = tuple(grid), tuple(threadgroup)
+    _geometry_checked(spec.op, grid, threadgroup, threadgroup_memory)
     if backend in GPU_BACKENDS and mx.default_device() != mx.gpu and _gpu_available():
         # MLX's own refusal ("[custom_kernel] Only supports the GPU") names neither the op
         # nor the way out (without a GPU only stand-in kernels get here: tests of the path)
@@ -266,7 +270,15 @@ def launch(spec: KernelSpec, backend: str, *, inputs: Mapping[str, mx.array],
     kernel = get_kernel(spec, backend)
     _launches[(backend, spec.name)] += 1
     outs = tuple(outputs.values())
-    with require_eager_ok(spec.op, backend):
+    shapes = [tuple(map(int, o[0])) for o in outs]
+    dtypes = [o[1] for o in outs]
+    try:
+        if isinstance(kernel, MetalKernel):  # emulator, cuda: checked above, run directly
+            return kernel.run_checked(list(inputs.values()), shapes, dtypes, grid, threadgroup,
+                                      list(template.items()), init_value)
         return kernel(inputs=list(inputs.values()), template=list(template.items()), grid=grid,
-                      threadgroup=threadgroup, output_shapes=[o[0] for o in outs],
-                      output_dtypes=[o[1] for o in outs], init_value=init_value)
+                      threadgroup=threadgroup, output_shapes=shapes, output_dtypes=dtypes,
+                      init_value=init_value)
+    except (ValueError, RuntimeError) as err:
+        _raise_if_traced(spec.op, backend, err)
+        raise

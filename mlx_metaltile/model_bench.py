@@ -55,7 +55,8 @@ ARCHS = {
     "gpt_oss": (_GPT_OSS, ("mxfp4", 32, 4), ("affine", 64, 8)),
     "mixtral": (_MIXTRAL, ("affine", 64, 4), ("affine", 64, 4)),
 }
-OPS = ("sdpa_multi", "expert_qmv", "moe_gather_qmm", "gated_rms_norm", "fp4_qmm")
+OPS = ("sdpa_multi", "expert_glu", "expert_qmv", "expert_down_combine", "moe_gather_qmm",
+       "gated_rms_norm", "fp4_qmm")
 
 
 def _native_sdpa_multi(q, k, v, *, scale, causal=False, kv_len=None, mask=None, sinks=None):
@@ -75,6 +76,31 @@ def _native_expert_qmv(x, w, scales, biases, indices, *, group_size=None, bits=N
     x = mx.expand_dims(x, -2) if x.ndim == indices.ndim + 1 else mx.expand_dims(x, (-2, -3))
     return mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True,
                          group_size=group_size, bits=bits, mode=mode).squeeze(-2)
+
+
+def _native_expert_glu(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up,
+                       indices, *, bias_gate=None, bias_up=None, activation="silu",
+                       mode="affine", group_size=None, bits=None):
+    from mlx_lm.models.activations import swiglu, swiglu_oai
+
+    # mlx-lm's SwitchGLU up to its activation: gate and up gather_qmm, biases, SwiGLU or
+    # SwigluOAI
+    q = dict(group_size=group_size, bits=bits, mode=mode)
+    gate = _native_expert_qmv(x, w_gate, scales_gate, biases_gate, indices, **q)
+    up = _native_expert_qmv(x, w_up, scales_up, biases_up, indices, **q)
+    if bias_gate is not None:
+        gate, up = gate + bias_gate[indices], up + bias_up[indices]
+    return swiglu(gate, up) if activation == "silu" else swiglu_oai(gate, up)
+
+
+def _native_expert_down_combine(h, w, scales, biases, indices, scores, *, bias=None,
+                                mode="affine", group_size=None, bits=None):
+    # mlx-lm's down gather_qmm, then the MoE block's (y * scores[..., None]).sum(-2)
+    y = _native_expert_qmv(h, w, scales, biases, indices, group_size=group_size, bits=bits,
+                           mode=mode)
+    if bias is not None:
+        y = y + bias[indices]
+    return (y * scores[..., None]).sum(axis=-2)
 
 
 def _native_moe_gather_qmm(x, w, scales, biases, indices, *, group_size=None, bits=None,
@@ -100,6 +126,7 @@ def _native_fp4_qmm(x, w, scales, *, group_size=None, mode=None):
 # Each op's counterpart in mlx / mlx-lm, called with the op's own arguments: what the
 # unpatched model runs for the same call.
 NATIVE = {"sdpa_multi": _native_sdpa_multi, "expert_qmv": _native_expert_qmv,
+          "expert_glu": _native_expert_glu, "expert_down_combine": _native_expert_down_combine,
           "moe_gather_qmm": _native_moe_gather_qmm, "gated_rms_norm": _native_gated_rms_norm,
           "fp4_qmm": _native_fp4_qmm}
 _T0 = time.perf_counter()

@@ -12,6 +12,7 @@ mlx-lm is imported only where its code runs (the fallbacks, SwitchGLU's construc
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,6 +22,7 @@ from mlx.nn.layers.distributed import (
     sum_gradients,
 )
 
+from . import backends
 from .ops import (
     expert_down_combine,
     expert_glu,
@@ -36,8 +38,11 @@ from .ops.sdpa_multi import _promotes_to
 # (token, expert) pairs from which a SwitchGLU call runs the prefill path (moe_gather_qmm
 # over expert-sorted rows) instead of the decode path (expert_glu + expert_qmv, or
 # expert_glu + expert_down_combine through SwitchGLU.combine). mlx-lm sorts from the same
-# count; the crossover of the kernels is still to be measured on a GPU.
+# count. The kernels' crossover differs per GPU: a backend measured with
+# ``python -m mlx_metaltile moe-bench`` gets its own entry in PREFILL_MIN_PAIRS_PER_BACKEND;
+# prefill_min_pairs() is the one place that reads the two.
 PREFILL_MIN_PAIRS = 64
+PREFILL_MIN_PAIRS_PER_BACKEND: dict[str, int] = {}
 
 _EXPERT_BITS = (4, 8)  # expert_qmv / moe_gather_qmm, affine mode
 _EXPERT_GROUP_SIZES = (32, 64, 128)
@@ -49,6 +54,12 @@ fallbacks: Counter = Counter()
 
 def _class_name(obj) -> str:
     return type(obj).__name__
+
+
+def prefill_min_pairs() -> int:
+    """The token-expert pairs from which SwitchGLU runs its prefill path on the backend an
+    op call would run on now."""
+    return PREFILL_MIN_PAIRS_PER_BACKEND.get(backends.resolve_backend(), PREFILL_MIN_PAIRS)
 
 
 # ---------------------------------------------------------------------------- gated norm
@@ -172,7 +183,8 @@ class SwitchGLU(nn.Module):
     returns the per-expert rows ``[..., k, D]`` mlx-lm's contract promises (the MoE block
     applies the scores). :meth:`combine` also takes the scores and runs the down projection,
     the scores and the sum over k as one ``expert_down_combine`` dispatch: two dispatches per
-    MoE block at decode for a block that calls it. From :data:`PREFILL_MIN_PAIRS` pairs the
+    MoE block at decode for a block that calls it (:func:`moe_block`, which ``patch`` gives
+    the blocks :data:`MOE_ROUTING` names). From :data:`PREFILL_MIN_PAIRS` pairs the
     rows are sorted by expert and run ``moe_gather_qmm``. Experts the kernels do not serve
     (see :func:`switch_glu_unserved`), or activations in another dtype than the quantization
     scales, run mlx-lm's own ``SwitchGLU`` computation.
@@ -215,7 +227,7 @@ class SwitchGLU(nn.Module):
             fallbacks["switch_glu", reason] += 1
             return _MlxLmSwitchGLU.__call__(self, x, indices)
         indices = mx.stop_gradient(indices)
-        if indices.size >= PREFILL_MIN_PAIRS and self._sorted_path_fits():
+        if indices.size >= prefill_min_pairs() and self._sorted_path_fits():
             return self._prefill(x, indices)
         return self._decode(x, indices)
 
@@ -274,7 +286,7 @@ class SwitchGLU(nn.Module):
         computes, two dispatches: expert_glu, then expert_down_combine (the down projection,
         the scores and the sum over k in slot order; a token with an id outside [0, E)
         gives a NaN row). Otherwise this module's call, then the scores and the sum."""
-        if (self.unserved(x) is None and indices.size < PREFILL_MIN_PAIRS
+        if (self.unserved(x) is None and indices.size < prefill_min_pairs()
                 and self._glu_activation(x) is not None
                 and scores.shape == indices.shape and x.shape[:-1] == indices.shape[:-1]):
             down = self.down_proj
@@ -300,6 +312,129 @@ class SwitchGLU(nn.Module):
         out = self._project(self.down_proj, self.activation(up, gate), indices, rows)
         out = out[mx.argsort(order)]
         return out.reshape(*indices.shape, out.shape[-1])
+
+
+# ---------------------------------------------------------------------------- MoE blocks
+
+
+@dataclass(frozen=True)
+class MoERouting:
+    """How an mlx-lm MoE block forms its experts' ids and scores: its ``__call__`` as data.
+
+    ``softmax_first``: softmax over all experts, then the top k of the probabilities
+    (Qwen3-MoE, Qwen3-Next, OLMoE); else the top k of the router logits, then a softmax
+    over those k (Mixtral, gpt-oss). ``negated``: the top k taken as mlx-lm's
+    ``argpartition(-g, kth=k - 1)[..., :k]`` (Mixtral, OLMoE), else as
+    ``argpartition(g, kth=-k)[..., -k:]``; the same call picks the same experts in the same
+    slots, ties included. ``norm``: the attribute that asks for scores renormalised to sum
+    to one after the top k. ``shared``: (expert, gate) attributes of a shared expert added
+    as ``sigmoid(gate(x)) * expert(x)`` (Qwen3-Next). ``flat``: the block runs on
+    ``x.reshape(-1, D)`` (OLMoE). ``cast``: the score-weighted sum is cast to the experts'
+    output dtype (Qwen3-MoE).
+    """
+
+    router: str
+    experts: str
+    top_k: str
+    softmax_first: bool
+    negated: bool
+    norm: str | None = None
+    shared: tuple[str, str] | None = None
+    flat: bool = False
+    cast: bool = False
+
+    def route(self, block, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """(ids, scores) [..., k] from the router's logits, as the block computes them."""
+        k = getattr(block, self.top_k)
+        g = mx.softmax(logits, axis=-1, precise=True) if self.softmax_first else logits
+        if self.negated:
+            ids = mx.argpartition(-g, kth=k - 1, axis=-1)[..., :k]
+        else:
+            ids = mx.argpartition(g, kth=-k, axis=-1)[..., -k:]
+        ids = mx.stop_gradient(ids)
+        scores = mx.take_along_axis(g, ids, axis=-1)
+        if not self.softmax_first:
+            scores = mx.softmax(scores, axis=-1, precise=True)
+        if self.norm is not None and getattr(block, self.norm):
+            scores = scores / scores.sum(axis=-1, keepdims=True)
+        return ids, scores
+
+
+# mlx-lm's MoE block classes ("module.Class") whose routing is known. A block not named
+# here keeps mlx-lm's code (its SwitchGLU is still served).
+MOE_ROUTING = {
+    "mlx_lm.models.qwen3_moe.Qwen3MoeSparseMoeBlock": MoERouting(
+        "gate", "switch_mlp", "top_k", softmax_first=True, negated=False,
+        norm="norm_topk_prob", cast=True),
+    "mlx_lm.models.qwen3_next.Qwen3NextSparseMoeBlock": MoERouting(  # also Qwen3.5-MoE
+        "gate", "switch_mlp", "top_k", softmax_first=True, negated=False,
+        norm="norm_topk_prob", shared=("shared_expert", "shared_expert_gate")),
+    "mlx_lm.models.olmoe.OlmoeSparseMoeBlock": MoERouting(
+        "gate", "switch_mlp", "top_k", softmax_first=True, negated=True,
+        norm="norm_topk_prob", flat=True),
+    "mlx_lm.models.mixtral.MixtralSparseMoeBlock": MoERouting(
+        "gate", "switch_mlp", "num_experts_per_tok", softmax_first=False, negated=True),
+    "mlx_lm.models.gpt_oss.MLPBlock": MoERouting(
+        "router", "experts", "num_experts_per_tok", softmax_first=False, negated=False),
+}
+
+
+def moe_routing(cls: type) -> MoERouting | None:
+    """The routing of an mlx-lm MoE block class (or of a subclass made by ``patch``)."""
+    cls = getattr(cls, "_mlx_metaltile_base", cls)
+    return MOE_ROUTING.get(f"{cls.__module__}.{cls.__qualname__}")
+
+
+def moe_block_unserved(module) -> str | None:
+    """None if ``module``'s calls can run :func:`moe_block` (a block class named in
+    :data:`MOE_ROUTING` holding the attributes it names, experts a :class:`SwitchGLU` can
+    serve), else why not."""
+    routing = moe_routing(type(module))
+    if routing is None:
+        return (f"{_class_name(module)}'s routing is not known: mlx-lm's block applies the "
+                "scores after SwitchGLU")
+    for name in (routing.router, routing.experts, *(routing.shared or ())):
+        if not isinstance(getattr(module, name, None), nn.Module):
+            return f"no {name} module"
+    if not isinstance(getattr(module, routing.top_k, None), int):
+        return f"no integer {routing.top_k}"
+    experts = getattr(module, routing.experts)
+    reason = None if isinstance(experts, SwitchGLU) else switch_glu_unserved(experts)
+    return None if reason is None else f"its experts are not served ({reason})"
+
+
+def moe_block(block, x: mx.array) -> mx.array:
+    """An mlx-lm MoE block's call with the experts, the scores and the sum over k through
+    :meth:`SwitchGLU.combine`: the router, the top k, the scores, the shared expert and the
+    tensor-parallel collectives as the block computes them (:data:`MOE_ROUTING`). Experts
+    that are not a :class:`SwitchGLU` now (adapters added after patching) run the block's
+    own code."""
+    routing = moe_routing(type(block))
+    experts = getattr(block, routing.experts)
+    if not isinstance(experts, SwitchGLU):
+        fallbacks["moe_block", f"experts are {_class_name(experts)}"] += 1
+        return block._mlx_metaltile_base.__call__(block, x)
+    group = getattr(block, "sharding_group", None)
+    if group is not None:
+        x = sum_gradients(group)(x)
+    shape = x.shape
+    if routing.flat:
+        x = x.reshape(-1, shape[-1])
+    ids, scores = routing.route(block, getattr(block, routing.router)(x))
+    if scores.dtype == x.dtype:  # else mlx-lm's product promotes: keep its form
+        y = experts.combine(x, ids, scores)
+    else:
+        rows = experts(x, ids)
+        y = (rows * scores[..., None]).sum(axis=-2)
+        y = y.astype(rows.dtype) if routing.cast else y
+    if routing.shared is not None:
+        expert, gate = (getattr(block, name) for name in routing.shared)
+        y = y + mx.sigmoid(gate(x)) * expert(x)
+    if routing.flat:
+        y = y.reshape(shape)
+    if group is not None:
+        y = mx.distributed.all_sum(y, group=group)
+    return y
 
 
 # ---------------------------------------------------------------------------- fp4 linear

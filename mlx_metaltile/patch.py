@@ -3,6 +3,10 @@
 Per instance:
   - mlx-lm's gated RMSNorm (``Qwen3NextRMSNormGated``) -> :class:`mlx_metaltile.nn.GatedRMSNorm`
   - any mlx-lm ``SwitchGLU`` over ``QuantizedSwitchLinear`` experts -> :class:`mlx_metaltile.nn.SwitchGLU`
+  - mlx-lm MoE blocks whose routing :data:`mlx_metaltile.nn.MOE_ROUTING` names, holding served
+    experts: the instance gets a subclass whose ``__call__`` is :func:`mlx_metaltile.nn.moe_block`
+    (the block's router, then ``SwitchGLU.combine``); other blocks holding a SwitchGLU are
+    reported and keep mlx-lm's code.
   - ``nn.QuantizedLinear`` in mode mxfp4 / nvfp4 -> :class:`mlx_metaltile.nn.Fp4Linear`
   - attention modules that call mlx-lm's ``scaled_dot_product_attention``: the instance gets
     a subclass whose ``__call__`` routes that call to ``sdpa_multi``.
@@ -128,18 +132,24 @@ def _mlx_lm_sdpa():
     return getattr(base, _SDPA_NAME, None)
 
 
-def _patched_class(cls: type) -> type:
+def _patched_class(cls: type, kind: str = "attention") -> type:
+    """``cls`` with the call of ``kind``: attention routes mlx-lm's sdpa function,
+    moe_block runs :func:`mlx_metaltile.nn.moe_block`. One subclass per class."""
     sub = _patched_classes.get(cls)
     if sub is None:
-        def __call__(self, *args, **kwargs):
-            token = _in_patched_attention.set(True)
-            try:
-                return cls.__call__(self, *args, **kwargs)
-            finally:
-                _in_patched_attention.reset(token)
+        if kind == "moe_block":
+            __call__ = mtnn.moe_block
+        else:
+            def __call__(self, *args, **kwargs):
+                token = _in_patched_attention.set(True)
+                try:
+                    return cls.__call__(self, *args, **kwargs)
+                finally:
+                    _in_patched_attention.reset(token)
 
         sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                          "_mlx_metaltile_base": cls})
+                                          "_mlx_metaltile_base": cls,
+                                          "_mlx_metaltile_kind": kind})
         _patched_classes[cls] = sub
     return sub
 
@@ -169,6 +179,10 @@ def _is_attention(module) -> bool:
     return _attention_namespace(module) is not None
 
 
+def _is_switch_glu(module) -> bool:
+    return type(module).__name__ == "SwitchGLU" and type(module).__module__.startswith("mlx_lm.")
+
+
 def _visit(module, path: str, entries: list[PatchEntry]):
     """The replacement for ``module`` (or ``module`` itself), recording what was decided."""
     name = type(module).__name__
@@ -178,14 +192,24 @@ def _visit(module, path: str, entries: list[PatchEntry]):
         entries.append(PatchEntry(path, kind, type(original).__name__, True,
                                   _SERVED_BY[kind]))
         return module
-    if hasattr(type(module), "_mlx_metaltile_base"):  # attention patched before
-        entries.append(PatchEntry(path, "attention", name, True, _SERVED_BY["attention"]))
+    if hasattr(type(module), "_mlx_metaltile_base"):  # attention or MoE block patched before
+        kind = type(module)._mlx_metaltile_kind
+        entries.append(PatchEntry(path, kind, name, True, _SERVED_BY[kind]))
+        _walk(module, path, entries)
+        return module
+    if mtnn.moe_routing(type(module)) is not None or any(
+            _is_switch_glu(child) for _, _, child, _ in _children(module)):
+        reason = mtnn.moe_block_unserved(module)
+        if reason is None:
+            module.__class__ = _patched_class(type(module), "moe_block")
+        entries.append(PatchEntry(path, "moe_block", name, reason is None,
+                                  reason or _SERVED_BY["moe_block"]))
         _walk(module, path, entries)
         return module
     if name == "Qwen3NextRMSNormGated":
         return _replace(module, path, "gated_rms_norm", mtnn.gated_rms_norm_unserved,
                         mtnn.GatedRMSNorm, entries)
-    if name == "SwitchGLU" and type(module).__module__.startswith("mlx_lm."):
+    if _is_switch_glu(module):
         return _replace(module, path, "switch_glu", mtnn.switch_glu_unserved, mtnn.SwitchGLU,
                         entries)
     if name == "SwitchMLP" and type(module).__module__.startswith("mlx_lm."):
@@ -219,6 +243,8 @@ _SERVED_BY = {
     "gated_rms_norm": "gated_rms_norm (no gate: mx.fast.rms_norm)",
     "switch_glu": f"expert_glu + expert_qmv (< {mtnn.PREFILL_MIN_PAIRS} token-expert pairs), "
                   "moe_gather_qmm (more)",
+    "moe_block": "mlx-lm's router, then SwitchGLU.combine: expert_glu + expert_down_combine "
+                 f"(< {mtnn.PREFILL_MIN_PAIRS} token-expert pairs)",
     "attention": "sdpa_multi (KVCache or no cache, mask None/'causal'; others: mlx-lm)",
 }
 

@@ -9,8 +9,8 @@
 //   wdq[n, k] = e2m1(code (w[n, k / 8] >> 4 (k % 8)) & 0xF) * scale(n, k / GS)   (float32)
 //   e2m1 -> {+-0, 0.5, 1, 1.5, 2, 3, 4, 6}; scale = mt_fp4_scale<SCALE_MODE>(scales[n, g])
 //   wdq is exact in float32 for E8M0 / E4M3 scales (a code times a power of two or a 4-bit
-//   mantissa) and one float32 rounding for float scales; nothing is rounded to T before the
-//   products, so no scale exponent can overflow a half staging buffer.
+//   mantissa) and one float32 rounding for float scales; no weight is rounded before the
+//   products (see STAGING: T holds the weights only where it holds them exactly).
 // RANGE: code * scale overflows float32 for scales above FLT_MAX / 6 (E8M0 bytes 252..254,
 //   2^125..2^127), though the result may be far below it: the tiles are staged as
 //   wdq / 8 (|code| <= 6 < 8; exact, a power of two) and the accumulator is multiplied by 8
@@ -26,17 +26,51 @@
 //
 // DESIGN: a threadgroup of 128 threads (4 simdgroups) owns out[m_tile : +32, n_tile : +32]
 //   and walks its part of K in steps of BK = 32. Per step, thread t stages row t / 4, columns
-//   (t % 4) * 8 .. +8 of both operands into threadgroup float: 8 values of x (zeros for rows
-//   past M) and one uint32 word of w (8 codes, decoded with mt_e2m1x2 -- integer bit
-//   placement, no table (common.h) -- and multiplied by the row's group scale: each weight
-//   is dequantised once per threadgroup). Both are loaded into registers before the first
-//   barrier of the step. Simdgroup s computes the
-//   16x16 block (rows 16 (s / 2), columns 16 (s % 2)) as 2x2 simdgroup_float8x8 accumulators,
-//   4 k-slices of 8 per step (B is loaded transposed: B[k][n] = ws[n][k]). The accumulators
-//   go through threadgroup memory (xs reused) so that the store to out can be guarded per row.
-//   Staging in float, not T, keeps scaled weights exact (code * 2^e overflows half for
-//   e >= 14). Split-K (as MLX's qmm_splitk) gives small-M problems enough threadgroups: the
+//   (t % 4) * 8 .. +8 of both operands into threadgroup memory (as S, see STAGING): 8 values
+//   of x (zeros for rows past M) and one uint32 word of w (8 codes, decoded with mt_e2m1x2
+//   -- integer bit placement, no table (common.h) -- and multiplied by the row's group
+//   scale: each weight is dequantised once per threadgroup). Both are loaded into registers
+//   before the first barrier of the step. Simdgroup s computes the 16x16 block (rows
+//   16 (s / 2), columns 16 (s % 2)) as 2x2 simdgroup_float8x8 accumulators, 4 k-slices of
+//   8 per step (B is loaded transposed: B[k][n] = ws[n][k]). The accumulators
+//   go through threadgroup float memory (xs reused when it is float, else an array of their
+//   own) so that the store to out can be guarded per row.
+//   Split-K (as MLX's qmm_splitk) gives small-M problems enough threadgroups: the
 //   wrapper targets about 512, in parts of whole 32-steps.
+//
+// STAGING (S = mt_fp4_staging<T, SCALE_MODE>: the fragments' element type): both tiles are
+//   staged as S, which is T where every staged value is exactly a T value, else float; the
+//   accumulators are float always (an S x S product is exact in float32: at most 11 + 11
+//   significant bits, and the exponent range of float products is that of float staging),
+//   so the result is bit for bit that of float staging on Apple.
+//   x: a T value, exact in T.
+//   wdq / 8 = e2m1 * scale / 8, e2m1 = c * 2^-1 with c in {0, 1, 2, 3, 4, 6, 8, 12} (at most
+//   2 significant bits):
+//   - E4M3 scale (nvfp4), half and bfloat: S = T. An E4M3 value is a 4-bit integer times
+//     2^(e - 10) (normal, 1.mmm) or a 3-bit one times 2^-9 (subnormal), so the product is
+//     an integer of at most 4 + 2 = 6 significant bits (15 * 3 = 45 the widest) times a
+//     power of two; bfloat holds 8 significant bits, half 11. Range: |wdq / 8| lies in
+//     [2^-9 * 2^-1 * 2^-3, 480 * 6 / 8] = [2^-13, 360], inside half's normal range
+//     [2^-14, 65504] (and bfloat's). Exact.
+//   - E8M0 scale (mxfp4), bfloat: S = T. c * 2^(s - 127 - 4) has 2 significant bits and an
+//     exponent in [-131, 126]: bfloat has float32's exponent range, and its smallest
+//     subnormal 2^-133 divides every such value (1.5 * 2^-130 is the finest); inf (s = 255)
+//     stays inf. Exact (subnormals for bytes 1..3, as float staging: see RANGE).
+//   - E8M0 scale, half: S = float. c * 2^(s - 131) is a half value for every code only for
+//     bytes s in 107 .. 143 (scales 2^-20 .. 2^16): below, 2^-24 (half's finest) no longer
+//     divides it; above, 12 * 2^13 = 98304 > 65504 overflows. The bytes are data, so the
+//     kernel cannot promise that range (a per-tile runtime choice could; not done).
+//   - float scales: S = float. A float32 scale (24 significant bits) times c needs up to
+//     26 bits, rounded once to float32 here: not a T value.
+//   - float32 x: S = float.
+//   Nothing is split into two T terms: the exact cases cover mxfp4 in bfloat and nvfp4.
+//   Apple: S = T halves the staging bytes and the fragment registers (what MLX's own Apple
+//   qmm kernels stage, in T); the float accumulators' round trip then takes a float array
+//   of its own (32 x 36 floats), so threadgroup memory is 9,216 bytes either way.
+//   CUDA/NVIDIA: a product of two half or two bfloat fragments with a float accumulator
+//   runs on the tensor cores (mt_cuda/matrix.cuh: mma.sync m16n8k8); S = float stays on
+//   shuffles and FMAs (TF32 would break the tolerance table), so mxfp4 with half x and the
+//   float scales lose the tensor cores on NVIDIA rather than exactness.
 //   Traffic (device loads, counted by the emulator): w ceil(M / 32) times, a scale once per
 //   word (the 4 threads of a row load the same one for GS >= 32), x N / 32 times, out once
 //   (parts times in float32 when split, then read once by the sum).
@@ -50,17 +84,56 @@
 //   parts need not align with the groups, each word's scale is read with it).
 //   Rows of x past M are not read (their pointer is clamped to row M - 1 and the value
 //   replaced by 0) and rows of out past M are not written.
-//   threadgroup memory: 2 x 32 x 36 floats = 9216 bytes. Every thread reaches every barrier.
-// ONLY CHECKABLE ON A MAC: simdgroup_load with transpose from a padded threadgroup float
-//   array, the compiler's register allocation for 4 accumulators, speed.
+//   threadgroup memory: 2 x 32 x 36 S (+ 32 x 36 floats when S is not float) = 9216 bytes
+//   (+ 4 for an unused 1-element array when S is float). Every thread reaches every barrier.
+// ONLY CHECKABLE ON A MAC: simdgroup_load with transpose from a padded threadgroup float,
+//   half or bfloat array, products of half / bfloat fragments into float accumulators,
+//   the overloads of mt_fp4_out_tile, the compiler's register allocation for 4 accumulators,
+//   that float -> bfloat conversion keeps the subnormal weights of E8M0 bytes 1..3 (as
+//   the float staging needs float32 subnormals kept), that __METAL_VERSION__ >= 310 is
+//   where MLX's bfloat16_t is Metal's bfloat (the guard of the bfloat staging), speed.
 #include "common.h"
+
+// The staging (fragment) type S: T where the staged weights are exactly T values (STAGING).
+template <typename T, int SCALE_MODE>
+struct mt_fp4_staging {
+  typedef float type;
+};
+template <>
+struct mt_fp4_staging<half, 2> {
+  typedef half type;
+};
+// bfloat fragments need Metal's bfloat type (Metal 3.1, macOS 14); below it MLX's
+// bfloat16_t is a struct that no simdgroup_matrix holds, and bfloat x stages float.
+#if !defined(__METAL_VERSION__) || __METAL_VERSION__ >= 310
+template <>
+struct mt_fp4_staging<bfloat, 2> {
+  typedef bfloat type;
+};
+template <>
+struct mt_fp4_staging<bfloat, 1> {
+  typedef bfloat type;
+};
+#endif
+// The float accumulators' round trip: the x staging itself when it is float, else a float
+// array of its own (overloads: no cast, valid for every S).
+inline threadgroup float* mt_fp4_out_tile(threadgroup float* xs, threadgroup float*) {
+  return xs;
+}
+template <typename U>
+inline threadgroup float* mt_fp4_out_tile(threadgroup U*, threadgroup float* own) {
+  return own;
+}
 // ---- kernel body ----
+typedef typename mt_fp4_staging<T, SCALE_MODE>::type S;
 constexpr uint BM = 32;
 constexpr uint BN = 32;
 constexpr uint BK = 32;
-constexpr uint LD = BK + 4;  // padded row stride of the staging tiles (floats)
-threadgroup float xs[BM * LD];
-threadgroup float ws[BN * LD];
+constexpr uint LD = BK + 4;  // padded row stride of the staging tiles (elements)
+threadgroup S xs[BM * LD];
+threadgroup S ws[BN * LD];
+threadgroup float os_own[sizeof(S) == 4 ? 1 : BM * LD];
+threadgroup float* os = mt_fp4_out_tile(xs, os_own);
 
 const uint M = m_rows;
 const uint N = n_cols;
@@ -100,18 +173,18 @@ for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
 
   threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous step's loads are done
   for (uint j = 0; j < 8; ++j) {
-    xs[lr * LD + lc + j] = xv[j];
+    xs[lr * LD + lc + j] = S(xv[j]);  // exact: x is T
   }
   for (uint j = 0; j < 4; ++j) {
     const float2 v = float2(mt_e2m1x2(word >> (4 * j))) * s;
-    ws[lr * LD + lc + j] = v.x;
-    ws[lr * LD + lc + j + 4] = v.y;
+    ws[lr * LD + lc + j] = S(v.x);  // exact where S is T (STAGING)
+    ws[lr * LD + lc + j + 4] = S(v.y);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
   for (uint kk = 0; kk < BK; kk += 8) {
-    simdgroup_float8x8 a[2];
-    simdgroup_float8x8 b[2];
+    simdgroup_matrix<S, 8, 8> a[2];
+    simdgroup_matrix<S, 8, 8> b[2];
     for (uint i = 0; i < 2; ++i) {
       simdgroup_load(a[i], xs + (sm + 8 * i) * LD + kk, LD);
       simdgroup_load(b[i], ws + (sn + 8 * i) * LD + kk, LD, ulong2(0, 0), true);
@@ -124,16 +197,16 @@ for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
   }
 }
 
-threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done reading xs
+threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done reading xs (os)
 for (uint i = 0; i < 2; ++i) {
   for (uint j = 0; j < 2; ++j) {
-    simdgroup_store(acc[i][j], xs + (sm + 8 * i) * LD + sn + 8 * j, LD);
+    simdgroup_store(acc[i][j], os + (sm + 8 * i) * LD + sn + 8 * j, LD);
   }
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 if (x_row_ok) {
   const size_t o_off = (size_t(threadgroup_position_in_grid.z) * M + m_tile + lr) * N + n_tile + lc;
   for (uint j = 0; j < 8; ++j) {
-    out[o_off + j] = OT(8.0f * xs[lr * LD + lc + j]);  // undoes the staged wdq / 8
+    out[o_off + j] = OT(8.0f * os[lr * LD + lc + j]);  // undoes the staged wdq / 8
   }
 }

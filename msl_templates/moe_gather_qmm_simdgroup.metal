@@ -35,19 +35,39 @@
 //   the number of runs in the tile, and x rows of other runs are never read.
 //   The 4 simdgroups split K into 4 contiguous ranges of BK = 16 steps. Per step a
 //   simdgroup stages x (8 x 16, rows outside the run zeroed) and W^T (16 x 32, lane l
-//   dequantises output column 32 bx + l) in its own threadgroup slices, then does
-//   2 x 4 products 8x8x8 into four float 8x8 accumulators (8 rows x 32 columns); the codes
-//   and x values of the next step are fetched into registers before the products.
-//   The 4 partial accumulators are summed through threadgroup memory in simdgroup order
-//   0, 1, 2, 3 (a fixed reduction order) and the run's rows are written.
+//   dequantises output column 32 bx + l) in its own threadgroup slices, in T, then does
+//   2 x 4 products 8x8x8 of T fragments into four float 8x8 accumulators (8 rows x 32
+//   columns); the codes and x values of the next step are fetched into registers before
+//   the products. The 4 partial accumulators are summed through threadgroup memory in
+//   simdgroup order 0, 1, 2, 3 (a fixed reduction order) and the run's rows are written.
 //   An out-of-range expert id (>= E) reads no weight: its slot writes NaN to its own row.
+//
+// STAGING IN T (exact): every staged value is a T value already -- x is T and each weight
+//   is T(...) by the MATH above (as MLX's quantized kernels see it; the oracle rounds the
+//   same way) -- so T fragments hold exactly what float fragments held, a product of two
+//   T values is exact in float32 (half: 11 + 11 <= 24 significant bits; bfloat 8 + 8; the
+//   exponent range of a float product equals that of the float fragments'), and the sums
+//   stay in float accumulators: the result is bit for bit that of float staging. float32
+//   inputs stage float, as before. No tolerance is involved: the affine weights are
+//   rounded to T by the op's definition (not by the staging), so no bound has to absorb
+//   a staging rounding, and the op's scale * q + bias stays one float32 fma, rounded once.
+//   Apple: T staging halves the staging bytes and the fragment registers of half / bfloat
+//   (what MLX's own Apple qmm kernels stage); the float partial sums then need a float
+//   array of their own (sums, 4 x 8 x 36 floats), which float32 inputs do not (they reuse
+//   ws, as before): 5,632 + 4,608 = 10,240 bytes for half / bfloat, 11,264 for float32.
+//   CUDA/NVIDIA: a product of two half or two bfloat fragments with a float accumulator
+//   runs on the tensor cores (mt_cuda/matrix.cuh: mma.sync m16n8k8); float32 inputs stay
+//   on shuffles and FMAs (TF32 would break the tolerance table).
+//   The body names the staging type S (T; mt_moe_staging): S = float is the former
+//   float-staged kernel, the same result.
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
 //   threadgroup = (128, 1, 1): 4 simdgroups of 32
 //   grid        = (128 * N / 32, 8, ceil(M / 8)) threads: threadgroup_position_in_grid is
 //                 (column block, slot, row tile)
 //   N % 32 == 0, K % 32 == 0 (a multiple of BK and of GROUP_SIZE), GROUP_SIZE % 16 == 0
-//   threadgroup memory: 4 x 8 x 16 + 4 x 16 x 36 floats = 11,264 bytes
+//   threadgroup memory: (4 x 8 x 16 + 4 x 16 x 36) T + (T not float) 4 x 8 x 36 floats:
+//   10,240 bytes (half, bfloat) or 11,264 bytes (float32, + 4 for an unused sums[1])
 //   indices are read only for rows < M; expert ids are checked against E before any access.
 //
 // TRAFFIC per call: for each (tile, distinct expert in the tile): N * K * BITS / 8 bytes of
@@ -58,9 +78,13 @@
 //   Each thread also reads its slot's id and the tile's <= 8 ids (36 bytes, cache hits);
 //   the slots of a tile that lead no run exit after those reads.
 //
-// ONLY CHECKED ON A MAC: that Apple's compiler accepts this body as written (float
-//   simdgroup_matrix loads from threadgroup memory, make_filled_simdgroup_matrix), and its
-//   speed. The emulator checks the arithmetic, every memory access and the barriers.
+// ONLY CHECKED ON A MAC: that Apple's compiler accepts this body as written (half /
+//   bfloat / float simdgroup_matrix loads from threadgroup memory, products of half or
+//   bfloat fragments into float accumulators, the overloads of mt_moe_sums,
+//   make_filled_simdgroup_matrix), that __METAL_VERSION__ < 310 is where MLX's bfloat16_t
+//   is not Metal's bfloat (the guard of mt_moe_staging), and its speed (the argument
+//   above: fewer bytes, no more registers). The emulator checks the arithmetic, every
+//   memory access and the barriers.
 #include "common.h"
 
 // Dequantise 16 consecutive codes of one weight row that lie in one quantisation group,
@@ -91,6 +115,26 @@ inline void mt_moe_dequant16(WordPtr words, float scale, float bias, thread floa
     }
   }
 }
+
+// The staging and fragment type S: T (STAGING IN T). bfloat fragments need Metal's bfloat
+// type (Metal 3.1, macOS 14); below it MLX's bfloat16_t is a struct that no
+// simdgroup_matrix holds, and bfloat x stages float (the same result).
+template <typename T>
+struct mt_moe_staging {
+  typedef T type;
+};
+#if defined(__METAL_VERSION__) && __METAL_VERSION__ < 310
+template <>
+struct mt_moe_staging<bfloat16_t> {
+  typedef float type;
+};
+#endif
+
+// Where the float partial sums go: the W staging itself when it is float (S = float),
+// else their own float array (overloads: no cast, valid for every S).
+inline threadgroup float* mt_moe_sums(threadgroup float* ws, threadgroup float*) { return ws; }
+template <typename U>
+inline threadgroup float* mt_moe_sums(threadgroup U*, threadgroup float* own) { return own; }
 // ---- kernel body ----
 constexpr uint SG = 4;           // simdgroups per threadgroup (K split)
 constexpr uint BM = 8;           // rows per tile
@@ -99,8 +143,12 @@ constexpr uint BK = 16;          // K step of a simdgroup
 constexpr uint WS_LD = BN + 4;   // padded row length of the staged W^T block
 constexpr uint PER_WORD = 32 / BITS;
 constexpr int SCALE_FORMAT = MODE == 3 ? 1 : MODE;  // mt_fp4_scale's: mxfp8 scales are E8M0
-threadgroup float xs[SG][BM * BK];
-threadgroup float ws[SG][BK * WS_LD];
+typedef typename mt_moe_staging<T>::type S;
+threadgroup S xs[SG][BM * BK];
+threadgroup S ws[SG][BK * WS_LD];
+// The float partial sums of the K split: ws itself when S is float, else their own array.
+constexpr uint SUMS_LD = sizeof(S) == 4 ? BK * WS_LD : BM * WS_LD;  // one simdgroup's
+threadgroup float sums_own[sizeof(S) == 4 ? 1 : SG * BM * WS_LD];
 
 const uint n_block = threadgroup_position_in_grid.x;
 const uint slot = threadgroup_position_in_grid.y;
@@ -148,8 +196,9 @@ const uint xk = (lane % 4) * 4;
 const bool x_live = ((run >> xr) & 1u) != 0u;
 const auto x_row = x + size_t(row0 + (x_live ? xr : 0u)) * K + xk;
 
-threadgroup float* my_x = xs[sg];
-threadgroup float* my_w = ws[sg];
+threadgroup S* my_x = xs[sg];
+threadgroup S* my_w = ws[sg];
+threadgroup float* sums = mt_moe_sums(&ws[0][0], sums_own);
 simdgroup_matrix<float, 8, 8> acc[BN / 8];
 for (uint j = 0; j < BN / 8; ++j) {
   acc[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
@@ -182,12 +231,12 @@ for (uint step = step_begin; step < step_end; ++step) {
     }
   }
   for (uint i = 0; i < 4; ++i) {
-    my_x[xr * BK + xk + i] = xq[i];
+    my_x[xr * BK + xk + i] = S(xq[i]);  // exact: x is T
   }
   float wv[BK];
   mt_moe_dequant16<T, MODE, BITS>(wq, scale, bias, wv);
   for (uint i = 0; i < BK; ++i) {
-    my_w[i * WS_LD + lane] = wv[i];
+    my_w[i * WS_LD + lane] = S(wv[i]);  // exact: wv holds T values
   }
   // Fetch the next step while this one is multiplied.
   if (step + 1 < step_end) {
@@ -200,10 +249,10 @@ for (uint step = step_begin; step < step_end; ++step) {
   }
   simdgroup_barrier(mem_flags::mem_threadgroup);
   for (uint kk = 0; kk < BK; kk += 8) {
-    simdgroup_matrix<float, 8, 8> a;
+    simdgroup_matrix<S, 8, 8> a;
     simdgroup_load(a, my_x + kk, BK);
     for (uint j = 0; j < BN / 8; ++j) {
-      simdgroup_matrix<float, 8, 8> b;
+      simdgroup_matrix<S, 8, 8> b;
       simdgroup_load(b, my_w + kk * WS_LD + j * 8, WS_LD);
       simdgroup_multiply_accumulate(acc[j], a, b, acc[j]);
     }
@@ -211,9 +260,10 @@ for (uint step = step_begin; step < step_end; ++step) {
   simdgroup_barrier(mem_flags::mem_threadgroup);
 }
 
-// Partial sums of the 4 simdgroups -> rows 0..7 of each simdgroup's W slice, then summed.
+// Partial sums of the 4 simdgroups -> rows 0..7 of each simdgroup's own slice of sums
+// (float32: its own W slice, as before), then summed.
 for (uint j = 0; j < BN / 8; ++j) {
-  simdgroup_store(acc[j], my_w + j * 8, WS_LD);
+  simdgroup_store(acc[j], sums + sg * SUMS_LD + j * 8, WS_LD);
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 for (uint o = tid; o < BM * BN; o += SG * 32) {
@@ -222,7 +272,7 @@ for (uint o = tid; o < BM * BN; o += SG * 32) {
   if (((run >> r) & 1u) != 0u) {
     float v = 0.0f;
     for (uint s = 0; s < SG; ++s) {
-      v += ws[s][r * WS_LD + c];
+      v += sums[s * SUMS_LD + r * WS_LD + c];
     }
     out[size_t(row0 + r) * N + n0 + c] = T(v);
   }

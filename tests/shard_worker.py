@@ -101,8 +101,8 @@ def run_case(arch: str, want, group, backend: str, order: str) -> dict:
 
 def _kind(module) -> str | None:
     """Which stand-in (or routed attention) this live module is, if any."""
-    if hasattr(type(module), "_mlx_metaltile_base"):
-        return "attention"
+    if hasattr(type(module), "_mlx_metaltile_base"):  # routed attention, MoE blocks
+        return type(module)._mlx_metaltile_kind
     if isinstance(module, mtnn.Fp4Linear | mtnn.Fp4AllToShardedLinear
                   | mtnn.Fp4ShardedToAllLinear):
         return "fp4_linear"

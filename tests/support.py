@@ -85,3 +85,10 @@ class LaunchRecorder:
             assert any(inst.template == template and inst.outputs == outputs
                        and tuple((n, d, min(nd, 1)) for n, d, nd in inst.inputs) == inputs
                        for inst in declared), (name, template, inputs, outputs)
+
+
+def replaced_modules(report) -> int:
+    """``n`` of the patched models' float32 bound (tests/test_patch.py): the replaced
+    modules on the forward path; a served MoE block and its SwitchGLU compute as one
+    (``SwitchGLU.combine``), so they count once."""
+    return sum(e.kind != "moe_block" for e in report.replaced)

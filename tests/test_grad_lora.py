@@ -21,6 +21,7 @@ pytest.importorskip("mlx_lm")
 from mlx_lm.tuner.trainer import default_loss  # noqa: E402
 from mlx_lm.tuner.utils import linear_to_lora_layers  # noqa: E402
 from mlx_lm_models import tiny_model  # noqa: E402
+from support import replaced_modules  # noqa: E402
 
 LORA_KEYS = {
     "qwen3_next": ["self_attn.q_proj", "self_attn.o_proj", "linear_attn.in_proj_qkvz",
@@ -30,6 +31,7 @@ LORA_KEYS = {
 }
 BATCH = mx.array([[1, 5, 9, 33, 2, 7, 100, 64, 3, 11], [4, 8, 15, 16, 23, 42, 0, 0, 0, 0]])
 LENGTHS = mx.array([[1, 9], [1, 5]])  # (first, last) scored target of each row
+DECODE_KERNELS = ("expert_glu_simd_rows", "expert_down_combine_simd_rows")
 
 
 def _lora_model(arch: str):
@@ -72,7 +74,7 @@ def test_lora_step_through_patched_model(arch, backend):
         assert launched > 0  # the kernels ran, forward and backward
         assert (backward > 0) == ("gated_rms_norm" in served)
     # As test_patch's logits bound: the float32 accumulation slack per replaced module.
-    slack = 2 * TOLERANCES["float32"].accum * len(report.replaced)
+    slack = 2 * TOLERANCES["float32"].accum * replaced_modules(report)
     assert abs(loss.item() - want_loss.item()) <= slack * abs(want_loss.item())
     assert set(want) <= set(got) and len(want) >= 8
     for name, g in want.items():
@@ -84,8 +86,9 @@ def test_lora_step_through_patched_model(arch, backend):
 @pytest.mark.parametrize("backend", ("reference", "emulator"))
 def test_lora_step_at_decode_through_patched_moe(backend):
     """Two tokens per row (fewer token-expert pairs than PREFILL_MIN_PAIRS): the patched
-    experts take the decode path (expert_glu, then expert_qmv); the loss, the LoRA gradients and the gradient w.r.t. the MoE block's input
-    x are the unpatched model's, nonzero."""
+    MoE blocks take the decode path in two dispatches (expert_glu, then
+    expert_down_combine); the loss, the LoRA gradients and the gradient w.r.t. the MoE
+    block's input x are the unpatched model's, nonzero."""
     model = _lora_model("qwen3_moe")
     batch, lengths = BATCH[:, :3], mx.array([[1, 2], [1, 2]])
     x = mx.random.normal((2, 1, 64))  # hidden_size
@@ -101,14 +104,14 @@ def test_lora_step_at_decode_through_patched_moe(backend):
     report = mt.patch(model)
     try:
         with backends.use_backend(backend):
-            before = backends.launch_count("expert_glu_simd_rows")
+            before = {n: backends.launch_count(n) for n in DECODE_KERNELS}
             loss, got, dx = run()
-            glu_launches = backends.launch_count("expert_glu_simd_rows") - before
+            ran = {n: backends.launch_count(n) - before[n] for n in DECODE_KERNELS}
     finally:
         mt.unpatch(model)
     if backend != "reference":
-        assert glu_launches > 0  # the decode path ran
-    slack = 2 * TOLERANCES["float32"].accum * len(report.replaced)
+        assert all(ran.values()), ran  # the blocks' two-dispatch path ran
+    slack = 2 * TOLERANCES["float32"].accum * replaced_modules(report)
     assert abs(loss.item() - want_loss.item()) <= slack * abs(want_loss.item())
     assert np.any(np.array(want_dx) != 0)
     assert mx.abs(dx - want_dx).max().item() <= slack * mx.abs(want_dx).max().item()

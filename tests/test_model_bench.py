@@ -8,7 +8,7 @@ import json
 import pytest
 
 pytest.importorskip("mlx_lm")
-from mlx_metaltile import model_bench  # noqa: E402
+from mlx_metaltile import model_bench, moe_bench  # noqa: E402
 
 
 def test_model_bench_runs_and_saves_json(monkeypatch, tmp_path, capsys):
@@ -26,9 +26,54 @@ def test_model_bench_runs_and_saves_json(monkeypatch, tmp_path, capsys):
     assert data["meta"]["kernel_timings"] is False and data["meta"]["git_sha"]
     for key in ("decode_ms", "verify4_ms", "verify8_ms", "prefill_tok_s"):
         assert data["native"][key] > 0 and data["patched"][key] > 0
-    assert set(data["split"]) == {"sdpa_multi", "expert_qmv"}  # one decode step
+    # one decode step: attention, and the MoE block in two dispatches
+    assert set(data["split"]) == {"sdpa_multi", "expert_glu", "expert_down_combine"}
     for op in data["split"].values():  # each op next to mlx's own on the same arguments
         assert op["calls"] > 0 and op["ms"] > 0 and op["native_ms"] > 0
         assert op["max_abs_diff"] < 0.05  # bfloat16 model: rounding-level differences
     assert "built layer" not in err  # progress lines on a terminal only
     assert data["max_logit_diff"] < 1.0
+
+
+def test_moe_bench_runs_and_saves_json(tmp_path, capsys):
+    """moe-bench through the CLI at shrunk shapes: every block, both patched paths next to
+    mlx-lm's block, outputs close to it, the switch point and the JSON."""
+    from mlx_metaltile.__main__ import main
+
+    path = tmp_path / "moe.json"
+    assert main(["moe-bench", "--quick", "--backend", "reference", "--tokens", "1,16",
+                 "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "not kernel timings" in out and "native/best" in out
+    data = json.loads(path.read_text())
+    assert data["meta"]["kernel_timings"] is False and data["meta"]["quick"] is True
+    assert set(data["blocks"]) == {"qwen3_moe", "qwen3_next", "gpt_oss"}
+    for arch, block in data["blocks"].items():
+        assert [r["tokens"] for r in block["rows"]] == [1, 16]
+        k = block["rows"][0]["pairs"]
+        for row in block["rows"]:
+            assert min(row["native_us"], row["decode_us"], row["prefill_us"]) > 0
+            assert row["pairs"] == row["tokens"] * k
+            # bfloat16 blocks: mlx-lm's rounds k expert rows, k products and k - 1 partial
+            # sums to bfloat16 (unit roundoff 2^-8), ours fewer; a wrong expert or score is
+            # of the order of the output itself
+            for path in ("decode", "prefill"):
+                bound = 3 * k * 2**-8 * row["native_max_abs"]
+                assert 0 < row[f"{path}_max_diff"] <= bound, (arch, path, row)
+        assert block["dispatches"]["patched"] is None  # the reference backend: no kernels
+        assert sum(block["dispatches"]["native"].values()) > 2
+
+
+def test_moe_bench_forced_paths_and_bad_tokens(capsys):
+    from mlx_metaltile import nn as mtnn
+    from mlx_metaltile.__main__ import main
+
+    with moe_bench.forced_path("prefill"):
+        assert mtnn.prefill_min_pairs() == 0
+        with moe_bench.forced_path("decode"):
+            assert mtnn.prefill_min_pairs() > 1 << 40
+        assert mtnn.prefill_min_pairs() == 0
+    assert mtnn.prefill_min_pairs() == mtnn.PREFILL_MIN_PAIRS
+    with pytest.raises(SystemExit):
+        main(["moe-bench", "--tokens", "1,x"])
+    assert "expected token counts like 1,2,4, got '1,x'" in capsys.readouterr().err

@@ -13,6 +13,7 @@ import mlx_metaltile as mt
 from mlx_metaltile import backends
 from mlx_metaltile import nn as mtnn
 from mlx_metaltile._registry import TOLERANCES
+from mlx_metaltile.moe_bench import dispatches
 
 pytest.importorskip("mlx_lm")
 from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated  # noqa: E402
@@ -241,30 +242,12 @@ def test_switch_glu_combine_falls_back(monkeypatch):
     _close(got, (theirs(x, ids) * scores[..., None]).sum(axis=-2), 2 * 96)
 
 
-# CustomTransforms: mx.custom_function's wrapper (the ops' VJPs) shares its forward's
-# output buffers, no kernel.
-_NO_DISPATCH = {"Reshape", "ExpandDims", "Squeeze", "Broadcast", "StopGradient", "View",
-                "CustomTransforms"}
-
-
-def _graph_dispatches(out: mx.array) -> list[str]:
-    """The primitives of ``out``'s lazy graph that run a kernel (views of contiguous
-    arrays, broadcasts, stop_gradient and custom_function's wrapper do not)."""
-    import io
-    import re
-
-    dot = io.StringIO()
-    mx.export_to_dot(dot, out)
-    names = re.findall(r'label ="([A-Za-z_]+)', dot.getvalue())
-    return [n for n in names if n not in _NO_DISPATCH]
-
-
 @pytest.mark.parametrize("kind, native, patched", [("silu", 9, 4), ("swiglu_oai", 15, 6)])
 def test_moe_block_dispatches_at_decode(kind, native, patched):
     """The README's counts: one decode token through mlx-lm's SwitchGLU and the block's
     score sum, through the patched SwitchGLU in the same block, and through combine() (two
-    launches, nothing else). The emulator runs our kernels eagerly: launches are counted,
-    the rest of the graph stays lazy."""
+    launches, nothing else), counted by moe_bench.dispatches from MLX's graph (the emulator
+    runs our kernels eagerly: each launch is counted with its inputs' graph)."""
     from mlx_lm.models.activations import SwigluOAI
     from mlx_lm.models.switch_layers import SwiGLU
 
@@ -275,15 +258,12 @@ def test_moe_block_dispatches_at_decode(kind, native, patched):
     ids = mx.array([[[0, 3, 4]]], dtype=mx.uint32)
     scores = mx.softmax(mx.random.normal((1, 1, 3)), axis=-1)
     mx.eval(x, ids, scores, theirs.parameters())
-    y = theirs(x, ids)
-    assert len(_graph_dispatches((y * scores[..., None]).sum(axis=-2))) == native
+
+    def block(module):
+        return (module(x, ids) * scores[..., None]).sum(axis=-2)
+
+    assert dispatches(block, theirs).total() == native
     with mt.use_backend("emulator"):
-        before = backends.launch_count(backend="emulator")
-        y = ours(x, ids)
-        block = (y * scores[..., None]).sum(axis=-2)
-        launched = backends.launch_count(backend="emulator") - before
-        assert launched + len(_graph_dispatches(block)) == patched
-        before = backends.launch_count(backend="emulator")
-        combined = ours.combine(x, ids, scores)
-        assert backends.launch_count(backend="emulator") - before == 2
-        assert _graph_dispatches(combined) == []
+        assert dispatches(block, ours).total() == patched
+        assert dispatches(ours.combine, x, ids, scores) == {"kernel:expert_glu": 1,
+                                                            "kernel:expert_down_combine": 1}

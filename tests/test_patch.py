@@ -5,8 +5,9 @@ within the op table's float32 accumulation error (``accum`` = 2e-6 relative to t
 magnitude of the sums behind it), and so does the mlx-lm op it stands in for, with another
 rounding order. The models are pre-norm residual stacks, so a relative change of one
 module's output reaches the logits with a gain of about one; summed over the replaced
-modules on the path (``n`` = replaced modules, each run once per forward), the logits of the
-two models differ by at most ``2 * accum * n * max|logits|``. (Expert routing is a top-k
+modules on the path (``n`` = replaced modules, each run once per forward; a served MoE
+block and its SwitchGLU compute as one, ``SwitchGLU.combine``, and count once), the logits
+of the two models differ by at most ``2 * accum * n * max|logits|``. (Expert routing is a top-k
 of router logits; in float32 the tiny models' gaps between router logits are far above
 this bound, so both models pick the same experts.)
 """
@@ -34,8 +35,10 @@ from mlx_lm.generate import speculative_generate_step, stream_generate  # noqa: 
 from mlx_lm.models import cache as lmcache  # noqa: E402
 from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer, TokenizerWrapper  # noqa: E402
 from mlx_lm_models import CONFIGS, VOCAB, tiny_model  # noqa: E402
+from support import replaced_modules  # noqa: E402
 
 ARCHS = tuple(CONFIGS)
+MOE_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_next", "qwen3_5_moe")
 BACKENDS = ("reference", "emulator")
 PROMPT = list(range(3, 35))  # 32 tokens x k=2 experts = 64 pairs: the sorted prefill path
 DECODE = (7, 11)
@@ -54,7 +57,9 @@ HALF_FACTOR = 2.0
 HALF_OUTLIER_ROWS = 16
 _OPS = {"attention": "sdpa_multi",
         "switch_glu": ("expert_glu", "expert_qmv", "moe_gather_qmm"),
+        "moe_block": ("expert_down_combine",),
         "gated_rms_norm": "gated_rms_norm", "fp4_linear": "fp4_qmm"}
+COMBINE_KERNEL = "expert_down_combine_simd_rows"
 _models: dict = {}
 
 
@@ -69,8 +74,9 @@ def model_for(arch: str, **kwargs):
 @pytest.fixture
 def op_calls(monkeypatch):
     """Counts the op calls mlx_metaltile.nn makes (kernel launches are counted separately)."""
-    calls = {name: 0 for name in ("sdpa_multi", "expert_glu", "expert_qmv", "moe_gather_qmm",
-                                  "gated_rms_norm", "fp4_qmm")}
+    calls = {name: 0 for name in ("sdpa_multi", "expert_glu", "expert_qmv",
+                                  "expert_down_combine", "moe_gather_qmm", "gated_rms_norm",
+                                  "fp4_qmm")}
     for name in calls:
         op = getattr(mtnn, name)
 
@@ -97,11 +103,15 @@ def expected_ops(report) -> set[str]:
     for e in report.replaced:
         ops = _OPS[e.kind]
         out.update((ops,) if isinstance(ops, str) else ops)
+    if any(e.kind == "moe_block" for e in report.replaced):
+        # every SwitchGLU of these models sits in a served block, whose combine takes the
+        # down projection at decode (expert_down_combine), at prefill moe_gather_qmm
+        out.discard("expert_qmv")
     return out
 
 
 def logits_bound(report, want: mx.array) -> float:
-    return 2 * TOLERANCES["float32"].accum * len(report.replaced) * mx.abs(want).max().item()
+    return 2 * TOLERANCES["float32"].accum * replaced_modules(report) * mx.abs(want).max().item()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -146,12 +156,17 @@ def _check_float32(model, backend, op_calls):
         assert report.replaced, str(report)
         with mt.use_backend(backend):
             before = backends.launch_count(backend=backend)
+            combined = backends.launch_count(COMBINE_KERNEL, backend)
             got = forward(model)
             launched = backends.launch_count(backend=backend) - before
+            combined = backends.launch_count(COMBINE_KERNEL, backend) - combined
         ops = expected_ops(report)
         assert {name for name, n in op_calls.items() if n} == ops
         if backend == "emulator":
             assert launched >= sum(op_calls.values())
+            # the MoE blocks at decode (2 steps) and verification (L=3): two dispatches
+            blocks = sum(e.kind == "moe_block" for e in report.replaced)
+            assert combined == 3 * blocks == op_calls["expert_down_combine"], combined
         for w, g in zip(want, got, strict=True):
             assert g.dtype == w.dtype and g.shape == w.shape
             err = mx.abs(g - w).max().item()
@@ -217,15 +232,23 @@ def _greedy(model, **kwargs) -> list[int]:
 def test_greedy_generation_identical(arch, op_calls):
     model = model_for(arch)
     want = _greedy(model)
-    mt.patch(model)
+    report = mt.patch(model)
     try:
         backend = "emulator" if arch in ("qwen3_moe", "qwen3_next") else "reference"
         with mt.use_backend(backend):
+            combined = backends.launch_count(COMBINE_KERNEL, backend)
             got = _greedy(model)
+            combined = backends.launch_count(COMBINE_KERNEL, backend) - combined
     finally:
         mt.unpatch(model)
     assert len(want) == 16 and got == want
     assert sum(op_calls.values()) > 0
+    blocks = sum(e.kind == "moe_block" for e in report.replaced)
+    assert (blocks > 0) == (arch in MOE_ARCHS)
+    # the prompt (9 tokens x k=2 < 64 pairs) and each decode step: the blocks' combine
+    assert op_calls["expert_down_combine"] >= 16 * blocks
+    if backend == "emulator":
+        assert combined == op_calls["expert_down_combine"]
 
 
 @pytest.mark.parametrize("arch", ("qwen3_moe", "mixtral", "llama"))
@@ -287,10 +310,12 @@ def test_quantize_after_patch():
     config = dict(CONFIGS["qwen3_moe"], model_type="qwen3_moe", vocab_size=VOCAB)
     model = module.Model(module.ModelArgs.from_dict(config))
     report = mt.patch(model)
-    assert [e.kind for e in report.left] == ["switch_glu", "switch_glu"]
-    assert "not QuantizedSwitchLinear" in report.left[0].detail
+    assert [e.kind for e in report.left] == ["moe_block", "switch_glu"] * 2
+    assert "not QuantizedSwitchLinear" in report.left[0].detail  # the block says why too
+    assert "not QuantizedSwitchLinear" in report.left[1].detail
     nn.quantize(model, group_size=64, bits=4)
-    assert {e.kind for e in mt.patch(model).replaced} == {"attention", "switch_glu"}
+    assert {e.kind for e in mt.patch(model).replaced} == {"attention", "moe_block",
+                                                           "switch_glu"}
     mt.unpatch(model)
 
 
@@ -307,6 +332,84 @@ def test_unserved_experts_left_and_reported():
         mt.unpatch(model)
     for a, b in zip(want, got, strict=True):  # only attention runs our op: its float32 bound
         assert mx.abs(a - b).max().item() <= logits_bound(report, a)
+
+
+def test_moe_blocks_two_dispatches_and_unknown_blocks(op_calls):
+    """Each known block's routing is mlx-lm's (the same experts, in the same slots); a
+    block class the table does not name keeps its own code and is reported, its SwitchGLU
+    still served."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    model = model_for("mixtral")
+    report = mt.patch(model)
+    try:
+        blocks = [e for e in report.entries if e.kind == "moe_block"]
+        assert [(e.path, e.module, e.replaced) for e in blocks] == [
+            (f"model.layers.{i}.block_sparse_moe", "MixtralSparseMoeBlock", True)
+            for i in range(2)]
+        assert "expert_down_combine" in blocks[0].detail
+    finally:
+        mt.unpatch(model)
+
+    class MyMoE(nn.Module):  # routing unknown to mlx_metaltile
+        def __init__(self):
+            super().__init__()
+            self.switch_mlp = SwitchGLU(64, 64, 4)
+
+        def __call__(self, x):
+            return self.switch_mlp(x, mx.zeros((*x.shape[:-1], 2), mx.uint32)).sum(-2)
+
+    holder = nn.Module()
+    holder.moe = MyMoE()
+    nn.quantize(holder, group_size=64, bits=4)
+    x = mx.random.normal((1, 1, 64))
+    want = holder.moe(x)
+    report = mt.patch(holder)
+    try:
+        assert [(e.kind, e.replaced) for e in report.entries] == [("moe_block", False),
+                                                                 ("switch_glu", True)]
+        assert "MyMoE's routing is not known" in report.entries[0].detail
+        assert type(holder.moe) is MyMoE
+        got = holder.moe(x)
+    finally:
+        mt.unpatch(holder)
+    assert op_calls["expert_qmv"] == 1 and op_calls["expert_down_combine"] == 0
+    assert mx.abs(got - want).max().item() <= logits_bound(report, want)
+
+
+# Dispatches of one MoE block call at one decode token, from MLX's graph: (mlx-lm's block,
+# the patched block). The router (and Qwen3-Next's shared expert) are the same code on
+# both sides; mlx-lm's experts and score sum take 9 dispatches (15 with gpt-oss's expert
+# biases), ours 2.
+BLOCK_DISPATCHES = {"qwen3_moe": (15, 8), "qwen3_next": (23, 16), "qwen3_5_moe": (23, 16),
+                    "gpt_oss": (20, 7), "mixtral": (14, 7), "olmoe": (14, 7)}
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_block_dispatches_at_decode(arch):
+    """The README's counts, from each block's graph (moe_bench.dispatches: on the emulator
+    our kernels run eagerly and are counted at launch, with the graph of their inputs)."""
+    from mlx_metaltile.moe_bench import dispatches
+
+    model = model_for(arch, **({"mode": "mxfp4"} if arch == "gpt_oss" else {}))
+    block = next(m for _, m in model.named_modules() if mtnn.moe_routing(type(m)))
+    config = CONFIGS[arch].get("text_config", CONFIGS[arch])
+    x = mx.random.normal((1, 1, config["hidden_size"]))
+    mx.eval(x)
+    with mt.use_backend("emulator"):
+        native = dispatches(block, x)
+        mt.patch(model)
+        try:
+            ours = dispatches(block, x)
+        finally:
+            mt.unpatch(model)
+    kernels = Counter({k: v for k, v in ours.items() if k.startswith("kernel:")})
+    assert kernels == {"kernel:expert_glu": 1, "kernel:expert_down_combine": 1}, ours
+    shared = ours - kernels  # the router and shared expert: mlx-lm's own primitives
+    assert not shared - native, (shared, native)
+    experts = native - shared
+    assert experts["GatherQMM"] == 3 and experts.total() == (15 if arch == "gpt_oss" else 9)
+    assert (native.total(), ours.total()) == BLOCK_DISPATCHES[arch], (native, ours)
 
 
 def test_unserved_cache_falls_back(op_calls):

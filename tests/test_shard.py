@@ -14,7 +14,7 @@ order of the same float32 sum, within the table's ``accum`` (2e-6 relative to th
 magnitude behind it). All-to-sharded layers compute whole rows per rank as before. A
 changed rounding order in one module of a pre-norm residual stack reaches the logits with
 a gain of about one; with ``n`` = modules whose summation order may change (the stand-ins
-live in the sharded model, as the replaced modules of tests/test_patch.py, plus
+live in the sharded model, counted as tests/test_patch.py counts replaced modules, plus
 sharded-to-all layers and modules holding a sharding group), the two differ by at most
 ``2 * accum * n * max|logits|``.
 """
@@ -95,7 +95,8 @@ def _cases(ranks):
 
 
 def _bound(case) -> float:
-    n = sum(case["live"].values()) + case["sharded_to_all"]
+    live = dict(case["live"], moe_block=0)  # a block and its SwitchGLU count once
+    n = sum(live.values()) + case["sharded_to_all"]
     return 2 * TOLERANCES["float32"].accum * n * case["scale"]
 
 
@@ -122,8 +123,9 @@ def test_what_stays_served(ranks):
     """Attention, experts and gated norms stay patched in both orders. ``shard_linear``
     replaces linear layers by mlx's tensor-parallel ones: a patch after sharding serves
     them (mxfp4 here), a patch before sharding cannot (they did not exist yet)."""
-    served = {"qwen3_moe": {"attention": 2, "switch_glu": 2},
-              "qwen3_5_moe": {"attention": 1, "gated_rms_norm": 1, "switch_glu": 2},
+    served = {"qwen3_moe": {"attention": 2, "moe_block": 2, "switch_glu": 2},
+              "qwen3_5_moe": {"attention": 1, "gated_rms_norm": 1, "moe_block": 2,
+                              "switch_glu": 2},
               # 7 linear layers a decoder layer, and the (unsharded) LM head
               "qwen3": {"attention": 2, "fp4_linear": 15}}
     for _, case in _cases(ranks):

@@ -109,5 +109,16 @@ class MetalKernel:
             output_dtypes=list(output_dtypes), grid=grid, threadgroup=threadgroup,
             template=template, init_value=init_value, verbose=bool(verbose), stream=stream))
 
+    def run_checked(self, inputs: list[mx.array], output_shapes: list[tuple[int, ...]],
+                    output_dtypes: list[mx.Dtype], grid: tuple[int, int, int],
+                    threadgroup: tuple[int, int, int], template: list[tuple[str, object]],
+                    init_value: float | None = None) -> list[mx.array]:
+        """Run arguments that ``backends.launch`` has already checked against the kernel's
+        spec and the geometry rules (the per-call path of every op): the same ``_run``
+        without repeating ``__call__``'s argument checks, which cost more than the launch
+        itself on a fast GPU."""
+        return self._run(Launch(inputs, output_shapes, output_dtypes, grid, threadgroup,
+                                template, init_value, False, None))
+
     def _run(self, launch: Launch) -> list[mx.array]:
         raise NotImplementedError

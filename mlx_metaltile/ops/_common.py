@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import numbers
 from collections.abc import Callable, Mapping
@@ -80,6 +81,59 @@ def on_stream(op: str, stream):
         raise TypeError(f"[{op}] stream must be None, an mx.Stream or an mx.Device "
                         f"(mx.cpu, mx.gpu), got {type(stream).__name__}")
     return mx.stream(stream)
+
+
+_CHECKED_MAX = 4096  # remembered validations per check function (a decode loop needs a few)
+
+
+def _meta(value):
+    """What a check may read of one argument: an array's shape and dtype (never its values:
+    that would be a host sync), a scalar's type and value; None (unhashable) for anything
+    else, whose call is then not remembered."""
+    if isinstance(value, mx.array):
+        return (value.shape, value.dtype)
+    if value is None or isinstance(value, (str, int, float, np.generic)):
+        return (type(value), value)
+    return None
+
+
+def memo_check(check: Callable) -> Callable:
+    """``check`` (a result of plain Python values derived from the arguments' shapes, dtypes
+    and scalar values only: no backend, device or other global state) remembered per
+    distinct positional arguments: the
+    per-call cost of an op in a decode loop is its checks, several times the launch. A call
+    that raises is not remembered (it raises again next time); a result holding an array is
+    never remembered."""
+    memo: dict = {}
+
+    @functools.wraps(check)
+    def checked(*args, **kwargs):
+        key = tuple(_meta(a) for a in args)
+        if kwargs or None in key:
+            return check(*args, **kwargs)
+        try:
+            return memo[key]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable value inside (a NumPy array scalar, say)
+            return check(*args)
+        result = check(*args)
+        if len(memo) < _CHECKED_MAX and not _holds_array(result):
+            memo[key] = result
+        return result
+
+    checked.cache_clear = memo.clear
+    return checked
+
+
+def _holds_array(value) -> bool:
+    if isinstance(value, mx.array):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_array(v) for v in value.values())
+    if isinstance(value, (tuple, list)):
+        return any(_holds_array(v) for v in value)
+    return False
 
 
 @lru_cache(maxsize=4096)

@@ -20,13 +20,19 @@ from ._common import (
     MODES,
     QUANTIZED_PARAMS,
     dtype_name,
+    memo_check,
     on_stream,
     quantized_bindings,
     require_array,
     require_float,
     scalar,
 )
-from ._grad import _frozen
+from ._grad import (
+    GATHER_QMM_REASON,
+    _frozen,
+    refuse_shapeless,
+    shapeless_tracing,
+)
 from .expert_qmv import ROWS_PER_THREADGROUP, SIMDGROUPS, _check_expert_qmv, _x_vjp
 from .expert_qmv import _reference as _qmv_reference
 
@@ -57,6 +63,7 @@ def _bindings():
 )
 
 
+@memo_check
 def _check(h, w, scales, biases, indices, scores, bias, group_size, bits, mode) -> dict:
     require_array(OP, "h", h)
     require_array(OP, "indices", indices)
@@ -191,15 +198,29 @@ def expert_down_combine(h: mx.array, w: mx.array, scales: mx.array, biases,
     experts are summed in slot order (j = 0, 1, ...), so results are bitwise reproducible
     run to run. If any of a token's ids is outside ``[0, E)`` that token's whole row is NaN.
     k = 0 gives zeros.
+
+    Reference backend: ``mx.compile(shapeless=True)`` and ``mx.vmap`` raise an
+    ``[expert_down_combine]`` error: the composite is ``mx.gather_qmm``, which MLX 0.32
+    cannot map and whose default ``lhs_indices`` a shapeless trace fixes. On metal / cuda
+    (MLX 0.32.4) ``mx.compile(shapeless=True)`` raises MLX's ``[Primitive::output_shapes]
+    CustomTransforms cannot infer output shapes.`` and ``mx.vmap`` MLX's ``[Primitive::vmap]
+    Not implemented for CustomKernel.`` (MLX maps the kernel before any rule of the op; a
+    first node refusing with an ``[op]`` error would cost about 6 us a call), except that
+    mapping a quantized constant raises an ``[op]`` error on every backend; the emulator
+    refuses both (eager). README: "mx.compile(shapeless=True) and mx.vmap".
     """
     info = _check(h, w, scales, biases, indices, scores, bias, group_size, bits, mode)
     with on_stream(OP, stream):
         if 0 in _out_shape(info) or info["k"] == 0:
             return mx.zeros(_out_shape(info), dtype=h.dtype)
         backend = backends.resolve_backend()
+        if backend == "reference" and shapeless_tracing():
+            refuse_shapeless(OP)
         # The primals: h, scores, the bias where given, then the quantized constants
-        # (through _frozen: asking for their gradient raises).
-        quantized = _frozen(OP, (w, scales, biases))
+        # (through _frozen: asking for their gradient raises; under mx.vmap it refuses
+        # the reference composite, mx.gather_qmm; a custom kernel is refused by MLX).
+        quantized = _frozen(OP, (w, scales, biases), watched=(h, indices, scores, bias),
+                            unmapped=GATHER_QMM_REASON if backend == "reference" else None)
         slots = [a is not None for a in quantized]
         n_float = 2 if bias is None else 3
 

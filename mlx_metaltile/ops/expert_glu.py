@@ -17,12 +17,18 @@ from ._common import (
     MODES,
     QUANTIZED_PARAMS,
     dtype_name,
+    memo_check,
     on_stream,
     quantized_bindings,
     require_array,
     scalar,
 )
-from ._grad import _frozen
+from ._grad import (
+    GATHER_QMM_REASON,
+    _frozen,
+    refuse_shapeless,
+    shapeless_tracing,
+)
 from .expert_qmv import (
     BCAST_DIMS,
     ROWS_PER_THREADGROUP,
@@ -71,6 +77,7 @@ def _bindings():
 )
 
 
+@memo_check
 def _check(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
            bias_gate, bias_up, activation, group_size, bits, mode) -> dict:
     """Validate (the projections as expert_qmv checks one, under this op's name); return the
@@ -249,6 +256,16 @@ def expert_glu(x: mx.array, w_gate: mx.array, scales_gate: mx.array, biases_gate
     quantized products as :func:`expert_qmv`'s): a pair with an out-of-range id gives its x
     a NaN gradient, as its NaN output row, and adds nothing to the biases' gradients.
     Asking for the gradient of the quantized weights, scales or biases raises.
+
+    Reference backend: ``mx.compile(shapeless=True)`` and ``mx.vmap`` raise an
+    ``[expert_glu]`` error: the composite is ``mx.gather_qmm``, which MLX 0.32 cannot map
+    and whose default ``lhs_indices`` a shapeless trace fixes. On metal / cuda (MLX 0.32.4)
+    ``mx.compile(shapeless=True)`` raises MLX's ``[Primitive::output_shapes]
+    CustomTransforms cannot infer output shapes.`` and ``mx.vmap`` MLX's ``[Primitive::vmap]
+    Not implemented for CustomKernel.`` (MLX maps the kernel before any rule of the op; a
+    first node refusing with an ``[op]`` error would cost about 6 us a call), except that
+    mapping a quantized constant raises an ``[op]`` error on every backend; the emulator
+    refuses both (eager). README: "mx.compile(shapeless=True) and mx.vmap".
     """
     info = _check(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
                   bias_gate, bias_up, activation, group_size, bits, mode)
@@ -256,9 +273,15 @@ def expert_glu(x: mx.array, w_gate: mx.array, scales_gate: mx.array, biases_gate
         if 0 in _out_shape(info):
             return mx.zeros(_out_shape(info), dtype=x.dtype)
         backend = backends.resolve_backend()
+        if backend == "reference" and shapeless_tracing():
+            refuse_shapeless(OP)
         # The primals: x, the expert biases where given, then the quantized constants
-        # (through _frozen: asking for their gradient raises).
-        quantized = _frozen(OP, (w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up))
+        # (through _frozen: asking for their gradient raises; under mx.vmap it refuses
+        # the reference composite, mx.gather_qmm; a custom kernel is refused by MLX).
+        quantized = _frozen(OP, (w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up),
+                            ("w_gate", "scales_gate", "biases_gate", "w_up", "scales_up",
+                             "biases_up"), (x, indices, bias_gate, bias_up),
+                            GATHER_QMM_REASON if backend == "reference" else None)
         slots = [a is not None for a in quantized]
         n_bias = 2 if info["has_bias"] else 0
 

@@ -21,11 +21,18 @@ from ._common import (
     QUANTIZED_INPUTS,
     QUANTIZED_PARAMS,
     check_quantized,
+    memo_check,
     on_stream,
     quantized_bindings,
     scalar,
 )
-from ._grad import sum_to_shape, with_x_vjp
+from ._grad import (
+    GATHER_QMM_REASON,
+    refuse_shapeless,
+    shapeless_tracing,
+    sum_to_shape,
+    with_x_vjp,
+)
 
 OP = "expert_qmv"
 __all__ = ["expert_qmv", "expert_qmv_reference"]
@@ -65,6 +72,7 @@ def _broadcast_lead(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] |
     return tuple(out)
 
 
+@memo_check
 def _check_expert_qmv(x, w, scales, biases, indices, group_size, bits, mode) -> dict:
     """Validate the inputs; return the derived sizes and the x layout."""
     group_size, bits, mode = check_quantized(OP, x, w, scales, biases, indices, group_size,
@@ -195,15 +203,20 @@ def _row_strides(shape: tuple[int, ...], rank: int, unit: int) -> list[int]:
     return strides[::-1]
 
 
-def _bcast_dims(info: dict) -> list[tuple[int, int, int]]:
+def _bcast_dims(info: dict) -> tuple[tuple[int, int, int], ...]:
     """The token grid as (size, x row stride, indices stride) per dimension, outermost first:
     token t with coordinates c_d reads x row sum c_d * xs_d (+ slot j for a per-expert x)
     and ids at sum c_d * is_d + j. Dimensions of size 1 are dropped and neighbours that step
     both arrays alike are merged, so the list is short unless broadcasts alternate."""
-    lead, k = info["lead"], info["k"]
+    return _bcast_dims_of(info["lead"], info["k"], info["x_lead"], info["idx_lead"],
+                          info["shared"])
+
+
+@lru_cache(maxsize=1024)
+def _bcast_dims_of(lead, k, x_lead, idx_lead, shared) -> tuple[tuple[int, int, int], ...]:
     rank = len(lead)
-    xs = _row_strides(info["x_lead"], rank, 1 if info["shared"] else k)
-    ids = _row_strides(info["idx_lead"], rank, k)
+    xs = _row_strides(x_lead, rank, 1 if shared else k)
+    ids = _row_strides(idx_lead, rank, k)
     dims: list[tuple[int, int, int]] = []
     for n, xd, idd in zip(lead, xs, ids, strict=True):
         if n == 1:
@@ -214,7 +227,7 @@ def _bcast_dims(info: dict) -> list[tuple[int, int, int]]:
                 dims[-1] = (pn * n, xd, idd)
                 continue
         dims.append((n, xd, idd))
-    return dims
+    return tuple(dims)
 
 
 @lru_cache(maxsize=1024)
@@ -307,6 +320,16 @@ def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
     (dtype, mode, bits, group_size, index dtype), plus one more the first time ``indices`` holds
     fewer than 8 ids (for example k = 2 for one token): MLX passes such small inputs in
     Metal's ``constant`` address space, which is a different kernel source.
+
+    Reference backend: ``mx.compile(shapeless=True)`` and ``mx.vmap`` raise an
+    ``[expert_qmv]`` error: the composite is ``mx.gather_qmm``, which MLX 0.32 cannot map
+    and whose default ``lhs_indices`` a shapeless trace fixes. On metal / cuda (MLX 0.32.4)
+    ``mx.compile(shapeless=True)`` raises MLX's ``[Primitive::output_shapes]
+    CustomTransforms cannot infer output shapes.`` and ``mx.vmap`` MLX's ``[Primitive::vmap]
+    Not implemented for CustomKernel.`` (MLX maps the kernel before any rule of the op; a
+    first node refusing with an ``[op]`` error would cost about 6 us a call), except that
+    mapping a quantized constant raises an ``[op]`` error on every backend; the emulator
+    refuses both (eager). README: "mx.compile(shapeless=True) and mx.vmap".
     """
     info = _check_expert_qmv(x, w, scales, biases, indices, group_size, bits, mode)
     out_shape = _out_shape(info)
@@ -314,18 +337,25 @@ def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
         if 0 in out_shape:
             return mx.zeros(out_shape, dtype=x.dtype)
         backend = backends.resolve_backend()
+        if backend == "reference" and shapeless_tracing():
+            refuse_shapeless(OP)
 
-        def forward(x, w, scales, biases):
+        def forward(x, w, scales, biases, indices=indices):
             with on_stream(OP, stream):
                 if backend == "reference":
                     return _reference(x, w, scales, biases, indices, info)
                 return _launch(x, w, scales, biases, indices, info, backend)
 
-        def x_vjp(g, w, scales, biases):  # run at backward time: the stream again
+        def x_vjp(g, w, scales, biases, indices=indices):  # at backward time: the stream again
             with on_stream(OP, stream):
                 return _x_vjp(g, w, scales, biases, indices, x.shape, x.dtype, info)
 
-        return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases))
+        # mx.vmap: the reference composite (mx.gather_qmm) is refused by the constants'
+        # wrapper; a kernel backend's custom kernel by MLX (a refusal here would cost a call).
+        ref = backend == "reference"
+        return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases),
+                          watched=(indices,) if ref else (),
+                          unmapped=GATHER_QMM_REASON if ref else None)
 
 
 def _x_vjp(g, w, scales, biases, indices, x_shape, x_dtype, info: dict) -> mx.array:

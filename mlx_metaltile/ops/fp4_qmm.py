@@ -30,6 +30,7 @@ from ._common import (
     check_mode_arrays,
     choose_variant,
     dtype_name,
+    memo_check,
     on_stream,
     require_array,
     require_float,
@@ -37,7 +38,7 @@ from ._common import (
     round_up,
     scalar,
 )
-from ._grad import with_x_vjp
+from ._grad import shapeless_tracing, with_x_vjp
 
 OP = "fp4_qmm"
 __all__ = ["fp4_dequantize_reference", "fp4_qmm", "fp4_qmm_reference"]
@@ -157,6 +158,7 @@ def _scale_mode(scales: mx.array, group_size: int) -> int:
                     f"bfloat16, got {dtype_name(scales.dtype)}")
 
 
+@memo_check
 def _check_fp4_qmm(x, w, scales, group_size, mode=None) -> tuple[int, int, int, int, int]:
     """Validate the inputs; return (M, N, K, scale_mode, group_size)."""
     for name, arr in (("x", x), ("w", w), ("scales", scales)):
@@ -328,7 +330,9 @@ def _launch(spec: KernelSpec, x2, w, scales, m, n, k, mode, group_size, backend)
             out_dtype = t if parts == 1 else mx.float32
             template["OT"] = out_dtype
             inputs.update(gs_shift=gs_shift, k_part=scalar(k_part, mx.uint32))
-            tg_mem = 2 * TILE * (TILE + 4) * 4  # x and w tiles, float, rows padded to 36
+            # x and w tiles (rows padded to 36) in float, or in T plus a float output
+            # tile (the template's STAGING); at most 9216 + 4 bytes either way
+            tg_mem = 2 * TILE * (TILE + 4) * 4 + 4
         else:
             tg_mem = TILE * (TILE + 8) * 2 + 2 * TILE * 4  # half w tile + 2 x 32 scales
         grid = (TILE_THREADS * (n // TILE), -(-m // TILE), parts)
@@ -378,6 +382,15 @@ def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | Non
 
     Differentiable with respect to x (``g @ W`` on the decoded weights, float32); asking for
     the gradient of w or scales raises.
+
+    Reference backend: ``mx.compile(shapeless=True)`` (any leading dims of x) and
+    ``mx.vmap`` over x work (mapping w or scales raises on every backend). On metal / cuda
+    (MLX 0.32.4) ``mx.compile(shapeless=True)`` raises MLX's ``[Primitive::output_shapes]
+    CustomTransforms cannot infer output shapes.`` and ``mx.vmap`` MLX's ``[Primitive::vmap]
+    Not implemented for CustomKernel.`` (MLX maps the kernel before any rule of the op; a
+    first node refusing with an ``[op]`` error would cost about 6 us a call), except that
+    mapping a quantized constant raises an ``[op]`` error on every backend; the emulator
+    refuses both (eager). README: "mx.compile(shapeless=True) and mx.vmap".
     """
     m, n, k, scale_mode, group_size = _check_fp4_qmm(x, w, scales, group_size, mode)
     out_shape = (*x.shape[:-1], n)
@@ -402,4 +415,5 @@ def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | Non
             return dx.astype(x.dtype)
 
     with on_stream(OP, stream):
-        return with_x_vjp(OP, forward, x_vjp, x, (w, scales))
+        return with_x_vjp(OP, forward, x_vjp, x, (w, scales), names=("w", "scales"),
+                          plain=spec is None and shapeless_tracing())

@@ -15,6 +15,7 @@ from .. import backends
 from .._registry import Arg, KernelSpec, register, scalars
 from ._common import (
     FLOAT_TYPES,
+    memo_check,
     on_stream,
     require_array,
     require_finite_scalar,
@@ -22,6 +23,7 @@ from ._common import (
     round_up,
     scalar,
 )
+from ._grad import shapeless_tracing
 
 OP = "gated_rms_norm"
 __all__ = ["gated_rms_norm", "gated_rms_norm_reference"]
@@ -86,6 +88,7 @@ BACKWARD_SPECS = (BACKWARD_SPEC, BACKWARD_SUM_SPEC)
 MAX_DW_PARTIALS = 256  # threadgroups of the backward (rows of dweight's partial sums)
 
 
+@memo_check
 def _check_gated_rms_norm(y, z, weight, eps) -> tuple[int, int, float]:
     """Validate the inputs; return (n, rows, eps)."""
     if not (isinstance(y, mx.array) and isinstance(z, mx.array)
@@ -255,9 +258,21 @@ def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float = 1e-5
     Differentiable with respect to y, z and weight (``mx.grad`` / ``mx.vjp``): on a kernel
     backend through the fused backward kernel (msl_templates/gated_rms_norm_backward.metal),
     with dy in y's dtype, dz in z's and dweight in weight's.
+
+    Reference backend: ``mx.compile(shapeless=True)`` (any rows and leading dims) and
+    ``mx.vmap`` (any axis of y, z, weight) work. On metal / cuda (MLX 0.32.4)
+    ``mx.compile(shapeless=True)`` raises MLX's ``[Primitive::output_shapes]
+    CustomTransforms cannot infer output shapes.`` and ``mx.vmap`` MLX's ``[Primitive::vmap]
+    Not implemented for CustomKernel.`` (MLX maps the kernel before any rule of the op; a
+    first node refusing with an ``[op]`` error would cost a custom function call, about 6 us
+    a call); the emulator refuses both (eager). README: "mx.compile(shapeless=True) and
+    mx.vmap".
     """
     n, rows, eps = _check_gated_rms_norm(y, z, weight, eps)
     with on_stream(OP, stream):
         if rows == 0:
             return mx.zeros(y.shape, dtype=y.dtype)
-        return _differentiable(y, z, weight, n, rows, eps, backends.resolve_backend(), stream)
+        backend = backends.resolve_backend()
+        if backend == "reference" and shapeless_tracing():  # no custom function (MLX cannot
+            return _reference(y, z, weight, eps)  # trace one shapeless): MLX's autodiff
+        return _differentiable(y, z, weight, n, rows, eps, backend, stream)

@@ -29,12 +29,13 @@ from ._common import (
     as_bool,
     check_quantized,
     choose_variant,
+    memo_check,
     on_stream,
     quantized_bindings,
     require_ndim,
     scalar,
 )
-from ._grad import sum_to_shape, with_x_vjp
+from ._grad import shapeless_tracing, sum_to_shape, with_x_vjp
 
 OP = "moe_gather_qmm"
 __all__ = ["moe_gather_qmm", "moe_gather_qmm_reference"]
@@ -43,7 +44,6 @@ BN = 32  # output columns per threadgroup (both paths)
 K_TILE = 32  # K must be a multiple of this tile depth (both paths)
 SLOTS = BM  # threadgroups per (tile, column block): one per possible run start
 SIMDGROUP_THREADS = 128  # 4 simdgroups split K
-SIMDGROUP_TG_MEMORY = (4 * 8 * 16 + 4 * 16 * 36) * 4  # bytes, as in the template
 MPP_THREADS = 32  # one simdgroup: the matmul2d execution_simdgroup scope
 MAX_DIM = 2**31 - 1
 
@@ -92,6 +92,7 @@ def _lead(x, indices) -> tuple[int, ...] | None:
                          "mx.gather_qmm's rhs_indices)") from None
 
 
+@memo_check
 def _check_moe_gather_qmm(x, w, scales, biases, indices, group_size, bits, mode):
     """Validate the inputs; return (M, N, K, E, group_size, bits, mode, lead): M the rows
     the kernel runs (all of them in mx.gather_qmm's form), lead its batch shape or None."""
@@ -175,7 +176,8 @@ def moe_gather_qmm_reference(x, w, scales, biases, indices, *, group_size: int |
 def _reference(x, w, scales, biases, indices, lead, M, N, E, group_size, bits,
                mode) -> mx.array:
     """Both forms on mx.gather_qmm's broadcasting (the row form as x[:, None, :]), with no
-    reshape to fixed sizes, so it traces under mx.compile(shapeless=True)."""
+    reshape to fixed sizes, so it traces under mx.compile(shapeless=True) (gather_mm's
+    lhs_indices given as a running count: its default is fixed at the trace)."""
     if M == 0:
         return mx.zeros((*lead, x.shape[-2], N) if lead else (0, N), dtype=x.dtype)
     xf = x.astype(mx.float32)
@@ -192,7 +194,8 @@ def _reference(x, w, scales, biases, indices, lead, M, N, E, group_size, bits,
         out = xf @ wr.swapaxes(-1, -2)
     else:  # dequantise every expert once: [E, N, K]
         wd = _dequantize_rounded(w, scales, biases, group_size, bits, x.dtype, mode)
-        out = mx.gather_mm(xf, wd.swapaxes(-1, -2), rhs_indices=safe)
+        lhs = None if lead is not None else mx.cumsum(mx.ones_like(safe), axis=0) - 1
+        out = mx.gather_mm(xf, wd.swapaxes(-1, -2), lhs_indices=lhs, rhs_indices=safe)
     out = mx.where(mx.expand_dims(valid, (-2, -1)), out, mx.array(float("nan"), mx.float32))
     if lead is None:
         out = mx.squeeze(out, 1)
@@ -224,12 +227,22 @@ def _select_variant(variant, backend: str, mode: str = "affine") -> KernelSpec |
     return choose_variant(OP, VARIANT_SPECS, variant, backend, lambda: _auto(backend))
 
 
+def _simdgroup_tg_memory(dtype) -> int:
+    """Threadgroup bytes of the simdgroup kernel, as in its template: x (4 x 8 x 16) and W^T
+    (4 x 16 x 36) staged in T, and the float partial sums (4 x 8 x 36) in an array of their
+    own unless T is float32 (they reuse the W slices; a 1-element array remains)."""
+    staged = 4 * 8 * 16 + 4 * 16 * 36
+    if dtype == mx.float32:
+        return staged * 4 + 4
+    return staged * 2 + 4 * 8 * 36 * 4
+
+
 def _launch(x, w, scales, biases, indices, M, N, K, E, group_size, bits, backend,
             spec, mode) -> mx.array:
     if biases is None:  # fp modes: the kernel never reads its biases input
         biases = scales
     if spec.variant == "simdgroup":
-        threads, tg_memory = SIMDGROUP_THREADS, SIMDGROUP_TG_MEMORY
+        threads, tg_memory = SIMDGROUP_THREADS, _simdgroup_tg_memory(x.dtype)
     else:
         threads = MPP_THREADS
         tg_memory = 2 * (BM * 16 + BN * 16) * (4 if x.dtype == mx.float32 else 2)
@@ -307,6 +320,17 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
     M, E, N and K are runtime inputs: one kernel instantiation per (variant, dtype, mode,
     bits, group_size, index dtype), plus one more the first time M < 8: MLX passes inputs of
     fewer than 8 elements in Metal's ``constant`` address space, a different kernel source.
+
+    Reference backend: ``mx.compile(shapeless=True)`` (rows: any M; ``mx.gather_qmm``'s
+    form: traced with at most E ids) and ``mx.vmap`` over x and indices (while one call has
+    at most E ids: more take ``mx.gather_mm``, which MLX cannot map or trace shapeless, and
+    raise). On metal / cuda (MLX 0.32.4) ``mx.compile(shapeless=True)`` raises MLX's
+    ``[Primitive::output_shapes] CustomTransforms cannot infer output shapes.`` and
+    ``mx.vmap`` MLX's ``[Primitive::vmap] Not implemented for CustomKernel.`` (MLX maps the
+    kernel before any rule of the op; a first node refusing with an ``[op]`` error would
+    cost about 6 us a call), except that mapping a quantized constant raises an ``[op]``
+    error on every backend; the emulator refuses both (eager). README:
+    "mx.compile(shapeless=True) and mx.vmap".
     """
     M, N, K, E, group_size, bits, mode, lead = _check_moe_gather_qmm(
         x, w, scales, biases, indices, group_size, bits, mode)
@@ -318,7 +342,7 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
         return _launch(x, w, scales, biases, ids, M, N, K, E, group_size, bits, backend,
                        spec, mode)
 
-    def forward(x, w, scales, biases):
+    def forward(x, w, scales, biases, indices=indices):
         with on_stream(OP, stream):
             if spec is None or M == 0:
                 return _reference(x, w, scales, biases, indices, lead, M, N, E, group_size,
@@ -333,7 +357,7 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
             out = run(rows[order], ids[order])
             return out[mx.argsort(order)].reshape(out_shape)
 
-    def x_vjp(g, w, scales, biases):  # run at backward time: the stream again
+    def x_vjp(g, w, scales, biases, indices=indices):  # at backward time: the stream again
         with on_stream(OP, stream):
             if lead is None:
                 return _x_vjp(g, w, scales, biases, indices, E, group_size, bits, mode,
@@ -347,7 +371,23 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
             return sum_to_shape(d, tuple(x.shape)).astype(x.dtype)
 
     with on_stream(OP, stream):
-        return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases))
+        if spec is not None:  # mx.vmap: MLX refuses the custom kernel itself
+            return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases))
+        plain = shapeless_tracing()
+        if plain and lead is not None and indices.size > E:
+            raise ValueError(
+                f"[{OP}] mx.compile(shapeless=True) of mx.gather_qmm's form with more ids "
+                f"({indices.size}) than experts ({E}) is not supported on the reference "
+                "backend: its composite's mx.gather_mm fixes its default lhs_indices at the "
+                "trace (MLX 0.32); pass rows (2-D x) or compile without shapeless=True")
+        # mx.vmap: the composite maps unless it takes mx.gather_mm (more ids than experts),
+        # which MLX cannot map: then the constants' wrapper refuses.
+        gather_mm = None if indices.size <= E else (
+            f"its reference composite takes mx.gather_mm for more ids ({indices.size}) than "
+            f"experts ({E}), which MLX (0.32) cannot map; pass the mapped axis as a leading "
+            "dimension of x and indices")
+        return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases), watched=(indices,),
+                          unmapped=gather_mm, plain=plain)
 
 
 def _x_vjp(g, w, scales, biases, indices, E, group_size, bits, mode, dtype,

@@ -26,6 +26,7 @@ from ._common import (
     require_float,
     scalar,
 )
+from ._grad import sum_to_shape
 
 OP = "sdpa_multi"
 __all__ = ["sdpa_multi", "sdpa_multi_reference"]
@@ -376,6 +377,116 @@ def _launch(q, k, v, p: _Problem, backend) -> mx.array:
 _NO_SINKS = {0: mx.zeros((1,), dtype=mx.float32)}  # has_sinks 0's dummy
 
 
+# ---- backward kernels (the VJP on a kernel backend) ---------------------------------------
+BWD_ROW_TILE = 32  # query rows per threadgroup of the dq kernel (8 simdgroups x 4 rows)
+BWD_KEY_BLOCK = 32  # keys per threadgroup of the dk/dv kernel (8 simdgroups x 4 keys)
+BWD_ROWS_STAGED = 8  # query rows staged at a time by the dk/dv kernel
+BWD_THREADS = 256
+
+
+def _bwd_key_block(D: int, dtype: mx.Dtype) -> int:
+    """Keys per staged block of the dq kernel: 32, or 16 where 32 rows pass 16 KiB."""
+    return 32 if 32 * D * dtype.size <= STAGE_BYTES else 16
+
+
+def _bwd_bindings(with_kb: bool):
+    def bindings():
+        for t in FLOAT_TYPES:
+            for d in HEAD_DIMS:
+                for kind in (MASK_NONE, MASK_BOOL, MASK_ADDITIVE):
+                    b = {"T": t, "D": d, "MASK_KIND": kind, "MT": _mask_type(kind, t)}
+                    yield {**b, "KB": _bwd_key_block(d, t)} if with_kb else b
+    return bindings
+
+
+_BWD_INPUTS = (Arg("q", "T", 4), Arg("k", "T", 4), Arg("v", "T", 4), Arg("dout", "T", 4),
+               *scalars("n_q", "group", "kv_len", "kv_rows", "causal"),
+               Arg("scale", "float32"), Arg("grad_scale", "float32"), Arg("mask", "MT", 4),
+               *scalars("mask_sb", "mask_sh", "mask_sl", "kv_heads", "mask_block"))
+BWD_DQ_SPEC, BWD_DKV_SPEC = register(
+    KernelSpec(
+        op=OP, variant="backward_dq", template="sdpa_multi_backward_dq.metal",
+        inputs=(*_BWD_INPUTS, *scalars("has_sinks"), Arg("sinks", "float32", 1)),
+        outputs=(Arg("dq", "T", 4), Arg("stats", "float32", 2),
+                 Arg("dsink_part", "float32", 1)),
+        params=("T", "D", "KB", "MASK_KIND"), bindings=_bwd_bindings(True),
+        geometry="the VJP, pass 1: 32 query rows of one KV head per TG (8 simdgroups x 4 "
+                 "rows); grid (256, ceil(G*L/32), B*Hkv); each TG reads its visible K/V "
+                 "twice (statistics and O, then dS and dq), KB keys at a time",
+        notes="template T, D, KB (32, or 16 for float32 D=256), MASK_KIND; writes dq, the "
+              "rows' (m, l, dO.O) and their dsinks terms",
+    ),
+    KernelSpec(
+        op=OP, variant="backward_dkv", template="sdpa_multi_backward_dkv.metal",
+        inputs=(*_BWD_INPUTS, Arg("stats", "float32", 2), *scalars("mask_cols")),
+        outputs=(Arg("dk", "T", 4), Arg("dv", "T", 4), Arg("dmask", "float32", 2)),
+        params=("T", "D", "MASK_KIND"), bindings=_bwd_bindings(False),
+        geometry="the VJP, pass 2: 32 keys of one KV head per TG (8 simdgroups x 4 keys), "
+                 "looping over the G*L query rows; grid (256, ceil(S/32), B*Hkv); K/V rows "
+                 "< kv_len read once, none past it",
+        notes="template T, D, MASK_KIND; dk/dv summed per key in a fixed row order (no "
+              "atomics); an additive mask's dS written for the mask's columns",
+    ),
+)
+BACKWARD_SPECS = (BWD_DQ_SPEC, BWD_DKV_SPEC)
+
+
+def _launch_backward(q, k, v, dout, p: _Problem, backend) -> tuple:
+    """(dq, dk, dv, dsinks or None, dmask or None) for the cotangent ``dout``: the dq kernel
+    (softmax statistics recomputed, then dq), then the dk/dv kernel (one pass over the keys).
+    dsinks sums the rows' terms and an additive mask's dS is summed to the mask's shape here
+    (small MLX reductions)."""
+    B, Hq, Hkv, L, S, D = p.B, p.Hq, p.Hkv, p.L, p.S, p.D
+    G = Hq // Hkv
+    kv_len = scalar(p.kv_len, mx.uint32) if isinstance(p.kv_len, int) else p.kv_len
+    mask = _NO_MASK[0] if p.mask is None else p.mask
+    mb, mh, ml, mc = mask.shape
+    strides = (mh * ml * mc if mb > 1 else 0, ml * mc if mh > 1 else 0, mc if ml > 1 else 0)
+    n_out = B * Hq * L
+    common = {"q": q, "k": k, "v": v, "dout": dout.astype(q.dtype),
+              "n_q": scalar(L, mx.uint32), "group": scalar(G, mx.uint32), "kv_len": kv_len,
+              "kv_rows": scalar(S, mx.uint32), "causal": scalar(int(p.causal), mx.uint32),
+              "scale": scalar(p.scale * LOG2E, mx.float32),
+              "grad_scale": scalar(p.scale, mx.float32), "mask": mask,
+              "mask_sb": scalar(strides[0], mx.uint32),
+              "mask_sh": scalar(strides[1], mx.uint32),
+              "mask_sl": scalar(strides[2], mx.uint32), "kv_heads": scalar(Hkv, mx.uint32),
+              "mask_block": scalar(int(p.block), mx.uint32)}
+    kb = _bwd_key_block(D, q.dtype)
+    pad = 4 // q.dtype.size
+    dq, stats, dsink_part = backends.launch(
+        BWD_DQ_SPEC, backend,
+        inputs={**common, "has_sinks": scalar(int(p.sinks is not None), mx.uint32),
+                "sinks": p.sinks if p.sinks is not None else _NO_SINKS[0]},
+        template={"T": q.dtype, "D": D, "KB": kb, "MASK_KIND": p.mask_kind},
+        outputs={"dq": (q.shape, q.dtype), "stats": ((n_out, 3), mx.float32),
+                 "dsink_part": ((n_out,), mx.float32)},
+        grid=(BWD_THREADS, -(-G * L // BWD_ROW_TILE), B * Hkv),
+        threadgroup=(BWD_THREADS, 1, 1),
+        threadgroup_memory=kb * (D + pad) * q.dtype.size + 32 * 32 * 4,
+    )
+    additive = p.mask_kind == MASK_ADDITIVE
+    dk, dv, dmask = backends.launch(
+        BWD_DKV_SPEC, backend,
+        inputs={**common, "stats": stats, "mask_cols": scalar(mc, mx.uint32)},
+        template={"T": q.dtype, "D": D, "MASK_KIND": p.mask_kind},
+        outputs={"dk": (k.shape, k.dtype), "dv": (v.shape, v.dtype),
+                 "dmask": ((n_out, mc) if additive else (1, 1), mx.float32)},
+        grid=(BWD_THREADS, -(-S // BWD_KEY_BLOCK), B * Hkv),
+        threadgroup=(BWD_THREADS, 1, 1),
+        threadgroup_memory=2 * BWD_ROWS_STAGED * (D + pad) * q.dtype.size
+        + BWD_ROWS_STAGED * 3 * 4,
+    )
+    dsinks = None
+    if p.sinks is not None:
+        dsinks = mx.sum(dsink_part.reshape(B, Hq, L), axis=(0, 2))
+    if additive:  # dS on the mask's columns, summed over the mask's broadcast axes
+        dmask = sum_to_shape(dmask.reshape(B, Hq, L, mc), p.mask.shape).astype(p.mask.dtype)
+    else:
+        dmask = None
+    return dq, dk, dv, dsinks, dmask
+
+
 def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: bool = False,
                kv_len: int | mx.array | None = None, mask: str | mx.array | None = None,
                sinks: mx.array | None = None, stream=None) -> mx.array:
@@ -418,15 +529,28 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
     Returns: ``[B, Hq, L, D]`` in q's dtype; softmax and accumulation in float32.
     D must be one of 64, 96, 128, 256.
 
-    Under ``mx.compile(..., shapeless=True)`` (reference backend: on a kernel backend the op
-    is an ``mx.custom_function``, which MLX 0.32 refuses to trace shapeless) a device-side
-    ``kv_len`` changes from call to call without a new trace; other input shapes must stay
-    those of the first trace (MLX refuses a change: the composite is shaped by them). The
-    emulator refuses compile with an error.
+    Under ``mx.compile(..., shapeless=True)`` (reference backend) a device-side ``kv_len``
+    changes from call to call without a new trace; other input shapes must stay those of the
+    first trace (MLX refuses a change: the composite is shaped by them), and S must be a
+    multiple of 32 (MLX 0.32: ``Pad cannot infer output shapes``). ``mx.vmap`` maps any axis
+    of q, k, v on the reference backend. On metal / cuda (MLX 0.32.4)
+    ``mx.compile(shapeless=True)`` raises MLX's ``[Primitive::output_shapes]
+    CustomTransforms cannot infer output shapes.`` and ``mx.vmap`` MLX's ``[Primitive::vmap]
+    Not implemented for CustomKernel.`` (MLX maps the kernel before any rule of the op; a
+    first node refusing with an ``[op]`` error would cost a custom function call, about 6 us
+    a call); the emulator refuses both (eager). README: "mx.compile(shapeless=True) and
+    mx.vmap".
 
-    Differentiable with respect to q, k, v, sinks and an additive mask on every backend,
-    through MLX's autodiff of the reference composite (it recomputes the softmax; no
-    backward kernel): the cache rows at and beyond ``kv_len`` get a zero gradient.
+    Differentiable with respect to q, k, v, sinks and an additive mask on every backend.
+    On a kernel backend the VJP is two backward kernels that recompute the softmax from
+    per-row statistics (logsumexp), FlashAttention-2 style, and never hold an ``[L, S]``
+    probability matrix: dq (with the statistics), then dk and dv (each key's sum over the
+    query rows of its head group in a fixed order: the same bits every run). The sinks'
+    gradient is the sum of per-row terms; an additive mask's is dS itself, written by the
+    dk/dv kernel as ``[B, Hq, L, mask columns]`` and summed to the mask's shape. On the
+    reference backend: MLX's autodiff of the composite. The cache rows at and beyond
+    ``kv_len`` get a zero gradient (and are never read); a row that sees no key and no sink
+    (NaN output) gives NaN gradients, as the float64 definition does.
 
     Pass the whole preallocated cache with ``kv_len`` rather than a slice of it: the
     kernels take row-contiguous inputs, so a non-contiguous view (``cache[:, :, :n]`` of a
@@ -450,9 +574,6 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
             sinks = next(it) if p.sinks is not None else None
             return replace(p, sinks=sinks, mask=next(it) if additive else p.mask)
 
-        def reference(q, k, v, *rest):
-            return _reference(q, k, v, problem(rest))
-
         @mx.custom_function
         def op(q, k, v, *rest):
             with on_stream(OP, stream):  # backends.launch refuses the emulator in a trace
@@ -460,8 +581,11 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
 
         @op.vjp
         def op_vjp(primals, cotangent, output):
-            # MLX's autodiff of the composite, recomputing the softmax (no backward kernel).
+            # The backward kernels: the softmax recomputed from per-row statistics.
+            q, k, v, *rest = primals
             with on_stream(OP, stream):
-                return tuple(mx.vjp(reference, list(primals), [cotangent])[1])
+                dq, dk, dv, dsinks, dmask = _launch_backward(
+                    q, k, v, cotangent, problem(rest), backend)
+            return (dq, dk, dv, *(g for g in (dsinks, dmask) if g is not None))
 
         return op(q, k, v, *extra)

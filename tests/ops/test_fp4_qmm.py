@@ -11,7 +11,7 @@ from support import require_backend
 
 import mlx_metaltile as mt
 from mlx_metaltile import _device, backends
-from mlx_metaltile.cases import assert_close
+from mlx_metaltile.cases import assert_close, to_f64
 from mlx_metaltile.cases.fp4_qmm import (
     dequantize64,
     make_case,
@@ -642,3 +642,90 @@ def test_emulator_traffic_split_k(poisoned_outputs, rng):
     assert stats.kernel.endswith("fp4_qmm_splitk_sum")
     assert stats.bytes_read["partial"] == parts * m * n * 4
     assert stats.bytes_written["out"] == m * n * 2
+
+
+# ---- staging (the simdgroup template's STAGING): T fragments only where exact ----------
+#
+# Each case sets every weight of group g to code_g * scale_g and places a few x values so
+# that every float32 product and sum of the float-staged kernel is exact: the result must
+# equal the float64 oracle rounded once to T, bit for bit. The cases the template keeps on
+# float fragments are built so that rounding a weight to T changes the result (overflow to
+# inf, or a cancellation that leaves only the bits T drops); the cases it stages in T use
+# the widest products (6 significant bits) and the ends of the scale range.
+
+N_STAGE = 32
+E2M1 = {0.5: 1, 1.0: 2, 1.5: 3, 2.0: 4, 4.0: 6, 6.0: 7}  # value -> code
+# name: (x dtype, scale kind, group size, [(scale, e2m1 value) per group],
+#        [{k: x value} per row of x], whether the template stages the weights in T)
+STAGING = {
+    # 6 * 2^17 / 8 = 98304 > 65504: a half weight would be inf
+    "e8m0-half-overflow": (mx.float16, "e8m0", 32, [(144, 6.0), (144, 4.0)],
+                           [{0: 2.0**-10, 32: -(2.0**-10)}], False),
+    # (1 + 2^-20) * 6 is no bfloat / half value: a T weight leaves 0, not 6 * 2^-20
+    "float-scale-bfloat16": (mx.bfloat16, "float32", 32, [(1 + 2.0**-20, 6.0), (1.0, 6.0)],
+                             [{0: 1.0, 32: -1.0}], False),
+    "float-scale-half": (mx.float16, "float32", 32, [(1 + 2.0**-20, 6.0), (1.0, 6.0)],
+                         [{0: 1.0, 32: -1.0}], False),
+    # E4M3 1.875 * 1.5 = 2.8125 (6 bits), 1.25 * 2, 480 * 6, 2^-9 * 0.5 (the smallest)
+    "e4m3-half": (mx.float16, "e4m3", 16, [(0x3F, 1.5), (0x3A, 2.0), (0x7F, 6.0), (0x01, 0.5)],
+                  [{0: 1.0, 16: -1.0}, {32: 2.0**-10, 48: 2.0**10}], True),
+    "e4m3-bfloat16": (mx.bfloat16, "e4m3", 16,
+                      [(0x3F, 1.5), (0x3A, 2.0), (0x7F, 6.0), (0x01, 0.5)],
+                      [{0: 1.0, 16: -1.0}, {32: 2.0**-10, 48: 2.0**10}], True),
+    # E8M0 2^127 * 6 (float32 holds it only as the staged / 8) and 2^-126 * 1.5 (subnormal
+    # once staged: 1.5 * 2^-129)
+    "e8m0-bfloat16": (mx.bfloat16, "e8m0", 32, [(254, 6.0), (1, 1.5)],
+                      [{0: 2.0**-120}, {32: 2.0**100}], True),
+    "e4m3-float32": (mx.float32, "e4m3", 16, [(0x3F, 1.5), (0x3A, 2.0), (0x7F, 6.0), (0x01, 0.5)],
+                     [{0: 1.0, 16: -1.0}, {32: 2.0**-10, 48: 2.0**10}], False),
+}
+
+
+def _staging_case(dtype, kind, gs, groups, rows):
+    k = gs * len(groups)
+    codes = np.repeat(np.array([E2M1[v] for _, v in groups], dtype=np.uint32), gs)
+    words = (codes.reshape(-1, 8) << (4 * np.arange(8, dtype=np.uint32))).sum(axis=1)
+    w = mx.array(np.tile(words.astype(np.uint32), (N_STAGE, 1)))
+    raw = np.tile(np.array([s for s, _ in groups]), (N_STAGE, 1))
+    scales = mx.array(raw.astype(np.uint8 if kind in ("e8m0", "e4m3") else np.float32))
+    xv = np.zeros((len(rows), k), dtype=np.float64)
+    for r, row in enumerate(rows):
+        for col, value in row.items():
+            xv[r, col] = value
+    x = mx.array(xv.astype(np.float32)).astype(dtype)
+    assert np.array_equal(to_f64(x), xv)  # every x value is a T value
+    return x, w, scales
+
+
+def check_staging(name, backend):
+    dtype, kind, gs, groups, rows, _ = STAGING[name]
+    x, w, s = _staging_case(dtype, kind, gs, groups, rows)
+    out = run_and_check(x, w, s, kind, gs, backend, variant="simdgroup", expect="simdgroup")
+    want = oracle(x, w, s, kind, gs)[0]
+    exact = to_f64(mx.array(want.astype(np.float32)).astype(dtype))  # rounded once to T
+    assert np.array_equal(np.asarray(want, np.float32).astype(np.float64), want)
+    np.testing.assert_array_equal(to_f64(out), exact, err_msg=f"fp4_qmm staging {name}")
+
+
+@pytest.mark.parametrize("split", (False, True), ids=("one-pass", "split-k"))
+@pytest.mark.parametrize("name", STAGING)
+def test_staging_is_exact(kernel_backend, poisoned_outputs, monkeypatch, name, split):
+    """The weights the template stages in T are exactly T values, and the ones it keeps in
+    float would not be: the result is the exact one, rounded once."""
+    monkeypatch.setattr(op_module, "SPLITK_TARGET_TGS", 512 if split else 1)
+    check_staging(name, kernel_backend)
+
+
+KEPT_FLOAT = [name for name, case in STAGING.items() if not case[-1] and case[0] != mx.float32]
+
+
+@pytest.mark.parametrize("name", KEPT_FLOAT)
+def test_negative_control_weights_staged_in_t(kernel_backend, broken_kernel, monkeypatch,
+                                              name):
+    """Staging every weight in T (the rounding the template avoids for mxfp4 with half x
+    and for float scales) must fail the staging cases."""
+    broken_kernel(op_module.SIMDGROUP_SPEC, ("struct mt_fp4_staging {\n  typedef float type;",
+                                             "struct mt_fp4_staging {\n  typedef T type;"))
+    monkeypatch.setattr(op_module, "SPLITK_TARGET_TGS", 1)
+    with pytest.raises(AssertionError):
+        check_staging(name, kernel_backend)

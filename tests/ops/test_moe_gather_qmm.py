@@ -470,3 +470,59 @@ def test_mpp_request_on_metal_without_it_raises(monkeypatch):
     with pytest.raises(ValueError, match=r"^\[moe_gather_qmm\] variant 'mpp' is unavailable "
                                          r"on the metal backend: needs macOS >= 26.2"):
         _call(_ok(), variant="mpp")
+
+
+# ---- staging in T: exact, and every sum stays float -------------------------------------
+#
+# Row 0 of x holds 4096 at k = 0, 1 at k = 8 and -4096 at k = k_neg; every weight is 1
+# (8-bit affine codes 1, scale 1, bias 0). Each product is exact and the float32 sum is 1;
+# a sum rounded to half or bfloat between the terms loses the 1 (4097 is neither). K = 128:
+# simdgroup 0 runs k 0..31, so k_neg = 16 puts all three terms in its float accumulator
+# (three 8-wide slices) and k_neg = 32 puts -4096 in simdgroup 1's (the float partial sums).
+SUM_CASES = {"accumulator": 16, "partial_sums": 32}
+
+
+def check_float_sums(k_neg, dtype, backend):
+    E, N, K, group_size, bits = 1, 32, 128, 32, 8
+    xv = np.zeros((3, K))
+    xv[0, [0, 8, k_neg]] = (4096.0, 1.0, -4096.0)
+    xv[1, 8] = 1.0
+    x = mx.array(xv.astype(np.float32)).astype(dtype)
+    w = mx.array(np.full((E, N, K * bits // 32), 0x01010101, dtype=np.uint32))
+    groups = (E, N, K // group_size)
+    case = (x, w, mx.ones(groups, dtype=dtype), mx.zeros(groups, dtype=dtype),
+            mx.array([0, 0, 0], dtype=mx.uint32))
+    out = run_and_check(case, group_size, bits, dtype, backend, "simdgroup")
+    want = np.repeat(np.array([[1.0], [1.0], [0.0]]), N, axis=1)
+    np.testing.assert_array_equal(to_f64(out), want, err_msg="moe_gather_qmm float sums")
+
+
+@pytest.mark.parametrize("where", SUM_CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_staging_in_t_keeps_float_sums(kernel_backend, poisoned_outputs, dtype, where):
+    """x and the weights staged in T, products and sums in float32: the exact result."""
+    check_float_sums(SUM_CASES[where], dtype, kernel_backend)
+
+
+# The sums rounded to T: in the accumulator, or while the partial sums are added.
+SUM_BREAKS = {
+    "accumulator": (("simdgroup_matrix<float, 8, 8> acc[BN / 8];",
+                     "simdgroup_matrix<S, 8, 8> acc[BN / 8];"),
+                    ("acc[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);",
+                     "acc[j] = make_filled_simdgroup_matrix<S, 8, 8>(S(0.0f));"),
+                    # T partial sums go to the W slices (T), as float ones did before
+                    ("simdgroup_store(acc[j], sums + sg * SUMS_LD + j * 8, WS_LD);",
+                     "simdgroup_store(acc[j], my_w + j * 8, WS_LD);"),
+                    ("      v += sums[s * SUMS_LD + r * WS_LD + c];",
+                     "      v += float(ws[s][r * WS_LD + c]);")),
+    "partial_sums": (("      v += sums[s * SUMS_LD + r * WS_LD + c];",
+                      "      v = float(T(v + sums[s * SUMS_LD + r * WS_LD + c]));"),),
+}
+
+
+@pytest.mark.parametrize("where", SUM_BREAKS)
+@pytest.mark.parametrize("dtype", (mx.float16, mx.bfloat16), ids=("float16", "bfloat16"))
+def test_negative_control_sums_rounded_to_t(kernel_backend, broken_kernel, dtype, where):
+    broken_kernel(op_module.SIMDGROUP_SPEC, *SUM_BREAKS[where])
+    with pytest.raises(AssertionError, match="out of tolerance|float sums"):
+        check_float_sums(SUM_CASES[where], dtype, kernel_backend)

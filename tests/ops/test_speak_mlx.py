@@ -1,5 +1,6 @@
 """MLX's calling conventions on every op: stream=, NumPy scalars, gated_rms_norm's dtypes,
-moe_gather_qmm in mx.gather_qmm's form, mx.compile(shapeless=True) and mx.vmap."""
+moe_gather_qmm in mx.gather_qmm's form, the emulator under transformations (the transforms
+themselves: test_transforms.py)."""
 
 from __future__ import annotations
 
@@ -270,44 +271,6 @@ def test_gather_qmm_form_bad_shapes(rng, x_shape, ids_shape, match):
 
 # ---- mx.compile(shapeless=True), mx.vmap ------------------------------------------------------
 
-SHAPELESS = {  # op -> (call, the inputs it takes, a second set of other sizes)
-    "gated_rms_norm": (lambda y, z, w: mt.gated_rms_norm(y, z, w), ("y", "z", "w"), 5),
-    # None: its composite is mx.gather_qmm, which MLX itself cannot retrace at new batch
-    # sizes ("[broadcast_shapes] Shapes (3,1) and (7,2) cannot be broadcast", MLX 0.32).
-    "expert_qmv": (lambda x, i, w, s, b: mt.expert_qmv(x, w, s, b, i), ("xq", "ids"), None),
-    "moe_gather_qmm": (lambda x, i, w, s, b: mt.moe_gather_qmm(x, w, s, b, i),
-                       ("xg", "ids"), 7),
-    "moe_gather_qmm rows": (lambda x, i, w, s, b: mt.moe_gather_qmm(x, w, s, b, i),
-                            ("x2", "ids2"), 9),
-    "fp4_qmm": (lambda x, w, s: mt.fp4_qmm(x, w, s, mode="mxfp4"), ("xf",), 11),
-}
-
-
-@pytest.mark.parametrize("name", SHAPELESS)
-def test_shapeless_compile_refused_with_custom_vjp(inputs, name):
-    """These ops are an mx.custom_function on every backend (their VJPs), which MLX 0.32
-    cannot trace shapeless: an error ("CustomTransforms cannot infer output shapes"), never
-    a wrong result. (sdpa_multi's reference path is no custom_function:
-    test_sdpa_masks.test_shapeless_compile_with_device_kv_len.)"""
-    call = SHAPELESS[name][0]
-    with backends.use_backend("reference"), pytest.raises(ValueError, match="CustomTransforms"):
-        mx.eval(mx.compile(call, shapeless=True)(*_shapeless_args(inputs, name)))
-
-
-def _shapeless_args(t, name, lead=None):
-    """The op's inputs, the first axis of the leading ones resized to ``lead``."""
-    _, keys, _ = SHAPELESS[name]
-    args = [t[k] for k in keys]
-    if lead is not None:
-        args = [mx.concatenate([a] * lead)[:lead] if a.ndim > 1 or k.startswith("ids")
-                else a for a, k in zip(args, keys, strict=True)]
-    if name.startswith(("expert", "moe")):
-        args += [t["wq"], t["s"], t["b"]]
-    elif name == "fp4_qmm":
-        args += [t["wf"], t["sf"]]
-    return args
-
-
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("transform", ["compile", "shapeless", "vmap"])
 def test_emulator_is_eager(inputs, op, transform):
@@ -329,16 +292,3 @@ def test_emulator_is_eager(inputs, op, transform):
             ValueError, match=rf"^\[{op}\] the emulator backend runs kernels eagerly .* cannot be "
                               r"traced by mx.compile or mx.vmap; .*use_backend\('reference'\)"):
         mx.eval(fn(a))
-
-
-def test_vmap_reference(inputs):
-    """mx.vmap where MLX's own ops map: the stacked result equals the loop."""
-    t = inputs
-    with backends.use_backend("reference"):
-        y2, z2 = mx.stack([t["y"], 2 * t["y"]]), mx.stack([t["z"], -t["z"]])
-        got = mx.vmap(lambda a, b: mt.gated_rms_norm(a, b, t["w"]))(y2, z2)
-        want = mx.stack([mt.gated_rms_norm(y2[i], z2[i], t["w"]) for i in range(2)])
-        assert _same(got, want)
-        x2 = mx.stack([t["xf"], -t["xf"]])
-        got = mx.vmap(lambda a: mt.fp4_qmm(a, t["wf"], t["sf"], mode="mxfp4"))(x2)
-        assert _same(got, mt.fp4_qmm(x2, t["wf"], t["sf"], mode="mxfp4"))
