@@ -10,6 +10,9 @@ so its providers are timed side by side (and pytest-benchmark's ratios compare t
               kernel's: it gets a group of its own (suffix ``emulator: not a kernel timing``),
               no GB/s, and covers the short subset of cases only.
 Parameters are the cases' short ids (strings), so ``--benchmark-json`` serialises them.
+A forward + backward case (label ``grad-...``) runs every provider through ``mx.vjp``, its
+gradients concatenated; its ``reference`` is the public op on the reference backend (the
+composite and the VJP it is given there).
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ def provider_fn(case, provider, reference_fn):
         if case.native is None:
             pytest.skip("no native MLX equivalent")
         return case.native, device
+    if case.wrt:
+        return _on("reference", case.ours), device
     return reference_fn, device
 
 

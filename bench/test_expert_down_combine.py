@@ -2,7 +2,10 @@
 vs mlx-lm (``gather_qmm``, then the MoE block's ``(y * scores[..., None]).sum(-2)``), and a
 whole MoE block at decode: expert_glu + expert_down_combine (2 dispatches) vs mlx-lm's
 SwitchGLU and the block's score sum, at one token of Qwen3-30B-A3B, Qwen3-Next-80B-A3B and
-gpt-oss-20b (mxfp4). Bytes moved = the selected experts' weights + activations + out."""
+gpt-oss-20b (mxfp4). Bytes moved = the selected experts' weights + activations + out.
+The ``grad-`` cases time forward + backward (``mx.vjp`` w.r.t. h, the scores and the expert bias, the gradients
+concatenated) against MLX's autodiff of the same native composite; their bytes are stated in
+``mlx_metaltile/cases/expert_down_combine.py``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
 """expert_glu: gate, up and the activation in one dispatch vs mlx-lm's SwitchGLU composite
 (two ``gather_qmm`` and the activation; expert biases added as mlx-lm adds them) at one
 decode token of Qwen3-30B-A3B, Qwen3-Next-80B-A3B and gpt-oss-20b (mxfp4, biases, clamped
-SwiGLU). Bytes moved = the selected experts' gate and up weights + x + out."""
+SwiGLU). Bytes moved = the selected experts' gate and up weights + x + out.
+The ``grad-`` cases time forward + backward (``mx.vjp`` w.r.t. x and the expert biases, the gradients
+concatenated) against MLX's autodiff of the same native composite; their bytes are stated in
+``mlx_metaltile/cases/expert_glu.py``."""
 
 from __future__ import annotations
 

@@ -2,6 +2,9 @@
 
 Shapes: M in {1, 8, 32, 512} (decode to prefill) x (N, K) in {(4096, 4096), (14336, 4096)},
 float16 / bfloat16 / float32 activations, weights from mx.quantize(W, mode="mxfp4").
+The ``grad-`` cases time forward + backward (``mx.vjp`` w.r.t. x, the gradients
+concatenated) against MLX's autodiff of the same native composite; their bytes are stated in
+``mlx_metaltile/cases/fp4_qmm.py``.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ E=128 experts with top-8 routing, M in {8, 32, 128, 1024} rows (tokens x 8), the
 projection shapes N=768/K=2048 and N=2048/K=768, bits 4 and 8, bfloat16 (and float32 for a
 few), group size 64. ``extra_info`` records the bytes a perfect kernel moves (x, the touched
 experts' codes, scales and biases, indices, out) and 2*M*N*K flops.
+The ``grad-`` cases time forward + backward (``mx.vjp`` w.r.t. x, the gradients
+concatenated) against MLX's autodiff of the same native composite; their bytes are stated in
+``mlx_metaltile/cases/moe_gather_qmm.py``.
 """
 
 from __future__ import annotations
@@ -26,5 +29,6 @@ def test_moe_gather_qmm(benchmark, case, provider):
         # K=2048): the suite's correctness check rejects it, so only float32 is timed here.
         pytest.skip("MLX's CPU gather_qmm accumulates in the activation dtype (inexact)")
     # the reference with the keywords the case's ours carries (group_size and bits; the
-    # mxfp4 cases' mode and biases=None too)
-    run_case(benchmark, case, provider, partial(moe_gather_qmm_reference, **case.ours.keywords))
+    # mxfp4 cases' mode and biases=None too); a grad case's is the op on the reference backend
+    run_case(benchmark, case, provider,
+             None if case.wrt else partial(moe_gather_qmm_reference, **case.ours.keywords))

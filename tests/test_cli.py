@@ -65,6 +65,29 @@ def test_emulator_table_is_untimed_and_says_why(tmp_path):
     assert all("ours_us" not in r and "speedup" not in r for r in data["results"])
 
 
+def test_every_op_has_grad_cases_one_of_them_in_the_short_subset():
+    """Forward + backward cases: labelled grad-..., recording what they differentiate; each
+    op has some, and exactly one in the short subset (what --shape grad selects without a
+    GPU)."""
+    every = cases()
+    assert all(c.label.startswith("grad-") == bool(c.wrt) for c in every)
+    ops = sorted({c.op for c in every})
+    assert sorted({c.op for c in every if c.wrt}) == ops
+    assert sorted(c.op for c in cases(quick=True) if c.wrt) == ops
+
+
+@needs_emulator
+def test_shape_grad_selects_the_forward_backward_cases(tmp_path):
+    out = tmp_path / "grad.json"
+    res = _run("bench", "--op", "expert_glu", "--shape", "grad", "--backend", "emulator",
+               "--json", str(out))
+    assert res.returncode == 0, res.stderr
+    results = json.loads(out.read_text())["results"]
+    want = [c.label for c in cases("expert_glu", quick=True) if c.wrt]
+    assert [r["shape"] for r in results] == want
+    assert all(r["within_tolerance"] for r in results)
+
+
 def test_reference_table_times_with_spread_legend_and_fitted_columns(tmp_path):
     out = tmp_path / "ref.json"
     res = _run("bench", "--op", "gated_rms_norm", "--shape", "1x2048", "--backend", "reference",

@@ -4,7 +4,9 @@ one checked call per kernel variant. The op tests (tests/ops), the pytest benchm
 (bench/) and ``python -m mlx_metaltile bench`` all read them from here.
 
 A cases module states ``OP``, ``bench_cases() -> list[BenchCase]`` and ``VARIANT_CALLS``
-(variant -> ``call(backend, rng)``, a checked call that launches that kernel). Every module
+(variant -> ``call(backend, rng)``, a checked call that launches that kernel). Its bench
+cases include forward + backward ones (``grad_case``: labels ``grad-...``, ``--shape grad``
+selects them), timed against MLX's autodiff of the same native composite. Every module
 of this package not starting with ``_`` is one, found without being listed.
 """
 
@@ -16,10 +18,23 @@ import pkgutil
 from collections.abc import Callable
 from types import ModuleType
 
-from ._base import DTYPES, FLOAT32_TINY, BenchCase, assert_close, bound, f64, to_f64
+from ._base import (
+    DTYPES,
+    FLOAT32_TINY,
+    BenchCase,
+    assert_close,
+    bound,
+    check_rows,
+    expect_launches,
+    f64,
+    fwd_bwd,
+    grad_case,
+    to_f64,
+)
 
-__all__ = ["DTYPES", "FLOAT32_TINY", "BenchCase", "assert_close", "bound", "cases", "f64",
-           "modules", "to_f64", "variant_calls"]
+__all__ = ["DTYPES", "FLOAT32_TINY", "BenchCase", "assert_close", "bound", "cases",
+           "check_rows", "expect_launches", "f64", "fwd_bwd", "grad_case", "modules",
+           "to_f64", "variant_calls"]
 
 
 @functools.cache

@@ -7,9 +7,17 @@ import numpy as np
 
 import mlx_metaltile as mt
 
-from .. import backends
-from ._base import BenchCase, assert_close, to_f64
-from .expert_glu import SHAPES, bench_make, make_experts, make_x, project, switch_linear
+from ._base import BenchCase, check_rows, expect_launches, grad_case, to_f64
+from .expert_glu import (
+    SHAPES,
+    back_project,
+    bench_make,
+    make_experts,
+    make_x,
+    project,
+    scatter_rows,
+    switch_linear,
+)
 
 OP = "expert_down_combine"
 
@@ -25,24 +33,34 @@ def oracle(h, down, indices, scores, mode, group_size, bits):
     return want, np.nansum(np.abs(s) * mag, axis=-2), ok
 
 
+def grad_oracle(h, down, indices, scores, g, mode, group_size, bits):
+    """float64 [(dh, magnitude), (dscores, ..)] (+ [(dbias, ..)] with an expert bias) of the
+    VJP with cotangent g [..., D]; ``down``: (w, scales, biases, bias). dh_j = s_j g W[e_j],
+    dscores_j = g . y_j (y_j = h_j W[e_j]^T + bias[e_j]), dbias[e] = the sum of s_j g over
+    the pairs naming e."""
+    c = to_f64(g)[..., None, :]  # [..., 1, D]
+    sc = to_f64(scores)[..., None] * c  # [..., k, D]
+    dh, dh_mag = back_project(sc, *down[:3], indices, mode, group_size, bits)
+    y, y_mag, _ = project(h, *down, indices, mode, group_size, bits)
+    out = [(dh, dh_mag), ((c * y).sum(axis=-1), (np.abs(c) * y_mag).sum(axis=-1))]
+    if down[3] is not None:
+        out.append(scatter_rows(sc, indices, down[0].shape[0]))
+    return out
+
+
 def run_and_check(h, down, indices, scores, backend, *, mode="affine", group_size=None,
                   bits=None, launches=1):
     from mlx_metaltile.ops._common import DEFAULTS
 
     gs, nb = DEFAULTS[mode]
     group_size, bits = group_size or gs, bits or nb
-    before = backends.launch_count(backend=backend)
-    out = mt.expert_down_combine(h, *down[:3], indices, scores, bias=down[3], mode=mode,
-                                 group_size=group_size, bits=bits)
-    mx.eval(out)
-    if backend != "reference":
-        assert backends.launch_count(backend=backend) == before + launches
+    with expect_launches(backend, launches):
+        out = mt.expert_down_combine(h, *down[:3], indices, scores, bias=down[3], mode=mode,
+                                     group_size=group_size, bits=bits)
+        mx.eval(out)
+    # ok: the token rows whose ids are all in range (one bad id makes the token's row NaN)
     want, mag, ok = oracle(h, down, indices, scores, mode, group_size, bits)
-    assert out.dtype == h.dtype and tuple(out.shape) == want.shape
-    got = to_f64(out)
-    assert np.isnan(got[~ok]).all(), "a token with an out-of-range id must give a NaN row"
-    assert_close(got[ok], want[ok], h.dtype, magnitude=mag[ok],
-                 what=f"expert_down_combine[{backend}]")
+    check_rows(out, want, mag, ok, h.dtype, f"expert_down_combine[{backend}]")
     return out
 
 
@@ -107,6 +125,57 @@ def bench_cases() -> list[BenchCase]:
                              make=make, ours=_ours, native=_native, oracle=_oracle,
                              magnitude=_magnitude, nbytes=nbytes, flops=2 * k * N * D,
                              quick=label == "qwen3-30b-a3b"))
+    return out + grad_bench_cases()
+
+
+# ---- forward + backward vs MLX's autodiff of mlx-lm's down projection + score sum ---------
+
+def _grad_ours(h, down, indices, scores, mode, bias=None):
+    return _ours(h, (*down, bias), indices, scores, mode)
+
+
+def _grad_native(h, down, indices, scores, mode, bias=None):
+    return _native(h, (*down, bias), indices, scores, mode)
+
+
+def _grad_terms(h, down, indices, scores, g, mode, bias=None):
+    return grad_oracle(h, (*down, bias), indices, scores, g, mode, _gs(mode), 4)
+
+
+def grad_bench_cases() -> list[BenchCase]:
+    """Forward + backward at one decode token, w.r.t. h and the scores (and the expert bias
+    where the model has one: gpt-oss), against MLX's autodiff of mlx-lm's composite.
+    bytes: the forward's (the k selected experts' weights, h, the scores, the bias rows
+    read, out written) plus the backward's (the same weights, h, scores and bias rows read
+    again to recompute y, g read, dh, dscores and the whole [E, D] bias gradient written)."""
+    out = []
+    dtype = mx.bfloat16
+    ds = dtype.size
+    for label, E, k, D, N, mode, _act, bias in SHAPES:
+        if label not in ("qwen3-30b-a3b", "gpt-oss-20b"):
+            continue
+
+        def make(rng, E=E, k=k, D=D, N=N, mode=mode, bias=bias):
+            experts, ids = bench_make(rng, E=E, k=k, n_in=N, n_out=D, mode=mode, bias=bias,
+                                      dtype=dtype)
+            down = experts(D, N)
+            inputs = dict(h=make_x(rng, (1, k, N), dtype), down=down[:3], indices=ids,
+                          scores=make_scores(rng, (1, k), dtype), mode=mode,
+                          g=make_x(rng, (1, D), dtype))
+            if bias:
+                inputs["bias"] = down[3]
+            return inputs
+
+        sb = 2 if mode == "affine" else 1
+        per_expert = D * (N // 2 + (N // _gs(mode)) * sb * (2 if mode == "affine" else 1))
+        nbytes = (2 * k * per_expert + 3 * k * N * ds + 3 * k * ds + 2 * D * ds
+                  + ((2 * k * D + E * D) * ds if bias else 0))
+        out.append(grad_case(
+            op=OP, label=f"{label}-E{E}k{k}-{N}to{D}-{mode}", dtype=dtype, make=make,
+            ours=_grad_ours, native=_grad_native,
+            wrt=("h", "scores", "bias") if bias else ("h", "scores"),
+            grad_oracle=_grad_terms, nbytes=nbytes, flops=3 * 2 * k * N * D,
+            quick=label == "qwen3-30b-a3b"))
     return out
 
 

@@ -8,9 +8,8 @@ import numpy as np
 
 import mlx_metaltile as mt
 
-from .. import backends
 from . import _mxfp4
-from ._base import BenchCase, assert_close, to_f64
+from ._base import BenchCase, check_rows, expect_launches, grad_case, to_f64
 from .expert_qmv import dequantize_f64
 
 OP = "expert_glu"
@@ -71,6 +70,39 @@ def project(x, w, scales, biases, bias, indices, mode, group_size, bits):
     return val, mag, valid
 
 
+def back_project(d, w, scales, biases, indices, mode, group_size, bits):
+    """The transposed products d_j @ W[e_j] in float64, (value, magnitude sum |terms|)
+    [..., k, K] per pair, NaN for an id outside [0, E): the gradient a projection of
+    :func:`project` passes back to its input. d: ``[..., k, N]`` (the ids' shape, N)."""
+    n_experts = w.shape[0]
+    d = np.asarray(d, dtype=np.float64)
+    ids = np.broadcast_to(np.array(indices).astype(np.int64), d.shape[:-1])
+    valid = (ids >= 0) & (ids < n_experts)
+    val = np.full((*ids.shape, w.shape[-1] * 32 // bits), np.nan)
+    mag = np.full_like(val, np.nan)
+    for e in np.unique(ids[valid]):
+        at = ids == e
+        wd = dequantize(np.array(w[int(e)]), scales[int(e)],
+                        None if biases is None else biases[int(e)], mode, group_size, bits)
+        val[at] = d[at] @ wd
+        mag[at] = np.abs(d[at]) @ np.abs(wd)
+    return val, mag
+
+
+def scatter_rows(d, indices, n_experts):
+    """sum over the pairs naming expert e of their rows d [..., k, N]: the gradient of an
+    expert bias [E, N] gathered by ``indices`` (a pair with an id outside [0, E) adds
+    nothing), with the same sum of |d| as its magnitude."""
+    ids = np.array(indices).astype(np.int64)
+    d = np.asarray(d, dtype=np.float64)
+    ids = np.broadcast_to(ids, d.shape[:-1])
+    valid = (ids >= 0) & (ids < n_experts)
+    acc, acc_mag = np.zeros((n_experts, d.shape[-1])), np.zeros((n_experts, d.shape[-1]))
+    np.add.at(acc, ids[valid], d[valid])
+    np.add.at(acc_mag, ids[valid], np.abs(d[valid]))
+    return acc, acc_mag
+
+
 def activate(g, u, activation: str):
     """(act(g, u), |d/dg| bound, |d/du|) in float64, as mlx-lm's SwiGLU / SwigluOAI."""
     with np.errstate(over="ignore"):  # exp(-g) = inf for g << 0 gives g / inf = -0, exact
@@ -84,6 +116,56 @@ def _activate(g, u, activation: str):
     gc, uc = np.minimum(g, LIMIT), np.clip(u, -LIMIT, LIMIT)
     a = gc / (1 + np.exp(-ALPHA * gc))
     return (uc + 1) * a, ACT_SLOPE * np.abs(uc + 1), np.abs(a)
+
+
+def activation_grads(g, u, c, activation: str):
+    """float64 (c * d act / d gate, c * d act / d up) at gate g, up u. silu: act = g s(g) u;
+    swiglu_oai: act = (clip(u, -L, L) + 1) m s(a m), m = min(g, L): zero slope where
+    clamped (s the logistic sigmoid)."""
+    with np.errstate(over="ignore"):
+        if activation == "silu":
+            s = 1.0 / (1.0 + np.exp(-g))
+            return c * u * s * (1 + g * (1 - s)), c * g * s
+        m = np.minimum(g, LIMIT)
+        s = 1.0 / (1.0 + np.exp(-ALPHA * m))
+        d_gate = c * (np.clip(u, -LIMIT, LIMIT) + 1) * s * (1 + ALPHA * m * (1 - s))
+        return (np.where(g < LIMIT, d_gate, 0.0),
+                np.where(np.abs(u) < LIMIT, c * m * s, 0.0))
+
+
+def grad_oracle(x, gate, up, indices, g, activation, mode, group_size, bits, bias_gate=None,
+                bias_up=None):
+    """float64 [(dx, magnitude)] (+ [(dbias_gate, ..), (dbias_up, ..)] with expert biases)
+    of the VJP with cotangent g [..., k, N]; ``gate`` / ``up``: (w, scales, biases).
+
+    d gate and d up are the activation's slopes times g at the exact gate and up; their
+    magnitude adds their sensitivity to gate and up (the activation's second derivatives,
+    central differences of these float64 formulas) times the |terms| behind gate and up,
+    which a float32 evaluation misses by about accum times that. dx = d gate W_gate +
+    d up W_up per pair (summed over the token's k experts for a shared x)."""
+    gv, gm, _ = project(x, *gate, bias_gate, indices, mode, group_size, bits)
+    uv, um, _ = project(x, *up, bias_up, indices, mode, group_size, bits)
+    c = to_f64(g)
+    d = activation_grads(gv, uv, c, activation)
+    mags = [np.abs(d[0]), np.abs(d[1])]
+    for v, v_mag, shift in ((gv, gm, (1, 0)), (uv, um, (0, 1))):
+        h = 1e-5 * np.maximum(1.0, np.abs(v))
+        hi = activation_grads(gv + shift[0] * h, uv + shift[1] * h, c, activation)
+        lo = activation_grads(gv - shift[0] * h, uv - shift[1] * h, c, activation)
+        for i in range(2):
+            mags[i] = mags[i] + np.abs(hi[i] - lo[i]) / (2 * h) * v_mag
+    dx, dx_mag = 0.0, 0.0
+    for di, mi, (w, s, b) in zip(d, mags, (gate, up), strict=True):
+        dx = dx + back_project(di, w, s, b, indices, mode, group_size, bits)[0]
+        dx_mag = dx_mag + back_project(mi, w, s, b, indices, mode, group_size, bits)[1]
+    if to_f64(x).ndim != np.ndim(indices) + 1:  # one x shared by the token's k experts
+        dx, dx_mag = dx.sum(axis=-2), dx_mag.sum(axis=-2)
+    out = [(dx, dx_mag)]
+    if bias_gate is not None:
+        out += [(scatter_rows(di, indices, gate[0].shape[0])[0],
+                 scatter_rows(mi, indices, gate[0].shape[0])[1])
+                for di, mi in zip(d, mags, strict=True)]
+    return out
 
 
 def oracle(x, gate, up, indices, activation, mode, group_size, bits):
@@ -103,18 +185,13 @@ def run_and_check(x, gate, up, indices, backend, *, activation="silu", mode="aff
 
     gs, nb = DEFAULTS[mode]
     group_size, bits = group_size or gs, bits or nb
-    before = backends.launch_count(backend=backend)
-    out = mt.expert_glu(x, *gate[:3], *up[:3], indices, bias_gate=gate[3], bias_up=up[3],
-                        activation=activation, mode=mode, group_size=group_size, bits=bits)
-    mx.eval(out)
-    if backend != "reference":  # a kernel ran (never the reference compared with itself)
-        assert backends.launch_count(backend=backend) == before + launches
+    with expect_launches(backend, launches):
+        out = mt.expert_glu(x, *gate[:3], *up[:3], indices, bias_gate=gate[3], bias_up=up[3],
+                            activation=activation, mode=mode, group_size=group_size,
+                            bits=bits)
+        mx.eval(out)
     want, mag, valid = oracle(x, gate, up, indices, activation, mode, group_size, bits)
-    assert out.dtype == x.dtype and tuple(out.shape) == want.shape
-    got = to_f64(out)
-    assert np.isnan(got[~valid]).all(), "an out-of-range id must give a NaN row"
-    assert_close(got[valid], want[valid], x.dtype, magnitude=mag[valid],
-                 what=f"expert_glu[{backend}]")
+    check_rows(out, want, mag, valid, x.dtype, f"expert_glu[{backend}]")
     return out
 
 
@@ -235,5 +312,58 @@ def bench_cases() -> list[BenchCase]:
                              make=make, ours=_ours, native=_native, oracle=_oracle,
                              magnitude=_magnitude, nbytes=nbytes,
                              flops=2 * 2 * k * N * D, quick=label == "qwen3-30b-a3b"))
+    return out + grad_bench_cases()
+
+
+# ---- forward + backward vs MLX's autodiff of the SwitchGLU composite ----------------------
+
+GROUP_SIZES = {"affine": 64, "mxfp4": 32}  # the benchmarks' group size per mode (4 bits)
+
+
+def _grad_ours(x, gate, up, indices, activation, mode, bias_gate=None, bias_up=None):
+    return _ours(x, (*gate, bias_gate), (*up, bias_up), indices, activation, mode)
+
+
+def _grad_native(x, gate, up, indices, activation, mode, bias_gate=None, bias_up=None):
+    return _native(x, (*gate, bias_gate), (*up, bias_up), indices, activation, mode)
+
+
+def _grad_terms(x, gate, up, indices, g, activation, mode, bias_gate=None, bias_up=None):
+    return grad_oracle(x, gate, up, indices, g, activation, mode, GROUP_SIZES[mode], 4,
+                       bias_gate, bias_up)
+
+
+def grad_bench_cases() -> list[BenchCase]:
+    """Forward + backward at one decode token, w.r.t. x (and the expert biases where the
+    model has them: gpt-oss), against MLX's autodiff of mlx-lm's SwitchGLU composite.
+    bytes: the forward's (the k selected experts' gate and up weights, x, the bias rows
+    read, out written) plus the backward's (the same weights, x and bias rows read again to
+    recompute gate and up, g read, dx and the whole [E, N] bias gradients written)."""
+    out = []
+    dtype = mx.bfloat16
+    ds = dtype.size
+    for label, E, k, D, N, mode, act, bias in SHAPES:
+        if label not in ("qwen3-30b-a3b", "gpt-oss-20b"):
+            continue
+
+        def make(rng, E=E, k=k, D=D, N=N, mode=mode, act=act, bias=bias):
+            experts, ids = bench_make(rng, E=E, k=k, n_in=D, n_out=N, mode=mode, bias=bias,
+                                      dtype=dtype)
+            gate, up = experts(N, D), experts(N, D)
+            inputs = dict(x=make_x(rng, (1, D), dtype), gate=gate[:3], up=up[:3], indices=ids,
+                          activation=act, mode=mode, g=make_x(rng, (1, k, N), dtype))
+            if bias:
+                inputs.update(bias_gate=gate[3], bias_up=up[3])
+            return inputs
+
+        sb = 2 if mode == "affine" else 1
+        per_expert = N * (D // 2 + (D // GROUP_SIZES[mode]) * sb * (2 if mode == "affine" else 1))
+        nbytes = (4 * k * per_expert + 3 * D * ds + 2 * k * N * ds
+                  + ((4 * k * N + 2 * E * N) * ds if bias else 0))
+        out.append(grad_case(
+            op=OP, label=f"{label}-E{E}k{k}-{D}to{N}-{mode}", dtype=dtype, make=make,
+            ours=_grad_ours, native=_grad_native,
+            wrt=("x", "bias_gate", "bias_up") if bias else ("x",), grad_oracle=_grad_terms,
+            nbytes=nbytes, flops=4 * 2 * k * N * D, quick=label == "qwen3-30b-a3b"))
     return out
 

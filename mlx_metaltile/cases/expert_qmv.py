@@ -9,9 +9,8 @@ import numpy as np
 
 import mlx_metaltile as mt
 
-from .. import backends
 from . import _mxfp4
-from ._base import BenchCase, assert_close, to_f64
+from ._base import BenchCase, check_rows, expect_launches, grad_case, to_f64
 
 OP = "expert_qmv"
 ROW_BLOCK = 1024  # output rows dequantized at a time (the experts of big models are large)
@@ -60,6 +59,18 @@ def oracle(x, w, scales, biases, indices, group_size, bits):
     return want, mag, valid
 
 
+def grad_oracle(x, w, scales, biases, indices, g, group_size, bits, mode="affine"):
+    """float64 [(dx, magnitude sum |terms|)] of the VJP with cotangent g [..., k, N]:
+    dx = g_j @ W[e_j] per pair, summed over the token's k experts for a shared x; NaN
+    for a pair with an id outside [0, E)."""
+    from .expert_glu import back_project  # (expert_glu builds on this module)
+
+    dx, mag = back_project(to_f64(g), w, scales, biases, indices, mode, group_size, bits)
+    if to_f64(x).ndim != np.ndim(indices) + 1:  # one x shared by the token's k experts
+        dx, mag = dx.sum(axis=-2), mag.sum(axis=-2)
+    return [(dx, mag)]
+
+
 def make_weights(rng, n_experts, n_out, n_in, dtype, group_size, bits, scale=1.0):
     wf = rng.standard_normal((n_experts, n_out, n_in)).astype(np.float32) * scale
     w, s, b = mx.quantize(mx.array(wf).astype(dtype), group_size=group_size, bits=bits)
@@ -80,18 +91,11 @@ def make_x(rng, shape, dtype, scale=1.0):
 
 
 def run_and_check(x, w, s, b, ids, group_size, bits, backend, *, launches=1):
-    dtype = x.dtype
-    before = backends.launch_count(backend=backend)
-    out = mt.expert_qmv(x, w, s, b, ids, group_size=group_size, bits=bits)
-    mx.eval(out)
-    if backend != "reference":  # prove a kernel ran (never the reference compared with itself)
-        assert backends.launch_count(backend=backend) == before + launches
+    with expect_launches(backend, launches):
+        out = mt.expert_qmv(x, w, s, b, ids, group_size=group_size, bits=bits)
+        mx.eval(out)
     want, mag, valid = oracle(x, w, s, b, ids, group_size, bits)
-    assert out.dtype == dtype and tuple(out.shape) == want.shape
-    got = to_f64(out)
-    assert np.isnan(got[~valid]).all(), "an out-of-range id must give a NaN row"
-    assert_close(got[valid], want[valid], dtype, magnitude=mag[valid],
-                 what=f"expert_qmv[{backend}]")
+    check_rows(out, want, mag, valid, x.dtype, f"expert_qmv[{backend}]")
     return out
 
 
@@ -163,6 +167,22 @@ SHAPES = (
 )
 
 
+def _bench_make(rng, *, e, k, n_in, n_out, shared, bits, dtype, group_size):
+    groups = (e, n_out, n_in // group_size)
+    ids = np.stack([rng.choice(e, size=k, replace=False)])  # one token
+    x_shape = (1, n_in) if shared else (1, k, n_in)
+    return dict(
+        x=mx.array(rng.standard_normal(x_shape, dtype=np.float32)).astype(dtype),
+        w=mx.array(rng.integers(0, 2**32, size=(e, n_out, n_in * bits // 32),
+                                dtype=np.uint32)),
+        scales=mx.array(rng.standard_normal(groups, dtype=np.float32)
+                        / (1 << bits)).astype(dtype),
+        biases=mx.array(rng.standard_normal(groups, dtype=np.float32)
+                        * 0.5).astype(dtype),
+        indices=mx.array(ids.astype(np.uint32)),
+        host_ids=ids.tolist(), group_size=group_size, bits=bits)
+
+
 def bench_cases() -> list[BenchCase]:
     out = []
     group_size = 64
@@ -175,22 +195,8 @@ def bench_cases() -> list[BenchCase]:
                 if (bits == 8 or dtype == mx.float32) and label != "qwen3moe-up":
                     continue
 
-                def make(rng, e=n_experts, k=k, n_in=n_in, n_out=n_out, shared=shared,
-                         bits=bits, dtype=dtype):
-                    groups = (e, n_out, n_in // group_size)
-                    ids = np.stack([rng.choice(e, size=k, replace=False)])  # one token
-                    x_shape = (1, n_in) if shared else (1, k, n_in)
-                    return dict(
-                        x=mx.array(rng.standard_normal(x_shape, dtype=np.float32)).astype(dtype),
-                        w=mx.array(rng.integers(0, 2**32, size=(e, n_out, n_in * bits // 32),
-                                                dtype=np.uint32)),
-                        scales=mx.array(rng.standard_normal(groups, dtype=np.float32)
-                                        / (1 << bits)).astype(dtype),
-                        biases=mx.array(rng.standard_normal(groups, dtype=np.float32)
-                                        * 0.5).astype(dtype),
-                        indices=mx.array(ids.astype(np.uint32)),
-                        host_ids=ids.tolist(), group_size=group_size, bits=bits)
-
+                make = partial(_bench_make, e=n_experts, k=k, n_in=n_in, n_out=n_out,
+                               shared=shared, bits=bits, dtype=dtype, group_size=group_size)
                 pairs, ds = k, dtype.size
                 nbytes = (pairs * n_out * (n_in * bits // 8 + 2 * (n_in // group_size) * ds)
                           + (1 if shared else k) * n_in * ds + pairs * n_out * ds)
@@ -200,7 +206,7 @@ def bench_cases() -> list[BenchCase]:
                     oracle=_bench_oracle, magnitude=_bench_magnitude, nbytes=nbytes,
                     flops=2 * pairs * n_out * n_in,
                     quick=label == "qwen3moe-up" and bits == 4 and dtype == mx.bfloat16))
-    return out + _mxfp4_cases()
+    return out + _mxfp4_cases() + grad_bench_cases()
 
 
 def _mxfp4_native(x, w, scales, indices):
@@ -227,4 +233,60 @@ def _mxfp4_cases(dtype=mx.bfloat16) -> list[BenchCase]:
             oracle=partial(_mxfp4.products, rounded=False, absolute=False),
             magnitude=partial(_mxfp4.products, rounded=False, absolute=True),
             nbytes=nbytes, flops=2 * ids.size * n * k, quick=tokens == 1))
+    return out
+
+
+# ---- forward + backward vs MLX's autodiff of gather_qmm -----------------------------------
+
+def _grad_terms(x, w, scales, indices, g, biases=None, host_ids=None, group_size=32, bits=4):
+    mode = "affine" if biases is not None else "mxfp4"  # the mxfp4 cases: no biases
+    return grad_oracle(x, w, scales, biases, indices, g, group_size, bits, mode)
+
+
+def _with_cotangent(make, n_out):
+    """``make`` whose inputs gain g: a cotangent of the output [..., k, N], x's dtype."""
+    def make_g(rng):
+        inputs = make(rng)
+        g = rng.standard_normal((*inputs["indices"].shape, n_out), dtype=np.float32)
+        return dict(inputs, g=mx.array(g).astype(inputs["x"].dtype))
+    return make_g
+
+
+def grad_bench_cases() -> list[BenchCase]:
+    """Forward + backward w.r.t. x against MLX's autodiff of gather_qmm: one decode token
+    of Qwen3-30B-A3B's up projection (x shared by the k experts) and down projection (one
+    x per expert), and 4 tokens of gpt-oss-20b's mxfp4 experts. bytes: the forward's (the
+    selected experts' weights, scales and biases, x, the ids read, out written) plus the
+    backward's (the same weights and ids again, g read, dx written: dx = g W needs no x)."""
+    out = []
+    group_size, bits = 64, 4
+    for label, e, k, n_in, n_out, shared in SHAPES:
+        if label not in ("qwen3moe-up", "qwen3moe-down"):
+            continue
+        for dtype in (mx.bfloat16, mx.float32) if shared else (mx.bfloat16,):
+            make = partial(_bench_make, e=e, k=k, n_in=n_in, n_out=n_out, shared=shared,
+                           bits=bits, dtype=dtype, group_size=group_size)
+            ds = dtype.size
+            weights = k * n_out * (n_in * bits // 8 + 2 * (n_in // group_size) * ds)
+            x_size = (1 if shared else k) * n_in * ds
+            out.append(grad_case(
+                op=OP, label=f"{label}-E{e}k{k}-{bits}b", dtype=dtype,
+                make=_with_cotangent(make, n_out), ours=_ours, native=_native,
+                wrt=("x",), grad_oracle=_grad_terms,
+                nbytes=2 * weights + 2 * x_size + 2 * k * n_out * ds + 2 * k * 4,
+                flops=2 * 2 * k * n_out * n_in, quick=shared and dtype == mx.bfloat16))
+    dtype, ds = mx.bfloat16, mx.bfloat16.size
+    E, top_k, n, k_in = (_mxfp4.GPT_OSS_20B[key] for key in ("E", "top_k", "n", "k"))
+    tokens = 4
+    ids = _mxfp4.routing(tokens, E, top_k, seed=tokens)
+    touched = len(np.unique(ids))
+    out.append(grad_case(
+        op=OP, label=f"gpt-oss-20b-mxfp4-T{tokens}-k{top_k}-N{n}-K{k_in}-E{E}", dtype=dtype,
+        make=_with_cotangent(partial(_mxfp4.make, rows_x=(tokens,), ids=ids, dtype=dtype,
+                                     E=E, n=n, k=k_in), n),
+        ours=partial(mt.expert_qmv, biases=None, mode="mxfp4", group_size=32, bits=4),
+        native=_mxfp4_native, wrt=("x",), grad_oracle=_grad_terms,
+        nbytes=(2 * touched * n * (k_in // 2 + k_in // 32) + 2 * tokens * k_in * ds
+                + 2 * ids.size * n * ds + 2 * ids.size * 4),
+        flops=2 * 2 * ids.size * n * k_in))
     return out

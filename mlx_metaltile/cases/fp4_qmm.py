@@ -11,7 +11,7 @@ import mlx_metaltile as mt
 
 from .. import backends
 from ..ops.fp4_qmm import _choose, _split_k
-from ._base import DTYPES, BenchCase, assert_close, to_f64
+from ._base import DTYPES, BenchCase, assert_close, grad_case, to_f64
 
 OP = "fp4_qmm"
 
@@ -55,6 +55,14 @@ def oracle(x, w, scales, kind, group_size):
     out = (xf @ wdq.T).reshape(*x.shape[:-1], wdq.shape[0])
     mag = (np.abs(xf) @ np.abs(wdq).T).reshape(out.shape)
     return out, mag
+
+
+def grad_oracle(x, w, scales, g, kind, group_size):
+    """float64 [(dx, magnitude sum |terms|)] of the VJP with cotangent g [..., N]:
+    dx = g @ W with W the decoded weights."""
+    wdq = dequantize64(w, scales, kind, group_size)
+    gf = to_f64(g).reshape(-1, wdq.shape[0])
+    return [((gf @ wdq).reshape(x.shape), (np.abs(gf) @ np.abs(wdq)).reshape(x.shape))]
 
 
 # ---- inputs ---------------------------------------------------------------------------
@@ -167,4 +175,37 @@ def bench_cases() -> list[BenchCase]:
                     ours=mt.fp4_qmm, native=_native, oracle=_bench_oracle,
                     nbytes=nbytes, flops=2 * m * n * k, magnitude=_bench_magnitude,
                     quick=n == k and m in (1, 32) and dtype == mx.bfloat16))
+    return out + grad_bench_cases()
+
+
+# ---- forward + backward vs MLX's autodiff of quantized_matmul -----------------------------
+
+def _grad_make(rng, m, n, k, dtype):
+    wf = mx.array(rng.standard_normal((n, k), dtype=np.float32) * 0.02)
+    w, scales = mx.quantize(wf, mode="mxfp4")[:2]
+    x, g = (mx.array(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
+            for shape in ((m, k), (m, n)))
+    return dict(x=x, w=w, scales=scales, g=g)
+
+
+def _grad_terms(x, w, scales, g):
+    return grad_oracle(x, w, scales, g, "e8m0", 32)
+
+
+def grad_bench_cases() -> list[BenchCase]:
+    """Forward + backward w.r.t. x against MLX's autodiff of quantized_matmul (mxfp4), N =
+    K = 4096: one decode row and 512 rows of prefill. bytes: the forward's (x, the codes
+    and E8M0 scales read, out written) plus the backward's (the codes and scales again, g
+    read, dx written: dx = g W needs no x)."""
+    out = []
+    n = k = 4096
+    for m in (1, 512):
+        for dtype in DTYPES:
+            weights = n * k // 2 + n * k // 32
+            out.append(grad_case(
+                op=OP, label=f"M{m}-N{n}-K{k}", dtype=dtype,
+                make=functools.partial(_grad_make, m=m, n=n, k=k, dtype=dtype),
+                ours=mt.fp4_qmm, native=_native, wrt=("x",), grad_oracle=_grad_terms,
+                nbytes=2 * weights + 2 * m * k * dtype.size + 2 * m * n * dtype.size,
+                flops=2 * 2 * m * n * k, quick=m == 1 and dtype == mx.bfloat16))
     return out

@@ -12,7 +12,7 @@ import numpy as np
 import mlx_metaltile as mt
 
 from .. import backends
-from ._base import DTYPES, BenchCase, assert_close, to_f64
+from ._base import DTYPES, BenchCase, assert_close, grad_case, to_f64
 
 OP = "gated_rms_norm"
 
@@ -145,28 +145,10 @@ def grad_oracle(y, z, weight, g, eps=1e-5):
     return (dy, dy_mag), (dz, dz_mag), (terms.sum(0), np.abs(terms).sum(0))
 
 
-def _grads_flat(fn):
-    """(y, z, weight, g) -> dy, dz, dweight of ``fn`` raveled into one array (forward and
-    backward both run: mx.vjp), so one bench case times and checks them together."""
-    def run(y, z, weight, g):
-        _, grads = mx.vjp(fn, [y, z, weight], [g])
-        return mx.concatenate([d.reshape(-1) for d in grads])
-    return run
-
-
-def _grad_oracle_flat(y, z, weight, g):
-    return np.concatenate([d.reshape(-1) for d, _ in grad_oracle(y, z, weight, g)])
-
-
-def _grad_magnitude_flat(y, z, weight, g):
-    return np.concatenate([m.reshape(-1) for _, m in grad_oracle(y, z, weight, g)])
-
-
 def grad_bench_cases() -> list[BenchCase]:
     """Forward + backward (mx.vjp w.r.t. y, z, weight) against MLX's autodiff of the native
-    composite. bytes: the forward's (y, z, w read, out written) plus the backward's (y, z,
-    w, g read, dy, dz written); the concatenation of the gradients, paid by both sides, is
-    not counted."""
+    composite. bytes: the forward's (y, z, weight read, out written) plus the backward's
+    (y, z, weight, g read, dy, dz, dweight written)."""
     out = []
     for rows, n, quick in [(32, 2048, True), (4096, 2048, False), (4096, 4096, False)]:
         for dtype in DTYPES:
@@ -176,12 +158,11 @@ def grad_bench_cases() -> list[BenchCase]:
                 return dict(y=a[0], z=a[1], g=a[2],
                             weight=mx.array(rng.uniform(-2, 2, n).astype(np.float32))
                             .astype(dtype))
-            out.append(BenchCase(
-                op=OP, label=f"grad-{rows}x{n}", dtype=dtype, make=make,
-                ours=_grads_flat(mt.gated_rms_norm),
-                native=_grads_flat(gated_rms_norm_native),
-                oracle=_grad_oracle_flat, magnitude=_grad_magnitude_flat,
-                nbytes=rows * n * 10 * dtype.size + 2 * n * dtype.size,
+            out.append(grad_case(
+                op=OP, label=f"{rows}x{n}", dtype=dtype, make=make,
+                ours=mt.gated_rms_norm, native=gated_rms_norm_native,
+                wrt=("y", "z", "weight"), grad_oracle=grad_oracle,
+                nbytes=(3 + 5) * rows * n * dtype.size + 3 * n * dtype.size,
                 flops=30 * rows * n, quick=quick and dtype == mx.float16))
     return out
 

@@ -14,7 +14,7 @@ import mlx_metaltile as mt
 from .. import backends
 from ..ops.moe_gather_qmm import VARIANT_SPECS
 from . import _mxfp4
-from ._base import BenchCase, assert_close, to_f64
+from ._base import BenchCase, check_rows, grad_case, to_f64
 
 OP = "moe_gather_qmm"
 
@@ -40,6 +40,13 @@ def unpack_codes(w: np.ndarray, bits: int) -> np.ndarray:
     return codes.reshape(*w.shape[:-1], w.shape[-1] * per_word).astype(np.float64)
 
 
+def expert_weights(w, scales, biases, group_size, bits, dtype) -> np.ndarray:
+    """One expert's W = dtype(scale * q + bias), float64 (scales, biases float64)."""
+    q = unpack_codes(w, bits)
+    wd = q * np.repeat(scales, group_size, axis=-1) + np.repeat(biases, group_size, axis=-1)
+    return round_to(wd, dtype)
+
+
 def oracle(x, w, scales, biases, indices, group_size, bits, dtype):
     """out[m] = W[e_m] @ x[m], W = dtype(scale * q + bias); NaN rows for e_m outside [0, E).
 
@@ -57,13 +64,30 @@ def oracle(x, w, scales, biases, indices, group_size, bits, dtype):
     for e in np.unique(ids):
         if not 0 <= e < E:
             continue
-        q = unpack_codes(wn[e], bits)
-        wd = q * np.repeat(s[e], group_size, axis=-1) + np.repeat(b[e], group_size, axis=-1)
-        wt = round_to(wd, dtype)
+        wt = expert_weights(wn[e], s[e], b[e], group_size, bits, dtype)
         rows = ids == e
         out[rows] = xf[rows] @ wt.T
         mag[rows] = np.abs(xf[rows]) @ np.abs(wt).T
     return out, mag
+
+
+def grad_oracle(x, w, scales, biases, indices, g, group_size, bits):
+    """float64 [(dx, magnitude sum |terms|)] of the VJP with cotangent g [M, N]:
+    dx[m] = g[m] @ W[e_m] with the weights the forward multiplies by (rounded to x's
+    dtype); NaN rows for e_m outside [0, E)."""
+    gf = to_f64(g)
+    ids = np.array(indices).astype(np.int64)
+    wn, s, b = np.array(w), to_f64(scales), to_f64(biases)
+    E = wn.shape[0]
+    dx = np.full((gf.shape[0], x.shape[-1]), np.nan)
+    mag = np.zeros_like(dx)
+    for e in np.unique(ids):
+        if 0 <= e < E:
+            wt = expert_weights(wn[e], s[e], b[e], group_size, bits, x.dtype)
+            rows = ids == e
+            dx[rows] = gf[rows] @ wt
+            mag[rows] = np.abs(gf[rows]) @ np.abs(wt)
+    return [(dx, mag)]
 
 
 # ---- inputs ----------------------------------------------------------------------------
@@ -99,13 +123,9 @@ def run_and_check(case, group_size, bits, dtype, backend, variant=None, what="")
         assert backends.launch_count(backend=backend) == before + 1
     else:  # the composite of native ops dispatches no kernel of ours
         assert backends.launch_count() == before_all
-    assert out.dtype == dtype and tuple(out.shape) == (x.shape[0], w.shape[1])
     want, mag = oracle(x, w, scales, biases, indices, group_size, bits, dtype)
-    valid = ~np.isnan(want[:, 0])
-    got = to_f64(out)
-    assert np.isnan(got[~valid]).all(), f"{what}: rows with an out-of-range expert must be NaN"
-    assert_close(got[valid], want[valid], dtype, magnitude=mag[valid],
-                 what=f"moe_gather_qmm[{backend}/{variant}]{what}")
+    check_rows(out, want, mag, ~np.isnan(want[:, 0]), dtype,
+               f"moe_gather_qmm[{backend}/{variant}]{what}")
     if backend == "emulator":
         # The emulator poisons outputs with NaN, the value of an out-of-range row: the byte
         # counter proves every output element was written, and exactly once.
@@ -155,6 +175,20 @@ def _routing(tokens: int, n_experts: int, top_k: int, seed: int) -> np.ndarray:
     return np.sort(np.concatenate(ids)).astype(np.uint32)
 
 
+def _bench_make(rng, *, E, n, k, bits, ids, dtype, group_size):
+    # Positive data: no cancellation, so the relative check of the suite holds.
+    m = ids.shape[0]
+    words = rng.integers(0, 2**32, size=(E, n, k * bits // 32), dtype=np.uint64)
+    shape = (E, n, k // group_size)
+    return dict(
+        x=mx.array(rng.uniform(0.5, 1.0, (m, k)).astype(np.float32)).astype(dtype),
+        w=mx.array(words.astype(np.uint32)),
+        scales=mx.array(rng.uniform(0.5, 1.0, shape).astype(np.float32)
+                        / (1 << bits)).astype(dtype),
+        biases=mx.array(rng.uniform(0.0, 0.5, shape).astype(np.float32)).astype(dtype),
+        indices=mx.array(ids))
+
+
 def bench_cases() -> list[BenchCase]:
     out = []
     E, top_k, group_size = 128, 8, 64
@@ -165,19 +199,8 @@ def bench_cases() -> list[BenchCase]:
                     continue  # float32: a few cases (MLX's CPU gather_qmm is exact only there)
                 ids = _routing(rows // top_k, E, top_k, seed=rows * 7 + n)
 
-                def make(rng, n=n, k=k, bits=bits, ids=ids, dtype=dtype):
-                    # Positive data: no cancellation, so the relative check of the suite holds.
-                    m = ids.shape[0]
-                    words = rng.integers(0, 2**32, size=(E, n, k * bits // 32), dtype=np.uint64)
-                    shape = (E, n, k // group_size)
-                    return dict(
-                        x=mx.array(rng.uniform(0.5, 1.0, (m, k)).astype(np.float32)).astype(dtype),
-                        w=mx.array(words.astype(np.uint32)),
-                        scales=mx.array(rng.uniform(0.5, 1.0, shape).astype(np.float32)
-                                        / (1 << bits)).astype(dtype),
-                        biases=mx.array(rng.uniform(0.0, 0.5, shape).astype(np.float32)).astype(dtype),
-                        indices=mx.array(ids))
-
+                make = partial(_bench_make, E=E, n=n, k=k, bits=bits, ids=ids, dtype=dtype,
+                               group_size=group_size)
                 touched = len(np.unique(ids))
                 w_bytes = touched * n * (k * bits // 8 + 2 * (k // group_size) * dtype.size)
                 nbytes = rows * k * dtype.size + w_bytes + rows * 4 + rows * n * dtype.size
@@ -189,7 +212,7 @@ def bench_cases() -> list[BenchCase]:
                     magnitude=partial(_bench_magnitude, **kw),
                     nbytes=nbytes, flops=2 * rows * n * k,
                     quick=rows in (8, 128) and n == 768 and bits == 4 and dtype == mx.bfloat16))
-    return out + _mxfp4_cases()
+    return out + _mxfp4_cases() + grad_bench_cases()
 
 
 def _mxfp4_native(x, w, scales, indices):
@@ -217,4 +240,43 @@ def _mxfp4_cases(dtype=mx.bfloat16) -> list[BenchCase]:
             oracle=partial(_mxfp4.products, rounded=True, absolute=False),
             magnitude=partial(_mxfp4.products, rounded=True, absolute=True),
             nbytes=nbytes, flops=2 * rows * n * k, quick=rows == 32))
+    return out
+
+
+# ---- forward + backward vs MLX's autodiff of gather_qmm -----------------------------------
+
+def _grad_terms(x, w, scales, biases, indices, g, *, group_size, bits):
+    return grad_oracle(x, w, scales, biases, indices, g, group_size, bits)
+
+
+def _grad_make(rng, *, n, **kw):
+    inputs = _bench_make(rng, n=n, **kw)
+    x = inputs["x"]
+    g = rng.standard_normal((x.shape[0], n), dtype=np.float32)
+    return dict(inputs, g=mx.array(g).astype(x.dtype))
+
+
+def grad_bench_cases() -> list[BenchCase]:
+    """Forward + backward w.r.t. x against MLX's autodiff of gather_qmm (sorted rows), at
+    Qwen3-30B-A3B's gate/up shape (E = 128, top-8, N = 768, K = 2048, 4 bits): 8 rows (one
+    token) and 1024 rows (128 tokens of prefill). bytes: the forward's (x, the touched
+    experts' codes, scales and biases, the ids read, out written) plus the backward's (the
+    same weights and ids again, g read, dx written: dx = g W needs no x)."""
+    out = []
+    E, top_k, group_size, bits, n, k = 128, 8, 64, 4, 768, 2048
+    for rows in (8, 1024):
+        for dtype in (mx.bfloat16, mx.float32) if rows == 8 else (mx.bfloat16,):
+            ids = _routing(rows // top_k, E, top_k, seed=rows * 7 + n)
+            touched = len(np.unique(ids))
+            ds = dtype.size
+            w_bytes = touched * n * (k * bits // 8 + 2 * (k // group_size) * ds)
+            kw = dict(group_size=group_size, bits=bits)
+            out.append(grad_case(
+                op=OP, label=f"M{rows}-N{n}-K{k}-E{E}-b{bits}", dtype=dtype,
+                make=partial(_grad_make, E=E, n=n, k=k, bits=bits, ids=ids, dtype=dtype,
+                             group_size=group_size),
+                ours=partial(mt.moe_gather_qmm, **kw), native=partial(_native, **kw),
+                wrt=("x",), grad_oracle=partial(_grad_terms, **kw),
+                nbytes=2 * w_bytes + 2 * rows * 4 + 2 * rows * k * ds + 2 * rows * n * ds,
+                flops=2 * 2 * rows * n * k, quick=rows == 8 and dtype == mx.bfloat16))
     return out

@@ -9,7 +9,7 @@ import mlx_metaltile as mt
 
 from .. import backends
 from ..ops.sdpa_multi import BACKWARD_SPECS, COMBINE_SPEC, SPLIT_SPEC
-from ._base import DTYPES, BenchCase, assert_close, to_f64
+from ._base import DTYPES, BenchCase, assert_close, grad_case, to_f64
 
 OP = "sdpa_multi"
 
@@ -389,4 +389,49 @@ def bench_cases() -> list[BenchCase]:
                             flops=4 * B * Hq * visible * D,
                             quick=(dtype == mx.float16 and Hkv == 8 and kv_len == 4096
                                    and L in (1, 8))))
-    return out + _masked_bench_cases()
+    return out + _masked_bench_cases() + grad_bench_cases()
+
+
+# ---- forward + backward vs MLX's autodiff of its own sdpa ---------------------------------
+
+def _grad_terms(q, k, v, g, scale, causal, kv_len, sinks=None):
+    """grad_oracle's (gradient, magnitude) in the order the grad cases differentiate."""
+    grads = grad_oracle(q, k, v, g, scale, causal, kv_len, sinks=sinks)
+    return [grads[name] for name in ("dq", "dk", "dv", "dsinks") if name in grads]
+
+
+def grad_bench_cases() -> list[BenchCase]:
+    """Forward + backward through the public ``mt.sdpa_multi`` and ``mx.vjp`` (whatever VJP
+    it has) against MLX's autodiff of ``mx.fast.scaled_dot_product_attention`` on the cache
+    slice, causal, a cache with 256 rows of slack: Llama-style h32/8 D 128 at a decode step
+    (L 1) and a 32-query block over 4k keys, w.r.t. q, k, v; gpt-oss-style sinks (h64/8,
+    D 64, L 8) w.r.t. q, k, v and the sinks. bytes: the forward's (q and the visible K and V
+    read, out written) plus the backward's (q, the visible K and V, and g read; dq written,
+    and dk, dv over every cache row: the rows from kv_len on are zeros, written too); with
+    sinks, the sinks read twice and their gradient written."""
+    out = []
+    B, slack, kv_len = 1, 256, 4096
+    S = kv_len + slack
+    for form, Hq, Hkv, D, L in (("", 32, 8, 128, 1), ("", 32, 8, 128, 32),
+                                ("sinks-", 64, 8, 64, 8)):
+        for dtype in DTYPES:
+            def make(rng, Hq=Hq, Hkv=Hkv, D=D, L=L, dtype=dtype, sinks=bool(form)):
+                def arr(shape, s=1.0):
+                    return mx.array((rng.standard_normal(shape) * s).astype(np.float32)
+                                    ).astype(dtype)
+                kw = dict(q=arr((B, Hq, L, D)), k=arr((B, Hkv, S, D)), v=arr((B, Hkv, S, D)),
+                          g=arr((B, Hq, L, D)), scale=D ** -0.5, causal=True, kv_len=kv_len)
+                if sinks:
+                    kw["sinks"] = arr((Hq,), 2.0)
+                return kw
+            visible = L * kv_len - L * (L - 1) // 2
+            nbytes = (B * Hq * L * D * (2 + 3) + B * Hkv * D * (4 * kv_len + 2 * S)
+                      + (3 * Hq if form else 0)) * dtype.size
+            out.append(grad_case(
+                op=OP, label=f"{form}h{Hq}/{Hkv}-d{D}-L{L}-kv{kv_len // 1024}k", dtype=dtype,
+                make=make, ours=mt.sdpa_multi, native=_native,
+                wrt=("q", "k", "v", "sinks") if form else ("q", "k", "v"),
+                grad_oracle=_grad_terms, nbytes=nbytes,
+                flops=(4 + 10) * B * Hq * visible * D,
+                quick=L == 1 and dtype == mx.float16))
+    return out

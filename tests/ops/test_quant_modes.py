@@ -13,7 +13,7 @@ from support import require_backend
 
 import mlx_metaltile as mt
 from mlx_metaltile import backends
-from mlx_metaltile.cases import assert_close, to_f64
+from mlx_metaltile.cases import assert_close, check_rows, expect_launches, to_f64
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 FP_MODES = ("mxfp4", "nvfp4", "mxfp8")
@@ -124,17 +124,11 @@ def qmv_oracle(x, w, scales, indices, mode):
 
 
 def run_qmv(x, w, scales, ids, mode, backend, kernel="expert_qmv_simd_rows"):
-    before = backends.launch_count(name=kernel, backend=backend)
-    out = mt.expert_qmv(x, w, scales, None, ids, mode=mode)
-    mx.eval(out)
-    if backend != "reference":  # the kernel ran (never the reference against itself)
-        assert backends.launch_count(name=kernel, backend=backend) == before + 1
+    with expect_launches(backend, 1, kernel):  # the kernel ran (never the reference)
+        out = mt.expert_qmv(x, w, scales, None, ids, mode=mode)
+        mx.eval(out)
     want, mag, valid = qmv_oracle(x, w, scales, ids, mode)
-    assert out.dtype == x.dtype and tuple(out.shape) == want.shape
-    got = to_f64(out)
-    assert np.isnan(got[~valid]).all(), "an out-of-range id must give a NaN row"
-    assert_close(got[valid], want[valid], x.dtype, magnitude=mag[valid],
-                 what=f"expert_qmv[{backend}, {mode}]")
+    check_rows(out, want, mag, valid, x.dtype, f"expert_qmv[{backend}, {mode}]")
     return out
 
 
@@ -235,17 +229,11 @@ def gqmm_oracle(x, w, scales, indices, mode, dtype):
 
 
 def run_gqmm(x, w, scales, ids, mode, backend, kernel="moe_gather_qmm_simdgroup"):
-    before = backends.launch_count(name=kernel, backend=backend)
-    out = mt.moe_gather_qmm(x, w, scales, None, ids, mode=mode)
-    mx.eval(out)
-    if backend != "reference":  # the simdgroup kernel ran
-        assert backends.launch_count(name=kernel, backend=backend) == before + 1
+    with expect_launches(backend, 1, kernel):  # the simdgroup kernel ran
+        out = mt.moe_gather_qmm(x, w, scales, None, ids, mode=mode)
+        mx.eval(out)
     want, mag, valid = gqmm_oracle(x, w, scales, ids, mode, x.dtype)
-    assert out.dtype == x.dtype and tuple(out.shape) == want.shape
-    got = to_f64(out)
-    assert np.isnan(got[~valid]).all(), "an out-of-range id must give a NaN row"
-    assert_close(got[valid], want[valid], x.dtype, magnitude=mag[valid],
-                 what=f"moe_gather_qmm[{backend}, {mode}]")
+    check_rows(out, want, mag, valid, x.dtype, f"moe_gather_qmm[{backend}, {mode}]")
     return out
 
 
