@@ -287,7 +287,7 @@ class SwitchGLU(nn.Module):
         """``(self(x, indices) * scores[..., None]).sum(axis=-2)`` as an MoE block computes
         it, [..., D] in the experts' output dtype. At decode with an activation expert_glu
         computes, two dispatches: expert_glu, then expert_down_combine (the down projection,
-        the scores and the sum over k in slot order; a token with an id outside [0, E)
+        the scores and the sum over k in a fixed order; a token with an id outside [0, E)
         gives a NaN row). Otherwise this module's call, then the scores and the sum."""
         if (self.unserved(x) is None and indices.size < prefill_min_pairs()
                 and self._glu_activation(x) is not None
