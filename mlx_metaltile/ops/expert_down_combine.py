@@ -218,12 +218,10 @@ def expert_down_combine(h: mx.array, w: mx.array, scales: mx.array, biases,
     Reference backend: ``mx.compile(shapeless=True)`` and ``mx.vmap`` raise an
     ``[expert_down_combine]`` error: the composite is ``mx.gather_qmm``, which MLX 0.32
     cannot map and whose default ``lhs_indices`` a shapeless trace fixes. On metal / cuda
-    (MLX 0.32.4) ``mx.compile(shapeless=True)`` raises MLX's ``[Primitive::output_shapes]
-    CustomTransforms cannot infer output shapes.`` and ``mx.vmap`` MLX's ``[Primitive::vmap]
-    Not implemented for CustomKernel.`` (MLX maps the kernel before any rule of the op; a
-    first node refusing with an ``[op]`` error would cost about 6 us a call), except that
-    mapping a quantized constant raises an ``[op]`` error on every backend; the emulator
-    refuses both (eager). README: "mx.compile(shapeless=True) and mx.vmap".
+    MLX 0.32.4 refuses both with its own message (custom kernels have no vmap or shape
+    inference there). Mapping a quantized constant raises an ``[op]`` error on every
+    backend. The emulator refuses both (eager). README: "mx.compile(shapeless=True) and
+    mx.vmap".
     """
     info = _check(h, w, scales, biases, indices, scores, bias, group_size, bits, mode)
     with on_stream(OP, stream):

@@ -385,12 +385,10 @@ def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | Non
 
     Reference backend: ``mx.compile(shapeless=True)`` (any leading dims of x) and
     ``mx.vmap`` over x work (mapping w or scales raises on every backend). On metal / cuda
-    (MLX 0.32.4) ``mx.compile(shapeless=True)`` raises MLX's ``[Primitive::output_shapes]
-    CustomTransforms cannot infer output shapes.`` and ``mx.vmap`` MLX's ``[Primitive::vmap]
-    Not implemented for CustomKernel.`` (MLX maps the kernel before any rule of the op; a
-    first node refusing with an ``[op]`` error would cost about 6 us a call), except that
-    mapping a quantized constant raises an ``[op]`` error on every backend; the emulator
-    refuses both (eager). README: "mx.compile(shapeless=True) and mx.vmap".
+    MLX 0.32.4 refuses both with its own message (custom kernels have no vmap or shape
+    inference there). Mapping a quantized constant raises an ``[op]`` error on every
+    backend. The emulator refuses both (eager). README: "mx.compile(shapeless=True) and
+    mx.vmap".
     """
     m, n, k, scale_mode, group_size = _check_fp4_qmm(x, w, scales, group_size, mode)
     out_shape = (*x.shape[:-1], n)

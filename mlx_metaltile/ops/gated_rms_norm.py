@@ -260,13 +260,9 @@ def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float = 1e-5
     with dy in y's dtype, dz in z's and dweight in weight's.
 
     Reference backend: ``mx.compile(shapeless=True)`` (any rows and leading dims) and
-    ``mx.vmap`` (any axis of y, z, weight) work. On metal / cuda (MLX 0.32.4)
-    ``mx.compile(shapeless=True)`` raises MLX's ``[Primitive::output_shapes]
-    CustomTransforms cannot infer output shapes.`` and ``mx.vmap`` MLX's ``[Primitive::vmap]
-    Not implemented for CustomKernel.`` (MLX maps the kernel before any rule of the op; a
-    first node refusing with an ``[op]`` error would cost a custom function call, about 6 us
-    a call); the emulator refuses both (eager). README: "mx.compile(shapeless=True) and
-    mx.vmap".
+    ``mx.vmap`` (any axis of y, z, weight) work. On metal / cuda MLX 0.32.4 refuses both
+    with its own message (custom kernels have no vmap or shape inference there). The
+    emulator refuses both (eager). README: "mx.compile(shapeless=True) and mx.vmap".
     """
     n, rows, eps = _check_gated_rms_norm(y, z, weight, eps)
     with on_stream(OP, stream):

@@ -602,13 +602,9 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
     changes from call to call without a new trace; other input shapes must stay those of the
     first trace (MLX refuses a change: the composite is shaped by them), and S must be a
     multiple of 32 (MLX 0.32: ``Pad cannot infer output shapes``). ``mx.vmap`` maps any axis
-    of q, k, v on the reference backend. On metal / cuda (MLX 0.32.4)
-    ``mx.compile(shapeless=True)`` raises MLX's ``[Primitive::output_shapes]
-    CustomTransforms cannot infer output shapes.`` and ``mx.vmap`` MLX's ``[Primitive::vmap]
-    Not implemented for CustomKernel.`` (MLX maps the kernel before any rule of the op; a
-    first node refusing with an ``[op]`` error would cost a custom function call, about 6 us
-    a call); the emulator refuses both (eager). README: "mx.compile(shapeless=True) and
-    mx.vmap".
+    of q, k, v on the reference backend. On metal / cuda MLX 0.32.4 refuses both with its
+    own message (custom kernels have no vmap or shape inference there). The emulator refuses
+    both (eager). README: "mx.compile(shapeless=True) and mx.vmap".
 
     Differentiable with respect to q, k, v, sinks and an additive mask on every backend.
     On a kernel backend the VJP is two backward kernels that recompute the softmax from
