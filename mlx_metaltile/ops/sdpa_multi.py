@@ -21,6 +21,7 @@ from ._common import (
     FLOAT_TYPES,
     as_bool,
     dtype_name,
+    memo_check,
     on_stream,
     require_array,
     require_finite_scalar,
@@ -156,8 +157,9 @@ def _promotes_to(dtype: mx.Dtype, target: mx.Dtype) -> bool:
             or (target == mx.float32 and dtype in (mx.float16, mx.bfloat16)))
 
 
-def _check_kv_len(kv_len, L: int, S: int):
-    """kv_len as a Python int (validated) or a 0-d uint32 array (clamped on device)."""
+def _check_kv_len(kv_len, L: int, S: int) -> int | None:
+    """kv_len as a Python int (validated), or None for a 0-d integer array (clamped on
+    device)."""
     if kv_len is None:
         if S < L:
             raise ValueError(f"[{OP}] the cache must hold at least the L={L} queries' rows "
@@ -173,7 +175,7 @@ def _check_kv_len(kv_len, L: int, S: int):
         if S < L:
             raise ValueError(f"[{OP}] the cache must hold at least the L={L} queries' rows "
                              f"(k and v with S >= {L} rows), got S={S}")
-        return kv_len.astype(mx.uint32)  # read by the kernel; no host sync
+        return None  # read by the kernel; no host sync
     if isinstance(kv_len, bool) or not isinstance(kv_len, numbers.Integral):
         raise TypeError(f"[{OP}] kv_len must be a Python int, a 0-d integer mx.array or None, "
                         f"got {type(kv_len).__name__}")
@@ -185,7 +187,7 @@ def _check_kv_len(kv_len, L: int, S: int):
 
 
 def _check_mask(mask, q, B, Hq, L, kv_len):
-    """(kind, 4-D mask in the kernel's element type, block form) of an array mask."""
+    """(kind, the mask's 4-D shape, block form) of an array mask."""
     require_array(OP, "mask", mask)
     if mask.dtype == mx.bool_:
         kind = MASK_BOOL
@@ -204,11 +206,28 @@ def _check_mask(mask, q, B, Hq, L, kv_len):
     if mask.size >= 2**32:
         raise ValueError(f"[{OP}] mask too large: {mask.size} elements (expected < 2^32)")
     block = shape[3] != full  # last axis L: the last L visible keys (a full mask wins if both)
-    return kind, mask.reshape(shape).astype(_mask_type(kind, q.dtype)), block
+    return kind, shape, block
 
 
 def _check_sdpa_multi(q, k, v, scale, causal, kv_len, mask=None, sinks=None) -> _Problem:
-    """Validate the inputs."""
+    """Validate the inputs; the problem with a device-side kv_len as a 0-d uint32 array, the
+    mask as a 4-D array in the kernel's element type and the sinks in float32."""
+    p, mask_shape = _validated(q, k, v, scale, causal, kv_len, mask, sinks)
+    device_kv_len = p.kv_len is None
+    if not (device_kv_len or mask_shape or sinks is not None):
+        return p  # the remembered problem as it is (it holds no array)
+    return replace(
+        p, kv_len=kv_len.astype(mx.uint32) if device_kv_len else p.kv_len,
+        mask=mask.reshape(mask_shape).astype(_mask_type(p.mask_kind, q.dtype))
+        if mask_shape else None,
+        sinks=sinks.astype(q.dtype).astype(mx.float32) if sinks is not None else None)
+
+
+@memo_check
+def _validated(q, k, v, scale, causal, kv_len, mask, sinks) -> tuple[_Problem, tuple | None]:
+    """Every check of the inputs (their shapes, dtypes and scalar values only, so it is
+    remembered per distinct arguments); (the problem without arrays: kv_len None where it is
+    an array, mask and sinks None; the array mask's 4-D shape or None)."""
     for name, arr in (("q", q), ("k", k), ("v", v)):
         require_array(OP, name, arr)
     require_float(OP, "q", q)
@@ -244,7 +263,7 @@ def _check_sdpa_multi(q, k, v, scale, causal, kv_len, mask=None, sinks=None) -> 
     if S >= 2**31 or Hq * L >= 2**31:
         raise ValueError(f"[{OP}] problem too large: q {tuple(q.shape)}, k {tuple(k.shape)} "
                          "(expected S < 2^31 and Hq * L < 2^31)")
-    kind, mask4, block = MASK_NONE, None, False
+    kind, mask_shape, block = MASK_NONE, None, False
     if mask is not None:
         if causal:
             raise ValueError(f"[{OP}] pass either causal=True or mask=, not both (got "
@@ -254,7 +273,7 @@ def _check_sdpa_multi(q, k, v, scale, causal, kv_len, mask=None, sinks=None) -> 
                 raise ValueError(f"[{OP}] a string mask must be 'causal', got {mask!r}")
             causal = True
         else:
-            kind, mask4, block = _check_mask(mask, q, B, Hq, L, kv_len)
+            kind, mask_shape, block = _check_mask(mask, q, B, Hq, L, kv_len)
     if sinks is not None:
         require_array(OP, "sinks", sinks)
         if tuple(sinks.shape) != (Hq,):
@@ -263,8 +282,8 @@ def _check_sdpa_multi(q, k, v, scale, causal, kv_len, mask=None, sinks=None) -> 
         if not _promotes_to(sinks.dtype, q.dtype):  # MLX's rule
             raise TypeError(f"[{OP}] sinks' dtype must promote to q's dtype "
                             f"{dtype_name(q.dtype)}, got {dtype_name(sinks.dtype)}")
-        sinks = sinks.astype(q.dtype).astype(mx.float32)
-    return _Problem(B, Hq, Hkv, L, S, D, kv_len, scale, causal, kind, mask4, block, sinks)
+    return _Problem(B, Hq, Hkv, L, S, D, kv_len, scale, causal, kind, None, block,
+                    None), mask_shape
 
 
 def sdpa_multi_reference(q: mx.array, k: mx.array, v: mx.array, *, scale: float,
