@@ -394,11 +394,19 @@ def _x_vjp(g, w, scales, biases, indices, E, group_size, bits, mode, dtype,
            out_dtype=None) -> mx.array:
     """dx[m] = g[m] @ W[indices[m]] with the weights the forward multiplies by (each
     rounded to x's dtype), float32; a row with an out-of-range id gets NaN, as its output.
-    Returned in ``out_dtype`` (default: x's dtype)."""
+    Returned in ``out_dtype`` (default: x's dtype). Dequantizes the rows' experts (fewer
+    rows than experts: one copy per row) or the whole stack (otherwise), whichever is
+    smaller: the row count is a shape, so the choice needs no host sync."""
     valid = indices < E
     if indices.dtype == mx.int32:
         valid = valid & (indices >= 0)
     safe = mx.where(valid, indices, 0).astype(mx.uint32)
-    wd = _dequantize_rounded(w, scales, biases, group_size, bits, dtype, mode)  # [E, N, K]
-    d = mx.gather_mm(g.astype(mx.float32)[:, None, :], wd, rhs_indices=safe)[:, 0, :]
+    gf = g.astype(mx.float32)[:, None, :]
+    if g.shape[0] < E:  # [M, N, K]: only the experts the rows name
+        wd = _dequantize_rounded(w[safe], scales[safe], None if biases is None else
+                                 biases[safe], group_size, bits, dtype, mode)
+        d = mx.matmul(gf, wd)[:, 0, :]
+    else:
+        wd = _dequantize_rounded(w, scales, biases, group_size, bits, dtype, mode)  # [E, N, K]
+        d = mx.gather_mm(gf, wd, rhs_indices=safe)[:, 0, :]
     return mx.where(valid[:, None], d, mx.array(float("nan"))).astype(out_dtype or dtype)
