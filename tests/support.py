@@ -3,6 +3,7 @@ conftest.py files: tests/conftest.py for every test, tests/ops/conftest.py for t
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import mlx.core as mx
@@ -20,6 +21,19 @@ def backend_params(*names: str):
         marks = [getattr(pytest.mark, name)] if name in ("metal", "cuda") else []
         params.append(pytest.param(name, marks=marks, id=name))
     return params
+
+
+@contextlib.contextmanager
+def strict_emulator(shuffle_seed):
+    """Inside: emulator launches in strict mode with the threads' order permuted by
+    ``shuffle_seed``; outside, the settings as they were."""
+    from mlx_metaltile import emulator
+
+    previous = emulator.configure(strict=True, shuffle_seed=shuffle_seed)
+    try:
+        yield
+    finally:
+        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
 
 
 def require_backend(name: str) -> None:

@@ -7,6 +7,7 @@ import importlib
 import mlx.core as mx
 import numpy as np
 import pytest
+from support import strict_emulator
 
 import mlx_metaltile as mt
 from mlx_metaltile import backends
@@ -132,17 +133,13 @@ def test_reads_each_selected_expert_once(poisoned_outputs, rng, mode, group_size
 def test_emulator_strict_shuffled(poisoned_outputs, rng, seed):
     if backends.unavailable_reason("emulator") is not None:
         pytest.skip("emulator unavailable")
-    from mlx_metaltile import emulator
 
     down = make_experts(rng, 5, 13, 96, mx.bfloat16, group_size=32, bias=True)
     ids = mx.array([[4, 0, 3], [2, 2, 1]], dtype=mx.int32)
-    previous = emulator.configure(strict=True, shuffle_seed=seed)
-    try:
+    with strict_emulator(seed):
         with backends.use_backend("emulator"):
             run_and_check(make_x(rng, (2, 3, 96), mx.bfloat16), down, ids,
                           make_scores(rng, (2, 3)), "emulator", group_size=32)
-    finally:
-        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
 
 
 # ---- cuda's launch plan (a row block's k slots over S SIMD-groups), run on the emulator ----
@@ -230,19 +227,15 @@ def test_slot_plan_negative_control(slot_plan, poisoned_outputs, broken_kernel, 
 def test_slot_plan_strict_shuffled(slot_plan, poisoned_outputs, rng, seed):
     """Strict mode (no read of unwritten threadgroup memory, no shuffle of an absent lane),
     threads and threadgroups in a permuted order, and bitwise equal results run to run."""
-    from mlx_metaltile import emulator
 
     down = make_experts(rng, 5, 13, 96, mx.bfloat16, group_size=32, bias=True)
     ids = mx.array([[4, 0, 3, 1, 2], [2, 2, 1, 0, 0]], dtype=mx.int32)
     h, s = make_x(rng, (2, 5, 96), mx.bfloat16), make_scores(rng, (2, 5))
-    previous = emulator.configure(strict=True, shuffle_seed=seed)
-    try:
+    with strict_emulator(seed):
         out = run_and_check(h, down, ids, s, "emulator", group_size=32)
         _plan_ran(5, valid_tokens=2)
         again = mt.expert_down_combine(h, *down[:3], ids, s, bias=down[3], group_size=32)
         assert mx.array_equal(out, again).item()
-    finally:
-        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
 
 
 # ---- build once ----------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import importlib
 import mlx.core as mx
 import numpy as np
 import pytest
+from support import strict_emulator
 
 import mlx_metaltile as mt
 from mlx_metaltile import backends
@@ -165,18 +166,14 @@ def test_emulator_strict_shuffled(poisoned_outputs, rng, seed):
     threadgroups run in a permuted order: ragged N, a partial 32-lane step, both layouts."""
     if backends.unavailable_reason("emulator") is not None:
         pytest.skip("emulator unavailable")
-    from mlx_metaltile import emulator
 
     gate, up = _pair(rng, 5, 13, 96, mx.bfloat16, group_size=32, bias=True)
     ids = mx.array([[4, 0, 7], [2, 2, 1]], dtype=mx.int32)
-    previous = emulator.configure(strict=True, shuffle_seed=seed)
-    try:
+    with strict_emulator(seed):
         with backends.use_backend("emulator"):
             for x_shape in ((2, 96), (2, 3, 96)):
                 run_and_check(make_x(rng, x_shape, mx.bfloat16), gate, up, ids, "emulator",
                               activation="swiglu_oai", group_size=32)
-    finally:
-        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
 
 
 # ---- cuda's launch plan (a row block's K steps over S SIMD-groups), run on the emulator ----
@@ -235,20 +232,16 @@ def test_k_plan_reads_each_selected_expert_once(k_plan, poisoned_outputs, rng):
 
 @pytest.mark.parametrize("seed", (1, 2))
 def test_k_plan_strict_shuffled(k_plan, poisoned_outputs, rng, seed):
-    from mlx_metaltile import emulator
 
     gate, up = _pair(rng, 5, 8, 1024 + 128, mx.bfloat16, group_size=32, bias=True)
     ids = mx.array([[4, 0, 3], [2, 2, 1]], dtype=mx.int32)
     x = make_x(rng, (2, 1024 + 128), mx.bfloat16)
-    previous = emulator.configure(strict=True, shuffle_seed=seed)
-    try:
+    with strict_emulator(seed):
         out = run_and_check(x, gate, up, ids, "emulator", group_size=32)
         _k_plan_ran(3, valid_pairs=6)
         again = mt.expert_glu(x, *gate[:3], *up[:3], ids, bias_gate=gate[3], bias_up=up[3],
                               group_size=32)
         assert mx.array_equal(out, again).item()
-    finally:
-        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
 
 
 @pytest.mark.parametrize("old, new", [

@@ -7,7 +7,7 @@ import importlib
 import mlx.core as mx
 import numpy as np
 import pytest
-from support import input_space, record_emulator_sources
+from support import input_space, record_emulator_sources, strict_emulator
 
 import mlx_metaltile as mt
 from mlx_metaltile import backends
@@ -228,18 +228,14 @@ def test_emulator_strict_shuffled(poisoned_outputs, rng, seed):
     threadgroups run in a permuted order: ragged N, a partial 32-lane step, both layouts."""
     if backends.unavailable_reason("emulator") is not None:
         pytest.skip("emulator unavailable")
-    from mlx_metaltile import emulator
 
     w, s, b = make_weights(rng, 5, 13, 96, mx.bfloat16, 32, 4)
     ids = mx.array([[4, 0, 7], [2, 2, 1]], dtype=mx.int32)
-    previous = emulator.configure(strict=True, shuffle_seed=seed)
-    try:
+    with strict_emulator(seed):
         with backends.use_backend("emulator"):
             for x_shape in ((2, 96), (2, 3, 96)):
                 run_and_check(make_x(rng, x_shape, mx.bfloat16), w, s, b, ids, 32, 4,
                               "emulator")
-    finally:
-        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
 
 
 # ---- cuda's launch plan (a row block's K steps over S SIMD-groups), run on the emulator ----
@@ -322,19 +318,15 @@ def test_k_plan_reads_each_selected_expert_once(k_plan, poisoned_outputs, rng):
 @pytest.mark.parametrize("seed", (1, 2))
 def test_k_plan_strict_shuffled(k_plan, poisoned_outputs, rng, seed):
     """Strict mode, threads and threadgroups in a permuted order, equal bits run to run."""
-    from mlx_metaltile import emulator
 
     w, s, b = make_weights(rng, 5, 8, 2048 + 256, mx.bfloat16, 32, 4)
     ids = mx.array([[4, 0, 3], [2, 2, 1]], dtype=mx.int32)
     x = make_x(rng, (2, 2048 + 256), mx.bfloat16)
-    previous = emulator.configure(strict=True, shuffle_seed=seed)
-    try:
+    with strict_emulator(seed):
         out = run_and_check(x, w, s, b, ids, 32, 4, "emulator")
         _k_plan_ran(3, valid_pairs=6)
         again = mt.expert_qmv(x, w, s, b, ids, group_size=32, bits=4)
         assert mx.array_equal(out, again).item()
-    finally:
-        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
 
 
 @pytest.mark.parametrize("old, new", [

@@ -7,7 +7,7 @@ import importlib
 import mlx.core as mx
 import numpy as np
 import pytest
-from support import require_backend
+from support import require_backend, strict_emulator
 
 import mlx_metaltile as mt
 from mlx_metaltile import _device, backends
@@ -224,17 +224,12 @@ def test_emulator_strict_shuffled(poisoned_outputs, monkeypatch, rng, variant, m
     threads and threadgroups run in a permuted order: the result must not depend on it."""
     require_backend("emulator")
     kernel_variant("emulator", variant)
-    from mlx_metaltile import emulator
 
     if target is not None:  # ragged split-K: 3 parts, then the sum kernel
         monkeypatch.setattr(op_module, "SPLITK_TARGET_TGS", target)
     x, w, s = make_case(rng, m, 64, 160, mx.float16, "e4m3", 16)
-    previous = emulator.configure(strict=True, shuffle_seed=seed)
-    try:
-        with backends.use_backend("emulator"):
-            run_and_check(x, w, s, "e4m3", 16, "emulator", variant=variant, expect=variant)
-    finally:
-        emulator.configure(**vars(previous))
+    with strict_emulator(seed), backends.use_backend("emulator"):
+        run_and_check(x, w, s, "e4m3", 16, "emulator", variant=variant, expect=variant)
 
 
 def test_vector_x(any_backend, rng):

@@ -8,7 +8,13 @@ import inspect
 import mlx.core as mx
 import numpy as np
 import pytest
-from support import backend_params, input_space, record_emulator_sources, require_backend
+from support import (
+    backend_params,
+    input_space,
+    record_emulator_sources,
+    require_backend,
+    strict_emulator,
+)
 
 import mlx_metaltile as mt
 from mlx_metaltile import _device, backends
@@ -194,16 +200,12 @@ def test_emulator_strict_shuffled(rng, variant_name, seed):
     """Strict mode (no read of threadgroup memory before it is written) with the threads and
     threadgroups run in a permuted order: the result must not depend on either."""
     require_backend("emulator")
-    from mlx_metaltile import emulator
 
     ids = [0, 1, 0, 1, 2, 2, 5, 3,  3, 3, 0]
     case = make_case(rng, 4, len(ids), 64, 128, 32, 4, mx.float16, ids)
-    previous = emulator.configure(strict=True, shuffle_seed=seed)
-    try:
+    with strict_emulator(seed):
         with backends.use_backend("emulator"):
             run_and_check(case, 32, 4, mx.float16, "emulator", variant_name)
-    finally:
-        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
 
 
 def test_empty_rows_do_not_dispatch(backend, rng):

@@ -10,7 +10,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from support import backend_params, require_backend
+from support import backend_params, require_backend, strict_emulator
 
 import mlx_metaltile as mt
 from mlx_metaltile import backends
@@ -322,20 +322,16 @@ def test_emulator_strict_shuffled(monkeypatch, rng, case, dtype, seed):
     """Strict mode (no read of threadgroup memory before it is written, no race on it) with
     the threads and threadgroups run in a permuted order: the result must not change."""
     require_backend("emulator")
-    from mlx_metaltile import emulator
 
     monkeypatch.setattr(op_module, "MIN_SPLIT_BLOCKS", 1)
     monkeypatch.setattr(op_module, "MIN_KEYS_PER_ROW", 0)
     B, Hq, Hkv, L, kv_len, S, D, causal = case
     assert op_module.plan(B, Hq, Hkv, L, D, kv_len, dtype)["n_splits"] > 1
     q, k, v = make_inputs(rng, B, Hq, Hkv, L, S, D, dtype)
-    previous = emulator.configure(strict=True, shuffle_seed=seed)
-    try:
+    with strict_emulator(seed):
         with backends.use_backend("emulator"):
             run_and_check(q, k, v, scale=D ** -0.5, causal=causal, kv_len=kv_len,
                           backend="emulator")
-    finally:
-        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
 
 
 def test_negative_control_missing_barrier(broken_kernel, rng):
@@ -349,13 +345,10 @@ def test_negative_control_missing_barrier(broken_kernel, rng):
     broken_kernel(op_module.SPLIT_SPEC,
                   (staged, staged.replace("threadgroup_barrier(mem_flags::mem_threadgroup);", "")))
     q, k, v = make_inputs(rng, 1, 4, 1, 33, 80, 64, mx.float16)
-    previous = emulator.configure(strict=True, shuffle_seed=1)
-    try:
+    with strict_emulator(1):
         with backends.use_backend("emulator"), pytest.raises((emulator.ThreadgroupRace,
                                                            emulator.UninitializedThreadgroupRead)):
             mx.eval(mt.sdpa_multi(q, k, v, scale=0.125, causal=True, kv_len=70))
-    finally:
-        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
 
 
 def cache_bytes_read(B, Hq, Hkv, L, kv_len, D, causal, itemsize):

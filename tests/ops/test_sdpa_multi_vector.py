@@ -11,7 +11,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from support import require_backend
+from support import require_backend, strict_emulator
 
 import mlx_metaltile as mt
 from mlx_metaltile import backends
@@ -297,18 +297,14 @@ def test_emulator_strict_shuffled(vector_path, rng, seed):
     """Strict mode (no read of threadgroup memory before it is written, no race on it) with
     threads and threadgroups in a permuted order: the result must not change."""
     require_backend("emulator")
-    from mlx_metaltile import emulator
 
-    previous = emulator.configure(strict=True, shuffle_seed=seed)
-    try:
+    with strict_emulator(seed):
         with backends.use_backend("emulator"):
             for B, Hq, Hkv, L, kv_len, S, D, causal in ((1, 8, 2, 8, 200, 256, 64, True),
                                                         (1, 32, 8, 1, 300, 320, 128, False)):
                 q, k, v = make_inputs(rng, B, Hq, Hkv, L, S, D, mx.float16)
                 run_and_check(q, k, v, scale=D ** -0.5, causal=causal, kv_len=kv_len,
                               backend="emulator")
-    finally:
-        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
 
 
 def test_negative_control_missing_merge_barrier(vector_path, broken_kernel, rng):
@@ -319,10 +315,7 @@ def test_negative_control_missing_merge_barrier(vector_path, broken_kernel, rng)
     merge = "  threadgroup_barrier(mem_flags::mem_threadgroup);\n  for (uint rr = sg; rr < nr;"
     broken_kernel(op_module.SPLIT_SPEC, (merge, "  for (uint rr = sg; rr < nr;"))
     q, k, v = make_inputs(rng, 1, 8, 2, 2, 300, 64, mx.float16)
-    previous = emulator.configure(strict=True, shuffle_seed=1)
-    try:
+    with strict_emulator(1):
         with backends.use_backend("emulator"), pytest.raises((emulator.ThreadgroupRace,
                                                            emulator.UninitializedThreadgroupRead)):
             mx.eval(mt.sdpa_multi(q, k, v, scale=0.125, causal=True, kv_len=290))
-    finally:
-        emulator.configure(strict=previous.strict, shuffle_seed=previous.shuffle_seed)
