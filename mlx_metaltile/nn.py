@@ -222,12 +222,24 @@ class SwitchGLU(nn.Module):
 
     def unserved(self, x: mx.array | None = None) -> str | None:
         """None if this call runs on the kernels, else why not."""
-        reason = switch_glu_unserved(self)
+        reason = self._experts_unserved()
         scales = self.up_proj["scales"] if reason is None else None
         if x is not None and scales is not None and scales.dtype != mx.uint8 and (
                 x.dtype != scales.dtype):  # affine scales must be in x's dtype
             reason = f"activations in {x.dtype} but scales in {scales.dtype}"
         return reason
+
+    def _experts_unserved(self) -> str | None:
+        """:func:`switch_glu_unserved` of this module, remembered while it holds the same
+        projection and activation objects: what it reads of them (class, mode, sizes, which
+        arrays they hold) is set when they are made, and a decode step asks once per block."""
+        held = (self.get("gate_proj"), self.get("up_proj"), self.get("down_proj"),
+                getattr(self, "activation", None))
+        memo = self.__dict__.get("_mlx_metaltile_unserved")
+        if memo is None or any(a is not b for a, b in zip(memo[0], held, strict=True)):
+            memo = (held, switch_glu_unserved(self))
+            object.__setattr__(self, "_mlx_metaltile_unserved", memo)
+        return memo[1]
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         reason = self.unserved(x)
@@ -259,13 +271,13 @@ class SwitchGLU(nn.Module):
 
     def _decode(self, x: mx.array, indices: mx.array) -> mx.array:
         # x [..., D], indices [..., k] -> [..., k, D]
-        return self._project(self.down_proj, self._hidden(x, indices), indices)
+        hidden = self._hidden(x, indices, self._glu_activation(x))
+        return self._project(self.down_proj, hidden, indices)
 
-    def _hidden(self, x: mx.array, indices: mx.array) -> mx.array:
-        """activation(up, gate) [..., k, N] at decode: one expert_glu dispatch where the
-        activation is one it computes, else the two projections and the model's
-        activation."""
-        activation = self._glu_activation(x)
+    def _hidden(self, x: mx.array, indices: mx.array, activation: str | None) -> mx.array:
+        """activation(up, gate) [..., k, N] at decode: one expert_glu dispatch where
+        ``activation`` (:meth:`_glu_activation`'s) is one it computes, else the two
+        projections and the model's activation."""
         if activation is None:
             up = self._project(self.up_proj, x, indices)
             gate = self._project(self.gate_proj, x, indices)
@@ -297,7 +309,7 @@ class SwitchGLU(nn.Module):
         the scores and the sum over k in a fixed order; a token with an id outside [0, E)
         gives a NaN row). Otherwise this module's call, then the scores and the sum."""
         if (self.unserved(x) is None and indices.size < prefill_min_pairs()
-                and self._glu_activation(x) is not None
+                and (activation := self._glu_activation(x)) is not None
                 and scores.shape == indices.shape and x.shape[:-1] == indices.shape[:-1]):
             down = self.down_proj
             bias = down.get("bias")
@@ -305,7 +317,8 @@ class SwitchGLU(nn.Module):
                 indices = mx.stop_gradient(indices)
                 if scores.dtype not in (x.dtype, mx.float32):
                     scores = scores.astype(mx.float32)
-                return expert_down_combine(self._hidden(x, indices), *_qargs(down), indices,
+                return expert_down_combine(self._hidden(x, indices, activation),
+                                           *_qargs(down), indices,
                                            scores, bias=bias, mode=down.mode,
                                            group_size=down.group_size, bits=down.bits)
         y = self(x, indices)

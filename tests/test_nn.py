@@ -71,6 +71,24 @@ def test_switch_glu_unserved_reasons():
     assert "bits=6" in mtnn.switch_glu_unserved(glu)
 
 
+def test_switch_glu_rechecks_replaced_experts():
+    """The stand-in remembers its experts' check only while it holds the same projection
+    and activation objects: a projection replaced after a call is checked again."""
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear
+
+    glu = SwitchGLU(64, 64, 4)
+    nn.quantize(glu, group_size=64, bits=4)
+    ours = mtnn.SwitchGLU.from_module(glu)
+    assert ours.unserved() is None and ours.unserved() is None
+    ours.up_proj = SwitchLinear(64, 64, 4)
+    assert "SwitchLinear" in ours.unserved()
+    ours.up_proj = glu.up_proj
+    assert ours.unserved() is None
+    ours.activation = None
+    assert ours.unserved() == "no activation"
+
+
 @pytest.mark.parametrize("backend", ("reference", "emulator"))
 @pytest.mark.parametrize("tokens", (3, 40))  # decode (expert_qmv) and sorted (moe_gather_qmm)
 def test_switch_glu_built_like_mlx_lm(backend, tokens):
