@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlx_metaltile._msl.constants import PACKABLE
 from mlx_metaltile._registry import KernelInstance, KernelSpec, instantiations
 from mlx_metaltile._templates import render
 from mlx_metaltile.cuda import _translate as tr
@@ -78,21 +79,31 @@ def spec_definitions(spec: KernelSpec, instances: Iterable[KernelInstance]) -> t
     body = tr.prepass_body(tpl.body)
     definitions = []
     instances = list(instances)
-    # Each instance as launched on whole grids, and the first one also with the guard.
-    variants = [(inst, False) for inst in instances] + [(inst, True) for inst in instances[:1]]
-    for inst, guarded in variants:
+    # Each instance as the ops launch it (its 32-bit scalars packed) on whole grids, and the
+    # first one also with the guard and with its scalars as 0-d arrays.
+    variants = ([(inst, False, True) for inst in instances]
+                + [(inst, True, True) for inst in instances[:1]]
+                + [(inst, False, False) for inst in instances[:1]])
+    for inst, guarded, packed in variants:
         input_names = [n for n, _, _ in inst.inputs]
         output_names = [n for n, _ in inst.outputs]
+        packed_types = [PACKABLE.get(dtype) if packed and nd == 0 else None
+                        for _, dtype, nd in inst.inputs]
         wrapped = tr.translate_body(body, input_names, output_names,
                                     scalar_inputs=[nd == 0 for _, _, nd in inst.inputs],
-                                    guarded=guarded, atomic_outputs=inst.atomic_outputs)
+                                    guarded=guarded, atomic_outputs=inst.atomic_outputs,
+                                    packed_types=packed_types)
+        unpacked = [a for a, t in zip(inst.inputs, packed_types, strict=True) if t is None]
         params = [(cuda_name, dtype, ndim) for cuda_name, (_, dtype, ndim)
-                  in zip(wrapped.input_names[:len(inst.inputs)], inst.inputs, strict=True)]
+                  in zip(wrapped.input_names[:len(unpacked)], unpacked, strict=True)]
+        if any(packed_types):
+            params.append((tr.PACKED_INPUT, "uint32", 1))
         if guarded:
             params.append((tr.GRID_INPUT, "uint32", 1))
         outputs = [(cuda_name, dtype) for cuda_name, (_, dtype)
                    in zip(wrapped.output_names, inst.outputs, strict=True)]
-        function = tr.mlx_kernel_name(name + ("_g" if guarded else ""), inst.template)
+        suffix = ("_g" if guarded else "") + ("" if packed else "_s")
+        function = tr.mlx_kernel_name(name + suffix, inst.template)
         definitions.append(tr.kernel_definition(function, wrapped.source, params, outputs,
                                                 inst.template))
     return header, "".join(definitions)

@@ -82,6 +82,46 @@ def test_scalar_inputs_are_references_to_the_first_element():
     assert _translate(scalar=(False, False)).input_names == ("x", "scale")
 
 
+def test_packed_scalars_come_from_one_uint32_input_in_order():
+    body = tr.prepass_body("out[0] = x[0] * scale + float(n) + float(m);")
+    wrapped = tr.translate_body(body, ["n", "x", "scale", "k", "m"], ["out"],
+                                scalar_inputs=[True, False, True, True, True],
+                                packed_types=["uint", None, "float", None, "int"])
+    assert wrapped.input_names == ("x", "mt_scalar_k", tr.PACKED_INPUT)
+    assert "const uint n = mt_unpack_scalar<uint>(mt_scalars[0]);" in wrapped.source
+    assert "const float scale = mt_unpack_scalar<float>(mt_scalars[1]);" in wrapped.source
+    assert "const int m = mt_unpack_scalar<int>(mt_scalars[2]);" in wrapped.source
+    assert "const auto& k = *mt_scalar_k;" in wrapped.source
+    with pytest.raises(ValueError, match="only scalar"):
+        tr.translate_body(body, ["x"], ["out"], scalar_inputs=[False], packed_types=["uint"])
+
+
+def test_kernel_packs_the_scalars_the_host_knows(monkeypatch):
+    """Scalars made by _msl.constants.scalar travel packed (their exact bits, at least 16
+    bytes: MLX keeps smaller arrays in a slow pool on CUDA); any other 0-d array as it is."""
+    from mlx_metaltile._msl import constants
+
+    k = cuda.metal_kernel("k", ["x", "n", "scale", "kv", "neg"], ["out"], "out[0] = x[0];")
+    seen = {}
+
+    def variant(kinds, guarded):
+        seen["kinds"] = kinds
+        return None, lambda *, inputs, **_: seen.setdefault("inputs", inputs)
+
+    monkeypatch.setattr(k, "_variant", variant)
+    x, kv = mx.zeros((4,)), mx.array(7, dtype=mx.uint32)  # kv: not made by scalar()
+    n, scale = constants.scalar(5, mx.uint32), constants.scalar(-0.0, mx.float32)
+    assert constants.scalar(0.0, mx.float32) is not scale  # -0.0 keyed by its bits
+    neg = constants.scalar(-3, mx.int32)
+    k(inputs=[x, n, scale, kv, neg], output_shapes=[(1,)], output_dtypes=[mx.float32],
+      grid=(32, 1, 1), threadgroup=(32, 1, 1))
+    assert seen["kinds"] == ("a", "uint", "float", "s", "int")
+    x_in, kv_in, packed = seen["inputs"]
+    assert x_in is x and kv_in is kv
+    assert packed.dtype == mx.uint32 and packed.size >= 4
+    assert packed.tolist()[:3] == [5, 0x80000000, 2**32 - 3]
+
+
 def test_atomic_outputs_are_views_of_the_output_buffers():
     wrapped = _translate(atomic=True)
     assert wrapped.output_names == ("mt_atomic_out",)

@@ -24,9 +24,11 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from .._msl.constants import PACKABLE, known_bits
 from .._msl.kernel import Launch, MetalKernel
 from ._translate import (
     GRID_INPUT,
+    PACKED_INPUT,
     Body,
     compat_header,
     cuda_type,
@@ -43,6 +45,7 @@ from ._translate import (
 __all__ = [
     "CudaKernel",
     "GRID_INPUT",
+    "PACKED_INPUT",
     "Body",
     "compat_header",
     "cuda_type",
@@ -79,12 +82,24 @@ def _grid_array(grid: tuple[int, int, int]) -> mx.array:
     return mx.array(grid, dtype=mx.uint32)
 
 
+_PACKED_SLOTS = 4  # the packed scalars' array holds at least 16 bytes (_msl/constants.py)
+
+
+@lru_cache(maxsize=4096)
+def _packed_array(bits: tuple[int, ...]) -> mx.array:
+    """The packed scalars of a launch as a uint32 input (cached: made once per value set)."""
+    return mx.array(list(bits) + [0] * (_PACKED_SLOTS - len(bits)), dtype=mx.uint32)
+
+
 class CudaKernel(MetalKernel):
     """An MSL kernel on MLX's CUDA backend, called like ``mx.fast.metal_kernel``'s result.
 
     The argument checks are the base class's (MLX's). One ``mx.fast.cuda_kernel`` object is
-    made per call signature (which inputs are 0-d, whether the grid overhangs the blocks);
-    MLX then JIT-compiles per template instantiation and caches the module.
+    made per call signature (which inputs are arrays, 0-d arrays or packed scalars, whether
+    the grid overhangs the blocks); MLX then JIT-compiles per template instantiation and
+    caches the module. A 0-d uint32/int32/float32 input made by ``_msl.constants.scalar``
+    (its value known to the host) comes packed with the launch's others in one uint32 array
+    of at least 16 bytes (``PACKED_INPUT``); any other 0-d input as the 0-d array it is.
     """
 
     executor = "cuda"
@@ -95,17 +110,22 @@ class CudaKernel(MetalKernel):
         self.body = prepass_body(self.source)
         self._variants: dict[tuple, tuple[Body, object]] = {}
 
-    def translate(self, scalar_inputs: Sequence[bool], guarded: bool = False) -> Body:
+    def translate(self, scalar_inputs: Sequence[bool], guarded: bool = False,
+                  packed_types: Sequence[str | None] | None = None) -> Body:
         return translate_body(self.body, self.input_names, self.output_names,
                               scalar_inputs=scalar_inputs, guarded=guarded,
-                              atomic_outputs=self.atomic_outputs)
+                              atomic_outputs=self.atomic_outputs, packed_types=packed_types)
 
-    def _variant(self, scalar_inputs: tuple[bool, ...], guarded: bool):
-        key = (scalar_inputs, guarded)
+    def _variant(self, kinds: tuple[str, ...], guarded: bool):
+        """``kinds[i]``: "a" (an array), "s" (a 0-d array) or the MSL type of a packed
+        scalar ("uint", "int", "float")."""
+        key = (kinds, guarded)
         entry = self._variants.get(key)
         if entry is None:
-            body = self.translate(scalar_inputs, guarded)
-            suffix = "".join("s" if s else "a" for s in scalar_inputs) + ("_g" if guarded else "")
+            body = self.translate([k != "a" for k in kinds], guarded,
+                                  [None if k in ("a", "s") else k for k in kinds])
+            suffix = "".join(k[0] if k in ("a", "s") else "p" + k[0] for k in kinds) + (
+                "_g" if guarded else "")
             kernel = mx.fast.cuda_kernel(
                 name=f"{self.name}_{suffix}" if suffix else self.name,
                 input_names=list(body.input_names),
@@ -118,9 +138,19 @@ class CudaKernel(MetalKernel):
         return entry
 
     def _run(self, launch: Launch) -> list[mx.array]:
-        inputs = list(launch.inputs)
+        inputs, kinds, bits = [], [], []
+        for x in launch.inputs:
+            known = known_bits(x) if x.ndim == 0 else None
+            if known is not None:
+                kinds.append(PACKABLE[x.dtype])
+                bits.append(known)
+            else:
+                kinds.append("a" if x.ndim else "s")
+                inputs.append(x)
         guarded = not grid_is_whole(launch.grid, launch.threadgroup)
-        _, kernel = self._variant(tuple(x.ndim == 0 for x in inputs), guarded)
+        _, kernel = self._variant(tuple(kinds), guarded)
+        if bits:
+            inputs.append(_packed_array(tuple(bits)))
         if guarded:
             inputs.append(_grid_array(launch.grid))
         return kernel(inputs=inputs, output_shapes=launch.output_shapes,

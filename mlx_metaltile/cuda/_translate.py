@@ -40,6 +40,9 @@ from .._msl.source import rewrite_literals, rewrite_threadgroup_declarations
 MLX_DEFAULT_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
 
 GRID_INPUT = "mt_grid"  # uint32[3]: Metal's grid (threads), passed only when blocks overhang it
+# uint32[>= 4]: the bits of the scalar inputs the host knows, in input order (see
+# _msl/constants.py for why they do not come as 0-d arrays)
+PACKED_INPUT = "mt_scalars"
 
 
 _PART_INCLUDE = re.compile(r'^#include "(include/mt_cuda/\w+\.cuh)"$', re.M)
@@ -194,15 +197,22 @@ def prepass_body(msl_body: str) -> str:
 
 def translate_body(body: str, input_names: Sequence[str], output_names: Sequence[str], *,
                    scalar_inputs: Sequence[bool], guarded: bool = False,
-                   atomic_outputs: bool = False) -> Body:
+                   atomic_outputs: bool = False,
+                   packed_types: Sequence[str | None] | None = None) -> Body:
     """Wrap a pre-passed MSL body (``prepass_body``) for cuda_kernel.
 
-    ``scalar_inputs[i]``: input i is 0-d (Metal passes it by reference). ``guarded``: the
-    grid is not a whole number of threadgroups, so the grid comes in as a uint32[3] input and
-    threads past it return before the body (see ``grid_is_whole``).
+    ``scalar_inputs[i]``: input i is 0-d (Metal passes it by reference). ``packed_types[i]``
+    (None: none packed): the MSL type ("uint", "int" or "float") of a 0-d input whose bits
+    come in slot j of the uint32 input ``PACKED_INPUT`` (j counts the packed inputs before
+    it) instead of as an input of its own. ``guarded``: the grid is not a whole number of
+    threadgroups, so the grid comes in as a uint32[3] input and threads past it return
+    before the body (see ``grid_is_whole``).
     """
-    if len(scalar_inputs) != len(input_names):
-        raise ValueError("[cuda] scalar_inputs must have one entry per input")
+    packed_types = packed_types or [None] * len(input_names)
+    if not len(scalar_inputs) == len(packed_types) == len(input_names):
+        raise ValueError("[cuda] scalar_inputs and packed_types must have one entry per input")
+    if any(t is not None and not s for s, t in zip(scalar_inputs, packed_types, strict=True)):
+        raise ValueError("[cuda] only scalar (0-d) inputs can be packed")
     prelude = []
     builtins = _builtins(guarded)
     if guarded:
@@ -215,12 +225,19 @@ def translate_body(body: str, input_names: Sequence[str], output_names: Sequence
         prelude.append(f"const {type_} {name} = {expr};")
 
     cuda_inputs = []
-    for name, is_scalar in zip(input_names, scalar_inputs, strict=True):
-        if is_scalar:
+    slot = 0
+    for name, is_scalar, packed in zip(input_names, scalar_inputs, packed_types, strict=True):
+        if packed is not None:
+            prelude.append(f"const {packed} {name} = mt_unpack_scalar<{packed}>"
+                           f"({PACKED_INPUT}[{slot}]);")
+            slot += 1
+        elif is_scalar:
             cuda_inputs.append(scalar_input_name(name))
             prelude.append(f"const auto& {name} = *{scalar_input_name(name)};")
         else:
             cuda_inputs.append(name)
+    if slot:
+        cuda_inputs.append(PACKED_INPUT)
     if guarded:
         cuda_inputs.append(GRID_INPUT)
 

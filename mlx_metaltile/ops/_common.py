@@ -7,12 +7,12 @@ import functools
 import math
 import numbers
 from collections.abc import Callable, Mapping
-from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
 
 from .. import _device
+from .._msl import constants
 from .._registry import Arg, Bindings, KernelSpec
 
 FLOAT_TYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -136,10 +136,10 @@ def _holds_array(value) -> bool:
     return False
 
 
-@lru_cache(maxsize=4096)
 def scalar(value, dtype: mx.Dtype) -> mx.array:
-    """A cached 0-d array for a runtime kernel input (no per-call allocation in a loop)."""
-    return mx.array(value, dtype=dtype)
+    """A remembered 0-d array for a runtime kernel input (no per-call allocation in a loop;
+    the cuda executor passes it packed: ``_msl/constants.py``)."""
+    return constants.scalar(value, dtype)
 
 
 def round_up(x: int, multiple: int) -> int:

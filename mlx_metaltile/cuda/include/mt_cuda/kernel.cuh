@@ -4,6 +4,19 @@
 
 namespace mlx::core::cu {
 using namespace metal;
+
+// A packed scalar input (translation: PACKED_INPUT) from its 32 bits, as the MSL type the
+// kernel declares: uint, int or float.
+template <class T>
+MT_FN T mt_unpack_scalar(uint32_t bits) {
+  if constexpr (cuda::std::is_same_v<T, float>) {
+    return __uint_as_float(bits);
+  } else {
+    static_assert(cuda::std::is_same_v<T, uint> || cuda::std::is_same_v<T, int>,
+                  "packed scalars are uint, int or float");
+    return static_cast<T>(bits);
+  }
+}
 }  // namespace mlx::core::cu
 
 // ---- MSL spellings that are not C++ ------------------------------------------------------

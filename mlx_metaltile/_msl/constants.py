@@ -1,0 +1,42 @@
+"""Runtime scalars whose values the host knows: one 0-d array per (value, dtype), remembered
+with its bits, so an executor can pass it other than as a 0-d array.
+
+Why: MLX's CUDA allocator keeps arrays smaller than 8 bytes (every 0-d uint32 or float32) in
+one small managed-memory pool that the host also writes; a kernel reading such an array pays
+a round trip to it (an H100, a kernel whose blocks read one 0-d input: 18 us instead of 1.6
+us; an array of 16 bytes: 1.7 us). The cuda executor packs the known scalars of a launch into
+one array of at least 16 bytes instead (``mlx_metaltile.cuda``). Metal passes 0-d arrays by
+reference from unified memory and takes them as they are.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+# dtype -> how its bits travel: the 32-bit scalar dtypes (the ones kernels take)
+PACKABLE = {mx.uint32: "uint", mx.int32: "int", mx.float32: "float"}
+_LIMIT = 8192  # distinct scalars remembered (a model's decode step needs a few dozen)
+_made: dict[tuple, mx.array] = {}
+_bits: dict[int, tuple[mx.array, int]] = {}
+
+
+def scalar(value, dtype: mx.Dtype) -> mx.array:
+    """The 0-d array of ``value`` in ``dtype``, made once per (value, dtype)."""
+    # a float by its bits: -0.0 == 0.0 and NaN != NaN would make value a wrong key
+    key = (type(value), value.hex() if isinstance(value, float) else value, dtype)
+    array = _made.get(key)
+    if array is None:
+        array = mx.array(value, dtype=dtype)
+        if len(_made) < _LIMIT:
+            _made[key] = array
+            if dtype in PACKABLE:
+                # the bits MLX stored (host memory: the array was made from a Python value)
+                _bits[id(array)] = (array, int(np.array(array).reshape(1).view(np.uint32)[0]))
+    return array
+
+
+def known_bits(array: mx.array) -> int | None:
+    """The 32 bits of a remembered scalar made by :func:`scalar`, else None."""
+    entry = _bits.get(id(array))
+    return entry[1] if entry is not None and entry[0] is array else None
