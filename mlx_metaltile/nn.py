@@ -51,13 +51,6 @@ _EXPERT_BITS = (4, 8)  # expert_qmv / moe_gather_qmm, affine mode
 _EXPERT_GROUP_SIZES = (32, 64, 128)
 _MGQ_TILE = 32  # moe_gather_qmm needs N and K multiples of this
 SDPA_HEAD_DIMS = (64, 96, 128, 256)  # sdpa_multi
-# Head dims at which, on a backend, mlx-lm's own attention (mx.fast.scaled_dot_product_attention)
-# is faster than sdpa_multi for float16/bfloat16 queries: the patched attention calls mlx-lm's
-# function there (counted in ``fallbacks``). cuda (H100, cuDNN's fused attention against the
-# MSL through the cuda layer, h32/8, D 128): sdpa_multi 0.56-0.74x at L=1 and 0.34-0.47x at
-# L=4 for 4K-16K keys; at D 256 it was faster at L=1 (1.2-1.5x), so D 256 keeps sdpa_multi.
-# Metal has no entry: there sdpa_multi serves every head dim it supports.
-NATIVE_ATTENTION_HEAD_DIMS_PER_BACKEND: dict[str, tuple[int, ...]] = {"cuda": (64, 96, 128)}
 # Calls of stand-ins (and routed attention) that ran mlx-lm's path: (kind, why) -> count.
 fallbacks: Counter = Counter()
 
@@ -555,10 +548,6 @@ def sdpa_unserved(queries, keys, values, cache, mask, sinks) -> str | None:
         return "mask"
     if queries.shape[-1] not in SDPA_HEAD_DIMS or values.shape[-1] != queries.shape[-1]:
         return "head dim"
-    backend = backends.resolve_backend()
-    if (queries.dtype in (mx.float16, mx.bfloat16)
-            and queries.shape[-1] in NATIVE_ATTENTION_HEAD_DIMS_PER_BACKEND.get(backend, ())):
-        return f"mlx-lm's attention is faster on {backend} at head dim {queries.shape[-1]}"
     if cache is None:
         return None if keys.dtype == queries.dtype else "dtype"
     from mlx_lm.models.cache import KVCache

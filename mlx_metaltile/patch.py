@@ -245,8 +245,7 @@ _SERVED_BY = {
                   "moe_gather_qmm (more)",
     "moe_block": "mlx-lm's router, then SwitchGLU.combine: expert_glu + expert_down_combine "
                  f"(< {mtnn.PREFILL_MIN_PAIRS} token-expert pairs)",
-    "attention": "sdpa_multi (KVCache or no cache, mask None/'causal'; others, and head dims "
-                 "where mlx-lm's is faster on the backend: mlx-lm)",
+    "attention": "sdpa_multi (KVCache or no cache, mask None/'causal'; others: mlx-lm)",
 }
 
 

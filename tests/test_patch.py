@@ -432,32 +432,6 @@ def test_unserved_cache_falls_back(op_calls):
     assert all(mx.array_equal(a, b).item() for a, b in zip(want, got, strict=True))
 
 
-@pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32"))
-def test_native_attention_where_faster(dtype, op_calls, monkeypatch):
-    """A backend naming a head dim in NATIVE_ATTENTION_HEAD_DIMS_PER_BACKEND runs mlx-lm's
-    attention for half-precision queries of that head dim (the same logits bit for bit,
-    every call counted with its reason), and sdpa_multi for float32 ones."""
-    model = tiny_model("llama")  # head_dim 64
-    model.set_dtype(getattr(mx, dtype))
-    want = forward(model)
-    monkeypatch.setitem(mtnn.NATIVE_ATTENTION_HEAD_DIMS_PER_BACKEND, "reference", (64,))
-    mt.patch(model)
-    before = mtnn.fallbacks.copy()
-    try:
-        with mt.use_backend("reference"):
-            got = forward(model)
-    finally:
-        mt.unpatch(model)
-    ran = mtnn.fallbacks - before
-    if dtype == "float32":
-        assert op_calls["sdpa_multi"] > 0 and not ran, ran
-        return
-    reason = "mlx-lm's attention is faster on reference at head dim 64"
-    assert op_calls["sdpa_multi"] == 0
-    assert set(ran) == {("attention", reason)}, ran
-    assert all(mx.array_equal(a, b).item() for a, b in zip(want, got, strict=True))
-
-
 def test_only_patched_instances_are_routed(op_calls):
     patched, plain = model_for("qwen3"), tiny_model("qwen3")
     mt.patch(patched)
