@@ -30,10 +30,27 @@ def scalar(value, dtype: mx.Dtype) -> mx.array:
         array = mx.array(value, dtype=dtype)
         if len(_made) < _LIMIT:
             _made[key] = array
-            if dtype in PACKABLE:
-                # the bits MLX stored (host memory: the array was made from a Python value)
-                _bits[id(array)] = (array, int(np.array(array).reshape(1).view(np.uint32)[0]))
+            bits = _bits_of(value, dtype)
+            if bits is not None:
+                _bits[id(array)] = (array, bits)
     return array
+
+
+_NUMPY = {mx.uint32: np.uint32, mx.int32: np.int32, mx.float32: np.float32}
+
+
+def _bits_of(value, dtype: mx.Dtype) -> int | None:
+    """The 32 bits ``mx.array(value, dtype)`` holds, from the Python value (reading the
+    array back would be a host read), or None (not a packable dtype, or a value NumPy does
+    not convert exactly as a C cast: that scalar then travels as its 0-d array)."""
+    kind = _NUMPY.get(dtype)
+    if kind is None or isinstance(value, bool) and kind is np.float32:
+        return None
+    try:
+        with np.errstate(all="raise"):
+            return int(np.array(value, dtype=kind).reshape(1).view(np.uint32)[0])
+    except (OverflowError, FloatingPointError, ValueError, TypeError):
+        return None
 
 
 def known_bits(array: mx.array) -> int | None:
