@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -22,6 +23,7 @@ from ._common import (
     as_bool,
     dtype_name,
     memo_check,
+    memo_plan,
     on_stream,
     require_array,
     require_finite_scalar,
@@ -419,29 +421,36 @@ def split_plan(backend: str, B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: 
 _NO_MASK = {0: mx.zeros((1, 1, 1, 1), dtype=mx.bool_)}  # MASK_KIND 0's dummy mask
 
 
-def _launch(q, k, v, p: _Problem, backend) -> mx.array:
+@memo_plan
+def _launcher(q, k, v, scale, causal, kv_len, mask, sinks, backend: str) -> Callable:
+    """The two kernel calls of these arguments' metadata on ``backend``, prepared once:
+    returns ``launch(q, k, v, p)``, which takes the arrays of ``p`` (``_check_sdpa_multi``'s
+    problem: a device-side kv_len, the mask, the sinks). Reads no argument array but its
+    shape and dtype."""
+    p, mask_shape = _validated(q, k, v, scale, causal, kv_len, mask, sinks)
     B, Hq, Hkv, L, S, D = p.B, p.Hq, p.Hkv, p.L, p.S, p.D
+    dtype, shape = q.dtype, tuple(q.shape)
+    device_kv_len = p.kv_len is None
     # A device-side kv_len: the grid covers the whole buffer; slices past kv_len see no key.
-    pl = split_plan(backend, B, Hq, Hkv, L, D, p.kv_len if isinstance(p.kv_len, int) else S,
-                    q.dtype)
+    pl = split_plan(backend, B, Hq, Hkv, L, D, S if device_kv_len else p.kv_len, dtype)
     n_out = B * Hq * L
     scale2 = scalar(p.scale * LOG2E, mx.float32)
-    kv_len = scalar(p.kv_len, mx.uint32) if isinstance(p.kv_len, int) else p.kv_len
-    mask = _NO_MASK[0] if p.mask is None else p.mask
     # Element strides of the row-contiguous 4-D mask, 0 on its broadcast (size-1) axes.
-    mb, mh, ml, mc = mask.shape
+    mb, mh, ml, mc = mask_shape or _NO_MASK[0].shape
     strides = (mh * ml * mc if mb > 1 else 0, ml * mc if mh > 1 else 0, mc if ml > 1 else 0)
-    o_part, ml_part = backends.launch(
+    split = backends.prepare(
         SPLIT_SPEC, backend,
-        inputs={"q": q, "k": k, "v": v, "n_q": scalar(L, mx.uint32),
-                "group": scalar(Hq // Hkv, mx.uint32), "kv_len": kv_len,
+        inputs={"q": None, "k": None, "v": None, "n_q": scalar(L, mx.uint32),
+                "group": scalar(Hq // Hkv, mx.uint32),
+                "kv_len": None if device_kv_len else scalar(p.kv_len, mx.uint32),
                 "kv_rows": scalar(S, mx.uint32), "chunk": scalar(pl["chunk"], mx.uint32),
-                "causal": scalar(int(p.causal), mx.uint32), "scale": scale2, "mask": mask,
+                "causal": scalar(int(p.causal), mx.uint32), "scale": scale2,
+                "mask": None if mask_shape else _NO_MASK[0],
                 "mask_sb": scalar(strides[0], mx.uint32),
                 "mask_sh": scalar(strides[1], mx.uint32),
                 "mask_sl": scalar(strides[2], mx.uint32), "kv_heads": scalar(Hkv, mx.uint32),
                 "mask_block": scalar(int(p.block), mx.uint32)},
-        template={"T": q.dtype, "D": D, "RS": pl["rs"], "DC": pl["dc"],
+        template={"T": dtype, "D": D, "RS": pl["rs"], "DC": pl["dc"],
                   "MASK_KIND": p.mask_kind},
         outputs={"o_part": ((n_out, pl["n_splits"], D), mx.float32),
                  "ml_part": ((n_out, pl["n_splits"], 2), mx.float32)},
@@ -449,17 +458,26 @@ def _launch(q, k, v, p: _Problem, backend) -> mx.array:
         threadgroup_memory=pl["threadgroup_memory"],
     )
     n_tg = -(-n_out // COMBINE_ROWS)
-    sinks = p.sinks if p.sinks is not None else _NO_SINKS[0]
-    (out,) = backends.launch(
+    has_sinks = sinks is not None
+    combine = backends.prepare(
         COMBINE_SPEC, backend,
-        inputs={"o_part": o_part, "ml_part": ml_part, "n_rows": scalar(n_out, mx.uint32),
+        inputs={"o_part": None, "ml_part": None, "n_rows": scalar(n_out, mx.uint32),
                 "n_splits": scalar(pl["n_splits"], mx.uint32), "scale": scale2,
                 "n_q": scalar(L, mx.uint32), "n_heads": scalar(Hq, mx.uint32),
-                "has_sinks": scalar(int(p.sinks is not None), mx.uint32), "sinks": sinks},
-        template={"T": q.dtype, "D": D}, outputs={"out": (q.shape, q.dtype)},
+                "has_sinks": scalar(int(has_sinks), mx.uint32),
+                "sinks": None if has_sinks else _NO_SINKS[0]},
+        template={"T": dtype, "D": D}, outputs={"out": (shape, dtype)},
         grid=(32 * COMBINE_ROWS * n_tg, 1, 1), threadgroup=(32 * COMBINE_ROWS, 1, 1),
     )
-    return out
+    split_arrays = (*(("kv_len",) if device_kv_len else ()),
+                    *(("mask",) if mask_shape else ()))
+
+    def launch(q, k, v, p: _Problem) -> mx.array:
+        o_part, ml_part = split(q, k, v, *(getattr(p, name) for name in split_arrays))
+        (out,) = combine(o_part, ml_part, p.sinks) if has_sinks else combine(o_part, ml_part)
+        return out
+
+    return launch
 
 
 _NO_SINKS = {0: mx.zeros((1,), dtype=mx.float32)}  # has_sinks 0's dummy
@@ -658,10 +676,12 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
             sinks = next(it) if p.sinks is not None else None
             return replace(p, sinks=sinks, mask=next(it) if additive else p.mask)
 
+        launch = _launcher(q, k, v, scale, causal, kv_len, mask, sinks, backend)
+
         @mx.custom_function
         def op(q, k, v, *rest):
             with on_stream(OP, stream):  # backends.launch refuses the emulator in a trace
-                return _launch(q, k, v, problem(rest), backend)
+                return launch(q, k, v, problem(rest))
 
         @op.vjp
         def op_vjp(primals, cotangent, output):
