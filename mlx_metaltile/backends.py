@@ -286,7 +286,7 @@ class Prepared:
     between calls is read per call: the stream's device, the kernel object (a template
     override swaps it), the launch counters."""
 
-    __slots__ = ("spec", "backend", "template", "_inputs", "_slots", "_key", "_gpu",
+    __slots__ = ("spec", "backend", "template", "_inputs", "_slots", "_tail", "_key", "_gpu",
                  "_template", "_grid", "_threadgroup", "_shapes", "_dtypes", "_init_value")
 
     def __init__(self, spec: KernelSpec, backend: str, inputs: dict[str, mx.array | None],
@@ -296,6 +296,9 @@ class Prepared:
         self.spec, self.backend, self.template = spec, backend, template
         self._inputs = list(inputs.values())
         self._slots = tuple(i for i, a in enumerate(self._inputs) if a is None)
+        # the usual layout: the per-call arrays first, then the constants
+        self._tail = (None if self._slots != tuple(range(len(self._slots)))
+                      else self._inputs[len(self._slots):])
         self._key = (backend, spec.name)
         self._gpu = backend in GPU_BACKENDS
         self._template = list(template.items())
@@ -304,6 +307,8 @@ class Prepared:
 
     def bind(self, arrays: Sequence[mx.array]) -> list[mx.array]:
         """Every input of the kernel, in its order: the constants and ``arrays``."""
+        if self._tail is not None and len(arrays) == len(self._slots):
+            return [*arrays, *self._tail]
         inputs = self._inputs.copy()
         for i, a in zip(self._slots, arrays, strict=True):
             inputs[i] = a

@@ -71,12 +71,15 @@ def as_bool(op: str, name: str, value) -> bool:
     return bool(value)
 
 
+_NO_STREAM = contextlib.nullcontext()  # reentrant and stateless: one serves every call
+
+
 def on_stream(op: str, stream):
     """The context an op call runs in: MLX's StreamOrDevice (None: the default stream; an
     mx.Stream; an mx.Device or mx.cpu / mx.gpu: that device's default stream). The
     composites' MLX ops and the kernel launches inside it all run on that stream."""
     if stream is None:
-        return contextlib.nullcontext()
+        return _NO_STREAM
     if not isinstance(stream, (mx.Stream, mx.Device, mx.DeviceType)):
         raise TypeError(f"[{op}] stream must be None, an mx.Stream or an mx.Device "
                         f"(mx.cpu, mx.gpu), got {type(stream).__name__}")
@@ -106,12 +109,15 @@ def _key(args: tuple) -> tuple | None:
     a scalar's first entry its type, so no two arguments' entries can be confused); None if
     one is not remembered. The common types first: this runs on every op call."""
     key = []
+    add = key.append
     for a in args:
         t = type(a)
         if t is mx.array:
-            key += (a.shape, a.dtype)
+            add(a.shape)
+            add(a.dtype)
         elif t in _PLAIN:
-            key += (t, a)
+            add(t)
+            add(a)
         else:
             meta = _meta(a)
             if meta is None:

@@ -141,8 +141,12 @@ def x_vjp_function(op: str, forward: Callable, x_vjp: Callable, present: tuple[b
     frozen = _frozen_fn(op, names, present, unmapped)
 
     def full(rest):
+        if all_present:
+            return rest
         it = iter(rest)
         return [next(it) if s else None for s in present] + list(it)
+
+    all_present = all(present)
 
     @mx.custom_function
     def fn(x, *rest):
