@@ -280,6 +280,9 @@ def prepare(spec: KernelSpec, backend: str, *, inputs: Mapping[str, mx.array | N
                     [o[1] for o in outputs.values()], init_value)
 
 
+_GPU = mx.Device(mx.gpu)
+
+
 class Prepared:
     """One kernel launch with its checks made: called with the arrays of the inputs that
     ``prepare`` left None, in order, it dispatches the cached kernel once. What may change
@@ -316,7 +319,7 @@ class Prepared:
 
     def __call__(self, *arrays: mx.array) -> list[mx.array]:
         spec, backend = self.spec, self.backend
-        if self._gpu and mx.default_device() != mx.gpu and _gpu_available():
+        if self._gpu and mx.default_device() != _GPU and _gpu_available():
             # MLX's own refusal ("[custom_kernel] Only supports the GPU") names neither the
             # op nor the way out (without a GPU only stand-in kernels get here: tests of the
             # path)

@@ -86,6 +86,20 @@ def on_stream(op: str, stream):
     return mx.stream(stream)
 
 
+def run_on(stream, fn: Callable) -> Callable:
+    """``fn`` with each call inside ``on_stream``'s context for ``stream`` (one it has
+    accepted): ``fn`` itself for None, which has no context to enter (a plan's per-call
+    path)."""
+    if stream is None:
+        return fn
+
+    def on(*args):
+        with mx.stream(stream):
+            return fn(*args)
+
+    return on
+
+
 _CHECKED_MAX = 4096  # remembered validations per check function (a decode loop needs a few)
 
 

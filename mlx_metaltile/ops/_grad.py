@@ -164,7 +164,11 @@ def x_vjp_function(op: str, forward: Callable, x_vjp: Callable, present: tuple[b
             given += [mx.stop_gradient(a) for a in (x, *watched) if a is not None]
         return fn(x, *frozen(*given), *rest, *watched)
 
-    return call
+    def call_all(x, quantized, watched=()):  # every constant given, none watched
+        (first,) = frozen(*quantized)
+        return fn(x, first, *quantized[1:], *watched)
+
+    return call_all if all_present and unmapped is None else call
 
 
 def sum_to_shape(a: mx.array, shape: tuple[int, ...]) -> mx.array:

@@ -27,6 +27,7 @@ from ._common import (
     quantized_bindings,
     require_array,
     require_float,
+    run_on,
     scalar,
 )
 from ._grad import (
@@ -180,6 +181,7 @@ def _launcher(info: dict, backend: str, dtype: mx.Dtype) -> Callable:
         grid=(tg, -(-n_out // ROWS_PER_THREADGROUP), tokens), threadgroup=(tg, 1, 1),
     )
     out_shape = _out_shape(info)
+    flat = out_shape == (tokens, n_out)
 
     def launch(h, w, scales, biases, indices, scores, bias):
         hs = h.reshape(-1, n_in)
@@ -187,7 +189,7 @@ def _launcher(info: dict, backend: str, dtype: mx.Dtype) -> Callable:
             biases = scales
         (out,) = prepared(hs, w, scales, biases, indices.reshape(-1), scores.reshape(-1),
                           hs if bias is None else bias)  # never read without a bias
-        return out.reshape(out_shape)
+        return out if flat else out.reshape(out_shape)
 
     return launch
 
@@ -266,16 +268,22 @@ def _plan(h, w, scales, biases, indices, scores, bias, group_size, bits, mode, b
     def unpack(primals):
         h, s, *rest = primals
         b = rest[0] if n_float == 3 else None
-        it = iter(rest[n_float - 2:-1])
-        return h, s, b, [next(it) if x else None for x in present], rest[-1]
+        q = rest[n_float - 2:-1]
+        if len(q) < 3:  # fp modes: no biases
+            q = (*q, None)
+        return h, s, b, q, rest[-1]
+
+    def composite(h, w, scales, biases, indices, scores, bias):
+        return _reference(h, w, scales, biases, indices, scores, bias, info)
+
+    # on the call's stream (MLX may trace it again later: backends.launch refuses the
+    # emulator in a trace)
+    forward = run_on(stream, composite if reference else launch)
 
     @mx.custom_function
     def op(*primals):
         h, s, b, (w, scales, biases), ids = unpack(primals)
-        with on_stream(OP, stream):  # backends.launch refuses the emulator in a trace
-            if reference:
-                return _reference(h, w, scales, biases, ids, s, b, info)
-            return launch(h, w, scales, biases, ids, s, b)
+        return forward(h, w, scales, biases, ids, s, b)
 
     @op.vjp
     def op_vjp(primals, cotangent, output):
@@ -285,15 +293,14 @@ def _plan(h, w, scales, biases, indices, scores, bias, group_size, bits, mode, b
             return (*grads, *(mx.zeros_like(a) for a in primals[n_float:]))
 
     def run(h, w, scales, biases, indices, scores, bias):
-        with on_stream(OP, stream):
-            if reference and shapeless_tracing():
-                refuse_shapeless(OP)
-            given = [a for a in (w, scales, biases) if a is not None]
-            rest = given[1:]  # the node passes the first on (_frozen_fn)
-            if reference:  # watched: a mapped input makes the node refuse first
-                given += [mx.stop_gradient(a) for a in (h, indices, scores, bias)
-                          if a is not None]
-            extra = () if bias is None else (bias,)
-            return op(h, scores, *extra, *frozen(*given), *rest, indices)
+        if reference and shapeless_tracing():
+            refuse_shapeless(OP)
+        given = [a for a in (w, scales, biases) if a is not None]
+        rest = given[1:]  # the node passes the first on (_frozen_fn)
+        if reference:  # watched: a mapped input makes the node refuse first
+            given += [mx.stop_gradient(a) for a in (h, indices, scores, bias)
+                      if a is not None]
+        extra = () if bias is None else (bias,)
+        return op(h, scores, *extra, *frozen(*given), *rest, indices)
 
-    return run
+    return run_on(stream, run)

@@ -24,6 +24,7 @@ from ._common import (
     on_stream,
     quantized_bindings,
     require_array,
+    run_on,
     scalar,
 )
 from ._grad import (
@@ -174,7 +175,7 @@ def _launcher(info: dict, backend: str, dtype: mx.Dtype) -> Callable:
         if x_shape is not None:
             x = mx.broadcast_to(x, x_shape)
             indices = mx.broadcast_to(indices, idx_shape)
-        xs = x.reshape(-1, n_in)
+        xs = x if x.ndim == 2 else x.reshape(-1, n_in)  # 2-D: [rows, K] already
         if biases_gate is None:  # fp modes: never read
             biases_gate, biases_up = scales_gate, scales_up
         if bias_gate is None:  # never read (has_bias = 0)
@@ -319,19 +320,30 @@ def _plan(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indic
     frozen = _frozen_fn(OP, _NAMES, present, GATHER_QMM_REASON if reference else None)
     n_bias = 2 if info["has_bias"] else 0
 
+    all_present = all(present)
+
     def unpack(primals):
         x, *rest = primals
-        biases = rest[:n_bias] if n_bias else [None, None]
-        it = iter(rest[n_bias:-1])
-        return x, [next(it) if s else None for s in present], biases, rest[-1]
+        biases = rest[:n_bias] if n_bias else (None, None)
+        q = rest[n_bias:-1]
+        if not all_present:
+            it = iter(q)
+            q = [next(it) if s else None for s in present]
+        return x, q, biases, rest[-1]
+
+    def composite(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
+                  bias_gate, bias_up):
+        return _reference(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up,
+                          indices, bias_gate, bias_up, info)
+
+    # on the call's stream (MLX may trace it again later: backends.launch refuses the
+    # emulator in a trace)
+    forward = run_on(stream, composite if reference else launch)
 
     @mx.custom_function
     def op(*primals):
         x, q, (bg, bu), ids = unpack(primals)
-        with on_stream(OP, stream):  # backends.launch refuses the emulator in a trace
-            if reference:
-                return _reference(x, *q, ids, bg, bu, info)
-            return launch(x, *q, ids, bg, bu)
+        return forward(x, *q, ids, bg, bu)
 
     @op.vjp
     def op_vjp(primals, cotangent, output):
@@ -342,16 +354,15 @@ def _plan(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indic
 
     def run(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
             bias_gate, bias_up):
-        with on_stream(OP, stream):
-            if reference and shapeless_tracing():
-                refuse_shapeless(OP)
-            quantized = (w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up)
-            given = [a for a in quantized if a is not None]
-            rest = given[1:]  # the node passes the first on (_frozen_fn)
-            if reference:  # watched: a mapped input makes the node refuse first
-                given += [mx.stop_gradient(a) for a in (x, indices, bias_gate, bias_up)
-                          if a is not None]
-            biases = (bias_gate, bias_up) if n_bias else ()
-            return op(x, *biases, *frozen(*given), *rest, indices)
+        if reference and shapeless_tracing():
+            refuse_shapeless(OP)
+        quantized = (w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up)
+        given = [a for a in quantized if a is not None]
+        rest = given[1:]  # the node passes the first on (_frozen_fn)
+        if reference:  # watched: a mapped input makes the node refuse first
+            given += [mx.stop_gradient(a) for a in (x, indices, bias_gate, bias_up)
+                      if a is not None]
+        biases = (bias_gate, bias_up) if n_bias else ()
+        return op(x, *biases, *frozen(*given), *rest, indices)
 
-    return run
+    return run_on(stream, run)

@@ -26,6 +26,7 @@ from ._common import (
     memo_plan,
     on_stream,
     quantized_bindings,
+    run_on,
     scalar,
 )
 from ._grad import (
@@ -307,7 +308,8 @@ def _launcher(info: dict, backend: str, dtype: mx.Dtype) -> Callable:
             biases = scales
         # Row-contiguous inputs reshape for free (others are copied by MLX, as the kernel's
         # ensure_row_contiguous would copy them anyway).
-        (out,) = prepared(x.reshape(-1, n_in), w, scales, biases, indices.reshape(-1))
+        xs = x if x.ndim == 2 else x.reshape(-1, n_in)  # 2-D: [rows, K] already
+        (out,) = prepared(xs, w, scales, biases, indices.reshape(-1))
         return out.reshape(out_shape)
 
     return launch
@@ -389,29 +391,26 @@ def _plan(x, w, scales, biases, indices, group_size, bits, mode, backend: str,
     reference = backend == "reference"
     launch = None if reference else _launcher(info, backend, dtype)
 
-    def forward(x, w, scales, biases, indices):
-        with on_stream(OP, stream):
-            if reference:
-                return _reference(x, w, scales, biases, indices, info)
-            return launch(x, w, scales, biases, indices)
+    def composite(x, w, scales, biases, indices):
+        return _reference(x, w, scales, biases, indices, info)
 
     def x_vjp(g, w, scales, biases, indices):  # at backward time: the stream again
-        with on_stream(OP, stream):
-            return _x_vjp(g, w, scales, biases, indices, x_shape, dtype, info)
+        return _x_vjp(g, w, scales, biases, indices, x_shape, dtype, info)
 
+    # The forward and the VJP run on the call's stream (MLX may trace them again later).
     # mx.vmap: the reference composite (mx.gather_qmm) is refused by the constants'
     # wrapper, which watches the other inputs there; a kernel backend's custom kernel by
     # MLX (a refusal here would cost a call).
-    call = x_vjp_function(OP, forward, x_vjp, (True, True, biases is not None),
+    call = x_vjp_function(OP, run_on(stream, composite if reference else launch),
+                          run_on(stream, x_vjp), (True, True, biases is not None),
                           unmapped=GATHER_QMM_REASON if reference else None)
 
     def run(x, w, scales, biases, indices):
-        with on_stream(OP, stream):
-            if reference and shapeless_tracing():
-                refuse_shapeless(OP)
-            return call(x, (w, scales, biases), (indices,))
+        if reference and shapeless_tracing():
+            refuse_shapeless(OP)
+        return call(x, (w, scales, biases), (indices,))
 
-    return run
+    return run_on(stream, run)
 
 
 def _x_vjp(g, w, scales, biases, indices, x_shape, x_dtype, info: dict) -> mx.array:

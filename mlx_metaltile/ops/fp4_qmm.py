@@ -38,6 +38,7 @@ from ._common import (
     require_float,
     resolve_sizes,
     round_up,
+    run_on,
     scalar,
 )
 from ._grad import shapeless_tracing, x_vjp_function
@@ -419,27 +420,30 @@ def _plan(x, w, scales, group_size, mode, variant, backend: str, stream) -> Call
     launch = None if spec is None or m == 0 else _launcher(
         spec, m, n, k, scale_mode, group_size, dtype, scales.dtype, backend)
 
+    flat = len(out_shape) == 2  # x [M, K]: no reshape around the kernel
+
     def forward(x, w, scales):
-        with on_stream(OP, stream):
-            if spec is None:
-                return _reference(x, w, scales, group_size, scale_mode)
-            if m == 0:
-                return mx.zeros(out_shape, dtype=x.dtype)
-            return launch(x.reshape(m, k), w, scales).reshape(out_shape)
+        if spec is None:
+            return _reference(x, w, scales, group_size, scale_mode)
+        if m == 0:
+            return mx.zeros(out_shape, dtype=x.dtype)
+        if flat:
+            return launch(x, w, scales)
+        return launch(x.reshape(m, k), w, scales).reshape(out_shape)
 
     def x_vjp(g, w, scales):  # run at backward time: the stream again
-        with on_stream(OP, stream):
-            # dx = g @ W: the transposed product on the forward's decoded weights, float32.
-            wdq = _dequantize(w, scales, group_size, scale_mode, WEIGHT_FACTOR)
-            dx = mx.matmul(g.astype(mx.float32), wdq) * (1.0 / WEIGHT_FACTOR)
-            return dx.astype(dtype)
+        # dx = g @ W: the transposed product on the forward's decoded weights, float32.
+        wdq = _dequantize(w, scales, group_size, scale_mode, WEIGHT_FACTOR)
+        dx = mx.matmul(g.astype(mx.float32), wdq) * (1.0 / WEIGHT_FACTOR)
+        return dx.astype(dtype)
 
-    call = x_vjp_function(OP, forward, x_vjp, (True, True), names=("w", "scales"))
+    forward = run_on(stream, forward)  # MLX may trace it again later: the stream again
+    call = x_vjp_function(OP, forward, run_on(stream, x_vjp), (True, True),
+                          names=("w", "scales"))
 
     def run(x, w, scales):
-        with on_stream(OP, stream):
-            if spec is None and shapeless_tracing():  # MLX's autodiff of the composite
-                return forward(x, w, scales)
-            return call(x, (w, scales))
+        if spec is None and shapeless_tracing():  # MLX's autodiff of the composite
+            return forward(x, w, scales)
+        return call(x, (w, scales))
 
-    return run
+    return run_on(stream, run)

@@ -23,6 +23,7 @@ from ._common import (
     require_finite_scalar,
     require_float,
     round_up,
+    run_on,
     scalar,
 )
 from ._grad import shapeless_tracing
@@ -241,12 +242,11 @@ def _plan(y, z, weight, eps, backend: str, stream) -> Callable:
     reference = backend == "reference"
     launch = None if reference else _launcher(n, rows, eps, shape, dtype, backend)
 
-    @mx.custom_function
-    def op(y, z, weight):
-        with on_stream(OP, stream):
-            if reference:
-                return _reference(y, z, weight, eps)
-            return launch(y, z, weight)
+    def composite(y, z, weight):
+        return _reference(y, z, weight, eps)
+
+    # on the call's stream (MLX may trace it again later)
+    op = mx.custom_function(run_on(stream, composite if reference else launch))
 
     @op.vjp
     def op_vjp(primals, cotangent, output):
@@ -256,12 +256,11 @@ def _plan(y, z, weight, eps, backend: str, stream) -> Callable:
             return _launch_backward(*primals, cotangent, n, rows, eps, backend)
 
     def run(y, z, weight):
-        with on_stream(OP, stream):
-            if reference and shapeless_tracing():  # no custom function (MLX cannot trace
-                return _reference(y, z, weight, eps)  # one shapeless): MLX's autodiff
-            return op(y, z, weight)
+        if reference and shapeless_tracing():  # no custom function (MLX cannot trace
+            return _reference(y, z, weight, eps)  # one shapeless): MLX's autodiff
+        return op(y, z, weight)
 
-    return run
+    return run_on(stream, run)
 
 
 def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float = 1e-5, *,

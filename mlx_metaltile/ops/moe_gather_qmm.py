@@ -35,6 +35,7 @@ from ._common import (
     on_stream,
     quantized_bindings,
     require_ndim,
+    run_on,
     scalar,
 )
 from ._grad import shapeless_tracing, sum_to_shape, x_vjp_function
@@ -367,41 +368,40 @@ def _plan(x, w, scales, biases, indices, group_size, bits, mode, sorted_indices,
         spec, M, N, K, E, group_size, bits, mode, dtype, backend)
 
     def forward(x, w, scales, biases, indices):
-        with on_stream(OP, stream):
-            if launch is None:
-                return _reference(x, w, scales, biases, indices, lead, M, N, E, group_size,
-                                  bits, mode)
-            if lead is None:
-                return launch(x, w, scales, biases, indices)
-            out_shape = (*lead, x.shape[-2], N)
-            rows, ids = _rows(x, indices, lead)
-            if sorted_indices or M < 2:
-                return launch(rows, w, scales, biases, ids).reshape(out_shape)
-            order = mx.argsort(ids)  # rows of one expert adjacent: each tile reads it once
-            out = launch(rows[order], w, scales, biases, ids[order])
-            return out[mx.argsort(order)].reshape(out_shape)
+        if launch is None:
+            return _reference(x, w, scales, biases, indices, lead, M, N, E, group_size,
+                              bits, mode)
+        out_shape = (*lead, x.shape[-2], N)
+        rows, ids = _rows(x, indices, lead)
+        if sorted_indices or M < 2:
+            return launch(rows, w, scales, biases, ids).reshape(out_shape)
+        order = mx.argsort(ids)  # rows of one expert adjacent: each tile reads it once
+        out = launch(rows[order], w, scales, biases, ids[order])
+        return out[mx.argsort(order)].reshape(out_shape)
 
     def x_vjp(g, w, scales, biases, indices):  # at backward time: the stream again
-        with on_stream(OP, stream):
-            if lead is None:
-                return _x_vjp(g, w, scales, biases, indices, E, group_size, bits, mode, dtype)
-            # mx.gather_qmm's form: the rows' gradients, summed over the axes x was
-            # broadcast along (in float32).
-            ids = _row_ids(indices, lead, x_shape[-2])
-            d = _x_vjp(g.reshape(-1, N), w, scales, biases, ids, E, group_size, bits, mode,
-                       dtype, out_dtype=mx.float32)
-            d = d.reshape(*lead, x_shape[-2], K)
-            return sum_to_shape(d, x_shape).astype(dtype)
+        if lead is None:
+            return _x_vjp(g, w, scales, biases, indices, E, group_size, bits, mode, dtype)
+        # mx.gather_qmm's form: the rows' gradients, summed over the axes x was
+        # broadcast along (in float32).
+        ids = _row_ids(indices, lead, x_shape[-2])
+        d = _x_vjp(g.reshape(-1, N), w, scales, biases, ids, E, group_size, bits, mode,
+                   dtype, out_dtype=mx.float32)
+        d = d.reshape(*lead, x_shape[-2], K)
+        return sum_to_shape(d, x_shape).astype(dtype)
 
+    if launch is not None and lead is None:  # rows: the kernel's own layout
+        forward = launch
+    # The forward and the VJP run on the call's stream (MLX may trace them again later).
+    forward, x_vjp = run_on(stream, forward), run_on(stream, x_vjp)
     present = (True, True, biases is not None)
     if spec is not None:  # mx.vmap: MLX refuses the custom kernel itself
         call = x_vjp_function(OP, forward, x_vjp, present)
 
         def run(x, w, scales, biases, indices):
-            with on_stream(OP, stream):
-                return call(x, (w, scales, biases), (indices,))
+            return call(x, (w, scales, biases), (indices,))
 
-        return run
+        return run_on(stream, run)
     # mx.vmap: the composite maps unless it takes mx.gather_mm (more ids than experts),
     # which MLX cannot map: then the constants' wrapper refuses.
     gather_mm = None if n_ids <= E else (
@@ -411,19 +411,18 @@ def _plan(x, w, scales, biases, indices, group_size, bits, mode, sorted_indices,
     call = x_vjp_function(OP, forward, x_vjp, present, unmapped=gather_mm)
 
     def run_reference(x, w, scales, biases, indices):
-        with on_stream(OP, stream):
-            if shapeless_tracing():
-                if lead is not None and n_ids > E:
-                    raise ValueError(
-                        f"[{OP}] mx.compile(shapeless=True) of mx.gather_qmm's form with more "
-                        f"ids ({n_ids}) than experts ({E}) is not supported on the "
-                        "reference backend: its composite's mx.gather_mm fixes its default "
-                        "lhs_indices at the trace (MLX 0.32); pass rows (2-D x) or compile "
-                        "without shapeless=True")
-                return forward(x, w, scales, biases, indices)
-            return call(x, (w, scales, biases), (indices,))
+        if shapeless_tracing():
+            if lead is not None and n_ids > E:
+                raise ValueError(
+                    f"[{OP}] mx.compile(shapeless=True) of mx.gather_qmm's form with more "
+                    f"ids ({n_ids}) than experts ({E}) is not supported on the "
+                    "reference backend: its composite's mx.gather_mm fixes its default "
+                    "lhs_indices at the trace (MLX 0.32); pass rows (2-D x) or compile "
+                    "without shapeless=True")
+            return forward(x, w, scales, biases, indices)
+        return call(x, (w, scales, biases), (indices,))
 
-    return run_reference
+    return run_on(stream, run_reference)
 
 
 def _x_vjp(g, w, scales, biases, indices, E, group_size, bits, mode, dtype,

@@ -28,6 +28,7 @@ from ._common import (
     require_array,
     require_finite_scalar,
     require_float,
+    run_on,
     scalar,
 )
 from ._grad import sum_to_shape
@@ -707,10 +708,12 @@ def _plan(q, k, v, scale, causal, kv_len, mask, sinks, backend: str, stream) -> 
         return replace(pc, sinks=sinks, mask=next(it) if additive else pc.mask)
 
     def build(pc: _Problem):
-        @mx.custom_function
-        def op(q, k, v, *rest):
-            with on_stream(OP, stream):  # backends.launch refuses the emulator in a trace
-                return launch(q, k, v, problem(pc, rest))
+        def forward(q, k, v, *rest):
+            return launch(q, k, v, problem(pc, rest))
+
+        # on the call's stream (MLX may trace it again later: backends.launch refuses the
+        # emulator in a trace)
+        op = mx.custom_function(run_on(stream, forward))
 
         @op.vjp
         def op_vjp(primals, cotangent, output):
@@ -727,10 +730,9 @@ def _plan(q, k, v, scale, causal, kv_len, mask, sinks, backend: str, stream) -> 
     shared = None if closes else build(p)
 
     def run(q, k, v, kv_len, mask, sinks):
-        with on_stream(OP, stream):  # the mask's and sinks' casts run on the stream too
-            pc = problem_of(kv_len, mask, sinks)
-            op = shared or build(pc)
-            extra = [a for a in (pc.sinks, pc.mask if additive else None) if a is not None]
-            return op(q, k, v, *extra)
+        pc = problem_of(kv_len, mask, sinks)
+        op = shared or build(pc)
+        extra = [a for a in (pc.sinks, pc.mask if additive else None) if a is not None]
+        return op(q, k, v, *extra)
 
-    return run
+    return run_on(stream, run)  # the mask's and sinks' casts run on the stream too
