@@ -187,7 +187,7 @@ def _launcher(info: dict, backend: str, dtype: mx.Dtype) -> Callable:
         hs = h.reshape(-1, n_in)
         if biases is None:  # fp modes: never read
             biases = scales
-        (out,) = prepared(hs, w, scales, biases, indices.reshape(-1), scores.reshape(-1),
+        (out,) = prepared(hs, w, scales, biases, indices.flatten(), scores.flatten(),
                           hs if bias is None else bias)  # never read without a bias
         return out if flat else out.reshape(out_shape)
 
@@ -266,12 +266,10 @@ def _plan(h, w, scales, biases, indices, scores, bias, group_size, bits, mode, b
     n_float = 3 if info["has_bias"] else 2
 
     def unpack(primals):
-        h, s, *rest = primals
-        b = rest[0] if n_float == 3 else None
-        q = rest[n_float - 2:-1]
+        q = primals[n_float:-1]
         if len(q) < 3:  # fp modes: no biases
             q = (*q, None)
-        return h, s, b, q, rest[-1]
+        return primals[0], primals[1], primals[2] if n_float == 3 else None, q, primals[-1]
 
     def composite(h, w, scales, biases, indices, scores, bias):
         return _reference(h, w, scales, biases, indices, scores, bias, info)
@@ -293,6 +291,11 @@ def _plan(h, w, scales, biases, indices, scores, bias, group_size, bits, mode, b
             return (*grads, *(mx.zeros_like(a) for a in primals[n_float:]))
 
     def run(h, w, scales, biases, indices, scores, bias):
+        if not reference and biases is not None:  # the common case, without list building
+            (first,) = frozen(w, scales, biases)
+            if bias is None:
+                return op(h, scores, first, scales, biases, indices)
+            return op(h, scores, bias, first, scales, biases, indices)
         if reference and shapeless_tracing():
             refuse_shapeless(OP)
         given = [a for a in (w, scales, biases) if a is not None]

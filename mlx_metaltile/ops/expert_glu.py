@@ -181,7 +181,7 @@ def _launcher(info: dict, backend: str, dtype: mx.Dtype) -> Callable:
         if bias_gate is None:  # never read (has_bias = 0)
             bias_gate = bias_up = xs
         (out,) = prepared(xs, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up,
-                          bias_gate, bias_up, indices.reshape(-1))
+                          bias_gate, bias_up, indices.flatten())
         return out.reshape(out_shape)
 
     return launch
@@ -323,13 +323,12 @@ def _plan(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indic
     all_present = all(present)
 
     def unpack(primals):
-        x, *rest = primals
-        biases = rest[:n_bias] if n_bias else (None, None)
-        q = rest[n_bias:-1]
+        biases = primals[1:1 + n_bias] if n_bias else (None, None)
+        q = primals[1 + n_bias:-1]
         if not all_present:
             it = iter(q)
             q = [next(it) if s else None for s in present]
-        return x, q, biases, rest[-1]
+        return primals[0], q, biases, primals[-1]
 
     def composite(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
                   bias_gate, bias_up):
@@ -354,6 +353,10 @@ def _plan(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indic
 
     def run(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
             bias_gate, bias_up):
+        if not reference and all_present:  # the common case, without list building
+            (first,) = frozen(w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up)
+            return op(x, *((bias_gate, bias_up) if n_bias else ()), first, scales_gate,
+                      biases_gate, w_up, scales_up, biases_up, indices)
         if reference and shapeless_tracing():
             refuse_shapeless(OP)
         quantized = (w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up)
