@@ -8,7 +8,7 @@ reads the same on every executor. A subclass runs a checked ``Launch`` in ``_run
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -18,9 +18,9 @@ from .signature import template_arg
 MAX_THREADS_PER_THREADGROUP = 1024
 
 
-@dataclass(frozen=True)
-class Launch:
-    """One call's arguments, checked."""
+class Launch(NamedTuple):
+    """One call's arguments, checked (a named tuple: made on every launch, 4x cheaper than
+    a frozen dataclass)."""
 
     inputs: list[mx.array]
     output_shapes: list[tuple[int, ...]]
