@@ -139,14 +139,13 @@ def x_vjp_function(op: str, forward: Callable, x_vjp: Callable, present: tuple[b
     watched=watched, names=names, unmapped=unmapped)`` for the quantized arrays whose None
     pattern is ``present``."""
     frozen = _frozen_fn(op, names, present, unmapped)
+    all_present = all(present)
 
     def full(rest):
         if all_present:
             return rest
         it = iter(rest)
         return [next(it) if s else None for s in present] + list(it)
-
-    all_present = all(present)
 
     @mx.custom_function
     def fn(x, *rest):

@@ -187,7 +187,7 @@ def _launcher(info: dict, backend: str, dtype: mx.Dtype) -> Callable:
         hs = h.reshape(-1, n_in)
         if biases is None:  # fp modes: never read
             biases = scales
-        (out,) = prepared(hs, w, scales, biases, indices.flatten(), scores.flatten(),
+        (out,) = prepared(hs, w, scales, biases, indices.reshape(-1), scores.reshape(-1),
                           hs if bias is None else bias)  # never read without a bias
         return out if flat else out.reshape(out_shape)
 

@@ -181,7 +181,7 @@ def _launcher(info: dict, backend: str, dtype: mx.Dtype) -> Callable:
         if bias_gate is None:  # never read (has_bias = 0)
             bias_gate = bias_up = xs
         (out,) = prepared(xs, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up,
-                          bias_gate, bias_up, indices.flatten())
+                          bias_gate, bias_up, indices.reshape(-1))
         return out.reshape(out_shape)
 
     return launch

@@ -309,7 +309,7 @@ def _launcher(info: dict, backend: str, dtype: mx.Dtype) -> Callable:
         # Row-contiguous inputs reshape for free (others are copied by MLX, as the kernel's
         # ensure_row_contiguous would copy them anyway).
         xs = x if x.ndim == 2 else x.reshape(-1, n_in)  # 2-D: [rows, K] already
-        (out,) = prepared(xs, w, scales, biases, indices.flatten())
+        (out,) = prepared(xs, w, scales, biases, indices.reshape(-1))
         return out.reshape(out_shape)
 
     return launch
