@@ -113,7 +113,7 @@ class MetalKernel:
                     output_dtypes: list[mx.Dtype], grid: tuple[int, int, int],
                     threadgroup: tuple[int, int, int], template: list[tuple[str, object]],
                     init_value: float | None = None) -> list[mx.array]:
-        """Run arguments that ``backends.launch`` has already checked against the kernel's
+        """Run arguments that ``backends.prepare`` has already checked against the kernel's
         spec and the geometry rules (the per-call path of every op): the same ``_run``
         without repeating ``__call__``'s argument checks, which cost more than the launch
         itself on a fast GPU."""

@@ -274,7 +274,7 @@ def _plan(h, w, scales, biases, indices, scores, bias, group_size, bits, mode, b
     def composite(h, w, scales, biases, indices, scores, bias):
         return _reference(h, w, scales, biases, indices, scores, bias, info)
 
-    # on the call's stream (MLX may trace it again later: backends.launch refuses the
+    # on the call's stream (MLX may trace it again later: a kernel launch refuses the
     # emulator in a trace)
     forward = run_on(stream, composite if reference else launch)
 

@@ -335,7 +335,7 @@ def _plan(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indic
         return _reference(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up,
                           indices, bias_gate, bias_up, info)
 
-    # on the call's stream (MLX may trace it again later: backends.launch refuses the
+    # on the call's stream (MLX may trace it again later: a kernel launch refuses the
     # emulator in a trace)
     forward = run_on(stream, composite if reference else launch)
 

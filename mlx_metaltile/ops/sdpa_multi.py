@@ -711,7 +711,7 @@ def _plan(q, k, v, scale, causal, kv_len, mask, sinks, backend: str, stream) -> 
         def forward(q, k, v, *rest):
             return launch(q, k, v, problem(pc, rest))
 
-        # on the call's stream (MLX may trace it again later: backends.launch refuses the
+        # on the call's stream (MLX may trace it again later: a kernel launch refuses the
         # emulator in a trace)
         op = mx.custom_function(run_on(stream, forward))
 
