@@ -100,7 +100,7 @@ def run_on(stream, fn: Callable) -> Callable:
     return on
 
 
-_CHECKED_MAX = 4096  # remembered validations per check function (a decode loop needs a few)
+_CHECKED_MAX = 4096  # remembered results per check or plan function (a decode loop needs a few)
 
 
 def _meta(value):
@@ -187,7 +187,9 @@ def _memo(fn: Callable, keep: Callable) -> Callable:
         except TypeError:  # an unhashable value inside (a NumPy array scalar, say)
             return fn(*args)
         result = fn(*args)
-        if len(memo) < _CHECKED_MAX and keep(result):
+        if keep(result):
+            if len(memo) >= _CHECKED_MAX:  # forget the oldest: a decode loop's kv_len grows
+                del memo[next(iter(memo))]  # by one a token, a new key each time
             memo[key] = result
         return result
 
