@@ -731,7 +731,7 @@ def _plan(q, k, v, scale, causal, kv_len, mask, sinks, backend: str, stream) -> 
 
     def run(q, k, v, kv_len, mask, sinks):
         pc = problem_of(kv_len, mask, sinks)
-        op = shared or build(pc)
+        op = build(pc) if shared is None else shared
         extra = [a for a in (pc.sinks, pc.mask if additive else None) if a is not None]
         return op(q, k, v, *extra)
 
