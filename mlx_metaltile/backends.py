@@ -253,6 +253,20 @@ def launch(spec: KernelSpec, backend: str, *, inputs: Mapping[str, mx.array],
     """Check the arguments against ``spec`` and the geometry, then dispatch the cached
     kernel once. ``inputs``, ``template`` and ``outputs`` (name -> (shape, dtype)) are keyed
     by the spec's names, in its order (the order the kernel takes them)."""
+    return prepare(spec, backend, inputs=dict.fromkeys(inputs), template=template,
+                   outputs=outputs, grid=grid, threadgroup=threadgroup,
+                   threadgroup_memory=threadgroup_memory,
+                   init_value=init_value)(*inputs.values())
+
+
+def prepare(spec: KernelSpec, backend: str, *, inputs: Mapping[str, mx.array | None],
+            template: Mapping[str, Any], outputs: Mapping[str, tuple[Sequence[int], mx.Dtype]],
+            grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
+            threadgroup_memory: int = 0, init_value: float | None = None) -> Prepared:
+    """``launch``'s checks, made once: the returned ``Prepared`` dispatches with only the
+    arrays that change between calls. ``inputs`` maps each of the spec's inputs to a
+    constant array (a runtime scalar, say) or to None, an input given per call; the rest
+    as ``launch``'s."""
     if tuple(inputs) != spec.input_names or tuple(template) != spec.params \
             or tuple(outputs) != spec.output_names:
         raise ValueError(
@@ -261,24 +275,67 @@ def launch(spec: KernelSpec, backend: str, *, inputs: Mapping[str, mx.array],
             f"{tuple(inputs)}, {tuple(template)} and {tuple(outputs)}")
     grid, threadgroup = tuple(grid), tuple(threadgroup)
     _geometry_checked(spec.op, grid, threadgroup, threadgroup_memory)
-    if backend in GPU_BACKENDS and mx.default_device() != mx.gpu and _gpu_available():
-        # MLX's own refusal ("[custom_kernel] Only supports the GPU") names neither the op
-        # nor the way out (without a GPU only stand-in kernels get here: tests of the path)
-        raise ValueError(f"[{spec.op}] the {backend} backend runs kernels on the GPU, got a "
-                         f"stream on {mx.default_device()}; pass a GPU stream or device, or "
-                         "use the reference backend for the CPU")
-    kernel = get_kernel(spec, backend)
-    _launches[(backend, spec.name)] += 1
-    outs = tuple(outputs.values())
-    shapes = [tuple(map(int, o[0])) for o in outs]
-    dtypes = [o[1] for o in outs]
-    try:
-        if isinstance(kernel, MetalKernel):  # emulator, cuda: checked above, run directly
-            return kernel.run_checked(list(inputs.values()), shapes, dtypes, grid, threadgroup,
-                                      list(template.items()), init_value)
-        return kernel(inputs=list(inputs.values()), template=list(template.items()), grid=grid,
-                      threadgroup=threadgroup, output_shapes=shapes, output_dtypes=dtypes,
-                      init_value=init_value)
-    except (ValueError, RuntimeError) as err:
-        _raise_if_traced(spec.op, backend, err)
-        raise
+    return Prepared(spec, backend, dict(inputs), dict(template), grid, threadgroup,
+                    [tuple(map(int, o[0])) for o in outputs.values()],
+                    [o[1] for o in outputs.values()], init_value)
+
+
+_GPU = mx.Device(mx.gpu)
+
+
+class Prepared:
+    """One kernel launch with its checks made: called with the arrays of the inputs that
+    ``prepare`` left None, in order, it dispatches the cached kernel once. What may change
+    between calls is read per call: the stream's device, the kernel object (a template
+    override swaps it), the launch counters."""
+
+    __slots__ = ("spec", "backend", "template", "_inputs", "_slots", "_tail", "_key", "_gpu",
+                 "_template", "_grid", "_threadgroup", "_shapes", "_dtypes", "_init_value")
+
+    def __init__(self, spec: KernelSpec, backend: str, inputs: dict[str, mx.array | None],
+                 template: dict[str, Any], grid: tuple[int, int, int],
+                 threadgroup: tuple[int, int, int], shapes: list[tuple[int, ...]],
+                 dtypes: list[mx.Dtype], init_value: float | None):
+        self.spec, self.backend, self.template = spec, backend, template
+        self._inputs = list(inputs.values())
+        self._slots = tuple(i for i, a in enumerate(self._inputs) if a is None)
+        # the usual layout: the per-call arrays first, then the constants
+        self._tail = (None if self._slots != tuple(range(len(self._slots)))
+                      else self._inputs[len(self._slots):])
+        self._key = (backend, spec.name)
+        self._gpu = backend in GPU_BACKENDS
+        self._template = list(template.items())
+        self._grid, self._threadgroup = grid, threadgroup
+        self._shapes, self._dtypes, self._init_value = shapes, dtypes, init_value
+
+    def bind(self, arrays: Sequence[mx.array]) -> list[mx.array]:
+        """Every input of the kernel, in its order: the constants and ``arrays``."""
+        if self._tail is not None and len(arrays) == len(self._slots):
+            return [*arrays, *self._tail]
+        inputs = self._inputs.copy()
+        for i, a in zip(self._slots, arrays, strict=True):
+            inputs[i] = a
+        return inputs
+
+    def __call__(self, *arrays: mx.array) -> list[mx.array]:
+        spec, backend = self.spec, self.backend
+        if self._gpu and mx.default_device() != _GPU and _gpu_available():
+            # MLX's own refusal ("[custom_kernel] Only supports the GPU") names neither the
+            # op nor the way out (without a GPU only stand-in kernels get here: tests of the
+            # path)
+            raise ValueError(f"[{spec.op}] the {backend} backend runs kernels on the GPU, got "
+                             f"a stream on {mx.default_device()}; pass a GPU stream or device, "
+                             "or use the reference backend for the CPU")
+        inputs = self.bind(arrays)
+        kernel = get_kernel(spec, backend)
+        _launches[self._key] += 1
+        try:
+            if isinstance(kernel, MetalKernel):  # emulator, cuda: checked above, run directly
+                return kernel.run_checked(inputs, self._shapes, self._dtypes, self._grid,
+                                          self._threadgroup, self._template, self._init_value)
+            return kernel(inputs=inputs, template=self._template, grid=self._grid,
+                          threadgroup=self._threadgroup, output_shapes=self._shapes,
+                          output_dtypes=self._dtypes, init_value=self._init_value)
+        except (ValueError, RuntimeError) as err:
+            _raise_if_traced(spec.op, backend, err)
+            raise

@@ -73,19 +73,19 @@ def dispatches(fn, *args) -> Counter:
     them then). The arguments must be evaluated; the result is left unevaluated."""
     found: Counter = Counter()
     eager = backends.resolve_backend() not in backends.GPU_BACKENDS
-    launch = backends.launch
+    call = backends.Prepared.__call__
 
-    def counted(spec, backend, *, inputs, **kwargs):
+    def counted(prepared, *arrays):
         if eager:
-            found.update(_graph_primitives(inputs.values()))
-            found[f"kernel:{spec.op}"] += 1
-        return launch(spec, backend, inputs=inputs, **kwargs)
+            found.update(_graph_primitives(prepared.bind(arrays)))
+            found[f"kernel:{prepared.spec.op}"] += 1
+        return call(prepared, *arrays)
 
-    backends.launch = counted
+    backends.Prepared.__call__ = counted
     try:
         out = fn(*args)
     finally:
-        backends.launch = launch
+        backends.Prepared.__call__ = call
     found.update(_graph_primitives(out if isinstance(out, list | tuple) else [out]))
     for name in _NO_DISPATCH:
         found.pop(name, None)

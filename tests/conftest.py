@@ -24,19 +24,30 @@ from support import (
 )
 
 from mlx_metaltile import backends
+from mlx_metaltile.ops._common import clear_plans
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans():
+    """Each test starts with no remembered op plans: a test that replaces an op's helpers,
+    constants or launcher sees them used (a plan reads them once, when it is built)."""
+    clear_plans()
+    yield
+    clear_plans()
 
 
 @pytest.fixture
 def poisoned_outputs(monkeypatch):
     """Every kernel output starts as NaN on every kernel backend (not only through the
     emulator's own poison), so an element a kernel never writes fails its oracle."""
-    real_launch = backends.launch
+    real_prepare = backends.prepare
 
-    def launch(*args, **kwargs):
+    def prepare(*args, **kwargs):
         kwargs["init_value"] = float("nan")
-        return real_launch(*args, **kwargs)
+        return real_prepare(*args, **kwargs)
 
-    monkeypatch.setattr(backends, "launch", launch)
+    monkeypatch.setattr(backends, "prepare", prepare)
+    clear_plans()
 
 
 @pytest.fixture(params=backend_params(*KERNEL_BACKENDS))

@@ -8,7 +8,7 @@ reads the same on every executor. A subclass runs a checked ``Launch`` in ``_run
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -18,9 +18,9 @@ from .signature import template_arg
 MAX_THREADS_PER_THREADGROUP = 1024
 
 
-@dataclass(frozen=True)
-class Launch:
-    """One call's arguments, checked."""
+class Launch(NamedTuple):
+    """One call's arguments, checked (a named tuple: made on every launch, 4x cheaper than
+    a frozen dataclass)."""
 
     inputs: list[mx.array]
     output_shapes: list[tuple[int, ...]]
@@ -113,7 +113,7 @@ class MetalKernel:
                     output_dtypes: list[mx.Dtype], grid: tuple[int, int, int],
                     threadgroup: tuple[int, int, int], template: list[tuple[str, object]],
                     init_value: float | None = None) -> list[mx.array]:
-        """Run arguments that ``backends.launch`` has already checked against the kernel's
+        """Run arguments that ``backends.prepare`` has already checked against the kernel's
         spec and the geometry rules (the per-call path of every op): the same ``_run``
         without repeating ``__call__``'s argument checks, which cost more than the launch
         itself on a fast GPU."""

@@ -71,30 +71,73 @@ def as_bool(op: str, name: str, value) -> bool:
     return bool(value)
 
 
+_NO_STREAM = contextlib.nullcontext()  # reentrant and stateless: one serves every call
+
+
 def on_stream(op: str, stream):
     """The context an op call runs in: MLX's StreamOrDevice (None: the default stream; an
     mx.Stream; an mx.Device or mx.cpu / mx.gpu: that device's default stream). The
     composites' MLX ops and the kernel launches inside it all run on that stream."""
     if stream is None:
-        return contextlib.nullcontext()
+        return _NO_STREAM
     if not isinstance(stream, (mx.Stream, mx.Device, mx.DeviceType)):
         raise TypeError(f"[{op}] stream must be None, an mx.Stream or an mx.Device "
                         f"(mx.cpu, mx.gpu), got {type(stream).__name__}")
     return mx.stream(stream)
 
 
-_CHECKED_MAX = 4096  # remembered validations per check function (a decode loop needs a few)
+def run_on(stream, fn: Callable) -> Callable:
+    """``fn`` with each call inside ``on_stream``'s context for ``stream`` (one it has
+    accepted): ``fn`` itself for None, which has no context to enter (a plan's per-call
+    path)."""
+    if stream is None:
+        return fn
+
+    def on(*args):
+        with mx.stream(stream):
+            return fn(*args)
+
+    return on
+
+
+_CHECKED_MAX = 4096  # remembered results per check or plan function (a decode loop needs a few)
 
 
 def _meta(value):
     """What a check may read of one argument: an array's shape and dtype (never its values:
-    that would be a host sync), a scalar's type and value; None (unhashable) for anything
-    else, whose call is then not remembered."""
+    that would be a host sync), a scalar's type and value, a stream or device itself; None
+    (unhashable) for anything else, whose call is then not remembered."""
     if isinstance(value, mx.array):
         return (value.shape, value.dtype)
-    if value is None or isinstance(value, (str, int, float, np.generic)):
+    if value is None or isinstance(value, (str, int, float, np.generic, *_PLACES)):
         return (type(value), value)
     return None
+
+
+_PLACES = (mx.Stream, mx.Device, mx.DeviceType)  # an op's stream= (only plans' keys hold one)
+_PLAIN = frozenset((str, int, float, bool, type(None)))
+
+
+def _key(args: tuple) -> tuple | None:
+    """``_meta`` of every argument, flattened (two entries each: an array's shape is a tuple,
+    a scalar's first entry its type, so no two arguments' entries can be confused); None if
+    one is not remembered. The common types first: this runs on every op call."""
+    key = []
+    add = key.append
+    for a in args:
+        t = type(a)
+        if t is mx.array:
+            add(a.shape)
+            add(a.dtype)
+        elif t in _PLAIN:
+            add(t)
+            add(a)
+        else:
+            meta = _meta(a)
+            if meta is None:
+                return None
+            key += meta
+    return tuple(key)
 
 
 def memo_check(check: Callable) -> Callable:
@@ -104,26 +147,55 @@ def memo_check(check: Callable) -> Callable:
     per-call cost of an op in a decode loop is its checks, several times the launch. A call
     that raises is not remembered (it raises again next time); a result holding an array is
     never remembered."""
+    return _memo(check, keep=lambda result: not _holds_array(result))
+
+
+_PLANS: list[dict] = []  # every memo_plan's memory (clear_plans empties them)
+
+
+def memo_plan(build: Callable) -> Callable:
+    """``build`` (an op's plan for one call: everything derived from the arguments' shapes,
+    dtypes and scalar values, with the backend and stream passed in as arguments: checks,
+    geometry, prepared launches, the op's custom function) remembered per distinct
+    positional arguments, as ``memo_check``'s, so that a repeat call only binds its arrays.
+    A plan may hold arrays it made itself from that metadata (runtime scalars), never an
+    argument array or anything computed from one. A call that raises is not remembered."""
+    memo = _memo(build, keep=lambda result: True)
+    _PLANS.append(memo.memory)
+    return memo
+
+
+def clear_plans() -> None:
+    """Forget every op's plans (the next call of each builds its plan again): for code that
+    replaces an op's helpers or constants, which plans read once."""
+    for memory in _PLANS:
+        memory.clear()
+
+
+def _memo(fn: Callable, keep: Callable) -> Callable:
     memo: dict = {}
 
-    @functools.wraps(check)
-    def checked(*args, **kwargs):
-        key = tuple(_meta(a) for a in args)
-        if kwargs or None in key:
-            return check(*args, **kwargs)
+    @functools.wraps(fn)
+    def remembered(*args, **kwargs):
+        key = _key(args)
+        if kwargs or key is None:
+            return fn(*args, **kwargs)
         try:
             return memo[key]
         except KeyError:
             pass
         except TypeError:  # an unhashable value inside (a NumPy array scalar, say)
-            return check(*args)
-        result = check(*args)
-        if len(memo) < _CHECKED_MAX and not _holds_array(result):
+            return fn(*args)
+        result = fn(*args)
+        if keep(result):
+            if len(memo) >= _CHECKED_MAX:  # forget the oldest: a decode loop's kv_len grows
+                del memo[next(iter(memo))]  # by one a token, a new key each time
             memo[key] = result
         return result
 
-    checked.cache_clear = memo.clear
-    return checked
+    remembered.cache_clear = memo.clear
+    remembered.memory = memo
+    return remembered
 
 
 def _holds_array(value) -> bool:

@@ -41,18 +41,21 @@ _PROBE = mx.zeros((1,))
 @functools.cache
 def _frozen_fn(op: str, names: tuple[str, ...], present: tuple[bool, ...],
                unmapped: str | None) -> Callable:
-    """Identity on the arrays ``names`` that are ``present`` (more inputs after them only
-    make it a node of the vmap), with a VJP that raises: MLX calls it only when a gradient
-    w.r.t. one of them is asked for. Under ``mx.vmap`` it refuses a mapped one of them, then
-    ``unmapped`` (why the op cannot be mapped on this backend) if given. One per (op, names,
-    None pattern, reason): cheap per call."""
+    """A node over the arrays ``names`` that are ``present`` (more inputs after them only
+    make it a node of the vmap) whose one output is the first of them unchanged, with a VJP
+    that raises: MLX calls it when a gradient w.r.t. any of its inputs is asked for (the
+    op takes that output in place of the first array and the others directly: each of them
+    reaches the op's output through this node too). One output, not one per array: MLX's
+    custom function costs about 2 us per output. Under ``mx.vmap`` it refuses a mapped one
+    of them, then ``unmapped`` (why the op cannot be mapped on this backend) if given. One
+    per (op, names, None pattern, reason): cheap per call."""
     if len(names) != len(present):  # unnamed by the caller: by position
         names = tuple(f"quantized input {i}" for i in range(len(present)))
     names = tuple(n for n, p in zip(names, present, strict=True) if p)
 
     @mx.custom_function
     def frozen(*a):
-        return tuple(a[:len(names)])
+        return (a[0],)
 
     @frozen.vjp
     def frozen_vjp(primals, cotangents, outputs):
@@ -70,7 +73,7 @@ def _frozen_fn(op: str, names: tuple[str, ...], present: tuple[bool, ...],
                                  "op once per weight set")
         if unmapped is not None:
             raise ValueError(f"[{op}] mx.vmap is not supported here: {unmapped}")
-        return tuple(inputs[:len(names)]), (None,) * len(names)
+        return (inputs[0],), (None,)
 
     return frozen
 
@@ -81,17 +84,19 @@ _NAMES = ("w", "scales", "biases")
 def _frozen(op: str, arrays: Sequence[mx.array | None], names: tuple[str, ...] = _NAMES,
             watched: Sequence[mx.array | None] = (),
             unmapped: str | None = None) -> list[mx.array | None]:
-    """The arrays unchanged, through ``_frozen_fn``; ``names`` name them in its messages;
+    """The arrays unchanged, the first one through ``_frozen_fn``'s node (which takes them
+    all: pass the result on, not the arrays); ``names`` name them in its messages;
     ``unmapped`` as ``_frozen_fn``'s. ``watched``: the op's other inputs, taken only with
     ``unmapped`` (then a mapped input makes the node refuse first). Without it the node
     joins a vmap only for a mapped constant: MLX would still map the primitives after an
     unmapped output of a vmap rule, and MLX 0.32's expand_dims and squeeze refuse that."""
     given = [a for a in arrays if a is not None]
     fn = _frozen_fn(op, names, tuple(a is not None for a in arrays), unmapped)
+    first = given[0]
     if unmapped is not None:
         given += [mx.stop_gradient(a) for a in watched if a is not None]
-    out = iter(fn(*given))
-    return [None if a is None else next(out) for a in arrays]
+    (frozen,) = fn(*given)
+    return [frozen if a is first else a for a in arrays]
 
 
 GATHER_QMM_REASON = ("its reference composite is mx.gather_qmm, which MLX (0.32) cannot "
@@ -121,12 +126,26 @@ def with_x_vjp(op: str, forward: Callable, x_vjp: Callable, x: mx.array,
     MLX's autodiff of the composite)."""
     if plain:
         return forward(x, *quantized, *watched)
-    quantized = _frozen(op, quantized, names, (x, *watched) if unmapped else (), unmapped)
-    slots = [a is not None for a in quantized]
+    call = x_vjp_function(op, forward, x_vjp, tuple(a is not None for a in quantized),
+                          names=names, unmapped=unmapped)
+    return call(x, quantized, watched)
+
+
+def x_vjp_function(op: str, forward: Callable, x_vjp: Callable, present: tuple[bool, ...], *,
+                   names: tuple[str, ...] = _NAMES, unmapped: str | None = None) -> Callable:
+    """``with_x_vjp``'s custom function built once (an op's plan holds it; ``forward`` and
+    ``x_vjp`` must take every array they read as an argument): returns
+    ``call(x, quantized, watched)``, which is ``with_x_vjp(op, forward, x_vjp, x, quantized,
+    watched=watched, names=names, unmapped=unmapped)`` for the quantized arrays whose None
+    pattern is ``present``."""
+    frozen = _frozen_fn(op, names, present, unmapped)
+    all_present = all(present)
 
     def full(rest):
+        if all_present:
+            return rest
         it = iter(rest)
-        return [next(it) if s else None for s in slots] + list(it)
+        return [next(it) if s else None for s in present] + list(it)
 
     @mx.custom_function
     def fn(x, *rest):
@@ -137,7 +156,18 @@ def with_x_vjp(op: str, forward: Callable, x_vjp: Callable, x: mx.array,
         x, *rest = primals
         return (x_vjp(cotangent, *full(rest)), *(mx.zeros_like(r) for r in rest))
 
-    return fn(x, *(a for a in quantized if a is not None), *watched)
+    def call(x, quantized, watched=()):
+        given = [a for a in quantized if a is not None]
+        rest = given[1:]
+        if unmapped is not None:
+            given += [mx.stop_gradient(a) for a in (x, *watched) if a is not None]
+        return fn(x, *frozen(*given), *rest, *watched)
+
+    def call_all(x, quantized, watched=()):  # every constant given, none watched
+        (first,) = frozen(*quantized)
+        return fn(x, first, *quantized[1:], *watched)
+
+    return call_all if all_present and unmapped is None else call
 
 
 def sum_to_shape(a: mx.array, shape: tuple[int, ...]) -> mx.array:

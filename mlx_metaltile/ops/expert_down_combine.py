@@ -10,6 +10,7 @@ no atomics).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import mlx.core as mx
 
@@ -21,15 +22,17 @@ from ._common import (
     QUANTIZED_PARAMS,
     dtype_name,
     memo_check,
+    memo_plan,
     on_stream,
     quantized_bindings,
     require_array,
     require_float,
+    run_on,
     scalar,
 )
 from ._grad import (
     GATHER_QMM_REASON,
-    _frozen,
+    _frozen_fn,
     refuse_shapeless,
     shapeless_tracing,
 )
@@ -158,28 +161,37 @@ def _slot_groups(k: int, backend: str) -> int:
     return -(-k // per_group)
 
 
-def _launch(h, w, scales, biases, indices, scores, bias, info: dict, backend: str):
+def _launcher(info: dict, backend: str, dtype: mx.Dtype) -> Callable:
+    """The kernel call of ``info``'s problem on ``backend``, prepared once: returns
+    ``launch(h, w, scales, biases, indices, scores, bias)``."""
     n_out, n_in, k = info["n_out"], info["in_features"], info["k"]
     tokens = math.prod(info["lead"])
-    hs = h.reshape(-1, n_in)
-    if biases is None:  # fp modes: never read
-        biases = scales
     tg = backends.SIMD_WIDTH * SIMDGROUPS * _slot_groups(k, backend)
-    (out,) = backends.launch(
+    has_bias = info["has_bias"]
+    prepared = backends.prepare(
         SPEC, backend,
-        inputs={"h": hs, "w": w, "scales": scales, "biases": biases,
-                "indices": indices.reshape(-1), "scores": scores.reshape(-1),
-                "bias": hs if bias is None else bias,  # never read without a bias
+        inputs={"h": None, "w": None, "scales": None, "biases": None, "indices": None,
+                "scores": None, "bias": None,
                 "n_experts": scalar(info["n_experts"], mx.uint32),
                 "n_out": scalar(n_out, mx.uint32), "k_in": scalar(n_in, mx.uint32),
-                "n_sel": scalar(k, mx.uint32),
-                "has_bias": scalar(int(bias is not None), mx.uint32)},
-        template={"T": h.dtype, "BITS": info["bits"], "GROUP_SIZE": info["group_size"],
+                "n_sel": scalar(k, mx.uint32), "has_bias": scalar(int(has_bias), mx.uint32)},
+        template={"T": dtype, "BITS": info["bits"], "GROUP_SIZE": info["group_size"],
                   "MODE": MODE_IDS[info["mode"]]},
-        outputs={"out": ((tokens, n_out), h.dtype)},
+        outputs={"out": ((tokens, n_out), dtype)},
         grid=(tg, -(-n_out // ROWS_PER_THREADGROUP), tokens), threadgroup=(tg, 1, 1),
     )
-    return out.reshape(_out_shape(info))
+    out_shape = _out_shape(info)
+    flat = out_shape == (tokens, n_out)
+
+    def launch(h, w, scales, biases, indices, scores, bias):
+        hs = h.reshape(-1, n_in)
+        if biases is None:  # fp modes: never read
+            biases = scales
+        (out,) = prepared(hs, w, scales, biases, indices.reshape(-1), scores.reshape(-1),
+                          hs if bias is None else bias)  # never read without a bias
+        return out if flat else out.reshape(out_shape)
+
+    return launch
 
 
 def expert_down_combine_reference(h, w, scales, biases, indices, scores, *, bias=None,
@@ -223,41 +235,75 @@ def expert_down_combine(h: mx.array, w: mx.array, scales: mx.array, biases,
     backend. The emulator refuses both (eager). README: "mx.compile(shapeless=True) and
     mx.vmap".
     """
-    info = _check(h, w, scales, biases, indices, scores, bias, group_size, bits, mode)
-    with on_stream(OP, stream):
-        if 0 in _out_shape(info) or info["k"] == 0:
-            return mx.zeros(_out_shape(info), dtype=h.dtype)
-        backend = backends.resolve_backend()
-        if backend == "reference" and shapeless_tracing():
+    run = _plan(h, w, scales, biases, indices, scores, bias, group_size, bits, mode,
+                backends.resolve_backend(), stream)
+    return run(h, w, scales, biases, indices, scores, bias)
+
+
+@memo_plan
+def _plan(h, w, scales, biases, indices, scores, bias, group_size, bits, mode, backend: str,
+          stream) -> Callable:
+    """The call for these arguments' metadata on ``backend`` and ``stream``, built once:
+    ``run(h, w, scales, biases, indices, scores, bias)``. Reads no argument array but its
+    shape and dtype."""
+    info = {**_check(h, w, scales, biases, indices, scores, bias, group_size, bits, mode),
+            "has_bias": bias is not None}
+    on_stream(OP, stream)  # refuses what is not a stream
+    dtype, out_shape = h.dtype, _out_shape(info)
+    if 0 in out_shape or info["k"] == 0:
+        def empty(*arrays):
+            with on_stream(OP, stream):
+                return mx.zeros(out_shape, dtype=dtype)
+        return empty
+    reference = backend == "reference"
+    launch = None if reference else _launcher(info, backend, dtype)
+    # The primals: h, scores, the bias where given, the quantized constants (through
+    # _frozen_fn: asking for their gradient raises; under mx.vmap it refuses the reference
+    # composite, mx.gather_qmm; a custom kernel is refused by MLX), then the ids.
+    present = (True, True, biases is not None)
+    frozen = _frozen_fn(OP, ("w", "scales", "biases"), present,
+                        GATHER_QMM_REASON if reference else None)
+    n_float = 3 if info["has_bias"] else 2
+
+    def unpack(primals):
+        q = primals[n_float:-1]
+        if len(q) < 3:  # fp modes: no biases
+            q = (*q, None)
+        return primals[0], primals[1], primals[2] if n_float == 3 else None, q, primals[-1]
+
+    def composite(h, w, scales, biases, indices, scores, bias):
+        return _reference(h, w, scales, biases, indices, scores, bias, info)
+
+    # on the call's stream (MLX may trace it again later: a kernel launch refuses the
+    # emulator in a trace)
+    forward = run_on(stream, composite if reference else launch)
+
+    @mx.custom_function
+    def op(*primals):
+        h, s, b, (w, scales, biases), ids = unpack(primals)
+        return forward(h, w, scales, biases, ids, s, b)
+
+    @op.vjp
+    def op_vjp(primals, cotangent, output):
+        h, s, b, (w, scales, biases), ids = unpack(primals)
+        with on_stream(OP, stream):  # run at backward time: the stream again
+            grads = _backward(cotangent, h, w, scales, biases, ids, s, b, info)
+            return (*grads, *(mx.zeros_like(a) for a in primals[n_float:]))
+
+    def run(h, w, scales, biases, indices, scores, bias):
+        if not reference and biases is not None:  # the common case, without list building
+            (first,) = frozen(w, scales, biases)
+            if bias is None:
+                return op(h, scores, first, scales, biases, indices)
+            return op(h, scores, bias, first, scales, biases, indices)
+        if reference and shapeless_tracing():
             refuse_shapeless(OP)
-        # The primals: h, scores, the bias where given, then the quantized constants
-        # (through _frozen: asking for their gradient raises; under mx.vmap it refuses
-        # the reference composite, mx.gather_qmm; a custom kernel is refused by MLX).
-        quantized = _frozen(OP, (w, scales, biases), watched=(h, indices, scores, bias),
-                            unmapped=GATHER_QMM_REASON if backend == "reference" else None)
-        slots = [a is not None for a in quantized]
-        n_float = 2 if bias is None else 3
-
-        def unpack(primals):
-            h, s, *rest = primals
-            b = rest[0] if bias is not None else None
-            it = iter(rest[n_float - 2:])
-            return h, s, b, [next(it) if x else None for x in slots]
-
-        @mx.custom_function
-        def op(*primals):
-            h, s, b, (w, scales, biases) = unpack(primals)
-            with on_stream(OP, stream):  # backends.launch refuses the emulator in a trace
-                if backend == "reference":
-                    return _reference(h, w, scales, biases, indices, s, b, info)
-                return _launch(h, w, scales, biases, indices, s, b, info, backend)
-
-        @op.vjp
-        def op_vjp(primals, cotangent, output):
-            h, s, b, (w, scales, biases) = unpack(primals)
-            with on_stream(OP, stream):  # run at backward time: the stream again
-                grads = _backward(cotangent, h, w, scales, biases, indices, s, b, info)
-                return (*grads, *(mx.zeros_like(a) for a in primals[n_float:]))
-
+        given = [a for a in (w, scales, biases) if a is not None]
+        rest = given[1:]  # the node passes the first on (_frozen_fn)
+        if reference:  # watched: a mapped input makes the node refuse first
+            given += [mx.stop_gradient(a) for a in (h, indices, scores, bias)
+                      if a is not None]
         extra = () if bias is None else (bias,)
-        return op(h, scores, *extra, *(a for a in quantized if a is not None))
+        return op(h, scores, *extra, *frozen(*given), *rest, indices)
+
+    return run_on(stream, run)

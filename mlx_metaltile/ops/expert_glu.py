@@ -8,6 +8,8 @@ and read back. This op reads x and each selected expert's gate and up rows once 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 
 from .. import backends
@@ -18,14 +20,16 @@ from ._common import (
     QUANTIZED_PARAMS,
     dtype_name,
     memo_check,
+    memo_plan,
     on_stream,
     quantized_bindings,
     require_array,
+    run_on,
     scalar,
 )
 from ._grad import (
     GATHER_QMM_REASON,
-    _frozen,
+    _frozen_fn,
     refuse_shapeless,
     shapeless_tracing,
 )
@@ -130,31 +134,26 @@ def _reference(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, 
     return _activate(gate, up, info["activation"]).astype(x.dtype)
 
 
-def _launch(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
-            bias_gate, bias_up, info: dict, backend: str) -> mx.array:
+def _launcher(info: dict, backend: str, dtype: mx.Dtype) -> Callable:
+    """The kernel call of ``info``'s problem on ``backend``, prepared once: returns
+    ``launch(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
+    bias_gate, bias_up)``."""
     lead, k, n_out, n_in = info["lead"], info["k"], info["n_out"], info["in_features"]
     pairs = info["tokens"] * k
-    if info["x_k_axis"] and info["shared"]:
-        x = mx.squeeze(x, axis=-2)
+    squeeze = info["x_k_axis"] and info["shared"]
     dims = _bcast_dims(info)
+    x_shape = idx_shape = None
     if len(dims) > BCAST_DIMS:  # more than the kernel walks: materialise (as expert_qmv)
-        x = mx.broadcast_to(x, (*lead, n_in) if info["shared"] else (*lead, k, n_in))
-        indices = mx.broadcast_to(indices, (*lead, k))
-        info = {**info, "x_lead": lead, "idx_lead": lead}
-        dims = _bcast_dims(info)
-    xs = x.reshape(-1, n_in)
-    if biases_gate is None:  # fp modes: never read
-        biases_gate, biases_up = scales_gate, scales_up
-    if bias_gate is None:  # never read (has_bias = 0)
-        bias_gate = bias_up = xs
+        x_shape = (*lead, n_in) if info["shared"] else (*lead, k, n_in)
+        idx_shape = (*lead, k)
+        dims = _bcast_dims({**info, "x_lead": lead, "idx_lead": lead})
     tg = backends.SIMD_WIDTH * SIMDGROUPS * _k_groups(
         n_out, n_in, pairs, info["bits"], info["group_size"], 2, backend)
-    (out,) = backends.launch(
+    prepared = backends.prepare(
         SPEC, backend,
-        inputs={"x": xs, "w_gate": w_gate, "scales_gate": scales_gate,
-                "biases_gate": biases_gate, "w_up": w_up, "scales_up": scales_up,
-                "biases_up": biases_up, "bias_gate": bias_gate, "bias_up": bias_up,
-                "indices": indices.reshape(-1), "bcast": _bcast_input(tuple(dims)),
+        inputs={"x": None, "w_gate": None, "scales_gate": None, "biases_gate": None,
+                "w_up": None, "scales_up": None, "biases_up": None, "bias_gate": None,
+                "bias_up": None, "indices": None, "bcast": _bcast_input(tuple(dims)),
                 "n_experts": scalar(info["n_experts"], mx.uint32),
                 "n_out": scalar(n_out, mx.uint32), "k_in": scalar(n_in, mx.uint32),
                 "n_sel": scalar(k, mx.uint32),
@@ -162,12 +161,30 @@ def _launch(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, ind
                 "has_bias": scalar(int(info["has_bias"]), mx.uint32),
                 "alpha": scalar(SWIGLU_OAI_ALPHA, mx.float32),
                 "limit": scalar(SWIGLU_OAI_LIMIT, mx.float32)},
-        template={"T": x.dtype, "BITS": info["bits"], "GROUP_SIZE": info["group_size"],
+        template={"T": dtype, "BITS": info["bits"], "GROUP_SIZE": info["group_size"],
                   "MODE": MODE_IDS[info["mode"]], "ACT": ACTIVATIONS[info["activation"]]},
-        outputs={"out": ((pairs, n_out), x.dtype)},
+        outputs={"out": ((pairs, n_out), dtype)},
         grid=(tg, -(-n_out // ROWS_PER_THREADGROUP), pairs), threadgroup=(tg, 1, 1),
     )
-    return out.reshape(_out_shape(info))
+    out_shape = _out_shape(info)
+
+    def launch(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
+               bias_gate, bias_up):
+        if squeeze:
+            x = mx.squeeze(x, axis=-2)
+        if x_shape is not None:
+            x = mx.broadcast_to(x, x_shape)
+            indices = mx.broadcast_to(indices, idx_shape)
+        xs = x if x.ndim == 2 else x.reshape(-1, n_in)  # 2-D: [rows, K] already
+        if biases_gate is None:  # fp modes: never read
+            biases_gate, biases_up = scales_gate, scales_up
+        if bias_gate is None:  # never read (has_bias = 0)
+            bias_gate = bias_up = xs
+        (out,) = prepared(xs, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up,
+                          bias_gate, bias_up, indices.reshape(-1))
+        return out.reshape(out_shape)
+
+    return launch
 
 
 def _valid(indices: mx.array, n_experts: int) -> mx.array:
@@ -267,44 +284,88 @@ def expert_glu(x: mx.array, w_gate: mx.array, scales_gate: mx.array, biases_gate
     there). Mapping a quantized constant raises an ``[op]`` error on every backend. The
     emulator refuses both (eager). README: "mx.compile(shapeless=True) and mx.vmap".
     """
+    run = _plan(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
+                bias_gate, bias_up, activation, group_size, bits, mode,
+                backends.resolve_backend(), stream)
+    return run(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
+               bias_gate, bias_up)
+
+
+_NAMES = ("w_gate", "scales_gate", "biases_gate", "w_up", "scales_up", "biases_up")
+
+
+@memo_plan
+def _plan(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
+          bias_gate, bias_up, activation, group_size, bits, mode, backend: str,
+          stream) -> Callable:
+    """The call for these arguments' metadata on ``backend`` and ``stream``, built once:
+    ``run(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
+    bias_gate, bias_up)``. Reads no argument array but its shape and dtype."""
     info = _check(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
                   bias_gate, bias_up, activation, group_size, bits, mode)
-    with on_stream(OP, stream):
-        if 0 in _out_shape(info):
-            return mx.zeros(_out_shape(info), dtype=x.dtype)
-        backend = backends.resolve_backend()
-        if backend == "reference" and shapeless_tracing():
+    on_stream(OP, stream)  # refuses what is not a stream
+    dtype, out_shape = x.dtype, _out_shape(info)
+    if 0 in out_shape:
+        def empty(*arrays):
+            with on_stream(OP, stream):
+                return mx.zeros(out_shape, dtype=dtype)
+        return empty
+    reference = backend == "reference"
+    launch = None if reference else _launcher(info, backend, dtype)
+    # The primals: x, the expert biases where given, the quantized constants (through
+    # _frozen_fn: asking for their gradient raises; under mx.vmap it refuses the reference
+    # composite, mx.gather_qmm; a custom kernel is refused by MLX), then the ids.
+    present = tuple(a is not None for a in (w_gate, scales_gate, biases_gate, w_up,
+                                            scales_up, biases_up))
+    frozen = _frozen_fn(OP, _NAMES, present, GATHER_QMM_REASON if reference else None)
+    n_bias = 2 if info["has_bias"] else 0
+
+    all_present = all(present)
+
+    def unpack(primals):
+        biases = primals[1:1 + n_bias] if n_bias else (None, None)
+        q = primals[1 + n_bias:-1]
+        if not all_present:
+            it = iter(q)
+            q = [next(it) if s else None for s in present]
+        return primals[0], q, biases, primals[-1]
+
+    def composite(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
+                  bias_gate, bias_up):
+        return _reference(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up,
+                          indices, bias_gate, bias_up, info)
+
+    # on the call's stream (MLX may trace it again later: a kernel launch refuses the
+    # emulator in a trace)
+    forward = run_on(stream, composite if reference else launch)
+
+    @mx.custom_function
+    def op(*primals):
+        x, q, (bg, bu), ids = unpack(primals)
+        return forward(x, *q, ids, bg, bu)
+
+    @op.vjp
+    def op_vjp(primals, cotangent, output):
+        x, q, (bg, bu), ids = unpack(primals)
+        with on_stream(OP, stream):  # run at backward time: the stream again
+            grads = _backward(cotangent, x, *q, ids, bg, bu, info)
+            return (*grads, *(mx.zeros_like(a) for a in primals[1 + n_bias:]))
+
+    def run(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
+            bias_gate, bias_up):
+        if not reference and all_present:  # the common case, without list building
+            (first,) = frozen(w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up)
+            return op(x, *((bias_gate, bias_up) if n_bias else ()), first, scales_gate,
+                      biases_gate, w_up, scales_up, biases_up, indices)
+        if reference and shapeless_tracing():
             refuse_shapeless(OP)
-        # The primals: x, the expert biases where given, then the quantized constants
-        # (through _frozen: asking for their gradient raises; under mx.vmap it refuses
-        # the reference composite, mx.gather_qmm; a custom kernel is refused by MLX).
-        quantized = _frozen(OP, (w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up),
-                            ("w_gate", "scales_gate", "biases_gate", "w_up", "scales_up",
-                             "biases_up"), (x, indices, bias_gate, bias_up),
-                            GATHER_QMM_REASON if backend == "reference" else None)
-        slots = [a is not None for a in quantized]
-        n_bias = 2 if info["has_bias"] else 0
-
-        def unpack(primals):
-            x, *rest = primals
-            biases = rest[:n_bias] if n_bias else [None, None]
-            it = iter(rest[n_bias:])
-            return x, [next(it) if s else None for s in slots], biases
-
-        @mx.custom_function
-        def op(*primals):
-            x, q, (bg, bu) = unpack(primals)
-            with on_stream(OP, stream):  # backends.launch refuses the emulator in a trace
-                if backend == "reference":
-                    return _reference(x, *q, indices, bg, bu, info)
-                return _launch(x, *q, indices, bg, bu, info, backend)
-
-        @op.vjp
-        def op_vjp(primals, cotangent, output):
-            x, q, (bg, bu) = unpack(primals)
-            with on_stream(OP, stream):  # run at backward time: the stream again
-                grads = _backward(cotangent, x, *q, indices, bg, bu, info)
-                return (*grads, *(mx.zeros_like(a) for a in primals[1 + n_bias:]))
-
+        quantized = (w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up)
+        given = [a for a in quantized if a is not None]
+        rest = given[1:]  # the node passes the first on (_frozen_fn)
+        if reference:  # watched: a mapped input makes the node refuse first
+            given += [mx.stop_gradient(a) for a in (x, indices, bias_gate, bias_up)
+                      if a is not None]
         biases = (bias_gate, bias_up) if n_bias else ()
-        return op(x, *biases, *(a for a in quantized if a is not None))
+        return op(x, *biases, *frozen(*given), *rest, indices)
+
+    return run_on(stream, run)

@@ -9,6 +9,7 @@ Experts nobody selected are never read.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import lru_cache
 
 import mlx.core as mx
@@ -22,8 +23,10 @@ from ._common import (
     QUANTIZED_PARAMS,
     check_quantized,
     memo_check,
+    memo_plan,
     on_stream,
     quantized_bindings,
+    run_on,
     scalar,
 )
 from ._grad import (
@@ -31,7 +34,7 @@ from ._grad import (
     refuse_shapeless,
     shapeless_tracing,
     sum_to_shape,
-    with_x_vjp,
+    x_vjp_function,
 )
 
 OP = "expert_qmv"
@@ -264,41 +267,52 @@ def _k_groups(n_out: int, n_in: int, pairs: int, bits: int, group_size: int, wor
     return -(-steps // per_group)
 
 
-def _launch(x, w, scales, biases, indices, info: dict, backend: str) -> mx.array:
+def _launcher(info: dict, backend: str, dtype: mx.Dtype) -> Callable:
+    """The kernel call of ``info``'s problem on ``backend``, prepared once: returns
+    ``launch(x, w, scales, biases, indices)``."""
     lead, k, n_out, n_in = info["lead"], info["k"], info["n_out"], info["in_features"]
     pairs = info["tokens"] * k
-    if info["x_k_axis"] and info["shared"]:  # [..., 1, K]: one activation per token
-        x = mx.squeeze(x, axis=-2)
+    squeeze = info["x_k_axis"] and info["shared"]  # [..., 1, K]: one activation per token
     dims = _bcast_dims(info)
+    x_shape = idx_shape = None
     if len(dims) > BCAST_DIMS:
         # Broadcasts alternating over more dimensions than the kernel walks: materialise
         # both arrays on the token grid (a copy), which leaves one dimension.
-        x = mx.broadcast_to(x, (*lead, n_in) if info["shared"] else (*lead, k, n_in))
-        indices = mx.broadcast_to(indices, (*lead, k))
-        info = {**info, "x_lead": lead, "idx_lead": lead}
-        dims = _bcast_dims(info)
-    # Row-contiguous inputs reshape for free (others are copied by MLX, as the kernel's
-    # ensure_row_contiguous would copy them anyway).
-    xs = x.reshape(-1, n_in)
-    idx = indices.reshape(-1)
-    if biases is None:  # fp modes: the kernel never reads its biases input
-        biases = scales
+        x_shape = (*lead, n_in) if info["shared"] else (*lead, k, n_in)
+        idx_shape = (*lead, k)
+        dims = _bcast_dims({**info, "x_lead": lead, "idx_lead": lead})
     tg = backends.SIMD_WIDTH * SIMDGROUPS * _k_groups(
         n_out, n_in, pairs, info["bits"], info["group_size"], 4, backend)
-    (out,) = backends.launch(
+    prepared = backends.prepare(
         SPEC, backend,
-        inputs={"x": xs, "w": w, "scales": scales, "biases": biases, "indices": idx,
+        inputs={"x": None, "w": None, "scales": None, "biases": None, "indices": None,
                 "bcast": _bcast_input(tuple(dims)),
                 "n_experts": scalar(info["n_experts"], mx.uint32),
                 "n_out": scalar(n_out, mx.uint32), "k_in": scalar(n_in, mx.uint32),
                 "n_sel": scalar(k, mx.uint32),
                 "x_slot": scalar(0 if info["shared"] else 1, mx.uint32)},
-        template={"T": x.dtype, "BITS": info["bits"], "GROUP_SIZE": info["group_size"],
+        template={"T": dtype, "BITS": info["bits"], "GROUP_SIZE": info["group_size"],
                   "MODE": MODE_IDS[info["mode"]]},
-        outputs={"out": ((pairs, n_out), x.dtype)},
+        outputs={"out": ((pairs, n_out), dtype)},
         grid=(tg, -(-n_out // ROWS_PER_THREADGROUP), pairs), threadgroup=(tg, 1, 1),
     )
-    return out.reshape(_out_shape(info))
+    out_shape = _out_shape(info)
+
+    def launch(x, w, scales, biases, indices):
+        if squeeze:
+            x = mx.squeeze(x, axis=-2)
+        if x_shape is not None:
+            x = mx.broadcast_to(x, x_shape)
+            indices = mx.broadcast_to(indices, idx_shape)
+        if biases is None:  # fp modes: the kernel never reads its biases input
+            biases = scales
+        # Row-contiguous inputs reshape for free (others are copied by MLX, as the kernel's
+        # ensure_row_contiguous would copy them anyway).
+        xs = x if x.ndim == 2 else x.reshape(-1, n_in)  # 2-D: [rows, K] already
+        (out,) = prepared(xs, w, scales, biases, indices.reshape(-1))
+        return out.reshape(out_shape)
+
+    return launch
 
 
 def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None,
@@ -354,31 +368,49 @@ def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
     there). Mapping a quantized constant raises an ``[op]`` error on every backend. The
     emulator refuses both (eager). README: "mx.compile(shapeless=True) and mx.vmap".
     """
+    run = _plan(x, w, scales, biases, indices, group_size, bits, mode,
+                backends.resolve_backend(), stream)
+    return run(x, w, scales, biases, indices)
+
+
+@memo_plan
+def _plan(x, w, scales, biases, indices, group_size, bits, mode, backend: str,
+          stream) -> Callable:
+    """The call for these arguments' metadata on ``backend`` and ``stream``, built once:
+    ``run(x, w, scales, biases, indices)``. Reads no argument array but its shape and
+    dtype."""
     info = _check_expert_qmv(x, w, scales, biases, indices, group_size, bits, mode)
     out_shape = _out_shape(info)
-    with on_stream(OP, stream):
-        if 0 in out_shape:
-            return mx.zeros(out_shape, dtype=x.dtype)
-        backend = backends.resolve_backend()
-        if backend == "reference" and shapeless_tracing():
+    on_stream(OP, stream)  # refuses what is not a stream
+    dtype, x_shape = x.dtype, tuple(x.shape)
+    if 0 in out_shape:
+        def empty(*arrays):
+            with on_stream(OP, stream):
+                return mx.zeros(out_shape, dtype=dtype)
+        return empty
+    reference = backend == "reference"
+    launch = None if reference else _launcher(info, backend, dtype)
+
+    def composite(x, w, scales, biases, indices):
+        return _reference(x, w, scales, biases, indices, info)
+
+    def x_vjp(g, w, scales, biases, indices):  # at backward time: the stream again
+        return _x_vjp(g, w, scales, biases, indices, x_shape, dtype, info)
+
+    # The forward and the VJP run on the call's stream (MLX may trace them again later).
+    # mx.vmap: the reference composite (mx.gather_qmm) is refused by the constants'
+    # wrapper, which watches the other inputs there; a kernel backend's custom kernel by
+    # MLX (a refusal here would cost a call).
+    call = x_vjp_function(OP, run_on(stream, composite if reference else launch),
+                          run_on(stream, x_vjp), (True, True, biases is not None),
+                          unmapped=GATHER_QMM_REASON if reference else None)
+
+    def run(x, w, scales, biases, indices):
+        if reference and shapeless_tracing():
             refuse_shapeless(OP)
+        return call(x, (w, scales, biases), (indices,))
 
-        def forward(x, w, scales, biases, indices=indices):
-            with on_stream(OP, stream):
-                if backend == "reference":
-                    return _reference(x, w, scales, biases, indices, info)
-                return _launch(x, w, scales, biases, indices, info, backend)
-
-        def x_vjp(g, w, scales, biases, indices=indices):  # at backward time: the stream again
-            with on_stream(OP, stream):
-                return _x_vjp(g, w, scales, biases, indices, x.shape, x.dtype, info)
-
-        # mx.vmap: the reference composite (mx.gather_qmm) is refused by the constants'
-        # wrapper; a kernel backend's custom kernel by MLX (a refusal here would cost a call).
-        ref = backend == "reference"
-        return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases),
-                          watched=(indices,) if ref else (),
-                          unmapped=GATHER_QMM_REASON if ref else None)
+    return run_on(stream, run)
 
 
 def _x_vjp(g, w, scales, biases, indices, x_shape, x_dtype, info: dict) -> mx.array:

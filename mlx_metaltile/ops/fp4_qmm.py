@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -31,14 +32,16 @@ from ._common import (
     choose_variant,
     dtype_name,
     memo_check,
+    memo_plan,
     on_stream,
     require_array,
     require_float,
     resolve_sizes,
     round_up,
+    run_on,
     scalar,
 )
-from ._grad import shapeless_tracing, with_x_vjp
+from ._grad import shapeless_tracing, x_vjp_function
 
 OP = "fp4_qmm"
 __all__ = ["fp4_dequantize_reference", "fp4_qmm", "fp4_qmm_reference"]
@@ -304,16 +307,19 @@ def _split_k(m: int, n: int, k: int) -> tuple[int, int]:
     return -(-steps // per_part), per_part * TILE
 
 
-def _launch(spec: KernelSpec, x2, w, scales, m, n, k, mode, group_size, backend):
-    if scales.dtype in (mx.float16, mx.bfloat16):
-        scales = scales.astype(mx.float32)  # exact; one kernel build serves all float scales
-    t = x2.dtype
+def _launcher(spec: KernelSpec, m: int, n: int, k: int, mode: int, group_size: int,
+              dtype: mx.Dtype, scale_dtype: mx.Dtype, backend: str) -> Callable:
+    """The kernel call(s) of x [m, k] on ``backend``, prepared once: returns
+    ``launch(x2, w, scales)``."""
+    if scale_dtype in (mx.float16, mx.bfloat16):
+        scale_dtype = mx.float32  # exact; one kernel build serves all float scales
+    t = dtype
     # the group size is a runtime input of qmv and simdgroup, a template argument of mpp
-    template = {"T": t, "ST": scales.dtype}
+    template = {"T": t, "ST": scale_dtype}
     if spec.variant == "mpp":
         template["GS"] = group_size
     template["SCALE_MODE"] = mode
-    inputs = {"x": x2, "w": w, "scales": scales, "m_rows": scalar(m, mx.uint32),
+    inputs = {"x": None, "w": None, "scales": None, "m_rows": scalar(m, mx.uint32),
               "n_cols": scalar(n, mx.uint32), "k_cols": scalar(k, mx.uint32)}
     parts, out_dtype = 1, t
     gs_shift = scalar(group_size.bit_length() - 1, mx.uint32)
@@ -336,22 +342,30 @@ def _launch(spec: KernelSpec, x2, w, scales, m, n, k, mode, group_size, backend)
         else:
             tg_mem = TILE * (TILE + 8) * 2 + 2 * TILE * 4  # half w tile + 2 x 32 scales
         grid = (TILE_THREADS * (n // TILE), -(-m // TILE), parts)
-    (out,) = backends.launch(
+    prepared = backends.prepare(
         spec, backend, inputs=inputs, template=template,
         outputs={"out": ((parts, m, n) if parts > 1 else (m, n), out_dtype)},
         grid=grid, threadgroup=threadgroup, threadgroup_memory=tg_mem,
     )
-    if parts == 1:
-        return out
     total = m * n
-    (out,) = backends.launch(
+    summed = None if parts == 1 else backends.prepare(
         SPLITK_SUM_SPEC, backend,
-        inputs={"partial": out, "n_parts": scalar(parts, mx.uint32),
+        inputs={"partial": None, "n_parts": scalar(parts, mx.uint32),
                 "n_out": scalar(total, mx.uint32)},
         template={"T": t}, outputs={"out": ((m, n), t)},
         grid=(round_up(-(-total // 4), SUM_THREADS), 1, 1), threadgroup=(SUM_THREADS, 1, 1),
     )
-    return out
+
+    def launch(x2, w, scales):
+        if scales.dtype in (mx.float16, mx.bfloat16):
+            scales = scales.astype(mx.float32)
+        (out,) = prepared(x2, w, scales)
+        if summed is None:
+            return out
+        (out,) = summed(out)
+        return out
+
+    return launch
 
 
 def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | None = None,
@@ -390,28 +404,46 @@ def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | Non
     backend. The emulator refuses both (eager). README: "mx.compile(shapeless=True) and
     mx.vmap".
     """
+    run = _plan(x, w, scales, group_size, mode, variant, backends.resolve_backend(), stream)
+    return run(x, w, scales)
+
+
+@memo_plan
+def _plan(x, w, scales, group_size, mode, variant, backend: str, stream) -> Callable:
+    """The call for these arguments' metadata on ``backend`` and ``stream``, built once:
+    ``run(x, w, scales)``. Reads no argument array but its shape and dtype."""
     m, n, k, scale_mode, group_size = _check_fp4_qmm(x, w, scales, group_size, mode)
     out_shape = (*x.shape[:-1], n)
-    backend = backends.resolve_backend()
     spec = _choose(backend, m, variant)
+    on_stream(OP, stream)  # refuses what is not a stream
+    dtype = x.dtype
+    launch = None if spec is None or m == 0 else _launcher(
+        spec, m, n, k, scale_mode, group_size, dtype, scales.dtype, backend)
+
+    flat = len(out_shape) == 2  # x [M, K]: no reshape around the kernel
 
     def forward(x, w, scales):
-        with on_stream(OP, stream):
-            if spec is None:
-                return _reference(x, w, scales, group_size, scale_mode)
-            if m == 0:
-                return mx.zeros(out_shape, dtype=x.dtype)
-            out = _launch(spec, x.reshape(m, k), w, scales, m, n, k, scale_mode, group_size,
-                          backend)
-            return out.reshape(out_shape)
+        if spec is None:
+            return _reference(x, w, scales, group_size, scale_mode)
+        if m == 0:
+            return mx.zeros(out_shape, dtype=x.dtype)
+        if flat:
+            return launch(x, w, scales)
+        return launch(x.reshape(m, k), w, scales).reshape(out_shape)
 
     def x_vjp(g, w, scales):  # run at backward time: the stream again
-        with on_stream(OP, stream):
-            # dx = g @ W: the transposed product on the forward's decoded weights, float32.
-            wdq = _dequantize(w, scales, group_size, scale_mode, WEIGHT_FACTOR)
-            dx = mx.matmul(g.astype(mx.float32), wdq) * (1.0 / WEIGHT_FACTOR)
-            return dx.astype(x.dtype)
+        # dx = g @ W: the transposed product on the forward's decoded weights, float32.
+        wdq = _dequantize(w, scales, group_size, scale_mode, WEIGHT_FACTOR)
+        dx = mx.matmul(g.astype(mx.float32), wdq) * (1.0 / WEIGHT_FACTOR)
+        return dx.astype(dtype)
 
-    with on_stream(OP, stream):
-        return with_x_vjp(OP, forward, x_vjp, x, (w, scales), names=("w", "scales"),
-                          plain=spec is None and shapeless_tracing())
+    forward = run_on(stream, forward)  # MLX may trace it again later: the stream again
+    call = x_vjp_function(OP, forward, run_on(stream, x_vjp), (True, True),
+                          names=("w", "scales"))
+
+    def run(x, w, scales):
+        if spec is None and shapeless_tracing():  # MLX's autodiff of the composite
+            return forward(x, w, scales)
+        return call(x, (w, scales))
+
+    return run_on(stream, run)

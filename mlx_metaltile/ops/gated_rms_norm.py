@@ -8,6 +8,7 @@ may each be float32, float16 or bfloat16; the output has y's dtype, as mlx-lm's
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import mlx.core as mx
 
@@ -16,11 +17,13 @@ from .._registry import Arg, KernelSpec, register, scalars
 from ._common import (
     FLOAT_TYPES,
     memo_check,
+    memo_plan,
     on_stream,
     require_array,
     require_finite_scalar,
     require_float,
     round_up,
+    run_on,
     scalar,
 )
 from ._grad import shapeless_tracing
@@ -140,8 +143,11 @@ def _reference(y, z, weight, eps: float) -> mx.array:
     return out.astype(y.dtype)
 
 
-def _launch(y, z, weight, n: int, rows: int, eps: float, backend: str) -> mx.array:
-    inputs = {"y": y, "z": z, "w": weight, "n_cols": scalar(n, mx.uint32)}
+def _launcher(n: int, rows: int, eps: float, shape: tuple[int, ...], dtype: mx.Dtype,
+              backend: str) -> Callable:
+    """The kernel call of y [..., n] (``rows`` rows of ``shape``, in ``dtype``) on
+    ``backend``, prepared once: returns ``launch(y, z, weight)``."""
+    inputs = {"y": None, "z": None, "w": None, "n_cols": scalar(n, mx.uint32)}
     if n <= MAX_SIMD_ROW:
         spec = SIMD_ROWS_SPEC
         inputs["n_rows"] = scalar(rows, mx.uint32)
@@ -152,12 +158,17 @@ def _launch(y, z, weight, n: int, rows: int, eps: float, backend: str) -> mx.arr
         spec = REGISTER_SPEC if n <= MAX_REGISTER_ROW else LOOPED_SPEC
         grid, threadgroup, tg_memory = (tg, rows, 1), (tg, 1, 1), 2 * 32 * 4
     inputs["eps"] = scalar(eps, mx.float32)
-    (out,) = backends.launch(
-        spec, backend, inputs=inputs, template={"T": y.dtype},
-        outputs={"out": (y.shape, y.dtype)}, grid=grid, threadgroup=threadgroup,
+    prepared = backends.prepare(
+        spec, backend, inputs=inputs, template={"T": dtype},
+        outputs={"out": (shape, dtype)}, grid=grid, threadgroup=threadgroup,
         threadgroup_memory=tg_memory,
     )
-    return out
+
+    def launch(y, z, weight):
+        (out,) = prepared(y, z, weight)
+        return out
+
+    return launch
 
 
 def _backward_reference(y, z, weight, g, eps: float) -> tuple[mx.array, mx.array, mx.array]:
@@ -213,27 +224,43 @@ def _launch_backward(y, z, weight, g, n: int, rows: int, eps: float,
     return dy, dz, dw
 
 
-def _differentiable(y, z, weight, n: int, rows: int, eps: float, backend: str,
-                    stream) -> mx.array:
-    """The op as an mx.custom_function: its VJP is the fused backward kernel on a kernel
-    backend, the same math as a pure-MLX composite on the reference backend; both run on
-    the call's stream (the VJP runs later, at backward time)."""
+@memo_plan
+def _plan(y, z, weight, eps, backend: str, stream) -> Callable:
+    """The call for these arguments' metadata on ``backend`` and ``stream``, built once:
+    ``run(y, z, weight)``, the op as an mx.custom_function whose VJP is the fused backward
+    kernel on a kernel backend, the same math as a pure-MLX composite on the reference
+    backend; both run on the call's stream (the VJP runs later, at backward time). Reads no
+    argument array but its shape and dtype."""
+    n, rows, eps = _check_gated_rms_norm(y, z, weight, eps)
+    on_stream(OP, stream)  # refuses what is not a stream
+    shape, dtype = tuple(y.shape), y.dtype
+    if rows == 0:
+        def empty(y, z, weight):
+            with on_stream(OP, stream):
+                return mx.zeros(shape, dtype=dtype)
+        return empty
+    reference = backend == "reference"
+    launch = None if reference else _launcher(n, rows, eps, shape, dtype, backend)
 
-    @mx.custom_function
-    def op(y, z, weight):
-        with on_stream(OP, stream):
-            if backend == "reference":
-                return _reference(y, z, weight, eps)
-            return _launch(y, z, weight, n, rows, eps, backend)
+    def composite(y, z, weight):
+        return _reference(y, z, weight, eps)
+
+    # on the call's stream (MLX may trace it again later)
+    op = mx.custom_function(run_on(stream, composite if reference else launch))
 
     @op.vjp
     def op_vjp(primals, cotangent, output):
         with on_stream(OP, stream):
-            if backend == "reference":
+            if reference:
                 return _backward_reference(*primals, cotangent, eps)
             return _launch_backward(*primals, cotangent, n, rows, eps, backend)
 
-    return op(y, z, weight)
+    def run(y, z, weight):
+        if reference and shapeless_tracing():  # no custom function (MLX cannot trace
+            return _reference(y, z, weight, eps)  # one shapeless): MLX's autodiff
+        return op(y, z, weight)
+
+    return run_on(stream, run)
 
 
 def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float = 1e-5, *,
@@ -264,11 +291,4 @@ def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float = 1e-5
     with its own message (custom kernels have no vmap or shape inference there). The
     emulator refuses both (eager). README: "mx.compile(shapeless=True) and mx.vmap".
     """
-    n, rows, eps = _check_gated_rms_norm(y, z, weight, eps)
-    with on_stream(OP, stream):
-        if rows == 0:
-            return mx.zeros(y.shape, dtype=y.dtype)
-        backend = backends.resolve_backend()
-        if backend == "reference" and shapeless_tracing():  # no custom function (MLX cannot
-            return _reference(y, z, weight, eps)  # trace one shapeless): MLX's autodiff
-        return _differentiable(y, z, weight, n, rows, eps, backend, stream)
+    return _plan(y, z, weight, eps, backends.resolve_backend(), stream)(y, z, weight)

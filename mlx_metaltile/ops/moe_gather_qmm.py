@@ -16,6 +16,7 @@ the fp modes run the simdgroup path).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import mlx.core as mx
 
@@ -30,12 +31,14 @@ from ._common import (
     check_quantized,
     choose_variant,
     memo_check,
+    memo_plan,
     on_stream,
     quantized_bindings,
     require_ndim,
+    run_on,
     scalar,
 )
-from ._grad import shapeless_tracing, sum_to_shape, with_x_vjp
+from ._grad import shapeless_tracing, sum_to_shape, x_vjp_function
 
 OP = "moe_gather_qmm"
 __all__ = ["moe_gather_qmm", "moe_gather_qmm_reference"]
@@ -207,8 +210,13 @@ def _rows(x, indices, lead: tuple[int, ...]) -> tuple[mx.array, mx.array]:
     expert id per row (the batch's id for each of its Mx rows)."""
     Mx, K = x.shape[-2:]
     rows = mx.broadcast_to(x, (*lead, Mx, K)).reshape(-1, K)
+    return rows, _row_ids(indices, lead, Mx)
+
+
+def _row_ids(indices, lead: tuple[int, ...], Mx: int) -> mx.array:
+    """The expert id of each of ``_rows``' rows."""
     ids = mx.broadcast_to(indices, lead).reshape(-1)
-    return rows, (mx.repeat(ids, Mx) if Mx > 1 else ids)
+    return mx.repeat(ids, Mx) if Mx > 1 else ids
 
 
 def _auto(backend: str) -> str:
@@ -237,28 +245,35 @@ def _simdgroup_tg_memory(dtype) -> int:
     return staged * 2 + 4 * 8 * 36 * 4
 
 
-def _launch(x, w, scales, biases, indices, M, N, K, E, group_size, bits, backend,
-            spec, mode) -> mx.array:
-    if biases is None:  # fp modes: the kernel never reads its biases input
-        biases = scales
+def _launcher(spec: KernelSpec, M: int, N: int, K: int, E: int, group_size: int, bits: int,
+              mode: str, dtype: mx.Dtype, backend: str) -> Callable:
+    """The kernel call of M rows on ``backend``, prepared once: returns
+    ``launch(x, w, scales, biases, indices)`` (x [M, K], indices [M])."""
     if spec.variant == "simdgroup":
-        threads, tg_memory = SIMDGROUP_THREADS, _simdgroup_tg_memory(x.dtype)
+        threads, tg_memory = SIMDGROUP_THREADS, _simdgroup_tg_memory(dtype)
     else:
         threads = MPP_THREADS
-        tg_memory = 2 * (BM * 16 + BN * 16) * (4 if x.dtype == mx.float32 else 2)
+        tg_memory = 2 * (BM * 16 + BN * 16) * (4 if dtype == mx.float32 else 2)
     n_tiles = -(-M // BM)
-    (out,) = backends.launch(
+    prepared = backends.prepare(
         spec, backend,
-        inputs={"x": x, "w": w, "scales": scales, "biases": biases, "indices": indices,
+        inputs={"x": None, "w": None, "scales": None, "biases": None, "indices": None,
                 "n_rows": scalar(M, mx.uint32), "n_experts": scalar(E, mx.uint32),
                 "n_cols": scalar(N, mx.uint32), "k_dim": scalar(K, mx.uint32)},
-        template={"T": x.dtype, "BITS": bits, "GROUP_SIZE": group_size,
+        template={"T": dtype, "BITS": bits, "GROUP_SIZE": group_size,
                   "MODE": MODE_IDS[mode]},
-        outputs={"out": ((M, N), x.dtype)},
+        outputs={"out": ((M, N), dtype)},
         grid=(threads * (N // BN), SLOTS, n_tiles), threadgroup=(threads, 1, 1),
         threadgroup_memory=tg_memory,
     )
-    return out
+
+    def launch(x, w, scales, biases, indices):
+        if biases is None:  # fp modes: the kernel never reads its biases input
+            biases = scales
+        (out,) = prepared(x, w, scales, biases, indices)
+        return out
+
+    return launch
 
 
 def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None,
@@ -332,62 +347,82 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
     error on every backend; the emulator refuses both (eager). README:
     "mx.compile(shapeless=True) and mx.vmap".
     """
+    run = _plan(x, w, scales, biases, indices, group_size, bits, mode, sorted_indices,
+                variant, backends.resolve_backend(), stream)
+    return run(x, w, scales, biases, indices)
+
+
+@memo_plan
+def _plan(x, w, scales, biases, indices, group_size, bits, mode, sorted_indices, variant,
+          backend: str, stream) -> Callable:
+    """The call for these arguments' metadata on ``backend`` and ``stream``, built once:
+    ``run(x, w, scales, biases, indices)``. Reads no argument array but its shape and
+    dtype."""
     M, N, K, E, group_size, bits, mode, lead = _check_moe_gather_qmm(
         x, w, scales, biases, indices, group_size, bits, mode)
     sorted_indices = as_bool(OP, "sorted_indices", sorted_indices)
-    backend = backends.resolve_backend()
     spec = _select_variant(variant, backend, mode)
+    on_stream(OP, stream)  # refuses what is not a stream
+    dtype, x_shape, n_ids = x.dtype, tuple(x.shape), indices.size
+    launch = None if spec is None or M == 0 else _launcher(
+        spec, M, N, K, E, group_size, bits, mode, dtype, backend)
 
-    def run(x, ids):
-        return _launch(x, w, scales, biases, ids, M, N, K, E, group_size, bits, backend,
-                       spec, mode)
+    def forward(x, w, scales, biases, indices):
+        if launch is None:
+            return _reference(x, w, scales, biases, indices, lead, M, N, E, group_size,
+                              bits, mode)
+        out_shape = (*lead, x.shape[-2], N)
+        rows, ids = _rows(x, indices, lead)
+        if sorted_indices or M < 2:
+            return launch(rows, w, scales, biases, ids).reshape(out_shape)
+        order = mx.argsort(ids)  # rows of one expert adjacent: each tile reads it once
+        out = launch(rows[order], w, scales, biases, ids[order])
+        return out[mx.argsort(order)].reshape(out_shape)
 
-    def forward(x, w, scales, biases, indices=indices):
-        with on_stream(OP, stream):
-            if spec is None or M == 0:
-                return _reference(x, w, scales, biases, indices, lead, M, N, E, group_size,
-                                  bits, mode)
-            if lead is None:
-                return run(x, indices)
-            out_shape = (*lead, x.shape[-2], N)
-            rows, ids = _rows(x, indices, lead)
-            if sorted_indices or M < 2:
-                return run(rows, ids).reshape(out_shape)
-            order = mx.argsort(ids)  # rows of one expert adjacent: each tile reads it once
-            out = run(rows[order], ids[order])
-            return out[mx.argsort(order)].reshape(out_shape)
+    def x_vjp(g, w, scales, biases, indices):  # at backward time: the stream again
+        if lead is None:
+            return _x_vjp(g, w, scales, biases, indices, E, group_size, bits, mode, dtype)
+        # mx.gather_qmm's form: the rows' gradients, summed over the axes x was
+        # broadcast along (in float32).
+        ids = _row_ids(indices, lead, x_shape[-2])
+        d = _x_vjp(g.reshape(-1, N), w, scales, biases, ids, E, group_size, bits, mode,
+                   dtype, out_dtype=mx.float32)
+        d = d.reshape(*lead, x_shape[-2], K)
+        return sum_to_shape(d, x_shape).astype(dtype)
 
-    def x_vjp(g, w, scales, biases, indices=indices):  # at backward time: the stream again
-        with on_stream(OP, stream):
-            if lead is None:
-                return _x_vjp(g, w, scales, biases, indices, E, group_size, bits, mode,
-                              x.dtype)
-            # mx.gather_qmm's form: the rows' gradients, summed over the axes x was
-            # broadcast along (in float32).
-            _, ids = _rows(x, indices, lead)
-            d = _x_vjp(g.reshape(-1, N), w, scales, biases, ids, E, group_size, bits, mode,
-                       x.dtype, out_dtype=mx.float32)
-            d = d.reshape(*lead, x.shape[-2], K)
-            return sum_to_shape(d, tuple(x.shape)).astype(x.dtype)
+    if launch is not None and lead is None:  # rows: the kernel's own layout
+        forward = launch
+    # The forward and the VJP run on the call's stream (MLX may trace them again later).
+    forward, x_vjp = run_on(stream, forward), run_on(stream, x_vjp)
+    present = (True, True, biases is not None)
+    if spec is not None:  # mx.vmap: MLX refuses the custom kernel itself
+        call = x_vjp_function(OP, forward, x_vjp, present)
 
-    with on_stream(OP, stream):
-        if spec is not None:  # mx.vmap: MLX refuses the custom kernel itself
-            return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases))
-        plain = shapeless_tracing()
-        if plain and lead is not None and indices.size > E:
-            raise ValueError(
-                f"[{OP}] mx.compile(shapeless=True) of mx.gather_qmm's form with more ids "
-                f"({indices.size}) than experts ({E}) is not supported on the reference "
-                "backend: its composite's mx.gather_mm fixes its default lhs_indices at the "
-                "trace (MLX 0.32); pass rows (2-D x) or compile without shapeless=True")
-        # mx.vmap: the composite maps unless it takes mx.gather_mm (more ids than experts),
-        # which MLX cannot map: then the constants' wrapper refuses.
-        gather_mm = None if indices.size <= E else (
-            f"its reference composite takes mx.gather_mm for more ids ({indices.size}) than "
-            f"experts ({E}), which MLX (0.32) cannot map; pass the mapped axis as a leading "
-            "dimension of x and indices")
-        return with_x_vjp(OP, forward, x_vjp, x, (w, scales, biases), watched=(indices,),
-                          unmapped=gather_mm, plain=plain)
+        def run(x, w, scales, biases, indices):
+            return call(x, (w, scales, biases), (indices,))
+
+        return run_on(stream, run)
+    # mx.vmap: the composite maps unless it takes mx.gather_mm (more ids than experts),
+    # which MLX cannot map: then the constants' wrapper refuses.
+    gather_mm = None if n_ids <= E else (
+        f"its reference composite takes mx.gather_mm for more ids ({n_ids}) than "
+        f"experts ({E}), which MLX (0.32) cannot map; pass the mapped axis as a leading "
+        "dimension of x and indices")
+    call = x_vjp_function(OP, forward, x_vjp, present, unmapped=gather_mm)
+
+    def run_reference(x, w, scales, biases, indices):
+        if shapeless_tracing():
+            if lead is not None and n_ids > E:
+                raise ValueError(
+                    f"[{OP}] mx.compile(shapeless=True) of mx.gather_qmm's form with more "
+                    f"ids ({n_ids}) than experts ({E}) is not supported on the "
+                    "reference backend: its composite's mx.gather_mm fixes its default "
+                    "lhs_indices at the trace (MLX 0.32); pass rows (2-D x) or compile "
+                    "without shapeless=True")
+            return forward(x, w, scales, biases, indices)
+        return call(x, (w, scales, biases), (indices,))
+
+    return run_on(stream, run_reference)
 
 
 def _x_vjp(g, w, scales, biases, indices, E, group_size, bits, mode, dtype,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -22,10 +23,12 @@ from ._common import (
     as_bool,
     dtype_name,
     memo_check,
+    memo_plan,
     on_stream,
     require_array,
     require_finite_scalar,
     require_float,
+    run_on,
     scalar,
 )
 from ._grad import sum_to_shape
@@ -213,14 +216,21 @@ def _check_sdpa_multi(q, k, v, scale, causal, kv_len, mask=None, sinks=None) -> 
     """Validate the inputs; the problem with a device-side kv_len as a 0-d uint32 array, the
     mask as a 4-D array in the kernel's element type and the sinks in float32."""
     p, mask_shape = _validated(q, k, v, scale, causal, kv_len, mask, sinks)
+    return _with_arrays(p, mask_shape, q.dtype, kv_len, mask, sinks)
+
+
+def _with_arrays(p: _Problem, mask_shape: tuple | None, dtype: mx.Dtype, kv_len, mask,
+                 sinks) -> _Problem:
+    """``_validated``'s problem with the call's arrays: a device-side kv_len as a 0-d uint32
+    array, the mask as a 4-D array in the kernel's element type and the sinks in float32."""
     device_kv_len = p.kv_len is None
     if not (device_kv_len or mask_shape or sinks is not None):
         return p  # the remembered problem as it is (it holds no array)
     return replace(
         p, kv_len=kv_len.astype(mx.uint32) if device_kv_len else p.kv_len,
-        mask=mask.reshape(mask_shape).astype(_mask_type(p.mask_kind, q.dtype))
+        mask=mask.reshape(mask_shape).astype(_mask_type(p.mask_kind, dtype))
         if mask_shape else None,
-        sinks=sinks.astype(q.dtype).astype(mx.float32) if sinks is not None else None)
+        sinks=sinks.astype(dtype).astype(mx.float32) if sinks is not None else None)
 
 
 @memo_check
@@ -419,29 +429,34 @@ def split_plan(backend: str, B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: 
 _NO_MASK = {0: mx.zeros((1, 1, 1, 1), dtype=mx.bool_)}  # MASK_KIND 0's dummy mask
 
 
-def _launch(q, k, v, p: _Problem, backend) -> mx.array:
+def _launcher(p: _Problem, mask_shape: tuple | None, has_sinks: bool, dtype: mx.Dtype,
+              backend: str) -> Callable:
+    """The two kernel calls of the problem ``p`` (``_validated``'s: no arrays) on
+    ``backend``, prepared once: returns ``launch(q, k, v, p)``, which takes the arrays of
+    the call's problem (a device-side kv_len, the mask, the sinks)."""
     B, Hq, Hkv, L, S, D = p.B, p.Hq, p.Hkv, p.L, p.S, p.D
+    shape = (B, Hq, L, D)
+    device_kv_len = p.kv_len is None
     # A device-side kv_len: the grid covers the whole buffer; slices past kv_len see no key.
-    pl = split_plan(backend, B, Hq, Hkv, L, D, p.kv_len if isinstance(p.kv_len, int) else S,
-                    q.dtype)
+    pl = split_plan(backend, B, Hq, Hkv, L, D, S if device_kv_len else p.kv_len, dtype)
     n_out = B * Hq * L
     scale2 = scalar(p.scale * LOG2E, mx.float32)
-    kv_len = scalar(p.kv_len, mx.uint32) if isinstance(p.kv_len, int) else p.kv_len
-    mask = _NO_MASK[0] if p.mask is None else p.mask
     # Element strides of the row-contiguous 4-D mask, 0 on its broadcast (size-1) axes.
-    mb, mh, ml, mc = mask.shape
+    mb, mh, ml, mc = mask_shape or _NO_MASK[0].shape
     strides = (mh * ml * mc if mb > 1 else 0, ml * mc if mh > 1 else 0, mc if ml > 1 else 0)
-    o_part, ml_part = backends.launch(
+    split = backends.prepare(
         SPLIT_SPEC, backend,
-        inputs={"q": q, "k": k, "v": v, "n_q": scalar(L, mx.uint32),
-                "group": scalar(Hq // Hkv, mx.uint32), "kv_len": kv_len,
+        inputs={"q": None, "k": None, "v": None, "n_q": scalar(L, mx.uint32),
+                "group": scalar(Hq // Hkv, mx.uint32),
+                "kv_len": None if device_kv_len else scalar(p.kv_len, mx.uint32),
                 "kv_rows": scalar(S, mx.uint32), "chunk": scalar(pl["chunk"], mx.uint32),
-                "causal": scalar(int(p.causal), mx.uint32), "scale": scale2, "mask": mask,
+                "causal": scalar(int(p.causal), mx.uint32), "scale": scale2,
+                "mask": None if mask_shape else _NO_MASK[0],
                 "mask_sb": scalar(strides[0], mx.uint32),
                 "mask_sh": scalar(strides[1], mx.uint32),
                 "mask_sl": scalar(strides[2], mx.uint32), "kv_heads": scalar(Hkv, mx.uint32),
                 "mask_block": scalar(int(p.block), mx.uint32)},
-        template={"T": q.dtype, "D": D, "RS": pl["rs"], "DC": pl["dc"],
+        template={"T": dtype, "D": D, "RS": pl["rs"], "DC": pl["dc"],
                   "MASK_KIND": p.mask_kind},
         outputs={"o_part": ((n_out, pl["n_splits"], D), mx.float32),
                  "ml_part": ((n_out, pl["n_splits"], 2), mx.float32)},
@@ -449,17 +464,25 @@ def _launch(q, k, v, p: _Problem, backend) -> mx.array:
         threadgroup_memory=pl["threadgroup_memory"],
     )
     n_tg = -(-n_out // COMBINE_ROWS)
-    sinks = p.sinks if p.sinks is not None else _NO_SINKS[0]
-    (out,) = backends.launch(
+    combine = backends.prepare(
         COMBINE_SPEC, backend,
-        inputs={"o_part": o_part, "ml_part": ml_part, "n_rows": scalar(n_out, mx.uint32),
+        inputs={"o_part": None, "ml_part": None, "n_rows": scalar(n_out, mx.uint32),
                 "n_splits": scalar(pl["n_splits"], mx.uint32), "scale": scale2,
                 "n_q": scalar(L, mx.uint32), "n_heads": scalar(Hq, mx.uint32),
-                "has_sinks": scalar(int(p.sinks is not None), mx.uint32), "sinks": sinks},
-        template={"T": q.dtype, "D": D}, outputs={"out": (q.shape, q.dtype)},
+                "has_sinks": scalar(int(has_sinks), mx.uint32),
+                "sinks": None if has_sinks else _NO_SINKS[0]},
+        template={"T": dtype, "D": D}, outputs={"out": (shape, dtype)},
         grid=(32 * COMBINE_ROWS * n_tg, 1, 1), threadgroup=(32 * COMBINE_ROWS, 1, 1),
     )
-    return out
+    split_arrays = (*(("kv_len",) if device_kv_len else ()),
+                    *(("mask",) if mask_shape else ()))
+
+    def launch(q, k, v, p: _Problem) -> mx.array:
+        o_part, ml_part = split(q, k, v, *(getattr(p, name) for name in split_arrays))
+        (out,) = combine(o_part, ml_part, p.sinks) if has_sinks else combine(o_part, ml_part)
+        return out
+
+    return launch
 
 
 _NO_SINKS = {0: mx.zeros((1,), dtype=mx.float32)}  # has_sinks 0's dummy
@@ -641,27 +664,56 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
     larger buffer) gives the same result but is first copied by MLX (so is a mask made by
     ``mx.broadcast_to``: pass its size-1 axes instead).
     """
-    with on_stream(OP, stream):  # the mask's and sinks' casts run on the stream too
-        p = _check_sdpa_multi(q, k, v, scale, causal, kv_len, mask, sinks)
-        if p.B * p.Hq * p.L == 0:
-            return mx.zeros(q.shape, dtype=q.dtype)
-        backend = backends.resolve_backend()
-        if backend == "reference":  # MLX's autodiff of the composite: the VJP below; and no
-            return _reference(q, k, v, p)  # custom_function, so shapeless compile traces it
-        # The primals: q, k, v, then the sinks and an additive mask where given (a bool mask
-        # and kv_len are not differentiable: closed over).
-        additive = p.mask_kind == MASK_ADDITIVE
-        extra = [a for a in (p.sinks, p.mask if additive else None) if a is not None]
+    run = _plan(q, k, v, scale, causal, kv_len, mask, sinks, backends.resolve_backend(),
+                stream)
+    return run(q, k, v, kv_len, mask, sinks)
 
-        def problem(rest) -> _Problem:
-            it = iter(rest)
-            sinks = next(it) if p.sinks is not None else None
-            return replace(p, sinks=sinks, mask=next(it) if additive else p.mask)
 
-        @mx.custom_function
-        def op(q, k, v, *rest):
-            with on_stream(OP, stream):  # backends.launch refuses the emulator in a trace
-                return _launch(q, k, v, problem(rest), backend)
+@memo_plan
+def _plan(q, k, v, scale, causal, kv_len, mask, sinks, backend: str, stream) -> Callable:
+    """The call for these arguments' metadata on ``backend`` and ``stream``, built once:
+    ``run(q, k, v, kv_len, mask, sinks)``. Reads no argument array but its shape and
+    dtype."""
+    on_stream(OP, stream)  # refuses what is not a stream (before the checks)
+    p, mask_shape = _validated(q, k, v, scale, causal, kv_len, mask, sinks)
+    dtype, shape = q.dtype, tuple(q.shape)
+
+    def problem_of(kv_len, mask, sinks) -> _Problem:  # the mask's and sinks' casts
+        return _with_arrays(p, mask_shape, dtype, kv_len, mask, sinks)
+
+    if p.B * p.Hq * p.L == 0:
+        def empty(q, k, v, kv_len, mask, sinks):
+            with on_stream(OP, stream):
+                problem_of(kv_len, mask, sinks)
+                return mx.zeros(shape, dtype=dtype)
+        return empty
+    if backend == "reference":
+        def reference(q, k, v, kv_len, mask, sinks):
+            with on_stream(OP, stream):  # MLX's autodiff of the composite; and no
+                # custom_function, so shapeless compile traces it
+                return _reference(q, k, v, problem_of(kv_len, mask, sinks))
+        return reference
+    # The primals: q, k, v, then the sinks and an additive mask where given (a bool mask
+    # and a device-side kv_len are not differentiable: closed over, so the custom function
+    # is built per call where one is given, else once).
+    additive = p.mask_kind == MASK_ADDITIVE
+    has_sinks = sinks is not None
+    launch = _launcher(p, mask_shape, has_sinks, dtype, backend)
+
+    def problem(pc: _Problem, rest) -> _Problem:
+        if not rest:
+            return pc
+        it = iter(rest)
+        sinks = next(it) if has_sinks else None
+        return replace(pc, sinks=sinks, mask=next(it) if additive else pc.mask)
+
+    def build(pc: _Problem):
+        def forward(q, k, v, *rest):
+            return launch(q, k, v, problem(pc, rest))
+
+        # on the call's stream (MLX may trace it again later: a kernel launch refuses the
+        # emulator in a trace)
+        op = mx.custom_function(run_on(stream, forward))
 
         @op.vjp
         def op_vjp(primals, cotangent, output):
@@ -669,7 +721,18 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
             q, k, v, *rest = primals
             with on_stream(OP, stream):
                 dq, dk, dv, dsinks, dmask = _launch_backward(
-                    q, k, v, cotangent, problem(rest), backend)
+                    q, k, v, cotangent, problem(pc, rest), backend)
             return (dq, dk, dv, *(g for g in (dsinks, dmask) if g is not None))
 
+        return op
+
+    closes = p.kv_len is None or (mask_shape is not None and not additive)
+    shared = None if closes else build(p)
+
+    def run(q, k, v, kv_len, mask, sinks):
+        pc = problem_of(kv_len, mask, sinks)
+        op = build(pc) if shared is None else shared
+        extra = [a for a in (pc.sinks, pc.mask if additive else None) if a is not None]
         return op(q, k, v, *extra)
+
+    return run_on(stream, run)  # the mask's and sinks' casts run on the stream too

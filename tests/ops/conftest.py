@@ -29,19 +29,20 @@ class Launch(NamedTuple):
 def launches(monkeypatch) -> list[Launch]:
     """Every kernel launch from now on, in order, as a Launch (the kernel runs as usual)."""
     records = []
-    real_launch = backends.launch
+    real_call = backends.Prepared.__call__
 
-    def spy(spec, backend, **kwargs):
-        outs = real_launch(spec, backend, **kwargs)
+    def spy(prepared, *arrays):
+        outs = real_call(prepared, *arrays)
+        spec, backend = prepared.spec, prepared.backend
         stats = None
         if backend == "emulator":  # eager: the launch has run
             stats = importlib.import_module("mlx_metaltile.emulator").last_launch_stats()
-        template = tuple((name, kwargs["template"][name]) for name in spec.params)
-        records.append(Launch(spec.name, backend, template, tuple(kwargs["inputs"].values()),
+        template = tuple((name, prepared.template[name]) for name in spec.params)
+        records.append(Launch(spec.name, backend, template, tuple(prepared.bind(arrays)),
                               stats))
         return outs
 
-    monkeypatch.setattr(backends, "launch", spy)
+    monkeypatch.setattr(backends.Prepared, "__call__", spy)
     return records
 
 

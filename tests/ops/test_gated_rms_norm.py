@@ -95,14 +95,14 @@ def test_eps_and_n_changes_do_not_rebuild(kernel_backend, rng, launches):
 def test_negative_control_eps_as_template_argument(kernel_backend, monkeypatch, rng, launches):
     """A launcher that bakes eps into a template argument makes one instantiation per eps
     value: the counts above must see it."""
-    real_launch = backends.launch
+    real_prepare = backends.prepare
 
-    def launch(spec, backend, *, template, **kwargs):
+    def prepare(spec, backend, *, template, **kwargs):
         bits = int(np.array(kwargs["inputs"]["eps"]).view(np.int32))
         spec = replace(spec, params=(*spec.params, "EPS_BITS"))
-        return real_launch(spec, backend, template={**template, "EPS_BITS": bits}, **kwargs)
+        return real_prepare(spec, backend, template={**template, "EPS_BITS": bits}, **kwargs)
 
-    monkeypatch.setattr(backends, "launch", launch)
+    monkeypatch.setattr(backends, "prepare", prepare)
     _, instantiations, new_modules = _eps_and_n_loop(kernel_backend, rng, launches)
     assert instantiations == len(EPS_LOOP)
     if kernel_backend == "emulator":

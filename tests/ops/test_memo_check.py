@@ -4,6 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_metaltile.ops import _common
 from mlx_metaltile.ops._common import memo_check
 
 
@@ -54,3 +55,17 @@ def test_results_holding_arrays_and_unhashable_arguments_are_not_remembered():
     assert len(calls) == 4  # a list argument
     check(mx.zeros(2), n=0)
     assert len(calls) == 5  # keyword arguments
+
+
+def test_a_full_memory_forgets_its_oldest(monkeypatch):
+    """Past the cap the oldest key goes: a decode loop's kv_len (a new key each token) keeps
+    its latest results remembered, not its first ones."""
+    monkeypatch.setattr(_common, "_CHECKED_MAX", 3)
+    check, calls = _counting(lambda a, n: n)
+    for n in range(5):
+        check(mx.zeros(2), n)
+    assert len(check.memory) == 3
+    check(mx.zeros(2), 4)  # the latest: remembered
+    assert len(calls) == 5
+    check(mx.zeros(2), 0)  # the first: forgotten, checked again
+    assert len(calls) == 6

@@ -313,14 +313,14 @@ def test_vmap_over_quantized_weights_refused_kernel_path(t, monkeypatch, op):
     composite: this machine has no GPU) a mapped quantized constant is refused by the
     constants' wrapper before MLX meets the kernel."""
     mod = importlib.import_module(f"mlx_metaltile.ops.{op}")
-    stand_in = {  # the kernel's arguments -> the reference composite
-        "expert_qmv": lambda *a: mod._reference(*a[:-1]),
-        "moe_gather_qmm": lambda x, w, s, b, i, M, N, K, E, gs, bits, backend, spec, mode:
-            mod._reference(x, w, s, b, i, None, M, N, E, gs, bits, mode),
-        "fp4_qmm": lambda spec, x, w, s, m, n, k, mode, gs, backend:
-            mod._reference(x, w, s, gs, mode),
+    stand_in = {  # the launcher's arguments -> a launch running the reference composite
+        "expert_qmv": lambda info, backend, dtype: lambda *a: mod._reference(*a, info),
+        "moe_gather_qmm": lambda spec, M, N, K, E, gs, bits, mode, dtype, backend:
+            lambda x, w, s, b, i: mod._reference(x, w, s, b, i, None, M, N, E, gs, bits, mode),
+        "fp4_qmm": lambda spec, m, n, k, mode, gs, dtype, scale_dtype, backend:
+            lambda x, w, s: mod._reference(x, w, s, gs, mode),
     }[op]
-    monkeypatch.setattr(mod, "_launch", stand_in)
+    monkeypatch.setattr(mod, "_launcher", stand_in)
     monkeypatch.setattr(backends, "resolve_backend", lambda name=None: "cuda")
     test_vmap_over_quantized_weights_refused(t, op)
 
