@@ -1,4 +1,4 @@
-// expert_qdot.h: the quantized dot of one lane chunk, for expert_glu and expert_down_combine.
+// expert_qdot.h: the quantized dot of one lane's words, for expert_glu and expert_down_combine.
 //
 // The same function as expert_qmv.metal's (kept in that template so that its negative
 // controls, which edit the template's text, can break its decode).
@@ -31,4 +31,91 @@ inline float mt_expert_qdot(thread const uint* words, thread const float* xv) {
     }
   }
   return dot;
+}
+
+// ---- one word against its activations, affine codes without shift or int -> float --------
+//
+// Code i of a word (bits [BITS*i, BITS*(i+1)), i < PACK) lies in the word's low 16 bits for
+// i < PACK / 2, else in the low 16 bits of word >> 16; at j = i % (PACK / 2) it is masked in
+// place there as the integer c * 2^(BITS*j) < 2^16. OR-ed into the mantissa of 2^23
+// (0x4B000000) it reads as the float 2^23 + c * 2^(BITS*j), exactly (below 2^24), and
+// subtracting 2^23 leaves c * 2^(BITS*j), exactly. Its activation was multiplied by
+// 2^-(BITS*j) (mt_expert_prescale; exact: a power of two, |x| >= 2^-114 stays normal), so
+// each product, and hence each fma, is bitwise that of c * x. Per code: one and-or (one LOP3
+// on NVIDIA), one subtract, one fma, all full-rate; plus one shift per word. The plain
+// form costs a shift, a mask, an int -> float conversion (a quarter-rate instruction on
+// NVIDIA) and the fma. MLX's Metal qmv pre-scales x by 16^-i the same way (then converts).
+// Activations of magnitude below 2^-114 may flush to zero where float32 subnormals are
+// flushed (Apple's fast math); their products are below 2^-110, far under any tolerance.
+
+// The factor activation i of a word is multiplied by before mt_expert_word_dot (1 in the fp
+// modes, whose codes are decoded as values).
+template <int MODE, int BITS>
+inline float mt_expert_prescale(int i) {
+  constexpr int HALF = 16 / BITS;  // codes per 16 bits
+  return MODE == 0 ? as_type<float>(uint(127 - BITS * (i % HALF)) << 23) : 1.0f;
+}
+
+// q * x summed over the PACK codes of one word against its PACK activations xv (pre-scaled
+// by mt_expert_prescale); q as mt_expert_qdot's. Summed in code order i = 0, 1, ...
+template <int MODE, int BITS>
+inline float mt_expert_word_dot(uint word, thread const float* xv) {
+  constexpr int HALF = 16 / BITS;
+  constexpr uint MASK = (1u << BITS) - 1u;
+  float dot = 0.0f;
+  if constexpr (MODE == 0) {
+    for (int h = 0; h < 2; ++h) {
+      const uint part = h == 0 ? word : word >> 16;
+      for (int j = 0; j < HALF; ++j) {
+        const uint code = (part & (MASK << (BITS * j))) | 0x4B000000u;  // 2^23 + c * 2^(BITS*j)
+        dot += (as_type<float>(code) - 8388608.0f) * xv[h * HALF + j];
+      }
+    }
+  } else if constexpr (MODE == 3) {
+    for (int i = 0; i < 4; ++i) {
+      dot += mt_fp4_scale<2>(word >> (8 * i)) * xv[i];
+    }
+  } else {
+    for (int i = 0; i < 4; ++i) {  // codes i and i + 4 of the word at once
+      const float2 v = float2(mt_e2m1x2(word >> (4 * i)));
+      dot += v.x * xv[i] + v.y * xv[i + 4];
+    }
+  }
+  return dot;
+}
+
+// ---- a group's scale and bias through one shuffle -----------------------------------------
+//
+// A step's group scales (and affine biases) are loaded one group per lane and shuffled to the
+// lanes holding that group's words, as raw bits: two 16-bit values share one uint (one
+// shuffle, one register), decoded after the shuffle by the lane using them. ST is the
+// scales' storage type: T (affine: scale, then bias in the high half; a float T carries
+// only its scale here, its bias travels apart), uint8 (fp modes: the code, decoded by
+// mt_fp4_scale).
+template <int MODE, typename ST, typename BT>
+inline uint mt_group_bits(ST scale, BT bias) {
+  if constexpr (MODE != 0) {
+    return uint(scale);
+  } else if constexpr (sizeof(ST) == 2) {
+    return uint(as_type<ushort>(scale)) | (uint(as_type<ushort>(bias)) << 16);
+  } else {
+    return as_type<uint>(scale);
+  }
+}
+
+template <int MODE, typename ST>
+inline float mt_group_scale(uint bits) {
+  if constexpr (MODE != 0) {
+    return mt_fp4_scale<MODE == 3 ? 1 : MODE>(bits);
+  } else if constexpr (sizeof(ST) == 2) {
+    return float(as_type<ST>(ushort(bits & 0xFFFFu)));
+  } else {
+    return as_type<float>(bits);
+  }
+}
+
+// The affine bias of a 16-bit ST (the high half of mt_group_bits).
+template <typename ST>
+inline float mt_group_bias(uint bits) {
+  return float(as_type<ST>(ushort(bits >> 16)));
 }
