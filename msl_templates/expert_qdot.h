@@ -1,37 +1,10 @@
-// expert_qdot.h: the quantized dot of one lane's words, for expert_glu and expert_down_combine.
+// expert_qdot.h: the quantized dot of one lane's word and the shuffled group scales, for
+// expert_glu, expert_down_combine and expert_qmv.
 //
-// The same function as expert_qmv.metal's (kept in that template so that its negative
-// controls, which edit the template's text, can break its decode).
+// expert_qmv.metal keeps its own copy of mt_expert_word_dot (mt_qmv_word_dot), so that its
+// negative controls, which edit the template's text, can break its decode.
 #pragma once
 #include "common.h"
-
-// q * x summed over the VALS values a lane holds: WORDS packed uint32 words of BITS-bit
-// codes (already loaded) against VALS float activations; q is the unsigned integer (MODE 0),
-// the E2M1 value (MODE 1, 2; BITS 4) or the E4M3 value (MODE 3; BITS 8).
-template <int MODE, int BITS, int WORDS>
-inline float mt_expert_qdot(thread const uint* words, thread const float* xv) {
-  constexpr int PACK = 32 / BITS;
-  constexpr uint MASK = (1u << BITS) - 1u;
-  float dot = 0.0f;
-  for (int wi = 0; wi < WORDS; ++wi) {
-    const uint word = words[wi];
-    if constexpr (MODE == 0) {
-      for (int i = 0; i < PACK; ++i) {
-        dot += float((word >> (BITS * i)) & MASK) * xv[wi * PACK + i];
-      }
-    } else if constexpr (MODE == 3) {
-      for (int i = 0; i < 4; ++i) {
-        dot += mt_fp4_scale<2>(word >> (8 * i)) * xv[wi * 4 + i];
-      }
-    } else {
-      for (int i = 0; i < 4; ++i) {  // codes i and i + 4 of the word at once
-        const float2 v = float2(mt_e2m1x2(word >> (4 * i)));
-        dot += v.x * xv[wi * 8 + i] + v.y * xv[wi * 8 + i + 4];
-      }
-    }
-  }
-  return dot;
-}
 
 // ---- one word against its activations, affine codes without shift or int -> float --------
 //
@@ -44,9 +17,10 @@ inline float mt_expert_qdot(thread const uint* words, thread const float* xv) {
 // each product, and hence each fma, is bitwise that of c * x. Per code: one and-or (one LOP3
 // on NVIDIA), one subtract, one fma, all full-rate; plus one shift per word. The plain
 // form costs a shift, a mask, an int -> float conversion (a quarter-rate instruction on
-// NVIDIA) and the fma. MLX's Metal qmv pre-scales x by 16^-i the same way (then converts).
-// Activations of magnitude below 2^-114 may flush to zero where float32 subnormals are
-// flushed (Apple's fast math); their products are below 2^-110, far under any tolerance.
+// NVIDIA) and the fma. Range: the pre-scaling is exact while |x| * 2^-12 (4-bit; 8-bit:
+// 2^-8) stays a float32 normal, i.e. |x| >= 2^-114; an activation below that is rounded to a
+// subnormal, or flushed to zero where float32 subnormals are (Apple's fast math). MLX's
+// Metal qmv pre-scales x by 16^-i the same way (then converts), with the same range.
 
 // The factor activation i of a word is multiplied by before mt_expert_word_dot (1 in the fp
 // modes, whose codes are decoded as values).
