@@ -74,8 +74,8 @@
 //   cache after the first tile: DRAM sees it once per token), out [P, N] once.
 //
 // CHECKED ONLY ON A MAC: as expert_qmv.metal (same constructs), plus metal::exp / metal::min
-//   / metal::clamp on float, as_type between bfloat / half and ushort, simd_shuffle of a
-//   uint, and the register count / occupancy on Apple GPUs.
+//   / metal::clamp on float, simd_shuffle of a uint, and the register count / occupancy on
+//   Apple GPUs.
 #include "common.h"
 #include "expert_qdot.h"
 // ---- kernel body ----

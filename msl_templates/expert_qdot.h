@@ -65,13 +65,41 @@ inline float mt_expert_word_dot(uint word, thread const float* xv) {
 // shuffle, one register), decoded after the shuffle by the lane using them. ST is the
 // scales' storage type: T (affine: scale, then bias in the high half; a float T carries
 // only its scale here, its bias travels apart), uint8 (fp modes: the code, decoded by
-// mt_fp4_scale).
+// mt_fp4_scale). A 16-bit T is never reinterpreted itself (before Metal 3.1 MLX's
+// bfloat16_t is a struct, which as_type does not take): a half goes through as_type of a
+// half, a bfloat through the top half of its float32 value (exact: float32 extends
+// bfloat's exponent and mantissa with zeros), decoded by a shift.
+
+// Whether ST is half (else, among the 16-bit float types, bfloat).
+template <typename ST>
+inline bool mt_is_half() {
+  return false;
+}
+template <>
+inline bool mt_is_half<half>() {
+  return true;
+}
+
+// The 16 bits of a half or bfloat v (low half of the result).
+template <typename ST>
+inline uint mt_bits16(ST v) {
+  return mt_is_half<ST>() ? uint(as_type<ushort>(half(float(v))))
+                          : as_type<uint>(float(v)) >> 16;
+}
+
+// float(v) from mt_bits16(v) in the low 16 bits of b (the high 16 are ignored).
+template <typename ST>
+inline float mt_from_bits16(uint b) {
+  return mt_is_half<ST>() ? float(as_type<half>(ushort(b & 0xFFFFu)))
+                          : as_type<float>(b << 16);
+}
+
 template <int MODE, typename ST, typename BT>
 inline uint mt_group_bits(ST scale, BT bias) {
   if constexpr (MODE != 0) {
     return uint(scale);
   } else if constexpr (sizeof(ST) == 2) {
-    return uint(as_type<ushort>(scale)) | (uint(as_type<ushort>(bias)) << 16);
+    return mt_bits16(scale) | (mt_bits16(bias) << 16);
   } else {
     return as_type<uint>(scale);
   }
@@ -82,7 +110,7 @@ inline float mt_group_scale(uint bits) {
   if constexpr (MODE != 0) {
     return mt_fp4_scale<MODE == 3 ? 1 : MODE>(bits);
   } else if constexpr (sizeof(ST) == 2) {
-    return float(as_type<ST>(ushort(bits & 0xFFFFu)));
+    return mt_from_bits16<ST>(bits);
   } else {
     return as_type<float>(bits);
   }
@@ -91,5 +119,5 @@ inline float mt_group_scale(uint bits) {
 // The affine bias of a 16-bit ST (the high half of mt_group_bits).
 template <typename ST>
 inline float mt_group_bias(uint bits) {
-  return float(as_type<ST>(ushort(bits >> 16)));
+  return mt_from_bits16<ST>(bits >> 16);
 }

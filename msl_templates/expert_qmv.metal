@@ -125,9 +125,9 @@
 //
 // CHECKED ONLY ON A MAC: that Apple's compiler accepts this body (address-space deduction of
 //   `auto` pointers for device and constant inputs, a kernel-scope threadgroup array, simd_shuffle
-//   with a ushort lane, numeric_limits NaN converted to bfloat, as_type between bfloat / half
-//   and ushort), register use / occupancy, and
-//   the performance (GB/s vs mx.gather_qmm). The emulator checks the arithmetic, the bounds,
+//   with a ushort lane, numeric_limits NaN converted to bfloat, expert_qdot.h's constructs:
+//   as_type between half and ushort, an explicitly specialised function template), register
+//   use / occupancy, and the performance (GB/s vs mx.gather_qmm). The emulator checks the arithmetic, the bounds,
 //   the SIMD-group collectives and the read counts; the CUDA translation compiles in CI.
 #include "common.h"
 #include "expert_qdot.h"
