@@ -116,6 +116,9 @@ uint id_at = slot;
 uint rest = token;
 for (int d = BCAST_DIMS - 1; d >= 0; --d) {
   const uint size = bcast[3 * d];
+  if (size == 1u) {
+    continue;  // a padding dimension (c = 0): skips two integer divisions
+  }
   const uint c = rest % size;
   rest /= size;
   x_at += c * bcast[3 * d + 1];

@@ -16,11 +16,12 @@
 // 2^-(BITS*j) (mt_expert_prescale; exact: a power of two, |x| >= 2^-114 stays normal), so
 // each product, and hence each fma, is bitwise that of c * x. Per code: one and-or (one LOP3
 // on NVIDIA), one subtract, one fma, all full-rate; plus one shift per word. The plain
-// form costs a shift, a mask, an int -> float conversion (a quarter-rate instruction on
-// NVIDIA) and the fma. Range: the pre-scaling is exact while |x| * 2^-12 (4-bit; 8-bit:
-// 2^-8) stays a float32 normal, i.e. |x| >= 2^-114; an activation below that is rounded to a
-// subnormal, or flushed to zero where float32 subnormals are (Apple's fast math). MLX's
-// Metal qmv pre-scales x by 16^-i the same way (then converts), with the same range.
+// form costs a shift, a mask, an int -> float conversion (on NVIDIA a conversion-pipe
+// instruction, listed far below the FP32 rate) and the fma: 4 instructions per code become
+// 3 full-rate ones. Range: the pre-scaling is exact while |x| * 2^-12 (8-bit: 2^-8) stays
+// a float32 normal, i.e. |x| >= 2^-114 (8-bit: 2^-118); an activation below that is rounded
+// to a subnormal, or flushed to zero where float32 subnormals are (Apple's fast math).
+// MLX's Metal qmv pre-scales x by 16^-i the same way (then converts), with the same range.
 
 // The factor activation i of a word is multiplied by before mt_expert_word_dot (1 in the fp
 // modes, whose codes are decoded as values).

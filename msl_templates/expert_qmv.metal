@@ -50,7 +50,8 @@
 //   both arrays when broadcasts alternate over more). Pair p = t * k + j; t's coordinate
 //   c_d in dimension d (row-major over the sizes) gives xrow(t, j) = sum_d c_d * xs_d +
 //   j * x_slot and irow(t) = sum_d c_d * is_d, a stride being 0 where that array is
-//   broadcast. Computed by every thread from uniform values (a few divisions).
+//   broadcast. Computed by every thread from uniform values (a few divisions; the padding
+//   dimensions of size 1 are skipped).
 //
 // ADDRESS SPACES: MLX passes an input of fewer than 8 elements in the `constant` address
 //   space, which changes the generated source. indices holding fewer than 8 ids (decode
@@ -204,6 +205,9 @@ uint id_at = slot;
 uint rest = token;
 for (int d = BCAST_DIMS - 1; d >= 0; --d) {
   const uint size = bcast[3 * d];
+  if (size == 1u) {
+    continue;  // a padding dimension (c = 0): skips two integer divisions
+  }
   const uint c = rest % size;
   rest /= size;
   x_at += c * bcast[3 * d + 1];
