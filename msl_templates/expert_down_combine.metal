@@ -3,13 +3,17 @@
 //
 // MATH (token t, slots j < k, e_j = ids(t, j), d in [0, D)):
 //   out[t, d] = sum_{j < k} score(t, j) * (sum_n h[t, j, n] * W[e_j, d, n] + bias[e_j, d])
-//   (W dequantized per MODE exactly as in expert_qmv.metal; the bias term only if has_bias)
+//   (W dequantized per MODE exactly as in expert_qmv.metal; the bias term only if has_bias),
+//   evaluated per uint32 word of PACK codes as expert_glu.metal evaluates g:
+//   scale_g * sum_i q_i * h_i + bias_g * sum_i h_i (fp modes: scale_g * sum_i v_i * h_i), in
+//   float32 through mt_expert_word_dot (expert_qdot.h: shift- and conversion-free affine
+//   codes, each product bitwise that of q_i * h_i).
 //   REDUCTION ORDER (fixed for a given k and launch plan: bitwise reproducible run to run):
 //   the token's slots j are dealt to the S slot groups of a row block, slot group g taking
 //   j = g, g + S, g + 2S, ... (S = 1: every slot). For each of its slots in increasing j, lane
-//   l sums its chunks l, l + 32, ... in order into a partial (lane 0 then adds bias[e_j, d])
-//   and adds score_j * partial to its accumulator; the 32 lane accumulators are combined by
-//   one simd_sum. S = 1: that is the output. S > 1: the S slot-group sums are added in order
+//   l sums its words (WORD MAPPING) step after step, word 0, 1, ... of each step, into a
+//   partial (lane 0 then adds bias[e_j, d]) and adds score_j * partial to its accumulator;
+//   the 32 lane accumulators are combined by one simd_sum. S = 1: that is the output. S > 1: the S slot-group sums are added in order
 //   g = 0, 1, ..., S - 1 (through threadgroup memory) by slot group 0. float32 throughout,
 //   rounded once to T.
 //   No atomics.
@@ -32,11 +36,15 @@
 //   grid (64 * S, ceil(D / 8), T): row block b of row-tile y owns rows [(2y + b) * 4, + 4) of
 //   token z clipped to D (a block past D owns none, reads nothing, and still meets the
 //   barrier); each output element is written by one lane, and each word/scale/bias of each
-//   selected expert's rows is read by exactly one lane (scales/biases by a group's first
-//   lane, shuffled to the others), by the one SIMD-group holding that slot and row block.
+//   selected expert's rows is read by exactly one lane, by the one SIMD-group holding that
+//   slot and row block: word w0 + 32 * wi + l of a step by lane l, group g0 + j by lane j
+//   (a step of 32 * WORDS words holds whole groups, at most 32: WORDS <= GS / PACK), h's
+//   row once per (slot, row block).
 //   Threadgroup memory: MAX_SLOT_GROUPS * 8 floats, written and read (after one barrier)
 //   only when S > 1. The only early return (an invalid id) is uniform over the threadgroup.
-//   K % GS == 0 with GS a multiple of VALS, as expert_qmv.metal.
+//   K % GS == 0 (a group never straddles the row end; a partial last step masks the words
+//   and groups past it). Every branch around a simd_shuffle / simd_sum is uniform over the
+//   SIMD-group.
 //
 // LAUNCH PLANS: Metal: S = 1, threadgroup (64, 1, 1) as before: each SIMD-group walks the k
 //   slots of its 4 rows, no barrier (the plan measured against MLX's Metal kernels; whether
@@ -45,9 +53,19 @@
 //   slot): Qwen3-30B-A3B decode (D = 2048, one token) runs 256 threadgroups of 16 warps
 //   (4096 warps) instead of 512 warps that each walk 8 experts one after another.
 //
-// LOADS: as expert_qmv.metal's LOADS: per step, 4 words (nvfp4: 2) of each of the 4 rows,
-//   the group leaders' scales and biases and the VALS activations, all issued before any is
-//   used; then the shuffles and the arithmetic.
+// WORD MAPPING and LOADS: as expert_glu.metal's (the reasons for both GPUs are stated
+//   there), one projection: in a step of 32 * WORDS words of a row, lane l holds words
+//   w0 + 32 * wi + l of each of the 4 rows (each word-load instruction reads 128 contiguous
+//   bytes) and their PACK activations of h each; the step's groups are loaded one per lane
+//   (scale and affine bias as one uint, mt_group_bits) and shuffled to the lanes of their
+//   words. All of a step's loads are issued before any is used: WORDS = 4 words of each
+//   row (16 per lane; nvfp4 2 of each row), 4 group uints, WORDS * PACK activations. WORDS stays 4 (not
+//   expert_glu's 2 per projection): Qwen3-30B-A3B's down rows (N = 768: 96 words) are one
+//   step, all of a slot's loads in flight at once, where 2 would take two dependent trips;
+//   the cuda plan's 512-thread threadgroups hold one per H100 SM at up to 128 registers
+//   either way.
+//   Registers (CUDA, ptxas for bf16 4-bit affine GS 64): 119 (128 before); 124 at most over
+//   every instantiation (a 512-thread threadgroup needs 128 or fewer).
 //
 // TRAFFIC PER CALL: each valid token's k experts' down rows once, h once per (slot, row
 //   block) (from cache after the first tile), ids and scores once per thread (broadcast loads),
@@ -62,11 +80,15 @@ constexpr uint SIMDGROUPS = 2;         // row blocks per threadgroup
 constexpr uint ROWS = 4;               // output rows per SIMD-group
 constexpr uint MAX_SLOT_GROUPS = 8;    // SIMD-groups sharing one row block's slots, at most
 constexpr uint PACK = 32 / BITS;
-// Words per lane per step: 4, or one whole group where a group holds fewer (nvfp4: 2).
-constexpr int WORDS = GROUP_SIZE * BITS / 32 < 4 ? GROUP_SIZE * BITS / 32 : 4;
+// Words per lane per step: 4, or one group's words where a group holds fewer (nvfp4: 2), so
+// that a step holds at most 32 groups (one per lane).
+constexpr int WORDS = GROUP_SIZE / PACK < 4 ? GROUP_SIZE / PACK : 4;
 constexpr uint VALS = WORDS * PACK;
-constexpr uint LANES_PER_GROUP = GROUP_SIZE / VALS;
-constexpr int SCALE_FORMAT = MODE == 3 ? 1 : MODE;
+constexpr uint STEP_WORDS = 32 * WORDS;                  // words of a row per 32-lane step
+constexpr uint GROUP_WORDS = GROUP_SIZE / PACK;          // words per group: 2..32, divides 32
+constexpr uint STEP_GROUPS = STEP_WORDS / GROUP_WORDS;   // groups per step: 2..32
+// Affine biases of a float T do not fit beside their scales in one shuffled uint.
+constexpr bool BIAS_APART = MODE == 0 && sizeof(T) == 4;
 
 // Per (slot group, row block, row): a slot group's sum, combined in slot-group order.
 threadgroup float partials[MAX_SLOT_GROUPS * SIMDGROUPS * ROWS];
@@ -98,9 +120,7 @@ if (!all_valid) {
 const uint K = k_in;
 const uint words_per_row = K / PACK;
 const uint groups_per_row = K / GROUP_SIZE;
-const uint n_chunks = rows == 0u ? 0u : K / VALS;
-const ushort group_leader = ushort(lane & ~(LANES_PER_GROUP - 1));
-const bool loads_group = (lane % LANES_PER_GROUP) == 0;
+const uint n_steps = rows == 0u ? 0u : (words_per_row + STEP_WORDS - 1) / STEP_WORDS;
 
 float acc[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
 for (uint j = 0; j < k; ++j) {  // fixed order over the token's experts
@@ -116,50 +136,83 @@ for (uint j = 0; j < k; ++j) {  // fixed order over the token's experts
   const auto b_rows = biases + first_row * groups_per_row;
   const auto h_row = h + size_t(pair) * K;
   float part[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (uint base = 0; base < n_chunks; base += 32) {  // trip count uniform
-    const uint chunk = base + lane;
-    const bool active = chunk < n_chunks;
-    const uint group = chunk / LANES_PER_GROUP;
-    // 1. Every load of the step, none waiting for another (expert_qmv.metal's LOADS).
+  for (uint step = 0; step < n_steps; ++step) {  // trip count uniform
+    const uint word0 = step * STEP_WORDS;
+    const uint group0 = step * STEP_GROUPS;
+    // Lane l's words of the step: word0 + 32 * wi + l (WORD MAPPING).
+    bool in_row[WORDS];
+    for (int wi = 0; wi < WORDS; ++wi) {
+      in_row[wi] = word0 + 32 * wi + lane < words_per_row;
+    }
+    // 1. Every load of the step, none waiting for another (LOADS): the words of all rows,
+    //    the step's scales (and biases) one group per lane, the activations.
     uint words[ROWS][WORDS];
+    const auto w_step = w_rows + word0 + lane;
     for (uint r = 0; r < ROWS; ++r) {
       for (int wi = 0; wi < WORDS; ++wi) {
-        words[r][wi] = active && r < rows
-                           ? w_rows[size_t(r) * words_per_row + chunk * WORDS + wi] : 0u;
+        words[r][wi] = in_row[wi] && r < rows ? w_step[r * words_per_row + 32 * wi] : 0u;
       }
     }
-    float scale[ROWS];
-    float bias_g[ROWS];
+    const bool loads_group = lane < STEP_GROUPS && group0 + lane < groups_per_row;
+    const auto s_step = s_rows + group0 + lane;
+    const auto b_step = b_rows + group0 + lane;
+    uint group[ROWS];        // the lane's group of each row: mt_group_bits
+    float bias_apart[ROWS];  // BIAS_APART only
     for (uint r = 0; r < ROWS; ++r) {
-      scale[r] = bias_g[r] = 0.0f;
-      if (active && loads_group && r < rows) {
-        scale[r] = mt_fp4_scale<SCALE_FORMAT>(s_rows[r * groups_per_row + group]);
+      group[r] = 0u;
+      bias_apart[r] = 0.0f;
+      if (loads_group && r < rows) {
+        const uint at = r * groups_per_row;
         if constexpr (MODE == 0) {
-          bias_g[r] = float(b_rows[r * groups_per_row + group]);
+          const T b = b_step[at];
+          group[r] = mt_group_bits<MODE>(s_step[at], b);
+          if constexpr (BIAS_APART) {
+            bias_apart[r] = float(b);
+          }
+        } else {
+          group[r] = mt_group_bits<MODE>(s_step[at], s_step[at]);
         }
       }
     }
     float xv[VALS];
-    for (uint i = 0; i < VALS; ++i) {
-      xv[i] = active ? float(h_row[chunk * VALS + i]) : 0.0f;
+    const auto h_step = h_row + (word0 + lane) * PACK;  // the lane's first word's activations
+    for (int wi = 0; wi < WORDS; ++wi) {
+      for (uint i = 0; i < PACK; ++i) {
+        xv[wi * PACK + i] = in_row[wi] ? float(h_step[32 * PACK * wi + i]) : 0.0f;
+      }
     }
-    // 2. Shuffles and arithmetic.
-    float x_sum = 0.0f;
-    for (uint i = 0; i < VALS; ++i) {
-      x_sum += xv[i];
+    // 2. Shuffles and arithmetic. x_sum[wi]: word wi's activations summed (the affine bias
+    //    term), before they are pre-scaled for mt_expert_word_dot.
+    float x_sum[WORDS];
+    for (int wi = 0; wi < WORDS; ++wi) {
+      x_sum[wi] = 0.0f;
+      for (uint i = 0; i < PACK; ++i) {
+        x_sum[wi] += xv[wi * PACK + i];
+        xv[wi * PACK + i] *= mt_expert_prescale<MODE, BITS>(i);
+      }
     }
     for (uint r = 0; r < ROWS; ++r) {
       if (r >= rows) {
         break;  // uniform over the SIMD-group
       }
-      const float s = simd_shuffle(scale[r], group_leader);
-      const float b = MODE == 0 ? simd_shuffle(bias_g[r], group_leader) : 0.0f;
-      if (active) {
-        const float dot = mt_expert_qdot<MODE, BITS, WORDS>(words[r], xv);
-        if constexpr (MODE == 0) {
-          part[r] += s * dot + b * x_sum;
-        } else {
-          part[r] += s * dot;
+      for (int wi = 0; wi < WORDS; ++wi) {
+        // The lane holding word wi's group: (32 * wi + l) / GROUP_WORDS.
+        const ushort src = ushort((32 * wi + lane) / GROUP_WORDS);
+        const uint g = simd_shuffle(group[r], src);
+        const float s = mt_group_scale<MODE, T>(g);
+        float b = 0.0f;
+        if constexpr (BIAS_APART) {
+          b = simd_shuffle(bias_apart[r], src);
+        } else if constexpr (MODE == 0) {
+          b = mt_group_bias<T>(g);
+        }
+        if (in_row[wi]) {
+          const float dot = mt_expert_word_dot<MODE, BITS>(words[r][wi], xv + wi * PACK);
+          if constexpr (MODE == 0) {
+            part[r] += s * dot + b * x_sum[wi];
+          } else {
+            part[r] += s * dot;
+          }
         }
       }
     }

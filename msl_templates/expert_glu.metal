@@ -7,8 +7,20 @@
 //   ACT 0 (silu):       out[p, n] = g / (1 + exp(-g)) * u
 //   ACT 1 (swiglu_oai): gc = min(g, limit), uc = clamp(u, -limit, limit),
 //                       out[p, n] = (uc + 1) * gc / (1 + exp(-alpha * gc))   (mlx-lm SwigluOAI)
-//   g and u are evaluated as expert_qmv evaluates one row (float32 lane chunks, simd_sum),
-//   the activation in float32, rounded once to T.
+//   g and u are evaluated per uint32 word of PACK codes, in float32:
+//     affine: scale_g * sum_i q_i * x_i + bias_g * sum_i x_i   (g the word's group)
+//     fp modes: scale_g * sum_i v_i * x_i
+//   (mt_expert_word_dot, expert_qdot.h: the affine codes are read without a shift or an
+//   int -> float conversion against activations pre-scaled by powers of two, each product
+//   bitwise that of q_i * x_i), reduced over the SIMD-group, the activation in float32,
+//   rounded once to T.
+//   REDUCTION ORDER (fixed for given shapes and launch plan: bitwise reproducible run to run),
+//   for g and u alike: the 32-lane steps of K (STEP_WORDS = 64 words of a row each) are dealt
+//   to the S K groups of a row block, group g taking steps g, g + S, ...; lane l adds, step
+//   after step in increasing order, its word 0 then its word 1 (WORD MAPPING) to its
+//   partial; the 32 partials are combined by simd_sum (hardware order). S > 1: the S group
+//   sums are added in order g = 0, 1, ... (threadgroup memory) by group 0's lane 0, which
+//   then adds the bias and applies the activation.
 //   OUT-OF-RANGE IDS: an id >= E (uint; negative int32 ids too) gives a NaN row; nothing of
 //   the expert is read for that pair.
 //
@@ -19,25 +31,51 @@
 //   float32 scalars (ACT 1), out [P, N] T.
 //   Template: T, BITS, GROUP_SIZE, MODE as expert_qmv; ACT in {0, 1}.
 //
-// DISPATCH INVARIANTS: as expert_qmv.metal's, launch plans included: threadgroup
-//   (64 * S, 1, 1), grid (64 * S, ceil(N / 8), P), S K groups per row block (S = 1 on Metal;
-//   cuda: K split where the grid is small, only where N % 8 == 0); row block s of row-tile y
-//   owns rows [(2y + s) * 4, + 4) of BOTH projections, so each (pair, row) is written by one
-//   lane and each word/scale/bias of the selected expert's gate and up rows is read by
-//   exactly one lane; the activations x_p are loaded once per row block for both projections.
-//   REDUCTION ORDER as expert_qmv.metal's for g and u alike (S > 1: the K groups' sums added
-//   in group order, then bias and activation by group 0's lane 0).
+// WORD MAPPING: in a step starting at word w0 of a row, lane l holds words w0 + l and
+//   w0 + 32 + l of each row of both projections and their PACK activations each
+//   (x_p[(w0 + 32 * wi + l) * PACK + i]); the step's GS-groups (STEP_GROUPS = 64 / (GS / PACK),
+//   2..32) are loaded one per lane, lane j holding group g0 + j of each row, and shuffled
+//   to the lanes of that group's words (lane (32 * wi + l) / (GS / PACK)). Scale and
+//   affine bias travel as one uint (mt_group_bits: two 16-bit values; a float T's bias
+//   apart) and are decoded after the shuffle.
+//   Why for both GPUs: each word-load instruction of a SIMD-group reads 128 contiguous
+//   bytes (one 128-byte line: every sector fetched is used; NVIDIA counts 4 sectors where
+//   the former lane-contiguous chunks of 2 words per lane spread one instruction over 256
+//   bytes, 8 sectors of which half were used, and Apple's SIMD-group loads likewise
+//   coalesce into fewer, fully used lines); a row's scales and biases of a step are one
+//   contiguous load per row instead of one per row and word; and a lane's activations are
+//   PACK contiguous values per word (lane stride PACK * sizeof(T) bytes instead of 2 PACK:
+//   an activation load instruction spans half the lines it did). The activations are L1 /
+//   cache hits after a pair's first row block (x_p is K values); they are loaded directly,
+//   not staged in threadgroup memory: staging would add a store, a barrier and a load per
+//   value for a saving of about one cache wavefront per load, and a padded threadgroup
+//   array for 16 SIMD-groups x 512 floats would exceed Apple's 32 KB.
 //
-// LOADS: as expert_qmv.metal's LOADS: each 32-lane step issues all of its loads first (2
-//   words of each of the 4 rows of both projections: 16 words per lane, as expert_qmv's 4 x
-//   4; the group leaders' scales and biases; the activations), then shuffles and computes.
-//   2 words per projection keeps the registers near expert_qmv's (16 words, 16 activations).
+// DISPATCH INVARIANTS: launch plans as expert_qmv.metal's: threadgroup (64 * S, 1, 1), grid
+//   (64 * S, ceil(N / 8), P), S K groups per row block (S = 1 on Metal; cuda: K split where
+//   the grid is small, only where N % 8 == 0: no thread returns before the combine's
+//   barrier); row block s of row-tile y owns rows [(2y + s) * 4, + 4) of BOTH projections,
+//   so each (pair, row) is written by one lane. Each word of the selected expert's gate and
+//   up rows is read by exactly one lane (word w0 + 32 * wi + l by lane l of the K group
+//   holding the step), each group's scale and bias by exactly one lane (group g0 + j by
+//   lane j; GS / PACK words per group divides 32, so a step holds whole groups), and x_p
+//   once per row block for both projections. K % GS == 0 (a group never straddles the row
+//   end; a partial last step masks words and groups past it). Every early return and every
+//   branch around a simd_shuffle / simd_sum is uniform over the SIMD-group.
+//
+// LOADS: each 32-lane step issues all of its loads first (2 words of each of the 4 rows of
+//   both projections: 16 words per lane, 8 group uints, 16 activations), then shuffles and
+//   computes: the loads of a step overlap their latencies.
+//   Registers (CUDA, ptxas for bf16 4-bit affine GS 64): 72 (118 before the word mapping,
+//   the packed group uints and the shift-free dot): 7 threadgroups of 4 warps per H100 SM
+//   instead of 4, so Qwen3-30B-A3B's 768 threadgroups run in one wave.
 //
 // TRAFFIC PER CALL: the valid pairs' gate and up rows once each, x once per row block (from
 //   cache after the first tile: DRAM sees it once per token), out [P, N] once.
 //
 // CHECKED ONLY ON A MAC: as expert_qmv.metal (same constructs), plus metal::exp / metal::min
-//   / metal::clamp on float.
+//   / metal::clamp on float, simd_shuffle of a uint, and the register count / occupancy on
+//   Apple GPUs.
 #include "common.h"
 #include "expert_qdot.h"
 // ---- kernel body ----
@@ -47,8 +85,11 @@ constexpr uint PACK = 32 / BITS;
 // Words per lane per step and projection: 2 (16 words in flight with both projections).
 constexpr int WORDS = 2;
 constexpr uint VALS = WORDS * PACK;
-constexpr uint LANES_PER_GROUP = GROUP_SIZE / VALS;
-constexpr int SCALE_FORMAT = MODE == 3 ? 1 : MODE;
+constexpr uint STEP_WORDS = 32 * WORDS;                  // words of a row per 32-lane step
+constexpr uint GROUP_WORDS = GROUP_SIZE / PACK;          // words per group: 2..32, divides 32
+constexpr uint STEP_GROUPS = STEP_WORDS / GROUP_WORDS;   // groups per step: 2..32
+// Affine biases of a float T do not fit beside their scales in one shuffled uint.
+constexpr bool BIAS_APART = MODE == 0 && sizeof(T) == 4;
 constexpr uint MAX_K_GROUPS = 8;
 
 // Per (K group, row block, row): a K group's gate and up sums (S > 1 only).
@@ -75,6 +116,9 @@ uint id_at = slot;
 uint rest = token;
 for (int d = BCAST_DIMS - 1; d >= 0; --d) {
   const uint size = bcast[3 * d];
+  if (size == 1u) {
+    continue;  // a padding dimension (c = 0): skips two integer divisions
+  }
   const uint c = rest % size;
   rest /= size;
   x_at += c * bcast[3 * d + 1];
@@ -92,7 +136,7 @@ if (expert >= n_experts) {
 const uint K = k_in;
 const uint words_per_row = K / PACK;
 const uint groups_per_row = K / GROUP_SIZE;
-const uint n_chunks = K / VALS;
+const uint n_steps = (words_per_row + STEP_WORDS - 1) / STEP_WORDS;
 const size_t first_row = size_t(expert) * n_rows_total + row0;
 const auto wg_rows = w_gate + first_row * words_per_row;
 const auto sg_rows = scales_gate + first_row * groups_per_row;
@@ -101,70 +145,100 @@ const auto wu_rows = w_up + first_row * words_per_row;
 const auto su_rows = scales_up + first_row * groups_per_row;
 const auto bu_rows = biases_up + first_row * groups_per_row;
 const auto x_row = x + size_t(x_at) * K;
-const ushort group_leader = ushort(lane & ~(LANES_PER_GROUP - 1));
-const bool loads_group = (lane % LANES_PER_GROUP) == 0;
 
 float acc_g[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
 float acc_u[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
 // K group g takes the steps g, g + S, ... (trip count uniform over the SIMD-group).
-for (uint base = 32 * k_group; base < n_chunks; base += 32 * k_groups) {
-  const uint chunk = base + lane;
-  const bool active = chunk < n_chunks;
-  const uint group = chunk / LANES_PER_GROUP;
-  // 1. Every load of the step, none waiting for another (expert_qmv.metal's LOADS): the
-  //    words of all rows of both projections, the leaders' scales (and biases), x.
+for (uint step = k_group; step < n_steps; step += k_groups) {
+  const uint word0 = step * STEP_WORDS;
+  const uint group0 = step * STEP_GROUPS;
+  // Lane l's words of the step: word0 + 32 * wi + l (WORD MAPPING).
+  bool in_row[WORDS];
+  for (int wi = 0; wi < WORDS; ++wi) {
+    in_row[wi] = word0 + 32 * wi + lane < words_per_row;
+  }
+  // 1. Every load of the step, none waiting for another (LOADS): the words of all rows of
+  //    both projections, the step's scales (and biases) one group per lane, x.
   uint words_g[ROWS][WORDS];
   uint words_u[ROWS][WORDS];
   for (uint r = 0; r < ROWS; ++r) {
     for (int wi = 0; wi < WORDS; ++wi) {
-      const bool here = active && r < rows;
-      const size_t at = size_t(r) * words_per_row + chunk * WORDS + wi;
+      const bool here = in_row[wi] && r < rows;
+      const uint at = r * words_per_row + word0 + 32 * wi + lane;
       words_g[r][wi] = here ? wg_rows[at] : 0u;
       words_u[r][wi] = here ? wu_rows[at] : 0u;
     }
   }
-  float scale_g[ROWS], scale_u[ROWS], bias_g[ROWS], bias_u[ROWS];
+  const bool loads_group = lane < STEP_GROUPS && group0 + lane < groups_per_row;
+  uint group_g[ROWS], group_u[ROWS];  // the lane's group of each row: mt_group_bits
+  float bias_g[ROWS], bias_u[ROWS];   // BIAS_APART only
   for (uint r = 0; r < ROWS; ++r) {
-    scale_g[r] = scale_u[r] = bias_g[r] = bias_u[r] = 0.0f;
-    if (active && loads_group && r < rows) {
-      const uint at = r * groups_per_row + group;
-      scale_g[r] = mt_fp4_scale<SCALE_FORMAT>(sg_rows[at]);
-      scale_u[r] = mt_fp4_scale<SCALE_FORMAT>(su_rows[at]);
+    group_g[r] = group_u[r] = 0u;
+    bias_g[r] = bias_u[r] = 0.0f;
+    if (loads_group && r < rows) {
+      const uint at = r * groups_per_row + group0 + lane;
       if constexpr (MODE == 0) {
-        bias_g[r] = float(bg_rows[at]);
-        bias_u[r] = float(bu_rows[at]);
+        const T bg = bg_rows[at];
+        const T bu = bu_rows[at];
+        group_g[r] = mt_group_bits<MODE>(sg_rows[at], bg);
+        group_u[r] = mt_group_bits<MODE>(su_rows[at], bu);
+        if constexpr (BIAS_APART) {
+          bias_g[r] = float(bg);
+          bias_u[r] = float(bu);
+        }
+      } else {
+        group_g[r] = mt_group_bits<MODE>(sg_rows[at], sg_rows[at]);
+        group_u[r] = mt_group_bits<MODE>(su_rows[at], su_rows[at]);
       }
     }
   }
   float xv[VALS];
-  for (uint i = 0; i < VALS; ++i) {
-    xv[i] = active ? float(x_row[chunk * VALS + i]) : 0.0f;
+  for (int wi = 0; wi < WORDS; ++wi) {
+    const auto x_word = x_row + (word0 + 32 * wi + lane) * PACK;  // the word's activations
+    for (uint i = 0; i < PACK; ++i) {
+      xv[wi * PACK + i] = in_row[wi] ? float(x_word[i]) : 0.0f;
+    }
   }
-  // 2. Shuffles and arithmetic.
-  float x_sum = 0.0f;
-  for (uint i = 0; i < VALS; ++i) {
-    x_sum += xv[i];
+  // 2. Shuffles and arithmetic. x_sum[wi]: word wi's activations summed (the affine bias
+  //    term), before they are pre-scaled for mt_expert_word_dot.
+  float x_sum[WORDS];
+  for (int wi = 0; wi < WORDS; ++wi) {
+    x_sum[wi] = 0.0f;
+    for (uint i = 0; i < PACK; ++i) {
+      x_sum[wi] += xv[wi * PACK + i];
+      xv[wi * PACK + i] *= mt_expert_prescale<MODE, BITS>(i);
+    }
   }
   for (uint r = 0; r < ROWS; ++r) {
     if (r >= rows) {
       break;  // uniform over the SIMD-group
     }
-    float sg = scale_g[r], bg = bias_g[r], su = scale_u[r], bu = bias_u[r];
-    sg = simd_shuffle(sg, group_leader);
-    su = simd_shuffle(su, group_leader);
-    if constexpr (MODE == 0) {
-      bg = simd_shuffle(bg, group_leader);
-      bu = simd_shuffle(bu, group_leader);
-    }
-    if (active) {
-      const float dg = mt_expert_qdot<MODE, BITS, WORDS>(words_g[r], xv);
-      const float du = mt_expert_qdot<MODE, BITS, WORDS>(words_u[r], xv);
-      if constexpr (MODE == 0) {
-        acc_g[r] += sg * dg + bg * x_sum;
-        acc_u[r] += su * du + bu * x_sum;
-      } else {
-        acc_g[r] += sg * dg;
-        acc_u[r] += su * du;
+    for (int wi = 0; wi < WORDS; ++wi) {
+      // The lane holding word wi's group: (32 * wi + l) / GROUP_WORDS.
+      const ushort src = ushort((32 * wi + lane) / GROUP_WORDS);
+      const uint gg = simd_shuffle(group_g[r], src);
+      const uint gu = simd_shuffle(group_u[r], src);
+      const float sg = mt_group_scale<MODE, T>(gg);
+      const float su = mt_group_scale<MODE, T>(gu);
+      float bg = 0.0f;
+      float bu = 0.0f;
+      if constexpr (BIAS_APART) {
+        bg = simd_shuffle(bias_g[r], src);
+        bu = simd_shuffle(bias_u[r], src);
+      } else if constexpr (MODE == 0) {
+        bg = mt_group_bias<T>(gg);
+        bu = mt_group_bias<T>(gu);
+      }
+      if (in_row[wi]) {
+        const float dg = mt_expert_word_dot<MODE, BITS>(words_g[r][wi], xv + wi * PACK);
+        const float du = mt_expert_word_dot<MODE, BITS>(words_u[r][wi], xv + wi * PACK);
+        if constexpr (MODE == 0) {
+          acc_g[r] += sg * dg + bg * x_sum[wi];
+          acc_u[r] += su * du + bu * x_sum[wi];
+        } else {
+          acc_g[r] += sg * dg;
+          acc_u[r] += su * du;
+        }
       }
     }
   }

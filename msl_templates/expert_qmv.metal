@@ -11,14 +11,18 @@
 //   MODE 3 (mxfp8), BITS = 8, no bias: the same with E8M0 scales (group 32) and E4M3
 //   elements, decoded by common.h's E4M3 helper (0x7F / 0xFF read as +-480 like MLX's Metal
 //   decoder; MLX's CPU reads NaN; mx.quantize writes neither)
-//   Evaluated per lane chunk of VALS values (one group holds GS / VALS chunks) as
+//   Evaluated per uint32 word of PACK codes (a group holds GS / PACK words) as
 //     scale * sum_i q_i * x_i + bias * sum_i x_i   (affine; fp modes: scale * sum_i v_i * x_i)
-//   in float32, then reduced over the SIMD-group and rounded once to T. x_p is x's row
+//   in float32 (mt_qmv_word_dot: affine codes masked in place and read through the mantissa
+//   of 2^23 against activations pre-scaled by powers of two, each product bitwise that of
+//   q_i * x_i; expert_qdot.h states why), then reduced over the SIMD-group and rounded once
+//   to T. x_p is x's row
 //   xrow(t, j) and ids(t, j) is indices[irow(t) + j] (BROADCAST below).
 //   REDUCTION ORDER (fixed for given shapes and launch plan: bitwise reproducible run to run):
 //   the 32-lane steps of K are dealt to the S K groups of a row block, group g taking steps
-//   g, g + S, ... (S = 1: every step); lane l of group g accumulates its chunks in increasing
-//   order; the 32 lane partials are combined by simd_sum (hardware order). S = 1: that is
+//   g, g + S, ... (S = 1: every step); lane l of group g accumulates its words (WORD
+//   MAPPING), step after step in increasing order, word 0, 1, ... of each step; the 32 lane
+//   partials are combined by simd_sum (hardware order). S = 1: that is
 //   the output. S > 1: the S group sums are added in order g = 0, 1, ..., S - 1 (through
 //   threadgroup memory) by group 0.
 //   OUT-OF-RANGE IDS: the id is read as uint (a negative int32 id becomes >= 2^31), and an id
@@ -46,7 +50,8 @@
 //   both arrays when broadcasts alternate over more). Pair p = t * k + j; t's coordinate
 //   c_d in dimension d (row-major over the sizes) gives xrow(t, j) = sum_d c_d * xs_d +
 //   j * x_slot and irow(t) = sum_d c_d * is_d, a stride being 0 where that array is
-//   broadcast. Computed by every thread from uniform values (a few divisions).
+//   broadcast. Computed by every thread from uniform values (a few divisions; the padding
+//   dimensions of size 1 are skipped).
 //
 // ADDRESS SPACES: MLX passes an input of fewer than 8 elements in the `constant` address
 //   space, which changes the generated source. indices holding fewer than 8 ids (decode
@@ -63,14 +68,15 @@
 //   threadgroup_position_in_grid.z is the pair; row block s of row-tile y owns output rows
 //   [(y * SIMDGROUPS + s) * ROWS, + ROWS) clipped to N: each (pair, row) is written by exactly
 //   one lane, and each word/scale/bias of the selected expert's rows is read by exactly one
-//   lane (the group's scale/bias by its first lane, passed to the others by simd_shuffle),
-//   of the one K group holding that step.
+//   lane, of the one K group holding that step: word w0 + 32 * wi + l of a step by lane l,
+//   group g0 + j of a step by lane j (a step of 32 * WORDS words holds whole groups, at most
+//   32: WORDS <= GS / PACK), passed to the lanes of its words by simd_shuffle.
 //   S > 1 only where N % (SIMDGROUPS * ROWS) == 0: no row block lies past N, so no thread
 //   returns before the combine's barrier (the only other early return, an invalid id, is
 //   uniform over the threadgroup). Threadgroup memory: MAX_K_GROUPS * 8 floats, used only
 //   when S > 1.
-//   K % GS == 0 with GS a multiple of VALS (so a lane chunk never straddles a group or the
-//   row end; nvfp4's K need only be a multiple of 16).
+//   K % GS == 0 (a group never straddles the row end; a partial last step masks the words
+//   and groups past it; nvfp4's K need only be a multiple of 16).
 //   Every early return is uniform over a SIMD-group, so simd_sum / simd_shuffle always see a
 //   full SIMD-group.
 //
@@ -85,16 +91,32 @@
 // LOADS (memory-level parallelism): a decode GEMV moves few bytes, so its time is DRAM latency
 //   times the number of dependent round trips; what matters is how many loads each lane has
 //   in flight. Each 32-lane step first issues every load it needs, none waiting for another:
-//   WORDS words of each of the ROWS rows (16 words at 4 and 8 bits, 8 for nvfp4), the group
-//   leader's scale (and bias) of each row, the VALS activations; then the shuffles, then the
+//   WORDS words of each of the ROWS rows (16 words at 4 and 8 bits, 8 for nvfp4), one
+//   group's scale (and bias) of each row, the VALS activations; then the shuffles and the
 //   arithmetic. (Before: per row, scale load -> shuffle -> word load -> math, one row after the
 //   other: a chain of dependent latencies per step.) MLX's own Apple qmv kernels likewise load
 //   all of a step's weights before computing; Apple GPUs are latency-bound at decode as well
 //   (few SIMD-groups per core), so the same order serves both. Loads stay scalar (uint32
 //   words, T activations): MLX passes row-contiguous views that may start at any element
-//   (e.g. a reshaped slice), so no wider alignment is known from the shapes; the lanes'
-//   neighbouring words coalesce into the same memory transactions anyway.
-//   Registers: 16 words + VALS (<= 32) activations + 8 scales/biases per lane.
+//   (e.g. a reshaped slice), so no wider alignment is known from the shapes; the WORD
+//   MAPPING makes the lanes' words of one load instruction contiguous instead.
+//   Registers: 16 words + VALS (<= 32) activations + 4 group uints per lane; ptxas (CUDA,
+//   bf16 4-bit affine GS 64): 92 (101 before the word mapping, the packed group uints and
+//   the shift-free dot).
+//
+// WORD MAPPING: in a step starting at word w0 of a row, lane l holds words w0 + 32 * wi + l
+//   (wi < WORDS) of each row and their PACK activations each; the step's groups (32 * WORDS
+//   / (GS / PACK) <= 32) are loaded one per lane, scale and affine bias as one uint
+//   (expert_qdot.h's mt_group_bits: two 16-bit values; a float T's bias apart), shuffled
+//   to the lanes of their words and decoded there. Why for both GPUs: each word-load
+//   instruction of a SIMD-group reads 128 contiguous bytes (one 128-byte line, every
+//   sector used, where the former 4 contiguous words per lane spread one instruction over
+//   512 bytes, a quarter of each sector used by it; Apple's SIMD-group loads likewise
+//   coalesce into fewer, fully used lines); the scales and biases of a row's step are one
+//   contiguous load; a lane's activations are PACK contiguous values per word (lane stride
+//   PACK * sizeof(T) bytes instead of 4 PACK: an activation load spans a quarter of the
+//   lines it did). expert_glu.metal states why the activations are not staged in
+//   threadgroup memory.
 //
 // TRAFFIC PER CALL: w, scales and (affine) biases of each valid pair's expert once (the selected
 //   experts' bytes; unselected experts and out-of-range ids read nothing), out once. x is
@@ -104,34 +126,40 @@
 //
 // CHECKED ONLY ON A MAC: that Apple's compiler accepts this body (address-space deduction of
 //   `auto` pointers for device and constant inputs, a kernel-scope threadgroup array, simd_shuffle
-//   with a ushort lane, numeric_limits NaN converted to bfloat), register use / occupancy, and
-//   the performance (GB/s vs mx.gather_qmm). The emulator checks the arithmetic, the bounds,
+//   with a ushort lane, numeric_limits NaN converted to bfloat, expert_qdot.h's constructs:
+//   as_type between half and ushort, an explicitly specialised function template), register
+//   use / occupancy, and the performance (GB/s vs mx.gather_qmm). The emulator checks the arithmetic, the bounds,
 //   the SIMD-group collectives and the read counts; the CUDA translation compiles in CI.
 #include "common.h"
+#include "expert_qdot.h"
 
-// q * x summed over the VALS values a lane holds: WORDS packed uint32 words of BITS-bit
-// codes (already loaded) against VALS float activations; q is the unsigned integer (MODE 0),
-// the E2M1 value (MODE 1, 2; BITS 4) or the E4M3 value (MODE 3; BITS 8).
-template <int MODE, int BITS, int WORDS>
-inline float mt_expert_qdot(thread const uint* words, thread const float* xv) {
-  constexpr int PACK = 32 / BITS;
+// expert_qdot.h's mt_expert_word_dot, kept here as this template's own text so that its
+// negative controls (which edit the template) can break its decode: q * x summed over the
+// PACK codes of one word against its PACK activations xv (pre-scaled by
+// mt_expert_prescale), in code order; q is the unsigned integer (MODE 0: masked in place,
+// read through the mantissa of 2^23, exact), the E2M1 value (MODE 1, 2; BITS 4) or the E4M3
+// value (MODE 3; BITS 8).
+template <int MODE, int BITS>
+inline float mt_qmv_word_dot(uint word, thread const float* xv) {
+  constexpr int HALF = 16 / BITS;
   constexpr uint MASK = (1u << BITS) - 1u;
   float dot = 0.0f;
-  for (int wi = 0; wi < WORDS; ++wi) {
-    const uint word = words[wi];
-    if constexpr (MODE == 0) {
-      for (int i = 0; i < PACK; ++i) {
-        dot += float((word >> (BITS * i)) & MASK) * xv[wi * PACK + i];
+  if constexpr (MODE == 0) {
+    for (int h = 0; h < 2; ++h) {
+      const uint part = h == 0 ? word : word >> 16;
+      for (int j = 0; j < HALF; ++j) {
+        const uint code = (part & (MASK << (BITS * j))) | 0x4B000000u;  // 2^23 + c * 2^(BITS*j)
+        dot += (as_type<float>(code) - 8388608.0f) * xv[h * HALF + j];
       }
-    } else if constexpr (MODE == 3) {
-      for (int i = 0; i < 4; ++i) {
-        dot += mt_fp4_scale<2>(word >> (8 * i)) * xv[wi * 4 + i];
-      }
-    } else {
-      for (int i = 0; i < 4; ++i) {  // codes i and i + 4 of the word at once
-        const float2 v = float2(mt_e2m1x2(word >> (4 * i)));
-        dot += v.x * xv[wi * 8 + i] + v.y * xv[wi * 8 + i + 4];
-      }
+    }
+  } else if constexpr (MODE == 3) {
+    for (int i = 0; i < 4; ++i) {
+      dot += mt_fp4_scale<2>(word >> (8 * i)) * xv[i];
+    }
+  } else {
+    for (int i = 0; i < 4; ++i) {  // codes i and i + 4 of the word at once
+      const float2 v = float2(mt_e2m1x2(word >> (4 * i)));
+      dot += v.x * xv[i] + v.y * xv[i + 4];
     }
   }
   return dot;
@@ -140,11 +168,16 @@ inline float mt_expert_qdot(thread const uint* words, thread const float* xv) {
 constexpr uint SIMDGROUPS = 2;         // SIMD-groups per threadgroup
 constexpr uint ROWS = 4;               // output rows per SIMD-group
 constexpr uint PACK = 32 / BITS;       // values per uint32 word
-// Words per lane per step: 4, or one whole group where a group holds fewer (nvfp4: 2).
-constexpr int WORDS = GROUP_SIZE * BITS / 32 < 4 ? GROUP_SIZE * BITS / 32 : 4;
+// Words per lane per step: 4, or one group's words where a group holds fewer (nvfp4: 2), so
+// that a step holds at most 32 groups (one per lane).
+constexpr int WORDS = GROUP_SIZE / PACK < 4 ? GROUP_SIZE / PACK : 4;
 constexpr uint VALS = WORDS * PACK;    // values per lane per step: 32 (4-bit), 16 (8-bit, nvfp4)
-constexpr uint LANES_PER_GROUP = GROUP_SIZE / VALS;  // 1..8, divides 32
+constexpr uint STEP_WORDS = 32 * WORDS;                  // words of a row per 32-lane step
+constexpr uint GROUP_WORDS = GROUP_SIZE / PACK;          // words per group: 2..32, divides 32
+constexpr uint STEP_GROUPS = STEP_WORDS / GROUP_WORDS;   // groups per step: 2..32
 constexpr int SCALE_FORMAT = MODE == 3 ? 1 : MODE;  // mt_fp4_scale's: mxfp8 scales are E8M0
+// Affine biases of a float T do not fit beside their scales in one shuffled uint.
+constexpr bool BIAS_APART = MODE == 0 && sizeof(T) == 4;
 constexpr uint MAX_K_GROUPS = 8;       // SIMD-groups sharing one row block's K, at most
 
 // Per (K group, row block, row): a K group's sum, combined in K-group order (S > 1 only).
@@ -172,6 +205,9 @@ uint id_at = slot;
 uint rest = token;
 for (int d = BCAST_DIMS - 1; d >= 0; --d) {
   const uint size = bcast[3 * d];
+  if (size == 1u) {
+    continue;  // a padding dimension (c = 0): skips two integer divisions
+  }
   const uint c = rest % size;
   rest /= size;
   x_at += c * bcast[3 * d + 1];
@@ -190,73 +226,99 @@ if (expert >= n_experts) {
 const uint K = k_in;
 const uint words_per_row = K / PACK;
 const uint groups_per_row = K / GROUP_SIZE;
-const uint n_chunks = K / VALS;
+const uint n_steps = (words_per_row + STEP_WORDS - 1) / STEP_WORDS;
 const size_t first_row = size_t(expert) * n_rows_total + row0;
 // auto: an input of fewer than 8 elements arrives in the constant address space.
 const auto w_rows = w + first_row * words_per_row;
 const auto s_rows = scales + first_row * groups_per_row;
 const auto b_rows = biases + first_row * groups_per_row;
 const auto x_row = x + size_t(x_at) * K;
-const ushort group_leader = ushort(lane & ~(LANES_PER_GROUP - 1));
-const bool loads_group = (lane % LANES_PER_GROUP) == 0;
 
 float acc[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
 // K group g takes the steps g, g + S, ... (trip count uniform over the SIMD-group).
-for (uint base = 32 * k_group; base < n_chunks; base += 32 * k_groups) {
-  const uint chunk = base + lane;
-  const bool active = chunk < n_chunks;
-  const uint group = chunk / LANES_PER_GROUP;
+for (uint step = k_group; step < n_steps; step += k_groups) {
+  const uint word0 = step * STEP_WORDS;
+  const uint group0 = step * STEP_GROUPS;
+  // Lane l's words of the step: word0 + 32 * wi + l (WORD MAPPING).
+  bool in_row[WORDS];
+  for (int wi = 0; wi < WORDS; ++wi) {
+    in_row[wi] = word0 + 32 * wi + lane < words_per_row;
+  }
   // 1. Every load of the step, none of them waiting for another: the words of all rows,
-  //    the group leader's scales (and biases), the activations.
+  //    the step's scales (and biases) one group per lane, the activations.
   uint words[ROWS][WORDS];
+  const auto w_step = w_rows + word0 + lane;
   for (uint r = 0; r < ROWS; ++r) {
     for (int wi = 0; wi < WORDS; ++wi) {
-      words[r][wi] = active && r < rows
-                         ? w_rows[size_t(r) * words_per_row + chunk * WORDS + wi] : 0u;
+      words[r][wi] = in_row[wi] && r < rows ? w_step[r * words_per_row + 32 * wi] : 0u;
     }
   }
-  float scale[ROWS];
-  float bias[ROWS];
+  const bool loads_group = lane < STEP_GROUPS && group0 + lane < groups_per_row;
+  const auto s_step = s_rows + group0 + lane;
+  const auto b_step = b_rows + group0 + lane;
+  uint group[ROWS];        // the lane's group of each row: mt_group_bits (raw bits)
+  float bias_apart[ROWS];  // BIAS_APART only
   for (uint r = 0; r < ROWS; ++r) {
-    float s = 0.0f;
-    float b = 0.0f;
-    if (active && loads_group && r < rows) {
-      s = mt_fp4_scale<SCALE_FORMAT>(s_rows[r * groups_per_row + group]);  // 0: float(s)
+    group[r] = 0u;
+    bias_apart[r] = 0.0f;
+    if (loads_group && r < rows) {
+      const uint at = r * groups_per_row;
       if constexpr (MODE == 0) {
-        b = float(b_rows[r * groups_per_row + group]);
+        const T b = b_step[at];
+        group[r] = mt_group_bits<MODE>(s_step[at], b);
+        if constexpr (BIAS_APART) {
+          bias_apart[r] = float(b);
+        }
+      } else {
+        group[r] = mt_group_bits<MODE>(s_step[at], s_step[at]);
       }
     }
-    scale[r] = s;
-    bias[r] = b;
   }
   float xv[VALS];
-  for (uint i = 0; i < VALS; ++i) {
-    xv[i] = active ? float(x_row[chunk * VALS + i]) : 0.0f;
-  }
-  // 2. The group leaders' scales (and biases) to their groups' lanes.
-  for (uint r = 0; r < ROWS; ++r) {
-    scale[r] = simd_shuffle(scale[r], group_leader);
-    if constexpr (MODE == 0) {
-      bias[r] = simd_shuffle(bias[r], group_leader);
+  const auto x_step = x_row + (word0 + lane) * PACK;  // the lane's first word's activations
+  for (int wi = 0; wi < WORDS; ++wi) {
+    for (uint i = 0; i < PACK; ++i) {
+      xv[wi * PACK + i] = in_row[wi] ? float(x_step[32 * PACK * wi + i]) : 0.0f;
     }
   }
-  // 3. The arithmetic.
-  float x_sum = 0.0f;
-  for (uint i = 0; i < VALS; ++i) {
-    x_sum += xv[i];
+  // 2. The arithmetic; each word's group scale (and bias) shuffled from the lane that loaded
+  //    it. x_sum[wi]: word wi's activations summed (the affine bias term), before they are
+  //    pre-scaled for mt_qmv_word_dot.
+  float x_sum[WORDS];
+  for (int wi = 0; wi < WORDS; ++wi) {
+    x_sum[wi] = 0.0f;
+    for (uint i = 0; i < PACK; ++i) {
+      x_sum[wi] += xv[wi * PACK + i];
+      xv[wi * PACK + i] *= mt_expert_prescale<MODE, BITS>(i);
+    }
   }
   for (uint r = 0; r < ROWS; ++r) {
     if (r >= rows) {
       break;  // uniform over the SIMD-group
     }
-    if (active) {
-      const float s = scale[r];
-      const float b = bias[r];
-      const float dot = mt_expert_qdot<MODE, BITS, WORDS>(words[r], xv);
+    for (int wi = 0; wi < WORDS; ++wi) {
+      // The lane holding word wi's group: (32 * wi + l) / GROUP_WORDS.
+      const ushort src = ushort((32 * wi + lane) / GROUP_WORDS);
+      const uint g = simd_shuffle(group[r], src);
+      float s;
+      float b = 0.0f;
       if constexpr (MODE == 0) {
-        acc[r] += s * dot + b * x_sum;
+        s = mt_group_scale<MODE, T>(g);
+        if constexpr (BIAS_APART) {
+          b = simd_shuffle(bias_apart[r], src);
+        } else {
+          b = mt_group_bias<T>(g);
+        }
       } else {
-        acc[r] += s * dot;  // no bias term (0 * an infinite x_sum would be NaN)
+        s = mt_fp4_scale<SCALE_FORMAT>(g);  // the E8M0 / E4M3 scale code
+      }
+      if (in_row[wi]) {
+        const float dot = mt_qmv_word_dot<MODE, BITS>(words[r][wi], xv + wi * PACK);
+        if constexpr (MODE == 0) {
+          acc[r] += s * dot + b * x_sum[wi];
+        } else {
+          acc[r] += s * dot;  // no bias term (0 * an infinite x_sum would be NaN)
+        }
       }
     }
   }

@@ -41,6 +41,21 @@ def test_matches_oracle(any_backend, poisoned_outputs, rng, dtype, mode, group_s
                   any_backend, mode=mode, group_size=group_size, bits=bits)
 
 
+@pytest.mark.parametrize("mode, group_size, bits, n", [
+    ("affine", 32, 4, 1664), ("affine", 32, 8, 800), ("nvfp4", 16, 4, 896),
+    ("mxfp8", 32, 8, 800)], ids=lambda v: str(v))
+def test_partial_step_splits_lane_words(any_backend, poisoned_outputs, rng, mode, group_size,
+                                        bits, n):
+    """A step holds 32 * WORDS words of a row (128; nvfp4 64), lane l words l, 32 + l, ...:
+    N of one full step and 80, 72 or 48 words more, so the last step's third (nvfp4:
+    second) words cover only some lanes."""
+    down = make_experts(rng, 4, 16, n, mx.bfloat16, mode, group_size, bits, bias=True)
+    ids = mx.array([[3, 0], [1, 1]], dtype=mx.uint32)
+    run_and_check(make_x(rng, (2, 2, n), mx.bfloat16), down, ids,
+                  make_scores(rng, (2, 2), mx.bfloat16), any_backend, mode=mode,
+                  group_size=group_size, bits=bits)
+
+
 @pytest.mark.parametrize("k", range(1, 11))
 def test_top_k(any_backend, poisoned_outputs, rng, k):
     """k = 1..10 experts summed per token: first and last ids, a repeated id, signed scores."""

@@ -44,6 +44,15 @@ def test_matches_oracle(any_backend, poisoned_outputs, rng, dtype, bits, group_s
     run_and_check(x, w, s, b, ids, group_size, bits, any_backend)
 
 
+@pytest.mark.parametrize("bits, n_in", [(4, 1664), (8, 800)])
+def test_partial_step_splits_lane_words(any_backend, poisoned_outputs, rng, bits, n_in):
+    """A step holds 128 words of a row, lane l words l, 32 + l, 64 + l, 96 + l: K of one full
+    step and 80 or 72 words more, so the last step's third words cover only some lanes."""
+    w, s, b = make_weights(rng, 4, 16, n_in, mx.bfloat16, 32, bits)
+    ids = mx.array([[3, 0], [1, 1]], dtype=mx.uint32)
+    run_and_check(make_x(rng, (2, n_in), mx.bfloat16), w, s, b, ids, 32, bits, any_backend)
+
+
 @pytest.mark.parametrize("k", (1, 2, 8))
 @pytest.mark.parametrize("shared", (True, False), ids=("x_shared", "x_per_expert"))
 def test_top_k(any_backend, poisoned_outputs, rng, k, shared):
@@ -331,7 +340,7 @@ def test_k_plan_strict_shuffled(k_plan, poisoned_outputs, rng, seed):
 
 @pytest.mark.parametrize("old, new", [
     ("for (uint g = 0; g < k_groups; ++g) {", "for (uint g = 0; g < 1; ++g) {"),
-    ("base += 32 * k_groups)", "base += 32)"),
+    ("step += k_groups)", "step += 1)"),
 ], ids=("first_k_group_only", "every_group_all_steps"))
 def test_k_plan_negative_control(k_plan, poisoned_outputs, broken_kernel, rng, old, new):
     broken_kernel(op_module.SPEC, (old, new))
@@ -466,11 +475,11 @@ def test_empty_does_not_dispatch(kernel_backend, rng):
 # ---- negative controls: a deliberately wrong variant must fail the harness ----------------
 
 @pytest.mark.parametrize("old, new", [
-    ("acc[r] += s * dot + b * x_sum;", "acc[r] += s * dot;"),  # forgets the biases
-    ("const uint group = chunk / LANES_PER_GROUP;",
-     "const uint group = chunk / LANES_PER_GROUP / 2;"),  # wrong scale group
-    ("const ushort group_leader = ushort(lane & ~(LANES_PER_GROUP - 1));",
-     "const ushort group_leader = ushort(0);"),  # every lane takes lane 0's scale
+    ("acc[r] += s * dot + b * x_sum[wi];", "acc[r] += s * dot;"),  # forgets the biases
+    ("const ushort src = ushort((32 * wi + lane) / GROUP_WORDS);",
+     "const ushort src = ushort((32 * wi + lane) / GROUP_WORDS / 2);"),  # wrong scale group
+    ("const uint g = simd_shuffle(group[r], src);",
+     "const uint g = simd_shuffle(group[r], ushort(0));"),  # every lane takes lane 0's scale
     ("const uint rows = metal::min(ROWS, n_rows_total - row0);",
      "const uint rows = metal::min(ROWS - 1, n_rows_total - row0);"),  # leaves rows unwritten
 ], ids=("no_bias", "wrong_group", "wrong_shuffle", "unwritten_rows"))

@@ -413,9 +413,8 @@ def test_instantiations_cover_the_fp_launches(launch_recorder, rng):
 BREAKAGES = [
     ("expert_qmv", "e2m1_sign_dropped", "float2(mt_e2m1x2(word >> (4 * i)))",
      "float2(mt_e2m1x2((word >> (4 * i)) & 0x00770077u))", FP4_MODES),
-    ("expert_qmv", "scale_byte_read_as_value",
-     "s = mt_fp4_scale<SCALE_FORMAT>(s_rows[r * groups_per_row + group]);",
-     "s = float(s_rows[r * groups_per_row + group]);", FP_MODES),
+    ("expert_qmv", "scale_byte_read_as_value", "s = mt_fp4_scale<SCALE_FORMAT>(g);",
+     "s = float(g);", FP_MODES),
     ("expert_qmv", "e4m3_element_read_as_e8m0", "dot += mt_fp4_scale<2>(word >> (8 * i))",
      "dot += mt_fp4_scale<1>(word >> (8 * i))", ("mxfp8",)),
     ("moe_gather_qmm", "codes_i_plus_4_swapped", "dst[j * 8 + i + 4] = float(T(scale * v.y));",
