@@ -122,6 +122,27 @@ def test_kernel_packs_the_scalars_the_host_knows(monkeypatch):
     assert packed.tolist()[:3] == [5, 0x80000000, 2**32 - 3]
 
 
+def test_scalar_constants_keep_their_bits_while_held(monkeypatch):
+    """A scalar the value cache has forgotten but something still holds (an op's remembered
+    plan) keeps its bits; values NumPy would not convert exactly get none (they travel as
+    0-d arrays); an array made elsewhere has none."""
+    import gc
+
+    from mlx_metaltile._msl import constants
+
+    monkeypatch.setattr(constants, "_LIMIT", 2)
+    held = [constants.scalar(v, mx.uint32) for v in (101, 102, 103)]
+    assert 101 not in [k[1] for k in constants._made]  # forgotten by the cache
+    assert [constants.known_bits(a) for a in held] == [101, 102, 103]
+    assert constants.known_bits(constants.scalar(1e40, mx.float32)) is None
+    assert constants.known_bits(constants.scalar(-1, mx.uint32)) is None
+    assert constants.known_bits(mx.array(101, dtype=mx.uint32)) is None
+    at = id(held[0])
+    del held
+    gc.collect()
+    assert at not in constants._bits
+
+
 def test_atomic_outputs_are_views_of_the_output_buffers():
     wrapped = _translate(atomic=True)
     assert wrapped.output_names == ("mt_atomic_out",)

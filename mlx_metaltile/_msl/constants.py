@@ -11,14 +11,20 @@ reference from unified memory and takes them as they are.
 
 from __future__ import annotations
 
+import weakref
+
 import mlx.core as mx
 import numpy as np
 
 # dtype -> how its bits travel: the 32-bit scalar dtypes (the ones kernels take)
 PACKABLE = {mx.uint32: "uint", mx.int32: "int", mx.float32: "float"}
-_LIMIT = 8192  # distinct scalars remembered (a model's decode step needs a few dozen)
+# Distinct scalars remembered, the oldest forgotten first: a decode step needs a few dozen,
+# and an attention kv_len is a new one every token.
+_LIMIT = 8192
 _made: dict[tuple, mx.array] = {}
-_bits: dict[int, tuple[mx.array, int]] = {}
+# id -> (weak reference, bits) of every live scalar made here: one forgotten by _made but
+# still held (by an op's remembered plan, say) keeps its bits
+_bits: dict[int, tuple[weakref.ref, int]] = {}
 
 
 def scalar(value, dtype: mx.Dtype) -> mx.array:
@@ -28,11 +34,13 @@ def scalar(value, dtype: mx.Dtype) -> mx.array:
     array = _made.get(key)
     if array is None:
         array = mx.array(value, dtype=dtype)
-        if len(_made) < _LIMIT:
-            _made[key] = array
-            bits = _bits_of(value, dtype)
-            if bits is not None:
-                _bits[id(array)] = (array, bits)
+        while len(_made) >= _LIMIT:
+            del _made[next(iter(_made))]
+        _made[key] = array
+        bits = _bits_of(value, dtype)
+        if bits is not None:
+            at = id(array)
+            _bits[at] = (weakref.ref(array, lambda _, at=at: _bits.pop(at, None)), bits)
     return array
 
 
@@ -56,4 +64,4 @@ def _bits_of(value, dtype: mx.Dtype) -> int | None:
 def known_bits(array: mx.array) -> int | None:
     """The 32 bits of a remembered scalar made by :func:`scalar`, else None."""
     entry = _bits.get(id(array))
-    return entry[1] if entry is not None and entry[0] is array else None
+    return entry[1] if entry is not None and entry[0]() is array else None
