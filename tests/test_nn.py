@@ -120,6 +120,69 @@ def test_switch_glu_built_like_mlx_lm(backend, tokens):
     assert got.shape == want.shape and bool(mx.all(err <= bound).item()), err.max().item()
 
 
+@pytest.mark.parametrize("bias", (False, True))
+def test_combine_compiled_as_plain(bias, monkeypatch):
+    """SwitchGLU.combine's decode pair as an mx.compile'd function (what the GPU backends
+    run; traced here on the reference backend) gives the plain call's result and gradients,
+    traces once per shape, and still refuses a gradient of the quantized weights."""
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    mx.random.seed(3)
+    glu = SwitchGLU(64, 96, 4, bias=bias)
+    nn.quantize(glu, group_size=32, bits=4)
+    ours = mtnn.SwitchGLU.from_module(glu)
+    x = mx.random.normal((1, 3, 64))
+    ids = mx.random.randint(0, 4, (1, 3, 2)).astype(mx.uint32)
+    scores = mx.softmax(mx.random.normal((1, 3, 2)), axis=-1)
+
+    def loss(x, scores):
+        return (ours.combine(x, ids, scores) ** 2).sum()
+
+    down = ours.down_proj
+    weights = {k: down[k] for k in ("scales", "biases")}
+
+    def with_other_weights():  # the weights are inputs of the compiled graph, not constants
+        down.update({k: 2 * v for k, v in weights.items()})
+        try:
+            return ours.combine(x, ids, scores)
+        finally:
+            down.update(weights)
+
+    with mt.use_backend("reference"):
+        want = ours.combine(x, ids, scores)
+        want_other = with_other_weights()
+        want_grads = mx.grad(loss, argnums=(0, 1))(x, scores)
+        monkeypatch.setattr(mtnn, "COMPILED_BACKENDS", ("reference",))
+        mtnn._decode_pair.cache_clear()
+        traced = []
+        plain_glu = mtnn.expert_glu
+        monkeypatch.setattr(mtnn, "expert_glu", lambda *a, **k: traced.append(1) or
+                            plain_glu(*a, **k))
+        for _ in range(3):
+            got = ours.combine(x, ids, scores)
+        got_other = with_other_weights()
+        assert len(traced) == 1  # traced once, then replayed
+        got_grads = mx.grad(loss, argnums=(0, 1))(x, scores)
+        scales = ours.gate_proj["scales"]
+
+        def through_scales(w):
+            ours.gate_proj["scales"] = w
+            return ours.combine(x, ids, scores).sum()
+
+        try:
+            with pytest.raises(ValueError, match=r"^\[expert_glu\] no gradient"):
+                mx.grad(through_scales)(scales)
+        finally:
+            ours.gate_proj["scales"] = scales
+    mtnn._decode_pair.cache_clear()
+    assert mx.allclose(got, want, rtol=1e-6, atol=1e-6).item()
+    assert mx.allclose(got_other, want_other, rtol=1e-6, atol=1e-6).item()
+    assert not mx.allclose(want_other, want, rtol=1e-3).item()
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert mx.allclose(g, w, rtol=1e-5, atol=1e-6).item()
+
+
 def test_sdpa_serves_array_masks_and_sinks():
     """Array masks over the keys and per-head sinks are served, and give what mlx-lm's own
     sdpa gives; masks of another width and sinks of another shape or dtype are not."""
