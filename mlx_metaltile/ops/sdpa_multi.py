@@ -426,7 +426,9 @@ def split_plan(backend: str, B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: 
     return plan(B, Hq, Hkv, L, D, kv_len, dtype)
 
 
-_NO_MASK = {0: mx.zeros((1, 1, 1, 1), dtype=mx.bool_)}  # MASK_KIND 0's dummy mask
+# MASK_KIND 0's dummy mask, never read; 16 bytes, as _NO_SINKS: MLX's CUDA allocator keeps
+# arrays under 8 bytes in a slow managed pool (_msl/constants.py)
+_NO_MASK = {0: mx.zeros((1, 1, 1, 16), dtype=mx.bool_)}
 
 
 def _launcher(p: _Problem, mask_shape: tuple | None, has_sinks: bool, dtype: mx.Dtype,
@@ -485,7 +487,7 @@ def _launcher(p: _Problem, mask_shape: tuple | None, has_sinks: bool, dtype: mx.
     return launch
 
 
-_NO_SINKS = {0: mx.zeros((1,), dtype=mx.float32)}  # has_sinks 0's dummy
+_NO_SINKS = {0: mx.zeros((4,), dtype=mx.float32)}  # has_sinks 0's dummy, never read
 
 
 # ---- backward kernels (the VJP on a kernel backend) ---------------------------------------
