@@ -279,11 +279,14 @@ def op_split(model, vocab: int, context: int, iters: int) -> dict:
     cache = _make_cache(model)
     mx.eval(model(_tokens(context, vocab, 1), cache=cache))
     before = Counter(backends._launches)
+    compiled = mtnn.COMPILED_BACKENDS
+    mtnn.COMPILED_BACKENDS = ()  # a compiled replay would run no op's Python: nothing to see
     for name in OPS:
         setattr(mtnn, name, spy(name))
     try:
         mx.eval(model(_tokens(1, vocab, 2), cache=cache))
     finally:
+        mtnn.COMPILED_BACKENDS = compiled
         for name, fn in originals.items():
             setattr(mtnn, name, fn)
     launches = Counter(backends._launches)

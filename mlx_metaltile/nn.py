@@ -183,17 +183,21 @@ def _qargs(proj) -> tuple:
 # host the patched Qwen3-30B-A3B block took 127 us to build against mlx-lm's 26, while its
 # kernels ran in 48 us against 101). Not the emulator (it runs each kernel when called:
 # nothing to trace) nor the reference backend (its composites are the ops' oracle twins).
+# A replayed call runs no Python: launch counters (backends.launch_count) and wrappers of
+# the ops see the traced call only (model-bench's per-op split empties this while it
+# records a step).
 COMPILED_BACKENDS = ("metal", "cuda")
 
 
 @functools.lru_cache(maxsize=256)
 def _decode_pair(activation: str, gate_q: tuple, down_q: tuple, given: tuple[bool, ...],
-                 backend: str, stream: str) -> Callable:
+                 stream: str | None) -> Callable:
     """expert_glu then expert_down_combine for one static configuration (activation, the
     gate/up and down quantization, which arrays are given: fp modes have no biases, experts
     may have output biases), taking only the given arrays of (x, ids, scores, gate w/s/b,
-    up w/s/b, down w/s/b, gate bias, up bias, down bias); compiled on COMPILED_BACKENDS (one
-    per backend and stream: a compiled graph replays on the stream it was traced on)."""
+    up w/s/b, down w/s/b, gate bias, up bias, down bias); ``stream``: None for the plain
+    calls, else compiled, one per backend and stream (named in ``stream``: a compiled graph
+    replays the kernels and the stream it was traced with)."""
     (g_mode, g_gs, g_bits), (d_mode, d_gs, d_bits) = gate_q, down_q
 
     def pair(*arrays):
@@ -205,7 +209,7 @@ def _decode_pair(activation: str, gate_q: tuple, down_q: tuple, given: tuple[boo
         return expert_down_combine(hidden, wd, sd, bd, ids, scores, bias=bias_d, mode=d_mode,
                                    group_size=d_gs, bits=d_bits)
 
-    return mx.compile(pair) if backend in COMPILED_BACKENDS else pair
+    return pair if stream is None else mx.compile(pair)
 
 
 class SwitchGLU(nn.Module):
@@ -348,9 +352,9 @@ class SwitchGLU(nn.Module):
                 backend = backends.resolve_backend()
                 pair = _decode_pair(activation, (gate.mode, gate.group_size, gate.bits),
                                     (down.mode, down.group_size, down.bits),
-                                    tuple(a is not None for a in arrays), backend,
-                                    str(mx.default_stream(mx.default_device()))
-                                    if backend in COMPILED_BACKENDS else "")
+                                    tuple(a is not None for a in arrays),
+                                    f"{backend} {mx.default_stream(mx.default_device())}"
+                                    if backend in COMPILED_BACKENDS else None)
                 return pair(*(a for a in arrays if a is not None))
         y = self(x, indices)
         return (y * scores[..., None]).sum(axis=-2).astype(y.dtype)

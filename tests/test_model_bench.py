@@ -9,9 +9,16 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 from mlx_metaltile import model_bench, moe_bench  # noqa: E402
+from mlx_metaltile import nn as mtnn  # noqa: E402
 
 
-def test_model_bench_runs_and_saves_json(monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize("compiled", (False, True))
+def test_model_bench_runs_and_saves_json(compiled, monkeypatch, tmp_path, capsys):
+    """``compiled``: the MoE decode pair compiled as on a GPU backend (traced here on the
+    reference backend); the per-op split still sees both of its ops."""
+    if compiled:
+        monkeypatch.setattr(mtnn, "COMPILED_BACKENDS", ("reference",))
+    mtnn._decode_pair.cache_clear()
     config, experts, rest = model_bench.ARCHS["qwen3_moe"]
     small = dict(config, hidden_size=128, intermediate_size=128, vocab_size=256, num_experts=8,
                  num_experts_per_tok=2, moe_intermediate_size=64, num_attention_heads=2,
@@ -33,6 +40,8 @@ def test_model_bench_runs_and_saves_json(monkeypatch, tmp_path, capsys):
         assert op["max_abs_diff"] < 0.05  # bfloat16 model: rounding-level differences
     assert "built layer" not in err  # progress lines on a terminal only
     assert data["max_logit_diff"] < 1.0
+    assert mtnn.COMPILED_BACKENDS == (("reference",) if compiled else ("metal", "cuda"))
+    mtnn._decode_pair.cache_clear()
 
 
 def test_moe_bench_runs_and_saves_json(tmp_path, capsys):
