@@ -100,6 +100,15 @@ def run_on(stream, fn: Callable) -> Callable:
     return on
 
 
+def empty_call(op: str, stream, shape: tuple[int, ...], dtype: mx.Dtype) -> Callable:
+    """A plan's call for an empty output: zeros of ``shape`` on ``stream``, whatever the
+    arrays (nothing to read or launch)."""
+    def empty(*arrays):
+        with on_stream(op, stream):
+            return mx.zeros(shape, dtype=dtype)
+    return empty
+
+
 _CHECKED_MAX = 4096  # remembered results per check or plan function (a decode loop needs a few)
 
 

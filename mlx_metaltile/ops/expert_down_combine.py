@@ -21,6 +21,7 @@ from ._common import (
     MODES,
     QUANTIZED_PARAMS,
     dtype_name,
+    empty_call,
     memo_check,
     memo_plan,
     on_stream,
@@ -251,10 +252,7 @@ def _plan(h, w, scales, biases, indices, scores, bias, group_size, bits, mode, b
     on_stream(OP, stream)  # refuses what is not a stream
     dtype, out_shape = h.dtype, _out_shape(info)
     if 0 in out_shape or info["k"] == 0:
-        def empty(*arrays):
-            with on_stream(OP, stream):
-                return mx.zeros(out_shape, dtype=dtype)
-        return empty
+        return empty_call(OP, stream, out_shape, dtype)
     reference = backend == "reference"
     launch = None if reference else _launcher(info, backend, dtype)
     # The primals: h, scores, the bias where given, the quantized constants (through

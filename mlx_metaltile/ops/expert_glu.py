@@ -19,6 +19,7 @@ from ._common import (
     MODES,
     QUANTIZED_PARAMS,
     dtype_name,
+    empty_call,
     memo_check,
     memo_plan,
     on_stream,
@@ -306,10 +307,7 @@ def _plan(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indic
     on_stream(OP, stream)  # refuses what is not a stream
     dtype, out_shape = x.dtype, _out_shape(info)
     if 0 in out_shape:
-        def empty(*arrays):
-            with on_stream(OP, stream):
-                return mx.zeros(out_shape, dtype=dtype)
-        return empty
+        return empty_call(OP, stream, out_shape, dtype)
     reference = backend == "reference"
     launch = None if reference else _launcher(info, backend, dtype)
     # The primals: x, the expert biases where given, the quantized constants (through

@@ -22,6 +22,7 @@ from ._common import (
     QUANTIZED_INPUTS,
     QUANTIZED_PARAMS,
     check_quantized,
+    empty_call,
     memo_check,
     memo_plan,
     on_stream,
@@ -384,10 +385,7 @@ def _plan(x, w, scales, biases, indices, group_size, bits, mode, backend: str,
     on_stream(OP, stream)  # refuses what is not a stream
     dtype, x_shape = x.dtype, tuple(x.shape)
     if 0 in out_shape:
-        def empty(*arrays):
-            with on_stream(OP, stream):
-                return mx.zeros(out_shape, dtype=dtype)
-        return empty
+        return empty_call(OP, stream, out_shape, dtype)
     reference = backend == "reference"
     launch = None if reference else _launcher(info, backend, dtype)
 
