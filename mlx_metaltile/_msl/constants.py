@@ -16,6 +16,8 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
+from .dtypes import lookup
+
 # dtype -> how its bits travel: the 32-bit scalar dtypes (the ones kernels take)
 PACKABLE = {mx.uint32: "uint", mx.int32: "int", mx.float32: "float"}
 # Distinct scalars remembered, the oldest forgotten first: a decode step needs a few dozen,
@@ -44,16 +46,13 @@ def scalar(value, dtype: mx.Dtype) -> mx.array:
     return array
 
 
-_NUMPY = {mx.uint32: np.uint32, mx.int32: np.int32, mx.float32: np.float32}
-
-
 def _bits_of(value, dtype: mx.Dtype) -> int | None:
     """The 32 bits ``mx.array(value, dtype)`` holds, from the Python value (reading the
     array back would be a host read), or None (not a packable dtype, or a value NumPy does
     not convert exactly as a C cast: that scalar then travels as its 0-d array)."""
-    kind = _NUMPY.get(dtype)
-    if kind is None or isinstance(value, bool) and kind is np.float32:
+    if dtype not in PACKABLE or isinstance(value, bool) and dtype == mx.float32:
         return None
+    kind = lookup(dtype).numpy
     try:
         with np.errstate(all="raise"):
             return int(np.array(value, dtype=kind).reshape(1).view(np.uint32)[0])
