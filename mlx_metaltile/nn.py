@@ -25,6 +25,7 @@ from mlx.nn.layers.distributed import (
 )
 
 from . import backends
+from ._msl.constants import scalar
 from .ops import (
     expert_down_combine,
     expert_glu,
@@ -610,5 +611,12 @@ def cached_attention(queries, keys, values, cache, scale: float, mask,
     says None."""
     if cache is None:
         return sdpa_multi(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    kv_len = cache.offset
+    if (backends.resolve_backend() != "reference" and not isinstance(mask, mx.array)
+            and cache.keys.shape[-2] - kv_len < cache.step):
+        # kv_len as the 0-d array the kernels read: sdpa_multi then plans for the buffer
+        # (one plan per cache.step tokens, no more than step - 1 keys past kv_len) instead
+        # of one plan per token (host time per call, stand-in kernels: 28 against 131 us)
+        kv_len = scalar(kv_len, mx.uint32)
     return sdpa_multi(queries, cache.keys, cache.values, scale=scale, mask=mask, sinks=sinks,
-                      kv_len=cache.offset)
+                      kv_len=kv_len)

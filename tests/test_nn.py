@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 
 import mlx.core as mx
@@ -210,6 +211,41 @@ def test_sdpa_serves_array_masks_and_sinks():
     want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125, mask=mask,
                                                 sinks=sinks)
     assert mx.allclose(got, want, atol=1e-5).item()
+
+
+def test_cached_attention_decode_reuses_one_plan():
+    """A decode loop through an mlx-lm KVCache builds one sdpa_multi plan for the cache's
+    buffer, not one per token (kv_len goes as the 0-d array the kernels read), runs the
+    kernels, and gives MLX's own sdpa over the cache's first offset rows at every step; an
+    array mask (whose width is kv_len) still takes kv_len as an int."""
+    from mlx_lm.models.cache import KVCache
+
+    sdpa_module = importlib.import_module("mlx_metaltile.ops.sdpa_multi")
+    rng = np.random.default_rng(1)
+
+    def arr(shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+    cache = KVCache()
+    cache.update_and_fetch(arr((1, 2, 30, 64)), arr((1, 2, 30, 64)))
+    plans = sdpa_module._plan.memory
+    with backends.use_backend("emulator"):
+        before, ran = len(plans), backends.launch_count(backend="emulator")
+        for _ in range(3):
+            q = arr((1, 4, 1, 64))
+            keys, values = cache.update_and_fetch(arr((1, 2, 1, 64)), arr((1, 2, 1, 64)))
+            assert mtnn.sdpa_unserved(q, keys, values, cache, None, None) is None
+            got = mtnn.cached_attention(q, keys, values, cache, 0.125, None)
+            want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125)
+            assert mx.allclose(got, want, atol=1e-5).item()
+        assert len(plans) - before == 1
+        # the split and combine kernels at each step
+        assert backends.launch_count(backend="emulator") - ran == 6
+        mask = mx.array(rng.random((1, cache.offset)) < 0.7)
+        got = mtnn.cached_attention(q, keys, values, cache, 0.125, mask)
+        assert len(plans) - before == 2  # a new one: int kv_len, array mask
+        want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125, mask=mask)
+        assert mx.allclose(got, want, atol=1e-5).item()
 
 
 def _quantized_pair(activation, bias, mode):
