@@ -604,6 +604,12 @@ def sdpa_unserved(queries, keys, values, cache, mask, sinks) -> str | None:
     return None
 
 
+# Backends on which cached_attention passes the cache's offset as a Python int: the
+# reference composite slices by an int kv_len, while a 0-d one makes it score and mask every
+# row of the buffer.
+INT_KV_LEN_BACKENDS = ("reference",)
+
+
 def cached_attention(queries, keys, values, cache, scale: float, mask,
                      sinks=None) -> mx.array:
     """sdpa_multi over ``cache``'s whole preallocated buffer (``kv_len = cache.offset``),
@@ -612,7 +618,7 @@ def cached_attention(queries, keys, values, cache, scale: float, mask,
     if cache is None:
         return sdpa_multi(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     kv_len = cache.offset
-    if (backends.resolve_backend() != "reference" and not isinstance(mask, mx.array)
+    if (backends.resolve_backend() not in INT_KV_LEN_BACKENDS and not isinstance(mask, mx.array)
             and cache.keys.shape[-2] - kv_len < cache.step):
         # kv_len as the 0-d array the kernels read: sdpa_multi then plans for the buffer
         # (one plan per cache.step tokens, no more than step - 1 keys past kv_len) instead

@@ -14,10 +14,12 @@ from mlx_metaltile import nn as mtnn  # noqa: E402
 
 @pytest.mark.parametrize("compiled", (False, True))
 def test_model_bench_runs_and_saves_json(compiled, monkeypatch, tmp_path, capsys):
-    """``compiled``: the MoE decode pair compiled as on a GPU backend (traced here on the
-    reference backend); the per-op split still sees both of its ops."""
+    """``compiled``: as on a GPU backend, the MoE decode pair compiled (traced here on the
+    reference backend) and the cache's offset passed to sdpa_multi as a 0-d kv_len; the
+    per-op split still sees both MoE ops, and times mlx's sdpa over the offset's rows."""
     if compiled:
         monkeypatch.setattr(mtnn, "COMPILED_BACKENDS", ("reference",))
+        monkeypatch.setattr(mtnn, "INT_KV_LEN_BACKENDS", ())
     mtnn._decode_pair.cache_clear()
     config, experts, rest = model_bench.ARCHS["qwen3_moe"]
     small = dict(config, hidden_size=128, intermediate_size=128, vocab_size=256, num_experts=8,
