@@ -28,7 +28,8 @@
 //   32 * N_REG on are read again from memory each round (E > 512). No threadgroup memory
 //   and no barrier: a SIMD-group whose row is past n_rows returns as a whole (uniform), so
 //   every simd_max / simd_min / simd_sum sees all 32 lanes.
-// TRAFFIC: the row read once for E <= 512 (k + 2 times beyond: cache-resident), 8 k bytes
+// TRAFFIC: the row read once for E <= 512 (beyond, experts from 512 on once per round and once
+//   more for the sum over all E: cache-resident), (4 + sizeof(T)) k bytes
 //   per row written (ids uint32, scores T).
 #include "common.h"
 

@@ -104,6 +104,18 @@ def _softmax_exp(x: mx.array, m: mx.array) -> mx.array:
     return mx.where(x == -math.inf, 0.0, mx.exp(x - m))
 
 
+def _lane_sum(terms: mx.array) -> mx.array:
+    """The sum over the last axis in the template's order: expert i in lane i % 32, each
+    lane's terms summed, then the 32 lanes (a float32 sum of E terms in one sequence would
+    gather up to E roundings)."""
+    n = terms.shape[-1]
+    pad = -n % 32
+    if pad:
+        terms = mx.pad(terms, [(0, 0)] * (terms.ndim - 1) + [(0, pad)])
+    lanes = terms.reshape(*terms.shape[:-1], -1, 32).sum(axis=-2)
+    return lanes.sum(axis=-1, keepdims=True)
+
+
 def _reference(logits, k: int, normalize: bool) -> tuple[mx.array, mx.array]:
     """Pure-MLX composite of the template's math (float32 inside, scores rounded once)."""
     lf = mx.stop_gradient(logits).astype(mx.float32)  # ids: no gradient through the sort
@@ -114,8 +126,8 @@ def _reference(logits, k: int, normalize: bool) -> tuple[mx.array, mx.array]:
     finite = mx.isfinite(m)
     m = mx.where(finite, m, 0.0)
     e = _softmax_exp(sel, m)
-    over = e if normalize else _softmax_exp(lf, m)
-    scores = mx.where(finite, e / over.sum(axis=-1, keepdims=True), math.nan)
+    denom = e.sum(axis=-1, keepdims=True) if normalize else _lane_sum(_softmax_exp(lf, m))
+    scores = mx.where(finite, e / denom, math.nan)
     return ids, scores.astype(logits.dtype)
 
 
@@ -198,9 +210,9 @@ def _plan(logits, k, normalize, backend: str, stream) -> Callable:
     op = mx.custom_function(run_on(stream, forward))
 
     @op.vjp
-    def op_vjp(primals, cotangents, outputs):
+    def op_vjp(logits, cotangents, outputs):  # one primal: MLX passes the array itself
         with on_stream(OP, stream):  # run at backward time: the stream again
-            return _backward(primals[0], outputs[0], cotangents[1], normalize)
+            return _backward(logits, outputs[0], cotangents[1], normalize)
 
     def run(logits):
         if reference and shapeless_tracing():  # no custom function (MLX cannot trace
