@@ -215,8 +215,11 @@ def _plan(logits, k, normalize, backend: str, stream) -> Callable:
             return _backward(logits, outputs[0], cotangents[1], normalize)
 
     def run(logits):
-        if reference and shapeless_tracing():  # no custom function (MLX cannot trace
-            return _reference(logits, k, normalize)  # one shapeless): MLX's autodiff
+        if reference and shapeless_tracing():
+            raise ValueError(
+                f"[{OP}] mx.compile(shapeless=True) is not supported on the reference "
+                "backend: its composite reads the logits' bits (mx.view), which MLX (0.32) "
+                "cannot trace shapeless; compile without shapeless=True (one trace per shape)")
         return op(logits)
 
     return run_on(stream, run)
@@ -254,8 +257,11 @@ def moe_route(logits: mx.array, k: int, *, normalize: bool = True,
     VJP is a float32 composite of MLX ops (the softmax's Jacobian over the k selected, or
     over all E scattered from the selected ones), in logits' dtype.
 
-    Reference backend: ``mx.compile`` works; the kernel backends as the other ops (the
-    emulator refuses ``mx.compile`` and ``mx.vmap``: eager). README: "mx.compile
-    (shapeless=True) and mx.vmap".
+    Reference backend: ``mx.compile`` and ``mx.vmap`` (any axis of logits) work;
+    ``mx.compile(shapeless=True)`` raises a ``[moe_route]`` error (the composite orders the
+    logits by their bits, ``mx.view``, which MLX 0.32 cannot trace shapeless). On metal /
+    cuda MLX 0.32.4 refuses shapeless and vmap with its own message (custom kernels have
+    no vmap or shape inference there). The emulator refuses both (eager). README:
+    "mx.compile(shapeless=True) and mx.vmap".
     """
     return _plan(logits, k, normalize, backends.resolve_backend(), stream)(logits)
