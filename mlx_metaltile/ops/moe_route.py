@@ -253,7 +253,9 @@ def moe_route(logits: mx.array, k: int, *, normalize: bool = True,
     with score 0, while the row's max is finite; a row whose max is +inf or -inf (every
     expert masked) gets NaN scores, as softmax does. -0 and +0 are equal logits.
 
-    Differentiable with respect to logits through the scores (the ids are integers): the
+    Differentiable with respect to logits through the scores (the ids are integers; as
+    ``mx.argpartition``'s, indexing with them inside a differentiated function needs
+    ``mx.stop_gradient(ids)``, which mlx-lm's MoE blocks apply): the
     VJP is a float32 composite of MLX ops (the softmax's Jacobian over the k selected, or
     over all E scattered from the selected ones), in logits' dtype.
 

@@ -227,6 +227,24 @@ def test_vjp_of_both_outputs(any_backend, rng):
     assert mx.array_equal(a, b).item()
 
 
+def test_gradient_through_gathers_at_the_ids(any_backend, rng):
+    """mlx-lm's use: the ids stopped (as it stops argpartition's) index another array inside
+    the differentiated function; the gradient w.r.t. the logits is the scores' alone."""
+    logits = make_logits(rng, (3,), 20, mx.float32)
+    values = mx.array(rng.standard_normal((3, 20)).astype(np.float32))
+
+    def loss(x):
+        ids, scores = mt.moe_route(x, 4)
+        picked = mx.take_along_axis(values, mx.stop_gradient(ids), axis=-1)
+        return (scores * picked).sum()
+
+    got = mx.grad(loss)(logits)
+    ids = mt.moe_route(logits, 4)[0]
+    g = mx.take_along_axis(values, ids, axis=-1)
+    want, mag = grad_oracle(logits, g, 4, True)
+    assert_close(got, want, mx.float32, mag, what="moe_route gradient through a gather")
+
+
 # ---- build once, lazy, empty ----------------------------------------------------------
 
 def test_instantiations_match_the_launches(launch_recorder, rng):
