@@ -5,8 +5,8 @@
 //     logits in ascending expert index (the lower index takes the earlier slot). NaN ranks
 //     above every number (+inf included), NaNs among themselves by index; -0 equals +0.
 //   m = l[ids[0]] (the row's max), e_r = exp(l[ids[r]] - m) (0 for a -inf logit)
-//   normalize != 0: scores[r] = e_r / sum_{r' < k} e_r'        (softmax over the k selected)
-//   normalize == 0: scores[r] = e_r / sum_{j < E} exp(l_j - m)  (softmax over all E)
+//   over_k != 0:    scores[r] = e_r / sum_{r' < k} e_r'        (softmax over the k selected)
+//   over_k == 0:    scores[r] = e_r / sum_{j < E} exp(l_j - m)  (softmax over all E)
 //   A row whose max m is not finite (a NaN logit anywhere in it, a +inf logit, or every
 //   logit -inf) gets NaN scores, as softmax does there; its ids are still distinct and in
 //   [0, E). -inf logits below a finite max are masked experts: score 0 where selected.
@@ -18,7 +18,8 @@
 //   exists. The softmax statistics are SIMD-group sums in float32.
 //
 // LAYOUT: logits [rows, E] T (row-contiguous); ids [rows, k] uint32, scores [rows, k] T.
-//   n_rows, n_experts (E), top_k (k) and normalize: 0-d uint32 runtime inputs.
+//   n_rows, n_experts (E), top_k (k) and over_k (normalize: 1, else 0): 0-d uint32 runtime
+//   inputs.
 // TEMPLATE: T (the logits' and scores' dtype).
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
@@ -121,7 +122,7 @@ const bool finite_max = max_key != NAN_KEY && max_key != POS_INF_KEY && max_key 
 const float m = finite_max ? mt_route_value(max_key) : 0.0f;
 const float e = (finite_max && lane < k) ? mt_route_exp(my_key, m) : 0.0f;
 float denom;
-if (normalize != 0u) {
+if (over_k != 0u) {
   denom = simd_sum(e);
 } else {
   float part = 0.0f;

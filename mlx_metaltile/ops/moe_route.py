@@ -39,7 +39,7 @@ ROWS_PER_GROUP = 8  # SIMD-groups (rows) per threadgroup
     KernelSpec(
         op=OP, variant="simd_rows", template="moe_route.metal",
         inputs=(Arg("logits", "T", 2),
-                *scalars("n_rows", "n_experts", "top_k", "normalize")),
+                *scalars("n_rows", "n_experts", "top_k", "over_k")),
         outputs=(Arg("ids", "uint32", 2), Arg("scores", "T", 2)), params=("T",),
         bindings=lambda: ({"T": t} for t in FLOAT_TYPES),
         geometry="one SIMD-group per row, 8 rows per threadgroup of (32, 8, 1); "
@@ -157,7 +157,7 @@ def _launcher(n: int, rows: int, k: int, normalize: bool, lead: tuple[int, ...],
         SPEC, backend,
         inputs={"logits": None, "n_rows": scalar(rows, mx.uint32),
                 "n_experts": scalar(n, mx.uint32), "top_k": scalar(k, mx.uint32),
-                "normalize": scalar(int(normalize), mx.uint32)},
+                "over_k": scalar(int(normalize), mx.uint32)},
         template={"T": dtype},
         outputs={"ids": ((rows, k), mx.uint32), "scores": ((rows, k), dtype)},
         grid=(32, round_up(rows, ROWS_PER_GROUP), 1), threadgroup=(32, ROWS_PER_GROUP, 1),

@@ -298,7 +298,7 @@ def test_empty_does_not_dispatch(kernel_backend):
 
 @pytest.mark.parametrize("old, new", [
     ("key > best_key", "key >= best_key"),  # ties to the higher index
-    ("if (normalize != 0u) {", "if (true) {"),  # always renormalised over the k
+    ("if (over_k != 0u) {", "if (true) {"),  # always renormalised over the k
     ("if (lane < k) {\n  const size_t out", "if (lane + 1 < k) {\n  const size_t out"),
     ("    return 0xFFFFFFFFu;\n", "    return 0u;\n"),  # NaN ranked below everything
 ], ids=("ties_to_higher_index", "normalize_ignored", "last_slot_unwritten", "nan_last"))
