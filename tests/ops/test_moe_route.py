@@ -151,6 +151,19 @@ def test_distinct_logits_have_no_ties(rng):
         assert all(len(set(r)) == 2048 for r in x.tolist())
 
 
+def test_reference_function(rng):
+    """moe_route_reference: the op's contract (checks, empty inputs) as a plain function."""
+    logits = make_logits(rng, (2, 3), 40, mx.bfloat16)
+    with backends.use_backend("reference"):
+        want = mt.moe_route(logits, 5, normalize=False)
+    got = mt.ops.moe_route_reference(logits, 5, normalize=False)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want, strict=True))
+    ids, scores = mt.ops.moe_route_reference(mx.zeros((0, 40)), 5)
+    assert ids.shape == scores.shape == (0, 5) and ids.dtype == mx.uint32
+    with pytest.raises(ValueError, match=r"^\[moe_route\] k must be <= E = 8"):
+        mt.ops.moe_route_reference(logits[..., :8], 9)
+
+
 def test_stream_argument(rng):
     logits = make_logits(rng, (3,), 40, mx.float32)
     got = mt.moe_route(logits, 5, stream=mx.cpu)
