@@ -27,6 +27,7 @@ DECODE_CASES = {
     "expert_down_combine": "qwen3-30b",
     "fp4_qmm": "M1-N4096",
     "moe_gather_qmm": "M8-N768-K2048-E128-b4",
+    "moe_route": "qwen3-30b-E128k8-1tok",
 }
 
 

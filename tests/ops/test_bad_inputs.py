@@ -22,6 +22,7 @@ from mlx_metaltile.cases import expert_qmv as qmv_cases
 from mlx_metaltile.cases import fp4_qmm as fp4_cases
 from mlx_metaltile.cases import gated_rms_norm as norm_cases
 from mlx_metaltile.cases import moe_gather_qmm as moe_cases
+from mlx_metaltile.cases import moe_route as route_cases
 from mlx_metaltile.cases import sdpa_multi as sdpa_cases
 from mlx_metaltile.cases._base import to_f64
 from mlx_metaltile.ops._common import DEFAULTS
@@ -256,10 +257,22 @@ def _down():
     return mt.expert_down_combine, valid, _quant_scalars(), check
 
 
+def _route():
+    valid = {"logits": mx.array(_rng().standard_normal((2, 8)).astype(np.float32)), "k": 3,
+             "normalize": True}
+
+    def check(kw, out):
+        ids, scores = out
+        route_cases.check(ids, scores, kw["logits"], kw["k"], kw["normalize"], "moe_route")
+
+    bad_k = (0, -1, 9, 33, 2.5, "3", True, None)
+    return mt.moe_route, valid, {"k": bad_k, "normalize": (1, "yes", None)}, check
+
+
 OPS: dict[str, Callable] = {
     "gated_rms_norm": _norm, "sdpa_multi": _sdpa, "expert_qmv": _expert_qmv,
     "moe_gather_qmm": _moe, "fp4_qmm": _fp4, "expert_glu": _glu,
-    "expert_down_combine": _down,
+    "expert_down_combine": _down, "moe_route": _route,
 }
 
 

@@ -1,4 +1,5 @@
-"""Gradients of every op: VJPs against float64 gradients written from the math (NumPy),
+"""Gradients of every op: VJPs against float64 gradients written from the math (NumPy;
+expert_glu / expert_down_combine: test_grad_moe_fused.py, moe_route: test_moe_route.py),
 the fused gated_rms_norm backward kernel's negative controls, the quantized constants'
 errors, the emulator's refusal of mx.compile / mx.vmap, and an SGD step of a small model
 through every op equal on the reference and kernel backends."""
@@ -353,7 +354,9 @@ def _loss(p, consts):
     a = mt.moe_gather_qmm(h, wq, sq, bq, ids)
     b = mt.expert_qmv(h, wq, sq, bq, ids[:, None])[:, 0]
     att = mt.sdpa_multi(p["q"], kv[0], kv[1], scale=0.125, kv_len=10, causal=True)
-    return ((a * b - 0.5) ** 2).mean() + (att ** 2).mean() + (h ** 2).mean()
+    _, scores = mt.moe_route(h[:, :16], 3, normalize=False)  # a router over 16 experts
+    return ((a * b - 0.5) ** 2).mean() + (att ** 2).mean() + (h ** 2).mean() + \
+        ((scores - 0.25) ** 2).mean()
 
 
 LR = 0.05

@@ -392,17 +392,40 @@ def sweep_moe_gather_qmm(backend, rng, variant):
     return bad, total
 
 
+def sweep_moe_route(backend, rng):
+    """Router logits of magnitude 1e-38 (subnormal differences) to 1e38 (differences beyond
+    float32's range: exp(l - m) is 0 in float32 as in float64), both modes, each call also
+    within the tolerance table of the oracle."""
+    from mlx_metaltile.cases import moe_route as route_cases
+
+    bad = total = 0
+    for e in range(-38, 39, 4):
+        logits = mx.array((rng.uniform(-1, 1, (3, 40)) * 10.0**e).astype(np.float32))
+        for normalize in (True, False):
+            before = backends.launch_count(backend=backend)
+            with backends.use_backend(backend):
+                ids, scores = mt.moe_route(logits, 4, normalize=normalize)
+                mx.eval(ids, scores)
+            launched(backend, before)
+            route_cases.check(ids, scores, logits, 4, normalize,
+                              f"moe_route[{backend}] |logits| 1e{e}")
+            b, t = silent(scores, route_cases.oracle(logits, 4, normalize)[1])
+            bad, total = bad + b, total + t
+    return bad, total
+
+
 SWEEPS = {
     "gated_rms_norm": [(b, None) for b in ALL_BACKENDS],
     "sdpa_multi": [(b, None) for b in ALL_BACKENDS],
     "fp4_qmm": FP4_RUNS,
     "moe_gather_qmm": MOE_RUNS,
+    "moe_route": [(b, None) for b in ALL_BACKENDS],
 }
 
 
 def sweep(op, backend, variant, rng):
     """(silent 0 / inf / NaN outputs, outputs whose float64 result is a normal float32)."""
-    if op in ("gated_rms_norm", "sdpa_multi"):
+    if op in ("gated_rms_norm", "sdpa_multi", "moe_route"):
         return globals()[f"sweep_{op}"](backend, rng)
     return globals()[f"sweep_{op}"](backend, rng, variant)
 

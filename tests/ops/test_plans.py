@@ -45,6 +45,8 @@ def _calls(rng) -> dict:
                            (arr(3, K), wq, s, b, ids(3))),
         "sdpa_multi": (lambda q, k, v: mt.sdpa_multi(q, k, v, scale=0.125, kv_len=33),
                        (arr(1, 4, 2, 64), arr(1, 2, 40, 64), arr(1, 2, 40, 64))),
+        # the scores (normalize=False: their sum is not 1, so its gradient is not 0)
+        "moe_route": (lambda x: mt.moe_route(x, 3, normalize=False)[1], (arr(3, 40),)),
     }
 
 
@@ -65,7 +67,7 @@ def _same(a, b) -> bool:
 
 
 OPS = ("gated_rms_norm", "expert_qmv", "expert_glu", "expert_down_combine", "fp4_qmm",
-       "moe_gather_qmm", "sdpa_multi")
+       "moe_gather_qmm", "sdpa_multi", "moe_route")
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -38,7 +38,7 @@ def inputs():
         xq=arr((3, K)), ids=mx.array([[1, 5], [0, 3], [3, 3]], dtype=mx.uint32),
         xg=arr((3, 1, 2, K)), x2=arr((4, K)), ids2=mx.array([0, 2, 2, 5], dtype=mx.uint32),
         q=arr((1, 4, 2, 64)), k=arr((1, 2, 40, 64)), v=arr((1, 2, 40, 64)),
-        xf=arr((5, K)),
+        xf=arr((5, K)), lg=arr((3, 40)),
     )
     mx.eval(*out.values())
     return out
@@ -54,7 +54,13 @@ def _calls(t):
                                                         t["ids"], **o),
         "sdpa_multi": lambda **o: mt.sdpa_multi(t["q"], t["k"], t["v"], scale=0.125, **o),
         "fp4_qmm": lambda **o: mt.fp4_qmm(t["xf"], t["wf"], t["sf"], mode="mxfp4", **o),
+        "moe_route": lambda **o: _ids_and_scores(mt.moe_route(t["lg"], 4, **o)),
     }
+
+
+def _ids_and_scores(out):
+    """moe_route's (ids, scores) as one array, compared as the other ops' outputs."""
+    return mx.stack([a.astype(mx.float32) for a in out])
 
 
 OPS = tuple(_calls({}))
@@ -280,7 +286,7 @@ def test_emulator_is_eager(inputs, op, transform):
     require_backend("emulator")
     t = inputs
     first = {"gated_rms_norm": "y", "expert_qmv": "xq", "moe_gather_qmm": "xg",
-             "sdpa_multi": "q", "fp4_qmm": "xf"}[op]
+             "sdpa_multi": "q", "fp4_qmm": "xf", "moe_route": "lg"}[op]
 
     def fn(a):  # the op of its first input (traced)
         return _calls({**t, first: a})[op]()

@@ -178,6 +178,23 @@ def test_shapeless_refused_expert_ops(t, op):
         mx.compile(call, shapeless=True)(h if op == "expert_down_combine" else x, i)
 
 
+def test_shapeless_refused_moe_route(t):
+    """moe_route's composite orders the logits by their bits (mx.view), which MLX 0.32
+    cannot trace shapeless: refused with an [op] error, not MLX's."""
+    with backends.use_backend("reference"), pytest.raises(
+            ValueError, match=r"^\[moe_route\] mx.compile\(shapeless=True\) is not supported "
+                              r"on the reference backend: its composite reads the logits' bits"):
+        mx.compile(lambda x: mt.moe_route(x, 2), shapeless=True)(t["arr"]((3, 8)))
+
+
+def test_mlx_view_has_no_shapeless_trace():
+    """Why moe_route refuses a shapeless trace. An MLX that can trace mx.view shapeless
+    fails this test: then lift the refusal (and the README's row)."""
+    with pytest.raises(ValueError, match=r"^\[Primitive::output_shapes\] View uint32 cannot "
+                                         r"infer output shapes\.$"):
+        mx.eval(mx.compile(lambda a: a.view(mx.uint32), shapeless=True)(mx.zeros((3,))))
+
+
 def test_shapeless_gather_qmm_form_many_ids_refused(t):
     call, make = _calls(t)["moe_gather_qmm gather_qmm form"]
     with backends.use_backend("reference"), pytest.raises(
@@ -234,12 +251,20 @@ def _vmap_cases(t):
         "moe_gather_qmm gather_qmm form": (
             lambda x, i: mt.moe_gather_qmm(x, t["wq"], t["s"], t["b"], i),
             (arr((2, 3, 1, 1, K)), ids((2, 3, 2))), 0),
+        "moe_route logits axis 1": (lambda x: _routed(mt.moe_route(x, 3)),
+                                    (arr((2, 4, 40)),), 1),
     }
+
+
+def _routed(out):
+    """moe_route's (ids, scores) as one array (the ids exact in float32)."""
+    return mx.concatenate([a.astype(mx.float32) for a in out], axis=-1)
 
 
 @pytest.mark.parametrize("name", ["gated_rms_norm y, z", "gated_rms_norm axis 1",
                                   "gated_rms_norm weight", "sdpa_multi q, k, v", "fp4_qmm x",
-                                  "moe_gather_qmm rows", "moe_gather_qmm gather_qmm form"])
+                                  "moe_gather_qmm rows", "moe_gather_qmm gather_qmm form",
+                                  "moe_route logits axis 1"])
 def test_vmap_reference(t, name):
     """Where MLX maps the reference composite: the mapped result equals the op on each
     slice (bitwise)."""
@@ -327,7 +352,7 @@ def test_vmap_over_quantized_weights_refused_kernel_path(t, monkeypatch, op):
 
 @pytest.mark.parametrize("backend", backend_params("metal", "cuda"))
 @pytest.mark.parametrize("op", ["gated_rms_norm y, z", "sdpa_multi q, k, v", "fp4_qmm x",
-                                "moe_gather_qmm rows"])
+                                "moe_gather_qmm rows", "moe_route logits axis 1"])
 def test_vmap_kernel_backend_mlx_error(t, backend, op):
     """MLX cannot map custom kernels (MLX 0.32.4): its own error reaches the caller (an
     [op] refusal first would cost about 6 us a call). An MLX that maps them fails this."""
