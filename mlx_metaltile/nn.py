@@ -33,9 +33,11 @@ from .ops import (
     fp4_qmm,
     gated_rms_norm,
     moe_gather_qmm,
+    moe_route,
     sdpa_multi,
 )
 from .ops._common import DEFAULTS as _MODE_SIZES
+from .ops.moe_route import MAX_K as _ROUTE_MAX_K
 from .ops.sdpa_multi import _promotes_to
 
 # (token, expert) pairs from which a SwitchGLU call runs the prefill path (moe_gather_qmm
@@ -192,19 +194,24 @@ COMPILED_BACKENDS = ("metal", "cuda")
 
 @functools.lru_cache(maxsize=256)
 def _decode_pair(activation: str, gate_q: tuple, down_q: tuple, given: tuple[bool, ...],
-                 stream: str | None) -> Callable:
+                 stream: str | None, route: tuple[int, bool] | None = None) -> Callable:
     """expert_glu then expert_down_combine for one static configuration (activation, the
     gate/up and down quantization, which arrays are given: fp modes have no biases, experts
     may have output biases), taking only the given arrays of (x, ids, scores, gate w/s/b,
     up w/s/b, down w/s/b, gate bias, up bias, down bias); ``stream``: None for the plain
     calls, else compiled, one per backend and stream (named in ``stream``: a compiled graph
-    replays the kernels and the stream it was traced with)."""
+    replays the kernels and the stream it was traced with). ``route``: (k, normalize) where
+    the ids and scores are moe_route's of the router logits given in the ids' place (the
+    scores' place then empty), one dispatch more in the same call."""
     (g_mode, g_gs, g_bits), (d_mode, d_gs, d_bits) = gate_q, down_q
 
     def pair(*arrays):
         it = iter(arrays)
         x, ids, scores, wg, sg, bg, wu, su, bu, wd, sd, bd, bias_g, bias_u, bias_d = (
             next(it) if g else None for g in given)
+        if route is not None:
+            ids, scores = moe_route(ids, route[0], normalize=route[1])
+        ids = mx.stop_gradient(ids)
         hidden = expert_glu(x, wg, sg, bg, wu, su, bu, ids, bias_gate=bias_g, bias_up=bias_u,
                             activation=activation, mode=g_mode, group_size=g_gs, bits=g_bits)
         return expert_down_combine(hidden, wd, sd, bd, ids, scores, bias=bias_d, mode=d_mode,
@@ -339,26 +346,46 @@ class SwitchGLU(nn.Module):
         computes, two dispatches: expert_glu, then expert_down_combine (the down projection,
         the scores and the sum over k in a fixed order; a token with an id outside [0, E)
         gives a NaN row). Otherwise this module's call, then the scores and the sum."""
-        if (self.unserved(x) is None and indices.size < prefill_min_pairs()
-                and (activation := self._glu_activation(x)) is not None
-                and scores.shape == indices.shape and x.shape[:-1] == indices.shape[:-1]):
-            gate, up, down = self.gate_proj, self.up_proj, self.down_proj
-            bias = down.get("bias")
-            if bias is None or bias.dtype == x.dtype:
-                indices = mx.stop_gradient(indices)
-                if scores.dtype not in (x.dtype, mx.float32):
-                    scores = scores.astype(mx.float32)
-                arrays = (x, indices, scores, *_qargs(gate), *_qargs(up), *_qargs(down),
-                          gate.get("bias"), up.get("bias"), bias)
-                backend = backends.resolve_backend()
-                pair = _decode_pair(activation, (gate.mode, gate.group_size, gate.bits),
-                                    (down.mode, down.group_size, down.bits),
-                                    tuple(a is not None for a in arrays),
-                                    f"{backend} {mx.default_stream(mx.default_device())}"
-                                    if backend in COMPILED_BACKENDS else None)
-                return pair(*(a for a in arrays if a is not None))
+        if scores.shape == indices.shape and x.shape[:-1] == indices.shape[:-1]:
+            y = self._decode_call(x, indices, scores, indices.size, None)
+            if y is not None:
+                return y
         y = self(x, indices)
         return (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+
+    def route_combine(self, x: mx.array, logits: mx.array, k: int,
+                      normalize: bool) -> mx.array | None:
+        """``combine(x, ids, scores)`` of ``moe_route(logits, k, normalize=normalize)``'s
+        ids and scores in one call of three dispatches (moe_route, expert_glu,
+        expert_down_combine) where the decode path serves it and the scores come in x's
+        dtype (logits in x's dtype, k <= moe_route's MAX_K), else None."""
+        if (logits.dtype != x.dtype or not 1 <= k <= min(_ROUTE_MAX_K, logits.shape[-1])
+                or x.shape[:-1] != logits.shape[:-1]):
+            return None
+        return self._decode_call(x, logits, None, logits.size // logits.shape[-1] * k,
+                                 (k, normalize))
+
+    def _decode_call(self, x, indices, scores, pairs: int, route) -> mx.array | None:
+        """The decode pair's output (``_decode_pair``, with ``route``) where this call takes
+        the decode path with an activation expert_glu computes, else None."""
+        if (self.unserved(x) is not None or pairs >= prefill_min_pairs()
+                or (activation := self._glu_activation(x)) is None):
+            return None
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        bias = down.get("bias")
+        if bias is not None and bias.dtype != x.dtype:
+            return None
+        if scores is not None and scores.dtype not in (x.dtype, mx.float32):
+            scores = scores.astype(mx.float32)
+        arrays = (x, indices, scores, *_qargs(gate), *_qargs(up), *_qargs(down),
+                  gate.get("bias"), up.get("bias"), bias)
+        backend = backends.resolve_backend()
+        pair = _decode_pair(activation, (gate.mode, gate.group_size, gate.bits),
+                            (down.mode, down.group_size, down.bits),
+                            tuple(a is not None for a in arrays),
+                            f"{backend} {mx.default_stream(mx.default_device())}"
+                            if backend in COMPILED_BACKENDS else None, route)
+        return pair(*(a for a in arrays if a is not None))
 
     def _prefill(self, x: mx.array, indices: mx.array) -> mx.array:
         k = indices.shape[-1]
@@ -382,11 +409,12 @@ class MoERouting:
 
     ``softmax_first``: softmax over all experts, then the top k of the probabilities
     (Qwen3-MoE, Qwen3-Next, OLMoE); else the top k of the router logits, then a softmax
-    over those k (Mixtral, gpt-oss). ``negated``: the top k taken as mlx-lm's
-    ``argpartition(-g, kth=k - 1)[..., :k]`` (Mixtral, OLMoE), else as
-    ``argpartition(g, kth=-k)[..., -k:]``; the same call picks the same experts in the same
-    slots, ties included. ``norm``: the attribute that asks for scores renormalised to sum
-    to one after the top k. ``shared``: (expert, gate) attributes of a shared expert added
+    over those k (Mixtral, gpt-oss). Up to moe_route's MAX_K experts per token both are
+    :func:`moe_route`'s (``normalize``: scores that sum to one; the top k of the logits in
+    float32, ties to the lower expert index); beyond it mlx-lm's ops as the block runs them,
+    where ``negated`` says how it takes the top k: as ``argpartition(-g, kth=k - 1)[...,
+    :k]`` (Mixtral, OLMoE), else as ``argpartition(g, kth=-k)[..., -k:]``. ``norm``: the
+    attribute that asks for scores renormalised to sum to one after the top k. ``shared``: (expert, gate) attributes of a shared expert added
     as ``sigmoid(gate(x)) * expert(x)`` (Qwen3-Next). ``flat``: the block runs on
     ``x.reshape(-1, D)`` (OLMoE). ``cast``: the score-weighted sum is cast to the experts'
     output dtype (Qwen3-MoE).
@@ -402,9 +430,22 @@ class MoERouting:
     flat: bool = False
     cast: bool = False
 
+    def normalize(self, block) -> bool:
+        """Whether the k scores sum to one (moe_route's ``normalize``): a softmax over the
+        top k, or over all experts renormalised over the top k (the same numbers), else the
+        probability over all experts."""
+        return not self.softmax_first or (self.norm is not None
+                                          and bool(getattr(block, self.norm)))
+
     def route(self, block, logits: mx.array) -> tuple[mx.array, mx.array]:
-        """(ids, scores) [..., k] from the router's logits, as the block computes them."""
+        """(ids, scores) [..., k] from the router's logits: moe_route's where k <= its
+        MAX_K (the top k of the logits, ties to the lower expert, in float32 throughout),
+        else as the block computes them."""
         k = getattr(block, self.top_k)
+        if 1 <= k <= min(_ROUTE_MAX_K, logits.shape[-1]) and mx.issubdtype(logits.dtype,
+                                                                          mx.floating):
+            ids, scores = moe_route(logits, k, normalize=self.normalize(block))
+            return mx.stop_gradient(ids), scores
         g = mx.softmax(logits, axis=-1, precise=True) if self.softmax_first else logits
         if self.negated:
             ids = mx.argpartition(-g, kth=k - 1, axis=-1)[..., :k]
@@ -479,13 +520,17 @@ def moe_block(block, x: mx.array) -> mx.array:
     shape = x.shape
     if routing.flat:
         x = x.reshape(-1, shape[-1])
-    ids, scores = routing.route(block, getattr(block, routing.router)(x))
-    if scores.dtype == x.dtype:  # else mlx-lm's product promotes: keep its form
-        y = experts.combine(x, ids, scores)
-    else:
-        rows = experts(x, ids)
-        y = (rows * scores[..., None]).sum(axis=-2)
-        y = y.astype(rows.dtype) if routing.cast else y
+    logits = getattr(block, routing.router)(x)
+    y = experts.route_combine(x, logits, getattr(block, routing.top_k),
+                              routing.normalize(block))
+    if y is None:
+        ids, scores = routing.route(block, logits)
+        if scores.dtype == x.dtype:  # else mlx-lm's product promotes: keep its form
+            y = experts.combine(x, ids, scores)
+        else:
+            rows = experts(x, ids)
+            y = (rows * scores[..., None]).sum(axis=-2)
+            y = y.astype(rows.dtype) if routing.cast else y
     if routing.shared is not None:
         expert, gate = (getattr(block, name) for name in routing.shared)
         y = y + mx.sigmoid(gate(x)) * expert(x)

@@ -184,6 +184,53 @@ def test_combine_compiled_as_plain(bias, monkeypatch):
         assert mx.allclose(g, w, rtol=1e-5, atol=1e-6).item()
 
 
+@pytest.mark.parametrize("normalize", (True, False))
+def test_route_combine_compiled_as_plain(normalize, monkeypatch):
+    """SwitchGLU.route_combine (moe_route, expert_glu, expert_down_combine in one call) is
+    combine() of moe_route's ids and scores, gives the same result and gradients (x and the
+    router logits) compiled as a GPU backend runs it (traced here on the reference backend)
+    as plain, and on the emulator launches the three kernels once each."""
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    mx.random.seed(4)
+    glu = SwitchGLU(64, 96, 6)
+    nn.quantize(glu, group_size=32, bits=4)
+    ours = mtnn.SwitchGLU.from_module(glu)
+    x = mx.random.normal((1, 3, 64))
+    logits = mx.random.normal((1, 3, 6))
+
+    def loss(x, logits):
+        return (ours.route_combine(x, logits, 2, normalize) ** 2).sum()
+
+    with mt.use_backend("reference"):
+        ids, scores = mt.moe_route(logits, 2, normalize=normalize)
+        want = ours.combine(x, mx.stop_gradient(ids), scores)
+        plain = ours.route_combine(x, logits, 2, normalize)
+        want_grads = mx.grad(loss, argnums=(0, 1))(x, logits)
+        monkeypatch.setattr(mtnn, "COMPILED_BACKENDS", ("reference",))
+        mtnn._decode_pair.cache_clear()
+        got = ours.route_combine(x, logits, 2, normalize)
+        got_grads = mx.grad(loss, argnums=(0, 1))(x, logits)
+    mtnn._decode_pair.cache_clear()
+    assert mx.array_equal(plain, want).item()
+    assert mx.allclose(got, want, rtol=1e-6, atol=1e-6).item()
+    assert all(float(mx.abs(g).max()) > 0 for g in want_grads)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert mx.allclose(g, w, rtol=1e-5, atol=1e-6).item()
+    with mt.use_backend("emulator"):
+        names = ("moe_route_simd_rows", "expert_glu_simd_rows",
+                 "expert_down_combine_simd_rows")
+        before = [backends.launch_count(n, "emulator") for n in names]
+        emulated = ours.route_combine(x, logits, 2, normalize)
+        mx.eval(emulated)
+        assert [backends.launch_count(n, "emulator") - b
+                for n, b in zip(names, before, strict=True)] == [1, 1, 1]
+    _close(emulated, want, 2 * 96)
+    assert ours.route_combine(x, logits.astype(mx.float16), 2, normalize) is None
+    assert ours.route_combine(x, logits, 7, normalize) is None  # k > E
+
+
 def test_sdpa_serves_array_masks_and_sinks():
     """Array masks over the keys and per-head sinks are served, and give what mlx-lm's own
     sdpa gives; masks of another width and sinks of another shape or dtype are not."""

@@ -378,11 +378,13 @@ def test_moe_blocks_two_dispatches_and_unknown_blocks(op_calls):
 
 
 # Dispatches of one MoE block call at one decode token, from MLX's graph: (mlx-lm's block,
-# the patched block). The router (and Qwen3-Next's shared expert) are the same code on
-# both sides; mlx-lm's experts and score sum take 9 dispatches (15 with gpt-oss's expert
-# biases), ours 2.
-BLOCK_DISPATCHES = {"qwen3_moe": (15, 8), "qwen3_next": (23, 16), "qwen3_5_moe": (23, 16),
-                    "gpt_oss": (20, 7), "mixtral": (14, 7), "olmoe": (14, 7)}
+# the patched block). The router's matmul (and Qwen3-Next's shared expert) are the same
+# code on both sides; mlx-lm's top k and scores take 4 or 5 dispatches and its experts and
+# score sum 9 (15 with gpt-oss's expert biases), ours 3 in all.
+BLOCK_DISPATCHES = {"qwen3_moe": (15, 4), "qwen3_next": (23, 12), "qwen3_5_moe": (23, 12),
+                    "gpt_oss": (20, 5), "mixtral": (14, 4), "olmoe": (14, 4)}
+ROUTE_DISPATCHES = {"qwen3_moe": 5, "qwen3_next": 5, "qwen3_5_moe": 5, "gpt_oss": 3,
+                    "mixtral": 4, "olmoe": 4}
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
@@ -404,11 +406,13 @@ def test_moe_block_dispatches_at_decode(arch):
         finally:
             mt.unpatch(model)
     kernels = Counter({k: v for k, v in ours.items() if k.startswith("kernel:")})
-    assert kernels == {"kernel:expert_glu": 1, "kernel:expert_down_combine": 1}, ours
-    shared = ours - kernels  # the router and shared expert: mlx-lm's own primitives
+    assert kernels == {"kernel:moe_route": 1, "kernel:expert_glu": 1,
+                       "kernel:expert_down_combine": 1}, ours
+    shared = ours - kernels  # the router's matmul and shared expert: mlx-lm's primitives
     assert not shared - native, (shared, native)
-    experts = native - shared
-    assert experts["GatherQMM"] == 3 and experts.total() == (15 if arch == "gpt_oss" else 9)
+    replaced = native - shared  # mlx-lm's top k, scores, experts and score sum
+    assert replaced["GatherQMM"] == 3 and replaced["ArgPartition"] == 1
+    assert replaced.total() == (15 if arch == "gpt_oss" else 9) + ROUTE_DISPATCHES[arch]
     assert (native.total(), ours.total()) == BLOCK_DISPATCHES[arch], (native, ours)
 
 
