@@ -243,8 +243,8 @@ _SERVED_BY = {
     "gated_rms_norm": "gated_rms_norm (no gate: mx.fast.rms_norm)",
     "switch_glu": f"expert_glu + expert_qmv (< {mtnn.PREFILL_MIN_PAIRS} token-expert pairs), "
                   "moe_gather_qmm (more)",
-    "moe_block": "mlx-lm's router, then SwitchGLU.combine: expert_glu + expert_down_combine "
-                 f"(< {mtnn.PREFILL_MIN_PAIRS} token-expert pairs)",
+    "moe_block": "the router's matmul, then moe_route (top k <= 32) + expert_glu + "
+                 f"expert_down_combine (< {mtnn.PREFILL_MIN_PAIRS} token-expert pairs)",
     "attention": "sdpa_multi (KVCache or no cache, mask None/'causal'; others: mlx-lm)",
 }
 
