@@ -50,6 +50,7 @@ QUICK = {
     "gpt_oss": dict(hidden_size=128, intermediate_size=128, num_local_experts=8),
 }
 PATHS = ("native", "decode", "prefill")
+PIPELINED = ("native", "decode")  # also timed with each call handed over as it is built
 
 # Primitives that run no kernel: views of their input (reshapes, slices and broadcasts of
 # contiguous arrays, stop_gradient) and mx.custom_function's wrapper (the ops' VJPs),
@@ -152,6 +153,17 @@ def _sample(fn, xs) -> float:
     return (time.perf_counter() - t) / len(xs)
 
 
+def _pipelined(fn, xs) -> float:
+    """Seconds per call of ``fn`` over the inputs, each call handed to ``mx.async_eval`` as
+    soon as it is built, as mlx-lm's generate hands over a decode step: the host builds
+    call i + 1 while the GPU runs call i."""
+    t = time.perf_counter()
+    for x in xs:
+        mx.async_eval(fn(x))
+    mx.synchronize()
+    return (time.perf_counter() - t) / len(xs)
+
+
 def measure(block: Block, tokens: int, iters: int, reps: int) -> dict:
     """Median us per block call of each path at ``tokens`` tokens, and the largest
     difference of the patched paths' outputs from the native one."""
@@ -173,8 +185,17 @@ def measure(block: Block, tokens: int, iters: int, reps: int) -> dict:
                 t = _sample(calls[path], xs)
             if i:
                 times[path].append(t)
+    piped: dict[str, list[float]] = {p: [] for p in PIPELINED}
+    for i in range(iters + 1):
+        for path in PIPELINED[i % 2:] + PIPELINED[:i % 2]:
+            with forced_path("auto" if path == "native" else path):
+                t = _pipelined(calls[path], xs)
+            if i:
+                piped[path].append(t)
     for path in PATHS:
         out[f"{path}_us"] = 1e6 * sorted(times[path])[len(times[path]) // 2]
+    for path in PIPELINED:
+        out[f"{path}_pipelined_us"] = 1e6 * sorted(piped[path])[len(piped[path]) // 2]
     return out
 
 
@@ -204,14 +225,17 @@ def switch_point(rows: list[dict]) -> int | None:
 
 def _table(rows: list[dict]) -> str:
     head = ("tokens", "pairs", "native us", "decode us", "prefill us", "auto",
-            "native/best", "max|diff|/max|y|")
+            "native/best", "pipelined: native us", "decode us", "native/decode",
+            "max|diff|/max|y|")
     body = []
     for r in rows:
         best = min(r["decode_us"], r["prefill_us"])
         diff = max(r["decode_max_diff"], r["prefill_max_diff"]) / r["native_max_abs"]
         body.append((str(r["tokens"]), str(r["pairs"]), f"{r['native_us']:.1f}",
                      f"{r['decode_us']:.1f}", f"{r['prefill_us']:.1f}", r["auto"],
-                     f"{r['native_us'] / best:.2f}x",
+                     f"{r['native_us'] / best:.2f}x", f"{r['native_pipelined_us']:.1f}",
+                     f"{r['decode_pipelined_us']:.1f}",
+                     f"{r['native_pipelined_us'] / r['decode_pipelined_us']:.2f}x",
                      f"{diff:.2g}"))
     widths = [max(len(c[i]) for c in (head, *body)) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True))

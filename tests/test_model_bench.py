@@ -33,7 +33,7 @@ def test_model_bench_runs_and_saves_json(compiled, monkeypatch, tmp_path, capsys
     assert "not kernel timings" in out and "decode_ms" in out
     data = json.loads(path.read_text())
     assert data["meta"]["kernel_timings"] is False and data["meta"]["git_sha"]
-    for key in ("decode_ms", "verify4_ms", "verify8_ms", "prefill_tok_s"):
+    for key in ("decode_ms", "verify4_ms", "verify8_ms", "prefill_tok_s", "generate_tok_s"):
         assert data["native"][key] > 0 and data["patched"][key] > 0
     # one decode step: attention, and the MoE block in two dispatches
     assert set(data["split"]) == {"sdpa_multi", "expert_glu", "expert_down_combine"}
@@ -63,7 +63,8 @@ def test_moe_bench_runs_and_saves_json(tmp_path, capsys):
         assert [r["tokens"] for r in block["rows"]] == [1, 16]
         k = block["rows"][0]["pairs"]
         for row in block["rows"]:
-            assert min(row["native_us"], row["decode_us"], row["prefill_us"]) > 0
+            assert min(row["native_us"], row["decode_us"], row["prefill_us"],
+                       row["native_pipelined_us"], row["decode_pipelined_us"]) > 0
             assert row["pairs"] == row["tokens"] * k
             # bfloat16 blocks: mlx-lm's rounds k expert rows, k products and k - 1 partial
             # sums to bfloat16 (unit roundoff 2^-8), ours fewer; a wrong expert or score is
