@@ -164,6 +164,28 @@ def _pipelined(fn, xs) -> float:
     return (time.perf_counter() - t) / len(xs)
 
 
+def routed_apart(block: Block, xs) -> tuple[int, int]:
+    """Over the inputs' tokens: (how many moe_route gives another set of experts than
+    mlx-lm's routing, how many of those have a tie at the k-th largest logit). On a tie
+    mlx-lm's argpartition keeps whichever expert its partition leaves, moe_route the lower
+    index, and the block's outputs then differ by that expert's share of the token."""
+    routing = mtnn.moe_routing(type(block.native))
+    apart = tied = 0
+    for x in xs:
+        logits = getattr(block.native, routing.router)(x)
+        ours, _ = routing.route(block.native, logits)
+        theirs, _ = routing.mlx_lm_route(block.native, logits)
+        k = ours.shape[-1]
+        ranked = mx.sort(logits.astype(mx.float32).reshape(-1, logits.shape[-1]), axis=-1)
+        boundary_tie = (ranked[:, -k] == ranked[:, -k - 1]) if k < logits.shape[-1] else (
+            mx.zeros(ranked.shape[:1], dtype=mx.bool_))
+        differs = (mx.sort(ours.reshape(-1, k), axis=-1)
+                   != mx.sort(theirs.reshape(-1, k), axis=-1)).any(axis=-1)
+        apart += differs.sum().item()
+        tied += (differs & boundary_tie).sum().item()
+    return apart, tied
+
+
 def measure(block: Block, tokens: int, iters: int, reps: int) -> dict:
     """Median us per block call of each path at ``tokens`` tokens, and the largest
     difference of the patched paths' outputs from the native one."""
@@ -178,6 +200,7 @@ def measure(block: Block, tokens: int, iters: int, reps: int) -> dict:
             got = block.patched(xs[0]).astype(mx.float32)
             out[f"{path}_max_diff"] = mx.abs(got - want).max().item()
     out["native_max_abs"] = mx.abs(want).max().item()
+    out["routed_apart"], out["routed_apart_tied"] = routed_apart(block, xs)
     times: dict[str, list[float]] = {p: [] for p in PATHS}
     for i in range(iters + 1):  # the first round warms up
         for path in PATHS[i % 3:] + PATHS[:i % 3]:  # each path first in turn
@@ -226,7 +249,7 @@ def switch_point(rows: list[dict]) -> int | None:
 def _table(rows: list[dict]) -> str:
     head = ("tokens", "pairs", "native us", "decode us", "prefill us", "auto",
             "native/best", "pipelined: native us", "decode us", "native/decode",
-            "max|diff|/max|y|")
+            "max|diff|/max|y|", "routed apart (tied)")
     body = []
     for r in rows:
         best = min(r["decode_us"], r["prefill_us"])
@@ -236,7 +259,7 @@ def _table(rows: list[dict]) -> str:
                      f"{r['native_us'] / best:.2f}x", f"{r['native_pipelined_us']:.1f}",
                      f"{r['decode_pipelined_us']:.1f}",
                      f"{r['native_pipelined_us'] / r['decode_pipelined_us']:.2f}x",
-                     f"{diff:.2g}"))
+                     f"{diff:.2g}", f"{r['routed_apart']} ({r['routed_apart_tied']})"))
     widths = [max(len(c[i]) for c in (head, *body)) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True))
                      for line in (head, *body))

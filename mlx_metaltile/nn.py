@@ -446,6 +446,12 @@ class MoERouting:
                                                                           mx.floating):
             ids, scores = moe_route(logits, k, normalize=self.normalize(block))
             return mx.stop_gradient(ids), scores
+        return self.mlx_lm_route(block, logits)
+
+    def mlx_lm_route(self, block, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """(ids, scores) [..., k] by the block's own ops (mlx-lm's argpartition: its slots
+        and its choice among tied probabilities)."""
+        k = getattr(block, self.top_k)
         g = mx.softmax(logits, axis=-1, precise=True) if self.softmax_first else logits
         if self.negated:
             ids = mx.argpartition(-g, kth=k - 1, axis=-1)[..., :k]

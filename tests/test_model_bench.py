@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import mlx.core as mx
 import pytest
 
 pytest.importorskip("mlx_lm")
@@ -89,3 +90,29 @@ def test_moe_bench_forced_paths_and_bad_tokens(capsys):
     with pytest.raises(SystemExit):
         main(["moe-bench", "--tokens", "1,x"])
     assert "expected token counts like 1,2,4, got '1,x'" in capsys.readouterr().err
+
+
+def test_moe_bench_counts_tokens_routed_apart(monkeypatch):
+    """routed_apart: tokens whose experts differ from mlx-lm's routing, and how many of those
+    differ at a tie of the k-th largest logit (all logits equal: every token is tied)."""
+    block = moe_bench.build_block("qwen3_moe", quick=True)
+    routing = mtnn.moe_routing(type(block.native))
+    xs = [mx.random.normal((1, 3, block.hidden)).astype(mx.bfloat16) for _ in range(2)]
+    assert moe_bench.routed_apart(block, xs) == (0, 0)  # random logits: no ties here
+    router = getattr(block.native, routing.router)
+    weights = {k: v for k, v in router.parameters().items() if k in ("scales", "biases")}
+    router.update({k: mx.zeros_like(v) for k, v in weights.items()})
+    try:
+        apart, tied = moe_bench.routed_apart(block, xs)
+        assert apart == tied == 6  # every token tied; mlx-lm keeps the higher ids here
+        real = mtnn.MoERouting.mlx_lm_route
+
+        def shifted(self, blk, logits):  # another set of experts, no tie involved
+            ids, scores = real(self, blk, logits)
+            return (ids + 1) % logits.shape[-1], scores
+
+        router.update(weights)
+        monkeypatch.setattr(mtnn.MoERouting, "mlx_lm_route", shifted)
+        assert moe_bench.routed_apart(block, xs) == (6, 0)
+    finally:
+        router.update(weights)
