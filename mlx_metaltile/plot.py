@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import math
 
-OPS_ORDER = ("gated_rms_norm", "fp4_qmm", "moe_gather_qmm", "expert_qmv", "sdpa_multi")
+OPS_ORDER = ("gated_rms_norm", "fp4_qmm", "moe_gather_qmm", "expert_qmv", "expert_glu",
+             "expert_down_combine", "moe_route", "sdpa_multi")
 MARKERS = {"float16": "o", "bfloat16": "s", "float32": "^"}
 
 
