@@ -1,7 +1,7 @@
 """Runtime scalars whose values the host knows: one 0-d array per (value, dtype), remembered
 with its bits, so an executor can pass it other than as a 0-d array.
 
-Why: MLX's CUDA allocator keeps arrays smaller than 8 bytes (every 0-d uint32 or float32) in
+Why: MLX's CUDA allocator keeps arrays of at most 8 bytes (every 0-d uint32 or float32) in
 one small managed-memory pool that the host also writes; a kernel reading such an array pays
 a round trip to it (an H100, a kernel whose blocks read one 0-d input: 18 us instead of 1.6
 us; an array of 16 bytes: 1.7 us). The cuda executor packs the known scalars of a launch into

@@ -427,7 +427,7 @@ def split_plan(backend: str, B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: 
 
 
 # MASK_KIND 0's dummy mask, never read; 16 bytes, as _NO_SINKS: MLX's CUDA allocator keeps
-# arrays under 8 bytes in a slow managed pool (_msl/constants.py)
+# arrays of at most 8 bytes in a slow managed pool (_msl/constants.py)
 _NO_MASK = {0: mx.zeros((1, 1, 1, 16), dtype=mx.bool_)}
 
 
