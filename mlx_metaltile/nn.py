@@ -359,7 +359,7 @@ class SwitchGLU(nn.Module):
         ids and scores in one call of three dispatches (moe_route, expert_glu,
         expert_down_combine) where the decode path serves it and the scores come in x's
         dtype (logits in x's dtype, k <= moe_route's MAX_K), else None."""
-        if (logits.dtype != x.dtype or not 1 <= k <= min(_ROUTE_MAX_K, logits.shape[-1])
+        if (logits.dtype != x.dtype or not moe_route_serves(logits, k)
                 or x.shape[:-1] != logits.shape[:-1]):
             return None
         return self._decode_call(x, logits, None, logits.size // logits.shape[-1] * k,
@@ -414,8 +414,9 @@ class MoERouting:
     float32, ties to the lower expert index); beyond it mlx-lm's ops as the block runs them,
     where ``negated`` says how it takes the top k: as ``argpartition(-g, kth=k - 1)[...,
     :k]`` (Mixtral, OLMoE), else as ``argpartition(g, kth=-k)[..., -k:]``. ``norm``: the
-    attribute that asks for scores renormalised to sum to one after the top k. ``shared``: (expert, gate) attributes of a shared expert added
-    as ``sigmoid(gate(x)) * expert(x)`` (Qwen3-Next). ``flat``: the block runs on
+    attribute that asks for scores renormalised to sum to one after the top k. ``shared``:
+    (expert, gate) attributes of a shared expert added as ``sigmoid(gate(x)) * expert(x)``
+    (Qwen3-Next). ``flat``: the block runs on
     ``x.reshape(-1, D)`` (OLMoE). ``cast``: the score-weighted sum is cast to the experts'
     output dtype (Qwen3-MoE).
     """
@@ -442,8 +443,7 @@ class MoERouting:
         MAX_K (the top k of the logits, ties to the lower expert, in float32 throughout),
         else as the block computes them."""
         k = getattr(block, self.top_k)
-        if 1 <= k <= min(_ROUTE_MAX_K, logits.shape[-1]) and mx.issubdtype(logits.dtype,
-                                                                          mx.floating):
+        if moe_route_serves(logits, k):
             ids, scores = moe_route(logits, k, normalize=self.normalize(block))
             return mx.stop_gradient(ids), scores
         return self.mlx_lm_route(block, logits)
@@ -464,6 +464,13 @@ class MoERouting:
         if self.norm is not None and getattr(block, self.norm):
             scores = scores / scores.sum(axis=-1, keepdims=True)
         return ids, scores
+
+
+def moe_route_serves(logits: mx.array, k: int) -> bool:
+    """Whether :func:`moe_route` takes this top k: float logits, 1 <= k <= min(E, its
+    MAX_K)."""
+    return (mx.issubdtype(logits.dtype, mx.floating)
+            and 1 <= k <= min(_ROUTE_MAX_K, logits.shape[-1]))
 
 
 # mlx-lm's MoE block classes ("module.Class") whose routing is known. A block not named
