@@ -226,8 +226,11 @@ def _with_arrays(p: _Problem, mask_shape: tuple | None, dtype: mx.Dtype, kv_len,
     device_kv_len = p.kv_len is None
     if not (device_kv_len or mask_shape or sinks is not None):
         return p  # the remembered problem as it is (it holds no array)
+    if device_kv_len and kv_len.dtype != mx.uint32:
+        kv_len = kv_len.astype(mx.uint32)  # not for a uint32 one: the same array, so a
+        # host-known one (_msl.constants.scalar) stays known (the cuda executor packs it)
     return replace(
-        p, kv_len=kv_len.astype(mx.uint32) if device_kv_len else p.kv_len,
+        p, kv_len=kv_len if device_kv_len else p.kv_len,
         mask=mask.reshape(mask_shape).astype(_mask_type(p.mask_kind, dtype))
         if mask_shape else None,
         sinks=sinks.astype(dtype).astype(mx.float32) if sinks is not None else None)

@@ -266,6 +266,23 @@ def _emulator_instantiations():
     return total
 
 
+def test_host_known_kv_len_reaches_the_kernel_as_itself(launches, rng):
+    """A 0-d uint32 kv_len made by _msl.constants.scalar (what the patched attention passes)
+    is the split kernel's kv_len input itself, its bits still known to the host (the cuda
+    executor packs such scalars; a copy would be a 0-d array in MLX's slow managed pool and
+    one more dispatch); an int32 one is converted."""
+    from mlx_metaltile._msl.constants import known_bits, scalar
+
+    q, k, v = make_inputs(rng, 1, 4, 2, 1, 64, 64, mx.float32)
+    names = [a.name for a in op_module.SPLIT_SPEC.inputs]
+    with backends.use_backend("emulator"):
+        for kv_len, known in ((scalar(40, mx.uint32), 40), (mx.array(41, dtype=mx.int32), None)):
+            mx.eval(mt.sdpa_multi(q, k, v, scale=0.125, causal=True, kv_len=kv_len))
+            passed = launches[-2].inputs[names.index("kv_len")]
+            assert (passed is kv_len) == (known is not None)
+            assert known_bits(passed) == known and passed.dtype == mx.uint32
+
+
 def test_kv_len_l_and_batch_do_not_rebuild(kernel_backend, launches, rng):
     """A decode/verify loop (growing kv_len, then other L and B) builds no new kernel."""
     S = 700
