@@ -225,27 +225,13 @@ def _timed(fn, iters: int) -> float:
 
 
 def measure(model, vocab: int, context: int, prefill: int, iters: int) -> dict:
-    """decode ms/token, verify ms at L=4 and 8, prefill tokens/s, and the logits."""
+    """prefill tokens/s, mlx-lm's generate tokens/s, and the logits of a decode step and of
+    the prefill (decode and verify are timed by :func:`interleaved_steps`)."""
     cache = _make_cache(model)
     mx.eval(model(_tokens(context, vocab, 1), cache=cache))
     _progress(f"context of {context} tokens cached")
-    step_tok = _tokens(1, vocab, 2)
-
-    def step(L: int, tok):
-        def run():
-            mx.eval(model(tok, cache=cache))
-            _rewind(cache, L)
-
-        return run
-
-    out = {"decode_ms": 1e3 * _timed(step(1, step_tok), iters)}
-    _progress("decode timed")
-    for L in (4, 8):
-        out[f"verify{L}_ms"] = 1e3 * _timed(step(L, _tokens(L, vocab, 3 + L)), iters)
-        _progress(f"verify L={L} timed")
-    logits = model(step_tok, cache=cache)
+    logits = model(_tokens(1, vocab, 2), cache=cache)
     mx.eval(logits)
-    _rewind(cache, 1)
     prompt = _tokens(prefill, vocab, 9)
     prefill_logits = []
 
@@ -253,10 +239,43 @@ def measure(model, vocab: int, context: int, prefill: int, iters: int) -> dict:
         prefill_logits[:] = [model(prompt, cache=_make_cache(model))[:, -1]]
         mx.eval(prefill_logits)
 
-    out["prefill_tok_s"] = prefill / _timed(run_prefill, max(1, iters // 4))
+    out = {"prefill_tok_s": prefill / _timed(run_prefill, max(1, iters // 4))}
     out["generate_tok_s"] = _generate_tok_s(model, vocab, context, GENERATE_TOKENS)
     out["logits"] = (logits, prefill_logits[0])
     return out
+
+
+STEPS = {"decode_ms": 1, "verify4_ms": 4, "verify8_ms": 8}  # key -> tokens per step
+
+
+def interleaved_steps(model, vocab: int, context: int, iters: int) -> dict[str, dict]:
+    """Median ms of one decode step (1 token) and of verification steps (4 and 8 tokens)
+    after ``context`` cached tokens, each step built and evaluated, native and patched:
+    {"native": {key: ms}, "patched": {key: ms}}. The two sides' samples are taken in turns
+    (a native round of the three steps, then a patched one, ``iters`` times; the first call
+    of each step after a switch is not timed), so a drift of the GPU's clocks or of the
+    host's load falls on both sides alike. Leaves the model patched."""
+    cache = _make_cache(model)
+    mx.eval(model(_tokens(context, vocab, 1), cache=cache))
+    tokens = {key: _tokens(L, vocab, 2 if L == 1 else 3 + L) for key, L in STEPS.items()}
+    samples = {side: {key: [] for key in STEPS} for side in ("native", "patched")}
+
+    def step(tok) -> float:
+        t = time.perf_counter()
+        mx.eval(model(tok, cache=cache))
+        seconds = time.perf_counter() - t
+        _rewind(cache, tok.shape[1])
+        return seconds
+
+    for i in range(iters):
+        for side in ("native", "patched"):
+            mt.patch(model) if side == "patched" else mt.unpatch(model)
+            for key, tok in tokens.items():
+                step(tok)
+                samples[side][key].append(step(tok))
+        _progress(f"decode and verify: round {i + 1}/{iters}")
+    return {side: {key: 1e3 * sorted(t)[len(t) // 2] for key, t in times.items()}
+            for side, times in samples.items()}
 
 
 GENERATE_TOKENS = 64  # tokens generated after the prompt for generate_tok_s
@@ -370,6 +389,10 @@ def run(args) -> int:
     patched = measure(model, vocab, context, prefill, iters)
     _progress("patched: per-op split of a decode step")
     ops = op_split(model, vocab, context, iters)
+    _progress("decode and verify, native and patched in turns")
+    steps = interleaved_steps(model, vocab, context, iters)
+    native.update(steps["native"])
+    patched.update(steps["patched"])
     mt.unpatch(model)
     fallbacks = mtnn.fallbacks - fallbacks_before
     ops["fallbacks"] = {f"{kind}: {why}": n for (kind, why), n in fallbacks.items()}
@@ -382,6 +405,8 @@ def run(args) -> int:
         ratio = (native[key] / patched[key] if key.endswith("_ms")
                  else patched[key] / native[key])
         print(f"{key:<16}{native[key]:>12.3f}{patched[key]:>12.3f}{ratio:>7.2f}x  {unit}")
+    print(f"decode and verify: medians of {iters} samples per side, native and patched "
+          "samples taken in turns")
     print(f"max |logit difference| (bfloat16 model, decode and prefill): {diff:.4g}")
     print("kernel launches in one patched decode step: "
           + (", ".join(f"{k} x{v}" for k, v in sorted(ops["launches"].items())) or "none"))

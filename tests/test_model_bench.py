@@ -116,3 +116,31 @@ def test_moe_bench_counts_tokens_routed_apart(monkeypatch):
         assert moe_bench.routed_apart(block, xs) == (6, 0)
     finally:
         router.update(weights)
+
+
+def test_decode_and_verify_samples_alternate_sides(monkeypatch):
+    """interleaved_steps takes a native round, then a patched round, ``iters`` times (so a
+    drift during the run falls on both sides), and times every step on each side."""
+    import types
+
+    import mlx_metaltile as mt
+
+    config, experts, rest = model_bench.ARCHS["qwen3_moe"]
+    small = dict(config, hidden_size=128, intermediate_size=128, vocab_size=256, num_experts=4,
+                 num_experts_per_tok=2, moe_intermediate_size=64, num_attention_heads=2,
+                 num_key_value_heads=1)
+    monkeypatch.setitem(model_bench.ARCHS, "qwen3_moe", (small, experts, rest))
+    model, cfg = model_bench.build("qwen3_moe", 1)
+    order = []
+    sides = types.SimpleNamespace(
+        patch=lambda m: (order.append("patch"), mt.patch(m))[1],
+        unpatch=lambda m: (order.append("unpatch"), mt.unpatch(m))[1])
+    monkeypatch.setattr(model_bench, "mt", sides)
+    times = model_bench.interleaved_steps(model, cfg["vocab_size"], 8, iters=3)
+    assert order == ["unpatch", "patch"] * 3
+    assert set(times) == {"native", "patched"}
+    for side in times.values():
+        assert set(side) == set(model_bench.STEPS) and min(side.values()) > 0
+    assert type(model.layers[0].mlp).__name__ == "Qwen3MoeSparseMoeBlock"
+    assert getattr(type(model.layers[0].mlp), "_mlx_metaltile_kind", None) == "moe_block"
+    mt.unpatch(model)
