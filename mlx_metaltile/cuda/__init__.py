@@ -220,12 +220,16 @@ class _PreparedLaunch:
         passed_given = [j for j, k in enumerate(given) if k in _PASSED]
         bind_inputs, bind_bits = binder(passed + [None] + extra), binder(bits)
 
+        @lru_cache(maxsize=64)  # a decode step's layers share their kv_len
+        def packed(*given_bits: int) -> mx.array:
+            return _packed_array(tuple(bind_bits(given_bits)))
+
         def bind(arrays: Sequence[mx.array]) -> list[mx.array]:
-            packed = _packed_array(tuple(bind_bits([known_bits(arrays[j])
-                                                    for j in packed_given])))
-            return bind_inputs([*(arrays[j] for j in passed_given), packed])
+            return bind_inputs([*[arrays[j] for j in passed_given],
+                                packed(*[known_bits(arrays[j]) for j in packed_given])])
 
         return kernel, bind
+
 
 def metal_kernel(name: str, input_names: Sequence[str], output_names: Sequence[str],
                  source: str, header: str = "", ensure_row_contiguous: bool = True,
