@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from . import _templates
-from ._msl.kernel import MetalKernel
+from ._msl.kernel import MetalKernel, binder
 from ._registry import KernelSpec
 from ._templates import render
 
@@ -287,10 +287,12 @@ class Prepared:
     """One kernel launch with its checks made: called with the arrays of the inputs that
     ``prepare`` left None, in order, it dispatches the cached kernel once. What may change
     between calls is read per call: the stream's device, the kernel object (a template
-    override swaps it), the launch counters."""
+    override swaps it), the launch counters. What is fixed is worked out once per kernel
+    object: an executor's ``prepare_launch`` (the cuda one packs the constant scalars)."""
 
-    __slots__ = ("spec", "backend", "template", "_inputs", "_slots", "_tail", "_key", "_gpu",
-                 "_template", "_grid", "_threadgroup", "_shapes", "_dtypes", "_init_value")
+    __slots__ = ("spec", "backend", "template", "_inputs", "_bind", "_key", "_gpu",
+                 "_template", "_grid", "_threadgroup", "_shapes", "_dtypes", "_init_value",
+                 "_kernel", "_run")
 
     def __init__(self, spec: KernelSpec, backend: str, inputs: dict[str, mx.array | None],
                  template: dict[str, Any], grid: tuple[int, int, int],
@@ -298,44 +300,50 @@ class Prepared:
                  dtypes: list[mx.Dtype], init_value: float | None):
         self.spec, self.backend, self.template = spec, backend, template
         self._inputs = list(inputs.values())
-        self._slots = tuple(i for i, a in enumerate(self._inputs) if a is None)
-        # the usual layout: the per-call arrays first, then the constants
-        self._tail = (None if self._slots != tuple(range(len(self._slots)))
-                      else self._inputs[len(self._slots):])
+        self._bind = binder(self._inputs)
         self._key = (backend, spec.name)
         self._gpu = backend in GPU_BACKENDS
         self._template = list(template.items())
         self._grid, self._threadgroup = grid, threadgroup
         self._shapes, self._dtypes, self._init_value = shapes, dtypes, init_value
+        self._kernel = self._run = None  # the kernel object last launched, and its launch
 
     def bind(self, arrays: Sequence[mx.array]) -> list[mx.array]:
         """Every input of the kernel, in its order: the constants and ``arrays``."""
-        if self._tail is not None and len(arrays) == len(self._slots):
-            return [*arrays, *self._tail]
-        inputs = self._inputs.copy()
-        for i, a in zip(self._slots, arrays, strict=True):
-            inputs[i] = a
-        return inputs
+        return self._bind(arrays)
+
+    def _launcher(self, kernel: Callable) -> Callable[[Sequence[mx.array]], list[mx.array]]:
+        """``run(arrays)`` of ``kernel``: an executor's prepared launch (emulator, cuda:
+        checked above, run directly), else the MLX kernel object's call (metal)."""
+        if isinstance(kernel, MetalKernel):
+            return kernel.prepare_launch(self._inputs, self._shapes, self._dtypes, self._grid,
+                                         self._threadgroup, self._template, self._init_value)
+        bind, template, grid, threadgroup = self._bind, self._template, self._grid, \
+            self._threadgroup
+        shapes, dtypes, init_value = self._shapes, self._dtypes, self._init_value
+
+        def run(arrays: Sequence[mx.array]) -> list[mx.array]:
+            return kernel(inputs=bind(arrays), template=template, grid=grid,
+                          threadgroup=threadgroup, output_shapes=shapes, output_dtypes=dtypes,
+                          init_value=init_value)
+
+        return run
 
     def __call__(self, *arrays: mx.array) -> list[mx.array]:
-        spec, backend = self.spec, self.backend
         if self._gpu and mx.default_device() != _GPU and _gpu_available():
             # MLX's own refusal ("[custom_kernel] Only supports the GPU") names neither the
             # op nor the way out (without a GPU only stand-in kernels get here: tests of the
             # path)
-            raise ValueError(f"[{spec.op}] the {backend} backend runs kernels on the GPU, got "
-                             f"a stream on {mx.default_device()}; pass a GPU stream or device, "
-                             "or use the reference backend for the CPU")
-        inputs = self.bind(arrays)
-        kernel = get_kernel(spec, backend)
+            raise ValueError(f"[{self.spec.op}] the {self.backend} backend runs kernels on "
+                             f"the GPU, got a stream on {mx.default_device()}; pass a GPU "
+                             "stream or device, or use the reference backend for the CPU")
+        kernel = _kernel_cache.get(self._key)
+        if kernel is None or kernel is not self._kernel:
+            kernel = get_kernel(self.spec, self.backend)
+            self._run, self._kernel = self._launcher(kernel), kernel
         _launches[self._key] += 1
         try:
-            if isinstance(kernel, MetalKernel):  # emulator, cuda: checked above, run directly
-                return kernel.run_checked(inputs, self._shapes, self._dtypes, self._grid,
-                                          self._threadgroup, self._template, self._init_value)
-            return kernel(inputs=inputs, template=self._template, grid=self._grid,
-                          threadgroup=self._threadgroup, output_shapes=self._shapes,
-                          output_dtypes=self._dtypes, init_value=self._init_value)
+            return self._run(arrays)
         except (ValueError, RuntimeError) as err:
-            _raise_if_traced(spec.op, backend, err)
+            _raise_if_traced(self.spec.op, self.backend, err)
             raise

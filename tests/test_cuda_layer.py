@@ -303,3 +303,56 @@ def test_negative_control_compile_errors_are_reported(compiler):
     result = compile_units(compiler, {"broken": feature_unit(broken)})["broken"]
     assert not result.ok
     assert "simd_no_such_function" in result.log
+
+
+class _KernelRecorder:
+    """Stands in for ``mx.fast.cuda_kernel``: every kernel object it makes records its
+    calls as (kernel name, keyword arguments) and returns zeros."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *, name, **_):
+        def call(**kwargs):
+            self.calls.append((name, kwargs))
+            return [mx.zeros(s, dtype=d)
+                    for s, d in zip(kwargs["output_shapes"], kwargs["output_dtypes"],
+                                    strict=True)]
+        return call
+
+
+@pytest.mark.parametrize("grid", [(32, 1, 1), (100, 1, 1)], ids=("whole", "guarded"))
+def test_prepared_launch_makes_the_unprepared_call(monkeypatch, grid):
+    """A prepared launch hands MLX what the unprepared call does (the same variant, the
+    same inputs), its arrays examined per call: a host-known scalar among them is packed
+    with the constants' (its own bits each call), a device 0-d one passed as itself."""
+    from mlx_metaltile._msl import constants
+
+    made = _KernelRecorder()
+    monkeypatch.setattr(mx.fast, "cuda_kernel", made)
+    k = cuda.metal_kernel("k", ["x", "n", "kv", "c", "scale", "y"], ["out"], "out[0] = x[0];")
+    n, scale = constants.scalar(5, mx.uint32), constants.scalar(0.5, mx.float32)
+    c = mx.array(3, dtype=mx.int32)  # a 0-d constant the host does not know
+    x, y = mx.zeros((4,)), mx.ones((2,))
+    options = dict(output_shapes=[(1,)], output_dtypes=[mx.float32], grid=grid,
+                   threadgroup=(32, 1, 1), template=[("T", mx.float32)])
+    run = k.prepare_launch([None, n, None, c, scale, None], **options)
+    guard = "_g" if grid == (100, 1, 1) else ""
+    half = 0x3F000000  # 0.5's bits
+    for kv, suffix, packed in ((constants.scalar(9, mx.uint32), "apupuspfa", [5, 9, half]),
+                               (constants.scalar(10, mx.uint32), "apupuspfa", [5, 10, half]),
+                               (mx.array(9, dtype=mx.uint32), "apusspfa", [5, half]),
+                               (mx.zeros((3,), dtype=mx.uint32), "apuaspfa", [5, half])):
+        run([x, kv, y])
+        k(inputs=[x, n, kv, c, scale, y], **options)
+        (got_name, got), (want_name, want) = made.calls[-2:]
+        assert got_name == want_name == f"k_{suffix}{guard}"
+        assert got.keys() == want.keys()
+        got_inputs, want_inputs = got.pop("inputs"), want.pop("inputs")
+        assert got == want
+        assert len(got_inputs) == len(want_inputs)
+        assert all(a is b for a, b in zip(got_inputs, want_inputs, strict=True))
+        passed = [x, c, y] if len(packed) == 3 else [x, kv, c, y]
+        assert all(a is b for a, b in zip(got_inputs, passed, strict=False))
+        assert got_inputs[len(passed)].tolist()[:len(packed)] == packed
+        assert len(got_inputs) == len(passed) + 1 + bool(guard)

@@ -2,12 +2,13 @@
 
 Its argument checks and their messages are MLX's (``[metal_kernel] Must specify at least one
 output.``, ``[metal_kernel] Expected `inputs` to have size 2 but got size 1.``), so a misuse
-reads the same on every executor. A subclass runs a checked ``Launch`` in ``_run``.
+reads the same on every executor. A subclass runs a checked ``Launch`` in ``_run``, and may
+make a prepared launch's per-call path cheaper by overriding ``prepare_launch``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -53,6 +54,26 @@ def _check_dims(what: str, dims) -> tuple[int, int, int]:
         # MLX takes them as C ints (its binding refuses larger values); never truncate
         raise TypeError(f"[metal_kernel] {what} entries must fit in a 32-bit int, got {values}")
     return values
+
+
+def binder(values: Sequence) -> Callable[[Sequence], list]:
+    """``bind(given)``: ``values`` with its None entries replaced by ``given``, in order."""
+    values = list(values)
+    places = [i for i, v in enumerate(values) if v is None]
+    if places == list(range(len(places))):  # the usual layout: the per-call entries first
+        n, tail = len(places), values[len(places):]
+
+        def bind(given: Sequence) -> list:
+            if len(given) != n:
+                raise ValueError(f"internal: {n} values to bind, got {len(given)}")
+            return [*given, *tail]
+    else:
+        def bind(given: Sequence) -> list:
+            bound = values.copy()
+            for i, v in zip(places, given, strict=True):
+                bound[i] = v
+            return bound
+    return bind
 
 
 class MetalKernel:
@@ -109,16 +130,23 @@ class MetalKernel:
             output_dtypes=list(output_dtypes), grid=grid, threadgroup=threadgroup,
             template=template, init_value=init_value, verbose=bool(verbose), stream=stream))
 
-    def run_checked(self, inputs: list[mx.array], output_shapes: list[tuple[int, ...]],
-                    output_dtypes: list[mx.Dtype], grid: tuple[int, int, int],
-                    threadgroup: tuple[int, int, int], template: list[tuple[str, object]],
-                    init_value: float | None = None) -> list[mx.array]:
-        """Run arguments that ``backends.prepare`` has already checked against the kernel's
-        spec and the geometry rules (the per-call path of every op): the same ``_run``
+    def prepare_launch(self, inputs: Sequence[mx.array | None],
+                       output_shapes: list[tuple[int, ...]], output_dtypes: list[mx.Dtype],
+                       grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
+                       template: list[tuple[str, object]], init_value: float | None = None,
+                       ) -> Callable[[Sequence[mx.array]], list[mx.array]]:
+        """``run(arrays)``: runs arguments that ``backends.prepare`` has already checked
+        against the kernel's spec and the geometry rules, ``inputs`` with its None entries
+        given per call as ``arrays`` (the per-call path of every op). The same ``_run``
         without repeating ``__call__``'s argument checks, which cost more than the launch
-        itself on a fast GPU."""
-        return self._run(Launch(inputs, output_shapes, output_dtypes, grid, threadgroup,
-                                template, init_value, False, None))
+        itself on a fast GPU; an executor may precompute more of it."""
+        bind = binder(inputs)
+
+        def run(arrays: Sequence[mx.array]) -> list[mx.array]:
+            return self._run(Launch(bind(arrays), output_shapes, output_dtypes, grid,
+                                    threadgroup, template, init_value, False, None))
+
+        return run
 
     def _run(self, launch: Launch) -> list[mx.array]:
         raise NotImplementedError

@@ -19,13 +19,13 @@ Where it differs from Metal (by construction, documented in msl_compat.cuh and t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 import mlx.core as mx
 
 from .._msl.constants import PACKABLE, known_bits
-from .._msl.kernel import Launch, MetalKernel
+from .._msl.kernel import Launch, MetalKernel, binder
 from ._translate import (
     GRID_INPUT,
     PACKED_INPUT,
@@ -140,13 +140,12 @@ class CudaKernel(MetalKernel):
     def _run(self, launch: Launch) -> list[mx.array]:
         inputs, kinds, bits = [], [], []
         for x in launch.inputs:
-            known = known_bits(x) if x.ndim == 0 else None
-            if known is not None:
-                kinds.append(PACKABLE[x.dtype])
-                bits.append(known)
-            else:
-                kinds.append("a" if x.ndim else "s")
+            kind = _kind(x)
+            kinds.append(kind)
+            if kind in _PASSED:
                 inputs.append(x)
+            else:
+                bits.append(known_bits(x))
         guarded = not grid_is_whole(launch.grid, launch.threadgroup)
         _, kernel = self._variant(tuple(kinds), guarded)
         if bits:
@@ -158,6 +157,78 @@ class CudaKernel(MetalKernel):
                       threadgroup=launch.threadgroup, template=launch.template or None,
                       init_value=launch.init_value, verbose=launch.verbose,
                       stream=launch.stream)
+
+    def prepare_launch(self, inputs: Sequence[mx.array | None],
+                       output_shapes: list[tuple[int, ...]], output_dtypes: list[mx.Dtype],
+                       grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
+                       template: list[tuple[str, object]], init_value: float | None = None,
+                       ) -> Callable[[Sequence[mx.array]], list[mx.array]]:
+        """``_run``'s launch with the constant inputs' kinds and packed bits, the grid's
+        guard and the call's options worked out once: per call only the arrays given
+        (``inputs``' None entries) are examined."""
+        return _PreparedLaunch(self, inputs, dict(
+            output_shapes=output_shapes, output_dtypes=output_dtypes, grid=grid,
+            threadgroup=threadgroup, template=template or None, init_value=init_value,
+            verbose=False, stream=None))
+
+
+_PASSED = ("a", "s")  # the kinds of input passed as themselves (the others come packed)
+
+
+def _kind(x: mx.array) -> str:
+    """How ``x`` reaches the kernel (``CudaKernel._variant``'s kinds): "a" an array, "s" a
+    0-d array, else packed: the MSL type of a scalar whose bits the host knows."""
+    if x.ndim:
+        return "a"
+    return "s" if known_bits(x) is None else PACKABLE[x.dtype]
+
+
+class _PreparedLaunch:
+    """``CudaKernel.prepare_launch``'s ``run(arrays)``. The kernel object, the inputs passed
+    and the packed scalars depend on the kinds of the arrays given (a 0-d one may be a known
+    scalar: packed, or a device one: passed as itself); each kinds' layout is made once."""
+
+    __slots__ = ("_kernel", "_inputs", "_kinds", "_options", "_guarded", "_layouts")
+
+    def __init__(self, kernel: CudaKernel, inputs: Sequence[mx.array | None], options: dict):
+        self._kernel, self._inputs, self._options = kernel, list(inputs), options
+        self._kinds = [None if x is None else _kind(x) for x in inputs]  # None: per call
+        self._guarded = not grid_is_whole(options["grid"], options["threadgroup"])
+        self._layouts: dict[tuple[str, ...], tuple[Callable, Callable]] = {}
+
+    def __call__(self, arrays: Sequence[mx.array]) -> list[mx.array]:
+        kinds = tuple(["a" if x.ndim else _kind(x) for x in arrays])
+        layout = self._layouts.get(kinds)
+        if layout is None:
+            layout = self._layouts[kinds] = self._layout(kinds)
+        kernel, bind = layout
+        return kernel(inputs=bind(arrays), **self._options)
+
+    def _layout(self, given: tuple[str, ...]) -> tuple[Callable, Callable]:
+        """(the MLX kernel object, ``bind(arrays)``: its inputs) for arrays of kinds
+        ``given``: ``_run``'s inputs, with the constants' parts made now."""
+        kinds = binder(self._kinds)(given)
+        _, kernel = self._kernel._variant(tuple(kinds), self._guarded)
+        passed = [x for x, k in zip(self._inputs, kinds, strict=True) if k in _PASSED]
+        bits = [None if x is None else known_bits(x)
+                for x, k in zip(self._inputs, kinds, strict=True) if k not in _PASSED]
+        extra = [_grid_array(self._options["grid"])] if self._guarded else []
+        packed_given = [j for j, k in enumerate(given) if k not in _PASSED]
+        if not packed_given:  # the usual case: every packed scalar is a constant
+            packed = [_packed_array(tuple(bits))] if bits else []
+            return kernel, binder(passed + packed + extra)
+        passed_given = [j for j, k in enumerate(given) if k in _PASSED]
+        bind_inputs, bind_bits = binder(passed + [None] + extra), binder(bits)
+
+        @lru_cache(maxsize=64)  # a decode step's layers share their kv_len
+        def packed(*given_bits: int) -> mx.array:
+            return _packed_array(tuple(bind_bits(given_bits)))
+
+        def bind(arrays: Sequence[mx.array]) -> list[mx.array]:
+            return bind_inputs([*[arrays[j] for j in passed_given],
+                                packed(*[known_bits(arrays[j]) for j in packed_given])])
+
+        return kernel, bind
 
 
 def metal_kernel(name: str, input_names: Sequence[str], output_names: Sequence[str],
