@@ -110,7 +110,7 @@ class GatedRMSNorm(nn.Module):
         if gate is None:
             x = mx.fast.rms_norm(hidden_states, self.weight, self.eps)
             return x.astype(hidden_states.dtype)
-        return gated_rms_norm(hidden_states, gate, self.weight, self.eps)
+        return gated_rms_norm(hidden_states, gate, self["weight"], self.eps)
 
 
 # ---------------------------------------------------------------------------- experts
