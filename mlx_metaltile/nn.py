@@ -64,10 +64,11 @@ def _class_name(obj) -> str:
     return type(obj).__name__
 
 
-def prefill_min_pairs() -> int:
-    """The token-expert pairs from which SwitchGLU runs its prefill path on the backend an
-    op call would run on now."""
-    return PREFILL_MIN_PAIRS_PER_BACKEND.get(backends.resolve_backend(), PREFILL_MIN_PAIRS)
+def prefill_min_pairs(backend: str | None = None) -> int:
+    """The token-expert pairs from which SwitchGLU runs its prefill path on ``backend``
+    (None: the one an op call would run on now)."""
+    return PREFILL_MIN_PAIRS_PER_BACKEND.get(backend or backends.resolve_backend(),
+                                             PREFILL_MIN_PAIRS)
 
 
 # ---------------------------------------------------------------------------- gated norm
@@ -109,7 +110,7 @@ class GatedRMSNorm(nn.Module):
         if gate is None:
             x = mx.fast.rms_norm(hidden_states, self.weight, self.eps)
             return x.astype(hidden_states.dtype)
-        return gated_rms_norm(hidden_states, gate, self.weight, self.eps)
+        return gated_rms_norm(hidden_states, gate, self["weight"], self.eps)
 
 
 # ---------------------------------------------------------------------------- experts
@@ -192,6 +193,21 @@ def _qargs(proj) -> tuple:
 COMPILED_BACKENDS = ("metal", "cuda")
 
 
+def _stream_name(stream: mx.Stream) -> str:
+    """``str(stream)`` (its device and index: MLX's Python streams have no index attribute
+    and hash by object, and each ``mx.default_stream`` call makes a new object), looked up
+    by equality among the streams seen: formatting one costs more than the comparisons."""
+    for seen, name in _STREAM_NAMES:
+        if seen == stream:
+            return name
+    name = str(stream)
+    _STREAM_NAMES.append((stream, name))
+    return name
+
+
+_STREAM_NAMES: list[tuple[mx.Stream, str]] = []
+
+
 @functools.lru_cache(maxsize=256)
 def _decode_pair(activation: str, gate_q: tuple, down_q: tuple, given: tuple[bool, ...],
                  stream: str | None, route: tuple[int, bool] | None = None) -> Callable:
@@ -260,24 +276,45 @@ class SwitchGLU(nn.Module):
 
     def unserved(self, x: mx.array | None = None) -> str | None:
         """None if this call runs on the kernels, else why not."""
-        reason = self._experts_unserved()
-        scales = self.up_proj["scales"] if reason is None else None
+        return self._unserved(self._held(), x)
+
+    @staticmethod
+    def _unserved(held: tuple, x: mx.array | None) -> str | None:
+        """:meth:`unserved` from :meth:`_held`'s memo."""
+        reason = held[1]
+        scales = held[0][1]["scales"] if reason is None else None
         if x is not None and scales is not None and scales.dtype != mx.uint8 and (
                 x.dtype != scales.dtype):  # affine scales must be in x's dtype
             reason = f"activations in {x.dtype} but scales in {scales.dtype}"
         return reason
 
     def _experts_unserved(self) -> str | None:
-        """:func:`switch_glu_unserved` of this module, remembered while it holds the same
-        projection and activation objects: what it reads of them (class, mode, sizes, which
-        arrays they hold) is set when they are made, and a decode step asks once per block."""
+        """:func:`switch_glu_unserved` of this module (remembered: :meth:`_held`)."""
+        return self._held()[1]
+
+    def _held(self) -> tuple:
+        """((gate_proj, up_proj, down_proj, activation), :func:`switch_glu_unserved`'s
+        reason, :func:`glu_activation`'s name where gate and up are quantized alike else
+        None, the gate's and the down projection's (mode, group_size, bits)) of this module,
+        remembered while it holds the same projection and activation objects: what these
+        read of them (class, mode, sizes, which arrays they hold, the activation's kind) is
+        set when they are made, and a decode step asks once per block. Their arrays (and
+        so their dtypes) are read per call: ``load_weights`` swaps them."""
         held = (self.get("gate_proj"), self.get("up_proj"), self.get("down_proj"),
                 getattr(self, "activation", None))
         memo = self.__dict__.get("_mlx_metaltile_unserved")
         if memo is None or any(a is not b for a, b in zip(memo[0], held, strict=True)):
-            memo = (held, switch_glu_unserved(self))
+            reason = switch_glu_unserved(self)
+            activation = gate_q = down_q = None
+            if reason is None:
+                gate, up, down, act = held
+                gate_q, down_q = ((p.mode, p.group_size, p.bits) for p in (gate, down))
+                activation = glu_activation(act)
+                if gate_q != (up.mode, up.group_size, up.bits):
+                    activation = None
+            memo = (held, reason, activation, gate_q, down_q)
             object.__setattr__(self, "_mlx_metaltile_unserved", memo)
-        return memo[1]
+        return memo
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         reason = self.unserved(x)
@@ -329,14 +366,19 @@ class SwitchGLU(nn.Module):
         """expert_glu's name for this module's activation, or None where expert_glu cannot
         run it (another activation, gate and up quantized differently, biases in another
         dtype than x)."""
-        activation = glu_activation(self.activation)
-        gate, up = self.gate_proj, self.up_proj
-        if activation is None or (gate.mode, gate.group_size, gate.bits) != (
-                up.mode, up.group_size, up.bits):
+        held = self._held()
+        return None if held[1] is not None else self._glu_name(held, x)
+
+    @staticmethod
+    def _glu_name(held: tuple, x: mx.array) -> str | None:
+        """:meth:`_glu_activation` from :meth:`_held`'s memo of served experts."""
+        activation = held[2]
+        if activation is None:
             return None
-        biases = [p.get("bias") for p in (gate, up)]
-        if any(b is not None and b.dtype != x.dtype for b in biases) or (
-                (biases[0] is None) != (biases[1] is None)):
+        b_gate, b_up = held[0][0].get("bias"), held[0][1].get("bias")
+        if b_gate is None:
+            return activation if b_up is None else None
+        if b_up is None or b_gate.dtype != x.dtype or b_up.dtype != x.dtype:
             return None
         return activation
 
@@ -368,24 +410,25 @@ class SwitchGLU(nn.Module):
     def _decode_call(self, x, indices, scores, pairs: int, route) -> mx.array | None:
         """The decode pair's output (``_decode_pair``, with ``route``) where this call takes
         the decode path with an activation expert_glu computes, else None."""
-        if (self.unserved(x) is not None or pairs >= prefill_min_pairs()
-                or (activation := self._glu_activation(x)) is None):
+        held = self._held()
+        backend = backends.resolve_backend()
+        if (self._unserved(held, x) is not None or pairs >= prefill_min_pairs(backend)
+                or (activation := self._glu_name(held, x)) is None):
             return None
-        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        gate, up, down, _ = held[0]
         bias = down.get("bias")
         if bias is not None and bias.dtype != x.dtype:
             return None
         if scores is not None and scores.dtype not in (x.dtype, mx.float32):
             scores = scores.astype(mx.float32)
-        arrays = (x, indices, scores, *_qargs(gate), *_qargs(up), *_qargs(down),
-                  gate.get("bias"), up.get("bias"), bias)
-        backend = backends.resolve_backend()
-        pair = _decode_pair(activation, (gate.mode, gate.group_size, gate.bits),
-                            (down.mode, down.group_size, down.bits),
-                            tuple(a is not None for a in arrays),
-                            f"{backend} {mx.default_stream(mx.default_device())}"
+        arrays = (x, indices, scores, gate["weight"], gate["scales"], gate.get("biases"),
+                  up["weight"], up["scales"], up.get("biases"), down["weight"],
+                  down["scales"], down.get("biases"), gate.get("bias"), up.get("bias"), bias)
+        pair = _decode_pair(activation, held[3], held[4],
+                            tuple([a is not None for a in arrays]),
+                            f"{backend} {_stream_name(mx.default_stream(mx.default_device()))}"
                             if backend in COMPILED_BACKENDS else None, route)
-        return pair(*(a for a in arrays if a is not None))
+        return pair(*[a for a in arrays if a is not None])
 
     def _prefill(self, x: mx.array, indices: mx.array) -> mx.array:
         k = indices.shape[-1]
@@ -469,8 +512,12 @@ class MoERouting:
 def moe_route_serves(logits: mx.array, k: int) -> bool:
     """Whether :func:`moe_route` takes this top k: float logits, 1 <= k <= min(E, its
     MAX_K)."""
-    return (mx.issubdtype(logits.dtype, mx.floating)
+    return (logits.dtype in _FLOATING
             and 1 <= k <= min(_ROUTE_MAX_K, logits.shape[-1]))
+
+
+# mx.issubdtype(dtype, mx.floating)'s dtypes (a set lookup costs less than the call)
+_FLOATING = frozenset((mx.float16, mx.bfloat16, mx.float32, mx.float64))
 
 
 # mlx-lm's MoE block classes ("module.Class") whose routing is known. A block not named
@@ -494,8 +541,13 @@ MOE_ROUTING = {
 
 def moe_routing(cls: type) -> MoERouting | None:
     """The routing of an mlx-lm MoE block class (or of a subclass made by ``patch``)."""
-    cls = getattr(cls, "_mlx_metaltile_base", cls)
-    return MOE_ROUTING.get(f"{cls.__module__}.{cls.__qualname__}")
+    return MOE_ROUTING.get(_qualified_name(getattr(cls, "_mlx_metaltile_base", cls)))
+
+
+@functools.cache
+def _qualified_name(cls: type) -> str:
+    """"module.Class" of a class, formatted once (:func:`moe_block` asks on every call)."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def moe_block_unserved(module) -> str | None:

@@ -90,6 +90,79 @@ def test_switch_glu_rechecks_replaced_experts():
     assert ours.unserved() == "no activation"
 
 
+def test_moe_route_serves_floating_dtypes_as_issubdtype():
+    """moe_route_serves' dtype set is mx.issubdtype(dtype, mx.floating)'s."""
+    dtypes = [d for d in vars(mx).values() if isinstance(d, mx.Dtype)]
+    assert len(dtypes) > 10
+    for d in dtypes:
+        assert (d in mtnn._FLOATING) == mx.issubdtype(d, mx.floating), d
+
+
+def test_switch_glu_decode_follows_swapped_parts(monkeypatch):
+    """What the decode call remembers per held projections and activation follows what
+    mlx-lm's users swap after a call: new weights (load_weights) change the result, an
+    activation expert_glu does not compute or a projection adapter (LoRA) changes what is
+    served, biases added to gate and up are read, and the compiled pair is one per backend
+    and stream, reused across calls."""
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU, SwitchLinear
+
+    class ReluGLU(nn.Module):
+        def __call__(self, x, gate):
+            return nn.relu(gate) * x
+
+    mx.random.seed(5)
+    glu = SwitchGLU(64, 96, 6)
+    nn.quantize(glu, group_size=32, bits=4)
+    ours = mtnn.SwitchGLU.from_module(glu)
+    x = mx.random.normal((1, 1, 64))
+    logits = mx.random.normal((1, 1, 6))
+    monkeypatch.setattr(mtnn, "COMPILED_BACKENDS", ("reference",))
+    mtnn._decode_pair.cache_clear()
+    try:
+        with mt.use_backend("reference"):
+            first = ours.route_combine(x, logits, 2, True)
+            for _ in range(2):
+                assert mx.array_equal(ours.route_combine(x, logits, 2, True), first).item()
+            assert mtnn._decode_pair.cache_info().currsize == 1  # traced once, reused
+            with mx.stream(mx.new_stream(mx.cpu)):
+                ours.route_combine(x, logits, 2, True)
+                ours.route_combine(x, logits, 2, True)
+            assert mtnn._decode_pair.cache_info().currsize == 2  # one per stream
+            ours.route_combine(x, logits, 2, True)
+            assert mtnn._decode_pair.cache_info().currsize == 2
+
+            down = ours.down_proj
+            weights = {k: down[k] for k in ("scales", "biases")}
+            down.update({k: 2 * v for k, v in weights.items()})  # as load_weights
+            swapped = ours.route_combine(x, logits, 2, True)
+            down.update(weights)
+            assert not mx.allclose(swapped, first, rtol=1e-3).item()
+
+            ours.activation = ReluGLU()  # expert_glu does not compute it: not this path
+            assert ours.route_combine(x, logits, 2, True) is None
+            ours.activation = SwiGLU()
+            assert mx.array_equal(ours.route_combine(x, logits, 2, True), first).item()
+
+            up = ours.up_proj
+            ours.up_proj = SwitchLinear(64, 96, 6)  # an unquantized adapter
+            assert ours.route_combine(x, logits, 2, True) is None
+            assert "SwitchLinear" in ours.unserved(x)
+            ours.up_proj = up
+            assert mx.array_equal(ours.route_combine(x, logits, 2, True), first).item()
+
+            ours.gate_proj.bias = mx.ones((6, 96))  # gate alone: expert_glu refuses
+            assert ours.route_combine(x, logits, 2, True) is None
+            ours.up_proj.bias = mx.ones((6, 96)).astype(mx.float16)  # not x's dtype
+            assert ours.route_combine(x, logits, 2, True) is None
+            ours.up_proj.bias = mx.ones((6, 96))
+            biased = ours.route_combine(x, logits, 2, True)
+            assert not mx.allclose(biased, first, rtol=1e-3).item()
+            assert mtnn._decode_pair.cache_info().currsize == 3  # biases: another pair
+    finally:
+        mtnn._decode_pair.cache_clear()
+
+
 @pytest.mark.parametrize("backend", ("reference", "emulator"))
 @pytest.mark.parametrize("tokens", (3, 40))  # decode (expert_qmv) and sorted (moe_gather_qmm)
 def test_switch_glu_built_like_mlx_lm(backend, tokens):
