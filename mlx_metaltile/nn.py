@@ -680,7 +680,7 @@ def cached_attention(queries, keys, values, cache, scale: float, mask,
             and cache.keys.shape[-2] - kv_len < cache.step):
         # kv_len as the 0-d array the kernels read: sdpa_multi then plans for the buffer
         # (one plan per cache.step tokens, no more than step - 1 keys past kv_len) instead
-        # of one plan per token (host time per call, stand-in kernels: 28 against 131 us)
+        # of one plan per token (host time per call, stand-in kernels: 19 against 110 us)
         kv_len = scalar(kv_len, mx.uint32)
     return sdpa_multi(queries, cache.keys, cache.values, scale=scale, mask=mask, sinks=sinks,
                       kv_len=kv_len)
