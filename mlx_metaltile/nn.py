@@ -632,6 +632,15 @@ def attention_unserved(module) -> str | None:
     return None
 
 
+@functools.cache
+def _kv_cache_class() -> type:
+    """mlx-lm's KVCache, imported once (on the first cached call: the import statement is a
+    lookup per call)."""
+    from mlx_lm.models.cache import KVCache
+
+    return KVCache
+
+
 def sdpa_unserved(queries, keys, values, cache, mask, sinks) -> str | None:
     """None if one ``scaled_dot_product_attention`` call of mlx-lm can run on sdpa_multi
     over the cache's whole buffer, else why not."""
@@ -651,9 +660,7 @@ def sdpa_unserved(queries, keys, values, cache, mask, sinks) -> str | None:
         return "head dim"
     if cache is None:
         return None if keys.dtype == queries.dtype else "dtype"
-    from mlx_lm.models.cache import KVCache
-
-    if type(cache) is not KVCache:  # rotating, quantized, batched ... caches
+    if type(cache) is not _kv_cache_class():  # rotating, quantized, batched ... caches
         return f"cache {_class_name(cache)}"
     if cache.keys is None or cache.keys.dtype != queries.dtype:
         return "dtype"
