@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -221,19 +222,28 @@ def _check_sdpa_multi(q, k, v, scale, causal, kv_len, mask=None, sinks=None) -> 
 
 def _with_arrays(p: _Problem, mask_shape: tuple | None, dtype: mx.Dtype, kv_len, mask,
                  sinks) -> _Problem:
-    """``_validated``'s problem with the call's arrays: a device-side kv_len as a 0-d uint32
-    array, the mask as a 4-D array in the kernel's element type and the sinks in float32."""
-    device_kv_len = p.kv_len is None
-    if not (device_kv_len or mask_shape or sinks is not None):
+    """``_validated``'s problem with the call's arrays (``_call_arrays``)."""
+    if not (p.kv_len is None or mask_shape or sinks is not None):
         return p  # the remembered problem as it is (it holds no array)
-    if device_kv_len and kv_len.dtype != mx.uint32:
+    kv_len, mask, sinks = _call_arrays(p, mask_shape, dtype, kv_len, mask, sinks)
+    return replace(p, kv_len=p.kv_len if kv_len is None else kv_len, mask=mask, sinks=sinks)
+
+
+def _call_arrays(p: _Problem, mask_shape: tuple | None, dtype: mx.Dtype, kv_len, mask,
+                 sinks) -> tuple:
+    """The call's arrays as the kernels take them, None where absent: (a device-side kv_len
+    as a 0-d uint32 array, the mask as a 4-D array in the kernel's element type, the sinks
+    in float32)."""
+    if p.kv_len is not None:
+        kv_len = None
+    elif kv_len.dtype != mx.uint32:
         kv_len = kv_len.astype(mx.uint32)  # not for a uint32 one: the same array, so a
         # host-known one (_msl.constants.scalar) stays known (the cuda executor packs it)
-    return replace(
-        p, kv_len=kv_len if device_kv_len else p.kv_len,
-        mask=mask.reshape(mask_shape).astype(_mask_type(p.mask_kind, dtype))
-        if mask_shape else None,
-        sinks=sinks.astype(dtype).astype(mx.float32) if sinks is not None else None)
+    if mask_shape:
+        mask = mask.reshape(mask_shape).astype(_mask_type(p.mask_kind, dtype))
+    if sinks is not None:
+        sinks = sinks.astype(dtype).astype(mx.float32)
+    return kv_len, mask if mask_shape else None, sinks
 
 
 @memo_check
@@ -437,8 +447,8 @@ _NO_MASK = {0: mx.zeros((1, 1, 1, 16), dtype=mx.bool_)}
 def _launcher(p: _Problem, mask_shape: tuple | None, has_sinks: bool, dtype: mx.Dtype,
               backend: str) -> Callable:
     """The two kernel calls of the problem ``p`` (``_validated``'s: no arrays) on
-    ``backend``, prepared once: returns ``launch(q, k, v, p)``, which takes the arrays of
-    the call's problem (a device-side kv_len, the mask, the sinks)."""
+    ``backend``, prepared once: returns ``launch(q, k, v, kv_len, mask, sinks)``, which
+    takes the call's arrays as ``_call_arrays`` gives them (None where absent)."""
     B, Hq, Hkv, L, S, D = p.B, p.Hq, p.Hkv, p.L, p.S, p.D
     shape = (B, Hq, L, D)
     device_kv_len = p.kv_len is None
@@ -479,12 +489,10 @@ def _launcher(p: _Problem, mask_shape: tuple | None, has_sinks: bool, dtype: mx.
         template={"T": dtype, "D": D}, outputs={"out": (shape, dtype)},
         grid=(32 * COMBINE_ROWS * n_tg, 1, 1), threadgroup=(32 * COMBINE_ROWS, 1, 1),
     )
-    split_arrays = (*(("kv_len",) if device_kv_len else ()),
-                    *(("mask",) if mask_shape else ()))
 
-    def launch(q, k, v, p: _Problem) -> mx.array:
-        o_part, ml_part = split(q, k, v, *(getattr(p, name) for name in split_arrays))
-        (out,) = combine(o_part, ml_part, p.sinks) if has_sinks else combine(o_part, ml_part)
+    def launch(q, k, v, kv_len, mask, sinks) -> mx.array:
+        o_part, ml_part = split(q, k, v, *[a for a in (kv_len, mask) if a is not None])
+        (out,) = combine(o_part, ml_part, sinks) if has_sinks else combine(o_part, ml_part)
         return out
 
     return launch
@@ -629,9 +637,10 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
         rows and the kernel clamps kv_len to [L, S]). A runtime input either way: a decode
         loop with growing kv_len (or L, or B) builds no new kernel. The host-side plan
         (checks, geometry, prepared launches) is remembered per int kv_len, so a loop
-        passing a growing int makes one per step (131 us of host time per call against 28,
-        stand-in kernels on a 2-core x86 CPU); a 0-d array is planned once for S (what the
-        patched mlx-lm attention passes).
+        passing a growing int makes one per step (about 110 us of host time per call
+        against 19, stand-in kernels on a 2-core x86 CPU); a 0-d array is planned once for
+        S, its calls sharing one custom function (what the patched mlx-lm attention
+        passes).
       mask: None, ``"causal"`` (as ``causal=True``), or an array of rank <= 4 broadcastable
         to ``[B, Hq, L, kv_len]`` (read in place: size-1 axes are broadcast by the kernel),
         bool (True = attend) or additive (a dtype that promotes to q's, as MLX requires;
@@ -702,46 +711,54 @@ def _plan(q, k, v, scale, causal, kv_len, mask, sinks, backend: str, stream) -> 
                 # custom_function, so shapeless compile traces it
                 return _reference(q, k, v, problem_of(kv_len, mask, sinks))
         return reference
-    # The primals: q, k, v, then the sinks and an additive mask where given (a bool mask
-    # and a device-side kv_len are not differentiable: closed over, so the custom function
-    # is built per call where one is given, else once).
+    # The primals: q, k, v, then the sinks, the mask and a device-side kv_len where given
+    # (the latter two's cotangents zeros, an additive mask's its gradient), so that one
+    # custom function serves every call of the plan (a decode loop builds none).
+    has_sinks, device_kv_len = sinks is not None, p.kv_len is None
     additive = p.mask_kind == MASK_ADDITIVE
-    has_sinks = sinks is not None
     launch = _launcher(p, mask_shape, has_sinks, dtype, backend)
 
-    def problem(pc: _Problem, rest) -> _Problem:
-        if not rest:
-            return pc
+    def arrays(rest) -> tuple:
+        """(kv_len, mask, sinks), None where absent, of the primals after q, k, v."""
         it = iter(rest)
         sinks = next(it) if has_sinks else None
-        return replace(pc, sinks=sinks, mask=next(it) if additive else pc.mask)
+        mask = next(it) if mask_shape else None
+        return next(it) if device_kv_len else None, mask, sinks
 
-    def build(pc: _Problem):
-        def forward(q, k, v, *rest):
-            return launch(q, k, v, problem(pc, rest))
+    # The call's own kv_len array for the forward launch: MLX hands the forward of a
+    # custom function with a VJP other array objects than the call's, and a host-known
+    # kv_len (_msl.constants.scalar) is recognised by its object (the cuda executor packs
+    # it). The VJP takes the primal. Per thread: a plan may serve several at once.
+    calling = threading.local()
 
-        # on the call's stream (MLX may trace it again later: a kernel launch refuses the
-        # emulator in a trace)
-        op = mx.custom_function(run_on(stream, forward))
+    def forward(q, k, v, *rest):
+        kv_len, mask, sinks = arrays(rest)
+        own = getattr(calling, "kv_len", None)
+        return launch(q, k, v, kv_len if own is None else own, mask, sinks)
 
-        @op.vjp
-        def op_vjp(primals, cotangent, output):
-            # The backward kernels: the softmax recomputed from per-row statistics.
-            q, k, v, *rest = primals
-            with on_stream(OP, stream):
-                dq, dk, dv, dsinks, dmask = _launch_backward(
-                    q, k, v, cotangent, problem(pc, rest), backend)
-            return (dq, dk, dv, *(g for g in (dsinks, dmask) if g is not None))
+    # on the call's stream (MLX may trace it again later: a kernel launch refuses the
+    # emulator in a trace)
+    op = mx.custom_function(run_on(stream, forward))
 
-        return op
-
-    closes = p.kv_len is None or (mask_shape is not None and not additive)
-    shared = None if closes else build(p)
+    @op.vjp
+    def op_vjp(primals, cotangent, output):
+        # The backward kernels: the softmax recomputed from per-row statistics.
+        q, k, v, *rest = primals
+        kv_len, mask, sinks = arrays(rest)
+        pc = replace(p, kv_len=p.kv_len if kv_len is None else kv_len, mask=mask, sinks=sinks)
+        with on_stream(OP, stream):
+            dq, dk, dv, dsinks, dmask = _launch_backward(q, k, v, cotangent, pc, backend)
+        if mask_shape and not additive:
+            dmask = mx.zeros_like(mask)  # a bool mask: no gradient
+        return (dq, dk, dv, *(g for g in (dsinks, dmask) if g is not None),
+                *((mx.zeros_like(kv_len),) if device_kv_len else ()))
 
     def run(q, k, v, kv_len, mask, sinks):
-        pc = problem_of(kv_len, mask, sinks)
-        op = build(pc) if shared is None else shared
-        extra = [a for a in (pc.sinks, pc.mask if additive else None) if a is not None]
-        return op(q, k, v, *extra)
+        kv_len, mask, sinks = _call_arrays(p, mask_shape, dtype, kv_len, mask, sinks)
+        calling.kv_len = kv_len
+        try:
+            return op(q, k, v, *[a for a in (sinks, mask, kv_len) if a is not None])
+        finally:
+            calling.kv_len = None
 
     return run_on(stream, run)  # the mask's and sinks' casts run on the stream too

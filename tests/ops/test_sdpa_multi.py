@@ -283,6 +283,48 @@ def test_host_known_kv_len_reaches_the_kernel_as_itself(launches, rng):
             assert known_bits(passed) == known and passed.dtype == mx.uint32
 
 
+def test_device_kv_len_decode_loop_builds_no_custom_function(launches, rng, monkeypatch):
+    """A decode loop passing a 0-d kv_len (growing) reuses its plan's one custom function:
+    the kv_len is a primal, not closed over. The kernels ran and match MLX's sdpa, and the
+    VJP through that primal gives MLX's gradients and a zero cotangent for kv_len."""
+    from mlx_metaltile._msl.constants import scalar
+    from mlx_metaltile.ops._common import clear_plans
+
+    built = []
+    real = mx.custom_function
+
+    def counting(fn):
+        built.append(fn)
+        return real(fn)
+
+    monkeypatch.setattr(mx, "custom_function", counting)
+    clear_plans()
+    S = 96
+    q, k, v = make_inputs(rng, 1, 4, 2, 1, S, 64, mx.float32)
+    kf, vf = (mx.repeat(a, 2, axis=1) for a in (k, v))
+    with backends.use_backend("emulator"):
+        for n in range(40, 46):
+            got = mt.sdpa_multi(q, k, v, scale=0.125, kv_len=scalar(n, mx.uint32))
+            want = mx.fast.scaled_dot_product_attention(q, kf[:, :, :n], vf[:, :, :n],
+                                                        scale=0.125)
+            assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item(), n
+        assert len(built) == 1
+        assert len(launches) == 12  # split and combine per call
+
+        n = scalar(44, mx.uint32)
+        ct = mx.array(rng.standard_normal(q.shape).astype(np.float32))
+        (_, grads) = mx.vjp(lambda q, k, v, n: mt.sdpa_multi(q, k, v, scale=0.125, kv_len=n),
+                            [q, k, v, n], [ct])
+        assert any(launch.name.endswith("backward_dq") for launch in launches)
+    (_, want) = mx.vjp(lambda q, k, v: mx.fast.scaled_dot_product_attention(
+        q, mx.repeat(k, 2, axis=1)[:, :, :44], mx.repeat(v, 2, axis=1)[:, :, :44],
+        scale=0.125), [q, k, v], [ct])
+    for g, w in zip(grads[:3], want, strict=True):
+        assert mx.allclose(g, w, rtol=1e-4, atol=1e-5).item()
+    assert grads[3].item() == 0 and grads[3].dtype == mx.uint32
+    assert len(built) == 1
+
+
 def test_kv_len_l_and_batch_do_not_rebuild(kernel_backend, launches, rng):
     """A decode/verify loop (growing kv_len, then other L and B) builds no new kernel."""
     S = 700
