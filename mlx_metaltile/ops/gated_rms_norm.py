@@ -294,21 +294,4 @@ def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float = 1e-5
     with its own message (custom kernels have no vmap or shape inference there). The
     emulator refuses both (eager). README: "mx.compile(shapeless=True) and mx.vmap".
     """
-    backend = backends.resolve_backend()
-    if (stream is None and type(eps) is float and type(y) is mx.array
-            and type(z) is mx.array and type(weight) is mx.array):
-        plan = _plan.memory.get(_plan_key(y, z, weight, eps, backend))
-        if plan is not None:
-            return plan(y, z, weight)
-    return _plan(y, z, weight, eps, backend, stream)(y, z, weight)
-
-
-def _plan_key(y, z, weight, eps: float, backend: str) -> tuple:
-    """memo_plan's key of ``_plan(y, z, weight, eps, backend, None)`` (arrays, a float eps,
-    the default stream: a decode loop's call), formed directly: cheaper than memo_plan's
-    general one, the op's largest cost after MLX's custom function."""
-    return (y.shape, y.dtype, z.shape, z.dtype, weight.shape, weight.dtype, float, eps, str,
-            backend, _NONE, None)
-
-
-_NONE = type(None)
+    return _plan(y, z, weight, eps, backends.resolve_backend(), stream)(y, z, weight)
