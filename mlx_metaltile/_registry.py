@@ -116,6 +116,10 @@ class KernelSpec:
     features: tuple[str, ...] = ()  # GPU features it needs (mlx_metaltile._device)
     atomic_outputs: bool = False
     notes: str = ""
+    # cuda only: (most threads per threadgroup it is launched with, threadgroups that should
+    # fit on an SM at once), CUDA's __launch_bounds__, which caps the registers per thread;
+    # the Metal compiler never sees it
+    cuda_launch_bounds: tuple[int, int] | None = None
 
     @functools.cached_property
     def name(self) -> str:  # computed once: every launch looks kernels up by it

@@ -161,6 +161,8 @@ def get_kernel(spec: KernelSpec, backend: str) -> Callable:
             raise BackendUnavailableError(
                 f"[{spec.op}] variant {spec.variant!r} does not run on the {backend} backend")
         tpl = render(spec.template)
+        extra = ({"launch_bounds": spec.cuda_launch_bounds}
+                 if backend == "cuda" and spec.cuda_launch_bounds else {})
         kernel = _factory(backend)(
             name=f"mt_{spec.name}{_templates.override_tag(spec.template)}",
             input_names=list(spec.input_names),
@@ -169,6 +171,7 @@ def get_kernel(spec: KernelSpec, backend: str) -> Callable:
             header=tpl.header,
             ensure_row_contiguous=True,
             atomic_outputs=spec.atomic_outputs,
+            **extra,
         )
         _kernel_cache[key] = kernel
     return kernel

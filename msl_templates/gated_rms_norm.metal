@@ -21,6 +21,11 @@
 //   Thread t holds elements [4t, 4t + 4) of its row (y, z and w); past n they read as 0.
 //   (Rows of n <= 128 go to gated_rms_norm_simd_rows.metal instead.)
 //   threadgroup memory: 2 x 32 floats. Every thread reaches both barriers (no early return).
+// CUDA ONLY: the spec's launch bounds (1024, 2) hold the kernel to 32 registers, so two
+//   1024-thread threadgroups share an SM (the register file holds 64K): at 39 registers one
+//   did, and each SM idled through its threadgroup's reductions (H100, 4096 x 4096 bfloat16:
+//   133 -> 98 us; Nsight Compute: 50% theoretical occupancy, register-limited). Metal
+//   never sees it.
 #include "common.h"
 // ---- kernel body ----
 constexpr uint N_READS = 4;

@@ -76,6 +76,8 @@ def spec_definitions(spec: KernelSpec, instances: Iterable[KernelInstance]) -> t
     tpl = render(spec.template)
     name = f"mt_{spec.name}"
     header = tr.translate_header(tpl.header)
+    if spec.cuda_launch_bounds:
+        header += tr.launch_bounds_directive(*spec.cuda_launch_bounds)
     body = tr.prepass_body(tpl.body)
     definitions = []
     instances = list(instances)

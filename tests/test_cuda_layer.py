@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -356,3 +357,45 @@ def test_prepared_launch_makes_the_unprepared_call(monkeypatch, grid):
         assert all(a is b for a, b in zip(got_inputs, passed, strict=False))
         assert got_inputs[len(passed)].tolist()[:len(packed)] == packed
         assert len(got_inputs) == len(passed) + 1 + bool(guard)
+
+
+def test_launch_bounds_reach_the_kernel_and_cap_its_threadgroup():
+    """A spec's cuda_launch_bounds become the __launch_bounds__ of the kernel MLX declares
+    after the header; a launch past its thread bound is refused before any GPU work."""
+    k = cuda.metal_kernel("k", ["x", "scale"], ["out"], BODY, launch_bounds=(256, 4))
+    assert k.cuda_header.endswith(tr.launch_bounds_directive(256, 4))
+    assert "__launch_bounds__" not in cuda.metal_kernel("k", ["x"], ["out"], BODY).cuda_header
+    x = mx.zeros((4,))
+    with pytest.raises(ValueError, match=r"\[cuda\] kernel k: a threadgroup of 512 threads, "
+                                         r"above its launch bounds' 256"):
+        k.prepare_launch([None], [(4,)], [mx.float32], (512, 1, 1), (512, 1, 1), [])
+    with pytest.raises(ValueError, match=r"\[cuda\] kernel k: a threadgroup of 512"):
+        k(inputs=[x, x], output_shapes=[(4,)], output_dtypes=[mx.float32], grid=(512, 1, 1),
+          threadgroup=(512, 1, 1))
+    for bad in ((1000, 2), (2048, 1), (1024, 0)):
+        with pytest.raises(ValueError, match=r"\[cuda\] launch bounds"):
+            tr.launch_bounds_directive(*bad)
+
+
+@pytest.mark.skipif(nvcc_check.find_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME)")
+def test_launch_bounds_are_in_the_compiled_kernel(tmp_path):
+    """nvcc's PTX of gated_rms_norm's row kernel carries its spec's bounds (1024 threads, 2
+    threadgroups per SM); the simd-rows kernel, which has none, carries neither."""
+    import subprocess
+
+    import mlx_metaltile.ops.gated_rms_norm  # noqa: F401 (the module, not the op)
+    from mlx_metaltile._registry import instantiations
+    g = sys.modules["mlx_metaltile.ops.gated_rms_norm"]
+
+    for spec, expected in ((g.REGISTER_SPEC, True), (g.SIMD_ROWS_SPEC, False)):
+        assert (spec.cuda_launch_bounds == (1024, 2)) is expected
+        source = tmp_path / f"{spec.name}.cu"
+        source.write_text(nvcc_check.spec_unit(spec, list(instantiations(spec))[:1]))
+        cmd = nvcc_check.nvcc_command(nvcc_check.find_nvcc(), source, tmp_path / "k.ptx")
+        cmd[cmd.index("-cubin")] = "-ptx"
+        subprocess.run(cmd, check=True, capture_output=True)
+        ptx = (tmp_path / "k.ptx").read_text()
+        entries = ptx.count(".entry")
+        assert entries >= 1
+        assert ptx.count(".maxntid 1024, 1, 1") == (entries if expected else 0)
+        assert ptx.count(".minnctapersm 2") == (entries if expected else 0)

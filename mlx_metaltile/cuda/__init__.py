@@ -34,6 +34,7 @@ from ._translate import (
     cuda_type,
     grid_is_whole,
     kernel_definition,
+    launch_bounds_directive,
     mlx_kernel_name,
     prepass_body,
     translate_body,
@@ -104,9 +105,13 @@ class CudaKernel(MetalKernel):
 
     executor = "cuda"
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, launch_bounds: tuple[int, int] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.cuda_header = translate_header(self.header)
+        self.max_threads = 1024
+        if launch_bounds:  # KernelSpec.cuda_launch_bounds
+            self.cuda_header += launch_bounds_directive(*launch_bounds)
+            self.max_threads = launch_bounds[0]
         self.body = prepass_body(self.source)
         self._variants: dict[tuple, tuple[Body, object]] = {}
 
@@ -137,7 +142,14 @@ class CudaKernel(MetalKernel):
             entry = self._variants[key] = (body, kernel)
         return entry
 
+    def _check_threads(self, threadgroup: tuple[int, int, int]) -> None:
+        threads = threadgroup[0] * threadgroup[1] * threadgroup[2]
+        if threads > self.max_threads:
+            raise ValueError(f"[cuda] kernel {self.name}: a threadgroup of {threads} threads, "
+                             f"above its launch bounds' {self.max_threads}")
+
     def _run(self, launch: Launch) -> list[mx.array]:
+        self._check_threads(launch.threadgroup)
         inputs, kinds, bits = [], [], []
         for x in launch.inputs:
             kind = _kind(x)
@@ -166,6 +178,7 @@ class CudaKernel(MetalKernel):
         """``_run``'s launch with the constant inputs' kinds and packed bits, the grid's
         guard and the call's options worked out once: per call only the arrays given
         (``inputs``' None entries) are examined."""
+        self._check_threads(threadgroup)
         return _PreparedLaunch(self, inputs, dict(
             output_shapes=output_shapes, output_dtypes=output_dtypes, grid=grid,
             threadgroup=threadgroup, template=template or None, init_value=init_value,
@@ -233,7 +246,10 @@ class _PreparedLaunch:
 
 def metal_kernel(name: str, input_names: Sequence[str], output_names: Sequence[str],
                  source: str, header: str = "", ensure_row_contiguous: bool = True,
-                 atomic_outputs: bool = False, compile_options=None) -> CudaKernel:
-    """``mx.fast.metal_kernel``'s contract, executed by ``mx.fast.cuda_kernel``."""
+                 atomic_outputs: bool = False, compile_options=None,
+                 launch_bounds: tuple[int, int] | None = None) -> CudaKernel:
+    """``mx.fast.metal_kernel``'s contract, executed by ``mx.fast.cuda_kernel``;
+    ``launch_bounds``: ``KernelSpec.cuda_launch_bounds``."""
     return CudaKernel(name, input_names, output_names, source, header,
-                      ensure_row_contiguous, atomic_outputs, compile_options)
+                      ensure_row_contiguous, atomic_outputs, compile_options,
+                      launch_bounds=launch_bounds)

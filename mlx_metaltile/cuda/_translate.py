@@ -122,6 +122,19 @@ def translate_header(msl_header: str) -> str:
     )
 
 
+def launch_bounds_directive(max_threads: int, min_blocks: int) -> str:
+    """Header lines giving the kernel MLX declares after the header CUDA's
+    ``__launch_bounds__(max_threads, min_blocks)``: MLX writes the ``__global__``
+    declaration itself, so ``__global__`` is redefined to carry the attribute (one kernel
+    per translation unit: it reaches that kernel only). A launch with a larger threadgroup
+    would fail on the device: the executor refuses it first."""
+    if not (0 < max_threads <= 1024 and max_threads % 32 == 0 and 0 < min_blocks <= 32):
+        raise ValueError(f"[cuda] launch bounds ({max_threads}, {min_blocks}): expected a "
+                         "multiple of 32 up to 1024 threads and 1 to 32 blocks per SM")
+    return ("#undef __global__\n#define __global__ __location__(global) "
+            f"__launch_bounds__({max_threads}, {min_blocks})\n")
+
+
 # ---- the body: built-ins, scalar inputs, atomic outputs, overhanging blocks ---------------
 
 _AXES = "xyz"

@@ -61,6 +61,7 @@ SIMD_ROWS_SPEC, REGISTER_SPEC, LOOPED_SPEC = register(
         inputs=(*_ARGS, *scalars("n_cols"), _EPS), **_COMMON,
         geometry="128 < n <= 4096: one threadgroup per row, TG = round_up(ceil(n/4), 32); "
                  "grid (TG, rows, 1)",
+        cuda_launch_bounds=(1024, 2),  # the template's header says why
     ),
     KernelSpec(
         op=OP, variant="looped", template="gated_rms_norm_looped.metal",
