@@ -4,6 +4,14 @@
 //   out[m, n] = sum_g scale(n, g) * sum_{k in group g} float(x[m, k]) * e2m1(w, n, k)
 //   e2m1(w, n, k) = code (w[n, k / 8] >> 4 (k % 8)) & 0xF  -> {+-0, 0.5, 1, 1.5, 2, 3, 4, 6}
 //   scale(n, g)   = mt_fp4_scale<SCALE_MODE>(scales[n, g])  (E8M0, E4M3 or a float; common.h)
+//   REDUCTION ORDER (fixed for given shapes and launch plan: bitwise reproducible run to run):
+//   K is walked in steps of STEP = 32 VPT values; the steps are dealt to the S K slices of a
+//   row block, slice g taking steps g, g + S, ... (S = 1: every step). Lane l of slice g
+//   accumulates its VPT values of each of its steps in increasing order (per word: codes j
+//   and j + 4 together, j = 0..3, the group's scale applied once per VPT codes); the 32 lane
+//   partials are combined by simd_sum (hardware order). S = 1: that is the output. S > 1:
+//   the S slice sums are added in order g = 0, 1, ..., S - 1 (through threadgroup memory)
+//   by slice 0.
 //
 // LAYOUT (row-contiguous): x [M, K] T; w [N, K / 8] uint32 (8 codes per word, code j at bits
 //   [4j, 4j + 4)); scales [N, K / GS] ST; out [M, N] T. m_rows, n_cols, k_cols, gs_shift:
@@ -11,28 +19,54 @@
 //   new kernel, and the group size (16, 32, 64 or 128) is not a template argument either.
 // TEMPLATE: T (x / out dtype), ST (scale dtype: uint8 or float; the wrapper passes float16 /
 //   bfloat16 scales as float32), SCALE_MODE (0 float, 1 E8M0, 2 E4M3), MB (rows of x per
-//   threadgroup: 1, 2, 4 or 8).
+//   threadgroup: 1, 2, 4 or 8). S (K slices) is read from simdgroups_per_threadgroup, not a
+//   template argument: every plan runs on the same 4 builds per (T, ST, SCALE_MODE) (a
+//   template S would build one kernel per value, up to 8 times as many), and S only sets a
+//   loop stride and whether the combine runs, both uniform.
 //
-// DESIGN: each simdgroup owns ROWS = 4 output columns n (rows of w) and MB rows of x; its 32
-//   lanes split K: per step a lane takes VPT consecutive k (VPT = 16 for MB <= 2, else 8, so
-//   the x values held in registers stay at <= 64 floats), i.e. VPT / 8 uint32 words per row of
-//   w, 8 bytes (MB <= 2) or 4 bytes per lane per row, contiguous across the simdgroup.
+// DESIGN: each simdgroup owns ROWS = 4 output columns n (rows of w), MB rows of x and the K
+//   steps of its K slice; its 32 lanes split a step: a lane takes VPT consecutive k (VPT = 16
+//   for MB <= 2, else 8, so the x values held in registers stay at <= 64 floats), i.e. VPT / 8
+//   uint32 words per row of w, 8 bytes (MB <= 2) or 4 bytes per lane per row, contiguous
+//   across the simdgroup.
 //   The lane's x chunk (MB x VPT) is loaded once per step and reused for the 4 rows of w; the
 //   codes are decoded two at a time (mt_e2m1x2: integer bit placement, no table), dotted with
 //   x in float32, and the group's scale is applied once per VPT codes. simd_sum reduces over
-//   lanes; lane 0 writes the MB x 4 outputs.
+//   lanes; S = 1: lane 0 writes the MB x 4 outputs; S > 1: lane 0 of each K slice stores its
+//   MB x 4 sums in threadgroup memory and, after one barrier, lane (m, r) = (l / 4, l % 4) of
+//   K slice 0 adds the S of output (m, r) in slice order and writes it.
 //   Traffic (device loads, counted by the emulator): w once per block of MB rows of x (once
-//   in total for M <= MB: N K / 2 bytes); a scale once per VPT codes (GS / VPT lanes load the
-//   same one: 2x the ideal N K / GS for GS 32 and VPT 16); x once per simdgroup (N / 4 times,
-//   from cache); out once.
+//   in total for M <= MB: N K / 2 bytes), whatever S; a scale once per VPT codes (GS / VPT
+//   lanes load the same one: 2x the ideal N K / GS for GS 32 and VPT 16); x once per
+//   simdgroup's steps (N / 4 times in all, from cache); out once.
 //
-// DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
-//   threadgroup = (64, 1, 1): 2 simdgroups; grid = (64, N / 8, ceil(M / MB))
-//   N % 32 == 0 and K % 32 == 0 (checked), so N % 8 == 0: every (threadgroup, simdgroup)
-//   owns 4 valid rows of w and VPT divides K (no partial words, no column guard needed).
+// DISPATCH INVARIANTS (the wrapper derives them from validated shapes and the backend):
+//   threadgroup = (64 S, 1, 1): SIMD-group i is row block i % 2 of K slice i / 2,
+//   S in [1, MAX_SLICES]; grid = (64 S, N / 8, ceil(M / MB))
+//   N % 32 == 0 and K % 32 == 0 (checked), so N % 8 == 0: every (threadgroup, row block)
+//   owns 4 valid rows of w (no thread returns early: all reach the combine's barrier) and
+//   VPT divides K (no partial words, no column guard needed; the last step may be partial:
+//   its lanes past K skip it). A K slice may hold no step (S > steps, only when forced):
+//   its sums are 0.
 //   GS divides K; VPT <= 16 <= GS, so a lane's VPT codes share one scale.
 //   Rows of x past M (ragged last M-block) are never read (uniform branch) nor written.
-//   No threadgroup memory, no barriers.
+//   Threadgroup memory: MAX_SLICES * 2 * MB * 4 floats (256 MB bytes), used only when
+//   S > 1; one barrier then, none at S = 1.
+//
+// LAUNCH PLANS (ops/fp4_qmm.py's _qmv_rows, _qmv_slices): Metal and the emulator: S = 1
+//   and MB = next power of two >= min(M, 8): the plan as measured before (2 SIMD-groups x 4
+//   rows, 64 threads, as MLX's own Metal qmv), no barrier. Whether S > 1 pays on Apple GPUs
+//   is for a Mac to measure, so it is unchanged; its only cost there is the declared
+//   partials array (256 B at MB = 1, 2 KB at MB = 8).
+//   cuda: MB <= 4. MB 8's x chunk and sums (64 + 32 floats a lane) take 168 registers a
+//   thread (ptxas, sm_90, 16-bit T; 128 for float32), MB 4's 80: an SM's registers hold 12
+//   warps of MB 8, 25 of MB 4; the price: M = 5..8 reads w twice (once per block of rows).
+//   S = min(steps of K, 8, ceil(4096 / warps)) lowered to deal the steps evenly (at most 4
+//   at MB 8: 64 S threads of 168 registers must fit one SM). At N = K = 4096 one row of x
+//   runs 4096 warps of 2 steps (S = 4) instead of 1024 warps of 8; M = 8, 4096 warps of 8
+//   steps of MB 4 (S = 2) instead of 1024 of 16 steps of MB 8; N = 14336: S = 2 at M <= 4,
+//   1 above.
+//
 // ONLY CHECKABLE ON A MAC: that Metal accepts as_type<half2>(uint) and keeps half
 //   subnormals in mt_e2m1x2 (MLX's own fp4 decoder relies on the same); speed.
 #include "common.h"
@@ -42,13 +76,19 @@ constexpr uint ROWS = 4;
 constexpr uint VPT = MB <= 2 ? 16 : 8;
 constexpr uint WPT = VPT / 8;
 constexpr uint STEP = 32 * VPT;
+constexpr uint MAX_SLICES = 8;  // SIMD-groups sharing one row block's K steps, at most
+
+// Per (K slice, row block, row of x, row of w): a K slice's sum (S > 1 only).
+threadgroup float partials[MAX_SLICES * SIMDGROUPS * MB * ROWS];
 
 const uint M = m_rows;
 const uint N = n_cols;
 const uint K = k_cols;
 const uint lane = thread_index_in_simdgroup;
-const uint n0 =
-    (threadgroup_position_in_grid.y * SIMDGROUPS + simdgroup_index_in_threadgroup) * ROWS;
+const uint slices = simdgroups_per_threadgroup / SIMDGROUPS;  // the launch plan's S
+const uint row_block = simdgroup_index_in_threadgroup % SIMDGROUPS;
+const uint slice = simdgroup_index_in_threadgroup / SIMDGROUPS;
+const uint n0 = (threadgroup_position_in_grid.y * SIMDGROUPS + row_block) * ROWS;
 const uint m0 = threadgroup_position_in_grid.z * MB;
 const uint k_words = K / 8;
 const uint k_groups = K >> gs_shift;
@@ -60,7 +100,8 @@ for (uint m = 0; m < MB; ++m) {
   }
 }
 
-for (uint k = lane * VPT; k < K; k += STEP) {
+// K slice g takes the steps g, g + S, ...; a lane past K in the last step skips it.
+for (uint k = slice * STEP + lane * VPT; k < K; k += slices * STEP) {
   float xr[MB][VPT];
   for (uint m = 0; m < MB; ++m) {
     if (m0 + m < M) {
@@ -102,13 +143,33 @@ for (uint m = 0; m < MB; ++m) {
     acc[m][r] = simd_sum(acc[m][r]);
   }
 }
-if (lane == 0) {
-  for (uint m = 0; m < MB; ++m) {
-    if (m0 + m < M) {
-      const size_t oo = size_t(m0 + m) * N + n0;
-      for (uint r = 0; r < ROWS; ++r) {
-        out[oo + r] = T(acc[m][r]);
+if (slices == 1u) {  // uniform over the threadgroup
+  if (lane == 0) {
+    for (uint m = 0; m < MB; ++m) {
+      if (m0 + m < M) {
+        const size_t oo = size_t(m0 + m) * N + n0;
+        for (uint r = 0; r < ROWS; ++r) {
+          out[oo + r] = T(acc[m][r]);
+        }
       }
     }
+  }
+} else {  // no thread returned early (DISPATCH INVARIANTS): all reach the barrier
+  threadgroup float* mine = partials + (slice * SIMDGROUPS + row_block) * MB * ROWS;
+  if (lane == 0) {
+    for (uint m = 0; m < MB; ++m) {
+      for (uint r = 0; r < ROWS; ++r) {
+        mine[m * ROWS + r] = acc[m][r];
+      }
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const uint m = lane / ROWS;
+  if (slice == 0 && lane < MB * ROWS && m0 + m < M) {
+    float total = 0.0f;
+    for (uint g = 0; g < slices; ++g) {  // fixed order: K slice 0, 1, ...
+      total += partials[(g * SIMDGROUPS + row_block) * MB * ROWS + lane];
+    }
+    out[size_t(m0 + m) * N + n0 + lane % ROWS] = T(total);
   }
 }

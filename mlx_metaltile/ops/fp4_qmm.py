@@ -46,7 +46,16 @@ from ._grad import shapeless_tracing, x_vjp_function
 OP = "fp4_qmm"
 __all__ = ["fp4_dequantize_reference", "fp4_qmm", "fp4_qmm_reference"]
 QMV_MAX_M = 8  # auto picks the GEMV-shaped kernel up to this many rows of x
-QMV_THREADS, QMV_ROWS_PER_TG = 64, 8
+QMV_SIMDGROUPS, QMV_ROWS_PER_TG = 2, 8  # a qmv K slice: 2 SIMD-groups x 4 rows of w
+QMV_MAX_SLICES = 8  # SIMD-groups sharing one row block's K steps, at most (the template's)
+# The qmv launch plan on cuda (the template's LAUNCH PLANS), as module constants that a
+# script may set before calling ops._common.clear_plans() (a plan reads them once):
+QMV_TARGET_WARPS = 4096  # K slices until about this many warps (an H100 holds 8448)
+QMV_CUDA_MAX_MB = 4  # rows of x per threadgroup, at most: 1, 2, 4 or 8
+QMV_SLICES: int | None = None  # an int 1..8 forces S on every backend; None: the plan's
+# MB 8 takes up to 168 registers a thread (ptxas, sm_90, 16-bit T): an SM's 65536 hold 12
+# such warps, so one threadgroup of 64 S threads needs S <= 6.
+QMV_MB8_MAX_SLICES = 4
 TILE = 32  # BM = BN = BK of the tile kernels
 TILE_THREADS = 128
 SPLITK_TARGET_TGS = 512  # split K (simdgroup kernel) until about this many threadgroups run
@@ -88,9 +97,11 @@ QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC = register(
         op=OP, variant="qmv", template="fp4_qmm_qmv.metal",
         inputs=(*_ARGS, *scalars("gs_shift")), outputs=_OUT,
         params=("T", "ST", "SCALE_MODE", "MB"), bindings=_bindings(MB=lambda t: (1, 2, 4, 8)),
-        geometry="auto for M <= 8: threadgroup (64, 1, 1) = 2 simdgroups x 4 rows of w; "
-                 "grid (64, N/8, ceil(M/MB)), MB = next power of two >= min(M, 8)",
-        notes="template: T, ST, SCALE_MODE, MB (rows of x per threadgroup); group size runtime",
+        geometry="auto for M <= 8: threadgroup (64 * S, 1, 1) = 2 simdgroups x 4 rows of w "
+                 "x S K slices; grid (64 * S, N/8, ceil(M/MB)), MB = next power of two >= "
+                 "min(M, 8) (cuda: min(M, 4)); S = 1 (cuda: K split for ~4096 warps, <= 8)",
+        notes="template: T, ST, SCALE_MODE, MB (rows of x per threadgroup); group size and "
+              "S (simdgroups_per_threadgroup) runtime",
     ),
     KernelSpec(
         op=OP, variant="simdgroup", template="fp4_qmm_simdgroup.metal",
@@ -289,9 +300,32 @@ def _choose(backend: str, m: int, variant) -> KernelSpec | None:
     return choose_variant(OP, VARIANT_SPECS, variant, backend, lambda: _auto(backend, m))
 
 
-def _qmv_rows(m: int) -> int:
-    """Rows of x per threadgroup of the qmv kernel: next power of two >= min(M, 8)."""
-    return 1 << (min(m, QMV_MAX_M) - 1).bit_length()
+def _qmv_rows(m: int, backend: str) -> int:
+    """Rows of x per threadgroup of the qmv kernel (MB): next power of two >= min(M, 8), on
+    cuda >= min(M, QMV_CUDA_MAX_MB) (the template's LAUNCH PLANS: MB 8's registers)."""
+    most = QMV_CUDA_MAX_MB if backend == "cuda" else QMV_MAX_M
+    return 1 << (min(m, most) - 1).bit_length()
+
+
+def _qmv_slices(m: int, n: int, k: int, mb: int, backend: str) -> int:
+    """The qmv launch plan's S: SIMD-groups sharing one row block's K steps (the template's
+    DISPATCH INVARIANTS). QMV_SLICES where set (every backend). Else Metal and the emulator
+    keep one; cuda splits K where the grid is small, for about QMV_TARGET_WARPS warps, at
+    most one slice per step of K (32 VPT values) and QMV_MAX_SLICES (QMV_MB8_MAX_SLICES at
+    MB 8), the steps dealt evenly (the slice with the most steps sets the time)."""
+    most = QMV_MAX_SLICES if mb < 8 else QMV_MB8_MAX_SLICES
+    if QMV_SLICES is not None:
+        if not 1 <= QMV_SLICES <= QMV_MAX_SLICES:
+            raise ValueError(f"[{OP}] QMV_SLICES must be None or 1..{QMV_MAX_SLICES}, "
+                             f"got {QMV_SLICES}")
+        return min(QMV_SLICES, most)
+    if backend != "cuda":
+        return 1
+    steps = -(-k // (32 * (16 if mb <= 2 else 8)))  # the template's STEP = 32 VPT
+    warps = QMV_SIMDGROUPS * (n // QMV_ROWS_PER_TG) * -(-m // mb)
+    wanted = max(1, min(most, steps, -(-QMV_TARGET_WARPS // warps)))
+    per_slice = -(-steps // wanted)
+    return -(-steps // per_slice)
 
 
 def _split_k(m: int, n: int, k: int) -> tuple[int, int]:
@@ -324,11 +358,13 @@ def _launcher(spec: KernelSpec, m: int, n: int, k: int, mode: int, group_size: i
     parts, out_dtype = 1, t
     gs_shift = scalar(group_size.bit_length() - 1, mx.uint32)
     if spec.variant == "qmv":
-        mb = _qmv_rows(m)
+        mb = _qmv_rows(m, backend)
+        threads = backends.SIMD_WIDTH * QMV_SIMDGROUPS * _qmv_slices(m, n, k, mb, backend)
         template["MB"] = mb
         inputs["gs_shift"] = gs_shift
-        grid = (QMV_THREADS, n // QMV_ROWS_PER_TG, -(-m // mb))
-        threadgroup, tg_mem = (QMV_THREADS, 1, 1), 0
+        grid = (threads, n // QMV_ROWS_PER_TG, -(-m // mb))
+        threadgroup = (threads, 1, 1)
+        tg_mem = QMV_MAX_SLICES * QMV_ROWS_PER_TG * mb * 4  # the template's partials
     else:
         threadgroup = (TILE_THREADS, 1, 1)
         if spec.variant == "simdgroup":

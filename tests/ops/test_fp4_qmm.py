@@ -21,7 +21,7 @@ from mlx_metaltile.cases.fp4_qmm import (
     oracle,
     run_and_check,
 )
-from mlx_metaltile.ops._common import variant_reason
+from mlx_metaltile.ops._common import clear_plans, variant_reason
 
 op_module = importlib.import_module("mlx_metaltile.ops.fp4_qmm")
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -490,7 +490,8 @@ def test_negative_control_broken_split_k(kernel_backend, monkeypatch, broken_ker
 # The row guards of a ragged M, removed one at a time: each must fault on the emulator.
 UNGUARDED = {
     "qmv-load": ("qmv", "    if (m0 + m < M) {\n      const size_t xo", "    if (true) {\n      const size_t xo"),
-    "qmv-store": ("qmv", "    if (m0 + m < M) {\n      const size_t oo", "    if (true) {\n      const size_t oo"),
+    "qmv-store": ("qmv", "      if (m0 + m < M) {\n        const size_t oo",
+                  "      if (true) {\n        const size_t oo"),
     "simdgroup-store": ("simdgroup", "if (x_row_ok) {\n  const", "if (true) {\n  const"),
     # two guards, each enough: the clamped row pointer and the select of 0
     "simdgroup-load": ("simdgroup", ("min(m_tile + lr, M - 1)", "x_row_ok ? float(x["),
@@ -612,7 +613,7 @@ def test_emulator_traffic(poisoned_outputs, no_split, rng, variant, m):
     read = {name: stats.bytes_read[name] for name in ("x", "w", "scales")}
     if variant == "qmv":
         m_blocks, x_reads = 1, n // 4  # each simdgroup (4 rows of w) reads its x rows
-        scale_loads = n * k // (16 if op_module._qmv_rows(m) <= 2 else 8)
+        scale_loads = n * k // (16 if op_module._qmv_rows(m, "emulator") <= 2 else 8)
     else:
         m_blocks, x_reads = -(-m // 32), (n // 32 if variant == "simdgroup" else n // 16)
         scale_loads = n * k // 8
@@ -637,6 +638,196 @@ def test_emulator_traffic_split_k(poisoned_outputs, rng):
     assert stats.kernel.endswith("fp4_qmm_splitk_sum")
     assert stats.bytes_read["partial"] == parts * m * n * 4
     assert stats.bytes_written["out"] == m * n * 2
+
+
+# ---- qmv's K slices (cuda's plan: a row block's K steps over S SIMD-groups), on the emulator
+
+# K = 1152 = 2.25 steps of 512 (MB <= 2) or 4.5 of 256 (MB >= 4): a partial last step, and
+# steps that S = 2, 3, 4 do not divide evenly (4 > 3 steps: a slice with none); every group
+# size divides it.
+K_SLICED = 1152
+
+
+@pytest.fixture
+def qmv_slices(monkeypatch):
+    """``force(S)``: qmv launches from then on run S K slices (QMV_SLICES), on the emulator."""
+    require_backend("emulator")
+
+    def force(slices):
+        monkeypatch.setattr(op_module, "QMV_SLICES", slices)
+        clear_plans()  # plans read QMV_SLICES once
+
+    with backends.use_backend("emulator"):
+        yield force
+    clear_plans()
+
+
+@pytest.fixture
+def cuda_plan(monkeypatch):
+    """The emulator launched with the cuda backend's qmv plan (its MB and S)."""
+    require_backend("emulator")
+    for name in ("_qmv_rows", "_qmv_slices"):
+        real = getattr(op_module, name)
+        monkeypatch.setattr(op_module, name, lambda *a, real=real: real(*a[:-1], "cuda"))
+    clear_plans()
+    with backends.use_backend("emulator"):
+        yield
+    clear_plans()
+
+
+def _ran_slices(slices, m_blocks):
+    """The last launch was qmv with ``slices`` K slices and ``m_blocks`` blocks of rows of x,
+    every threadgroup meeting the combine's barrier once (none at S = 1)."""
+    from mlx_metaltile import emulator
+
+    stats = emulator.last_launch_stats()
+    assert stats.kernel.endswith("fp4_qmm_qmv")
+    assert stats.threadgroup == (64 * slices, 1, 1) and stats.grid[2] == m_blocks
+    assert stats.threadgroup_barriers == (stats.threadgroups if slices > 1 else 0)
+    return stats
+
+
+def test_qmv_plan_of_each_backend(monkeypatch):
+    """cuda: MB <= 4 and K sliced for about 4096 warps, the steps dealt evenly; Metal and
+    the emulator: MB up to 8, S = 1; QMV_SLICES forces S everywhere."""
+    rows, slices = op_module._qmv_rows, op_module._qmv_slices
+    # (M, N, K) -> cuda's (MB, S): the benchmark shapes
+    for (m, n, k), want in {(1, 4096, 4096): (1, 4), (8, 4096, 4096): (4, 2),
+                            (3, 4096, 4096): (4, 4), (1, 14336, 4096): (1, 2),
+                            (8, 14336, 4096): (4, 1), (1, 32, 4096): (1, 8),
+                            (1, 4096, 1152): (1, 3), (5, 32, 1152): (4, 5),
+                            (1, 4096, 32): (1, 1)}.items():
+        mb = rows(m, "cuda")
+        assert (mb, slices(m, n, k, mb, "cuda")) == want, (m, n, k)
+    for backend in ("metal", "emulator"):
+        assert [rows(m, backend) for m in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+        assert slices(1, 4096, 4096, 1, backend) == 1
+    for m in (1, 2, 3, 5, 8):
+        for n in (32, 256, 4096, 14336):
+            for k in range(32, 8193, 32):
+                mb = rows(m, "cuda")
+                s = slices(m, n, k, mb, "cuda")
+                steps = -(-k // (32 * (16 if mb <= 2 else 8)))
+                per = -(-steps // s)
+                assert 1 <= s <= min(8, steps) and (s - 1) * per < steps <= s * per, (m, n, k)
+    monkeypatch.setattr(op_module, "QMV_CUDA_MAX_MB", 8)
+    assert rows(8, "cuda") == 8 and slices(1, 32, 8192, 8, "cuda") == 4  # MB 8's registers
+    monkeypatch.setattr(op_module, "QMV_SLICES", 3)
+    assert slices(1, 4096, 4096, 1, "metal") == slices(1, 32, 32, 1, "cuda") == 3
+    monkeypatch.setattr(op_module, "QMV_SLICES", 9)
+    with pytest.raises(ValueError, match=r"^\[fp4_qmm\] QMV_SLICES must be None or 1..8"):
+        slices(1, 4096, 4096, 1, "cuda")
+
+
+@pytest.mark.parametrize("slices", (2, 3))
+@pytest.mark.parametrize("m", (1, 2, 3, 5, 8), ids=lambda v: f"M{v}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_qmv_slices_match_oracle(qmv_slices, poisoned_outputs, rng, dtype, m, slices):
+    qmv_slices(slices)
+    for n in (32, 256):
+        x, w, s = make_case(rng, m, n, K_SLICED, dtype)
+        run_and_check(x, w, s, "e8m0", 32, "emulator", variant="qmv", expect="qmv")
+        _ran_slices(slices, 1)
+
+
+@pytest.mark.parametrize("kind, group_size", SCALE_KINDS, ids=[f"{k}-g{g}" for k, g in SCALE_KINDS])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_qmv_slices_scale_formats(qmv_slices, poisoned_outputs, rng, dtype, kind, group_size):
+    """mxfp4, nvfp4 and float scales with S = 4 (MB 2: 3 steps, one slice without any; MB
+    4: 5 steps)."""
+    qmv_slices(4)
+    for m in (2, 3):
+        x, w, s = make_case(rng, m, 64, K_SLICED, dtype, kind, group_size)
+        run_and_check(x, w, s, kind, group_size, "emulator", variant="qmv", expect="qmv")
+        _ran_slices(4, 1)
+
+
+@pytest.mark.parametrize("m, k, mb, slices", [
+    (1, K_SLICED, 1, 3), (2, K_SLICED, 2, 3), (5, K_SLICED, 4, 5), (8, K_SLICED, 4, 5),
+    (1, 4096, 1, 8), (8, 4096, 4, 8)])
+def test_qmv_cuda_plan_matches_oracle(cuda_plan, poisoned_outputs, rng, m, k, mb, slices):
+    """cuda's own plan at N = 32 (8 warps without slices): MB <= 4 (M = 5, 8: two blocks of
+    rows of x) and S up to 8. (x / 16: sums of 4096 terms stay inside half's range.)"""
+    for dtype, (kind, gs) in zip(DTYPES, (("e8m0", 32), ("e4m3", 16), ("bfloat16", 64)),
+                                 strict=True):
+        x = make_x(rng, (m,), k, dtype, scale=1 / 16)
+        w, s = make_w(rng, 32, k), make_scales(rng, 32, k, kind, gs)
+        run_and_check(x, w, s, kind, gs, "emulator", variant="qmv", expect="qmv")
+        _ran_slices(slices, -(-m // mb))
+
+
+@pytest.mark.parametrize("seed", (1, 2))
+def test_qmv_slices_strict_shuffled(qmv_slices, poisoned_outputs, rng, seed):
+    """Strict mode (threadgroup memory read before it is written, races between barriers),
+    threads and threadgroups in a permuted order: equal bits run to run."""
+    qmv_slices(3)
+    x, w, s = make_case(rng, 5, 64, K_SLICED, mx.float16, "e4m3", 16)
+    with strict_emulator(seed):
+        out = run_and_check(x, w, s, "e4m3", 16, "emulator", variant="qmv", expect="qmv")
+        _ran_slices(3, 1)
+        again = mt.fp4_qmm(x, w, s, group_size=16, variant="qmv")
+        assert mx.array_equal(out, again).item()
+
+
+def test_qmv_slices_traffic_and_no_rebuild(qmv_slices, poisoned_outputs, rng):
+    """S is a runtime input: other S build nothing new. Whatever S, w is read once, a scale
+    once per VPT codes, x once per row block and out written once."""
+    from mlx_metaltile import emulator
+
+    m, n = 3, 64  # MB 4, VPT 8
+    x, w, s = make_case(rng, m, n, K_SLICED, mx.bfloat16)
+    qmv_slices(1)
+    run_and_check(x, w, s, "e8m0", 32, "emulator", variant="qmv", expect="qmv")
+    built, compiled = backends.built_kernels(), _emulator_instantiations()
+    for slices in (2, 5, 8):
+        qmv_slices(slices)
+        run_and_check(x, w, s, "e8m0", 32, "emulator", variant="qmv", expect="qmv")
+        stats = emulator.last_launch_stats()
+        assert stats.threadgroup == (64 * slices, 1, 1)
+        assert stats.bytes_read["w"] == n * K_SLICED // 2
+        assert stats.bytes_read["scales"] == n * K_SLICED // 8
+        assert stats.bytes_read["x"] == (n // 4) * m * K_SLICED * 2
+        assert stats.bytes_written["out"] == m * n * 2 and stats.bytes_read["out"] == 0
+    assert backends.built_kernels() == built and _emulator_instantiations() == compiled
+
+
+SLICE_BREAKS = {
+    "first_slice_only": ("for (uint g = 0; g < slices; ++g)", "for (uint g = 0; g < 1; ++g)"),
+    "every_slice_all_steps": ("k += slices * STEP", "k += STEP"),
+}
+
+
+@pytest.mark.parametrize("brk", SLICE_BREAKS)
+def test_qmv_slices_negative_control(qmv_slices, broken_kernel, rng, brk):
+    broken_kernel(op_module.QMV_SPEC, SLICE_BREAKS[brk])
+    qmv_slices(3)
+    x, w, s = make_case(rng, 3, 32, K_SLICED, mx.float32)
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check(x, w, s, "e8m0", 32, "emulator", variant="qmv", expect="qmv")
+
+
+def test_qmv_slices_negative_control_unguarded_store(qmv_slices, broken_kernel, rng):
+    """The combine's row guard removed: a ragged M writes past out (S > 1's own store)."""
+    from mlx_metaltile import emulator
+
+    broken_kernel(op_module.QMV_SPEC, ("lane < MB * ROWS && m0 + m < M", "lane < MB * ROWS"))
+    qmv_slices(2)
+    x, w, s = make_case(rng, 5, 32, K_SLICED, mx.float32)
+    with pytest.raises(emulator.OutOfBoundsAccess):
+        mx.eval(mt.fp4_qmm(x, w, s, variant="qmv"))
+
+
+def test_qmv_slices_negative_control_missing_barrier(qmv_slices, broken_kernel, rng):
+    """Combining without waiting for the other slices' sums: strict mode must say so."""
+    from mlx_metaltile import emulator
+
+    barrier = "  threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+    broken_kernel(op_module.QMV_SPEC, (barrier, ""))
+    qmv_slices(3)
+    x, w, s = make_case(rng, 3, 32, K_SLICED, mx.float32)
+    with strict_emulator(1), pytest.raises((emulator.ThreadgroupRace,
+                                            emulator.UninitializedThreadgroupRead)):
+        mx.eval(mt.fp4_qmm(x, w, s, variant="qmv"))
 
 
 # ---- staging (the simdgroup template's STAGING): T fragments only where exact ----------
