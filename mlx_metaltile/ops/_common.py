@@ -174,6 +174,24 @@ def memo_plan(build: Callable) -> Callable:
     return memo
 
 
+def plan_memory() -> dict:
+    """An empty dict that :func:`clear_plans` empties too: an op's own table of plans in front
+    of its ``memo_plan`` (a key formed inline for its common call), each entry the plan
+    ``memo_plan`` returned for those arguments."""
+    memory: dict = {}
+    _PLANS.append(memory)
+    return memory
+
+
+def keep_plan(memory: dict, key, plan):
+    """``plan`` remembered in ``memory`` (a :func:`plan_memory`) under ``key``, the oldest
+    entry forgotten past ``memo_plan``'s bound; returns ``plan``."""
+    if len(memory) >= _CHECKED_MAX:
+        del memory[next(iter(memory))]
+    memory[key] = plan
+    return plan
+
+
 def clear_plans() -> None:
     """Forget every op's plans (the next call of each builds its plan again): for code that
     replaces an op's helpers or constants, which plans read once."""

@@ -23,9 +23,11 @@ from ._common import (
     FLOAT_TYPES,
     as_bool,
     dtype_name,
+    keep_plan,
     memo_check,
     memo_plan,
     on_stream,
+    plan_memory,
     require_array,
     require_finite_scalar,
     require_float,
@@ -234,16 +236,19 @@ def _call_arrays(p: _Problem, mask_shape: tuple | None, dtype: mx.Dtype, kv_len,
     """The call's arrays as the kernels take them, None where absent: (a device-side kv_len
     as a 0-d uint32 array, the mask as a 4-D array in the kernel's element type, the sinks
     in float32)."""
-    if p.kv_len is not None:
-        kv_len = None
-    elif kv_len.dtype != mx.uint32:
-        kv_len = kv_len.astype(mx.uint32)  # not for a uint32 one: the same array, so a
-        # host-known one (_msl.constants.scalar) stays known (the cuda executor packs it)
+    kv_len = None if p.kv_len is not None else _device_kv_len(kv_len)
     if mask_shape:
         mask = mask.reshape(mask_shape).astype(_mask_type(p.mask_kind, dtype))
     if sinks is not None:
         sinks = sinks.astype(dtype).astype(mx.float32)
     return kv_len, mask if mask_shape else None, sinks
+
+
+def _device_kv_len(kv_len: mx.array) -> mx.array:
+    """A 0-d integer kv_len as the split kernel's uint32 input: a uint32 one itself (not a
+    copy: a host-known one, _msl.constants.scalar, stays known; the cuda executor packs
+    it)."""
+    return kv_len if kv_len.dtype == mx.uint32 else kv_len.astype(mx.uint32)
 
 
 @memo_check
@@ -445,10 +450,11 @@ _NO_MASK = {0: mx.zeros((1, 1, 1, 16), dtype=mx.bool_)}
 
 
 def _launcher(p: _Problem, mask_shape: tuple | None, has_sinks: bool, dtype: mx.Dtype,
-              backend: str) -> Callable:
+              backend: str) -> tuple[backends.Prepared, backends.Prepared]:
     """The two kernel calls of the problem ``p`` (``_validated``'s: no arrays) on
-    ``backend``, prepared once: returns ``launch(q, k, v, kv_len, mask, sinks)``, which
-    takes the call's arrays as ``_call_arrays`` gives them (None where absent)."""
+    ``backend``, prepared once: ``split(q, k, v[, kv_len][, mask])`` and
+    ``combine(o_part, ml_part[, sinks])``, given the call's arrays as ``_call_arrays``
+    gives them (those absent left out)."""
     B, Hq, Hkv, L, S, D = p.B, p.Hq, p.Hkv, p.L, p.S, p.D
     shape = (B, Hq, L, D)
     device_kv_len = p.kv_len is None
@@ -490,12 +496,7 @@ def _launcher(p: _Problem, mask_shape: tuple | None, has_sinks: bool, dtype: mx.
         grid=(32 * COMBINE_ROWS * n_tg, 1, 1), threadgroup=(32 * COMBINE_ROWS, 1, 1),
     )
 
-    def launch(q, k, v, kv_len, mask, sinks) -> mx.array:
-        o_part, ml_part = split(q, k, v, *[a for a in (kv_len, mask) if a is not None])
-        (out,) = combine(o_part, ml_part, sinks) if has_sinks else combine(o_part, ml_part)
-        return out
-
-    return launch
+    return split, combine
 
 
 _NO_SINKS = {0: mx.zeros((4,), dtype=mx.float32)}  # has_sinks 0's dummy, never read
@@ -682,9 +683,35 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
     larger buffer) gives the same result but is first copied by MLX (so is a mask made by
     ``mx.broadcast_to``: pass its size-1 axes instead).
     """
-    run = _plan(q, k, v, scale, causal, kv_len, mask, sinks, backends.resolve_backend(),
-                stream)
+    backend = backends.resolve_backend()
+    if (type(kv_len) is mx.array and sinks is None and stream is None and type(q) is mx.array
+            and type(k) is mx.array and type(v) is mx.array and type(scale) is float
+            and type(causal) is bool and (mask is None or type(mask) is str)):
+        # the patched attention's call (a device-side kv_len; no mask array, no sinks): its
+        # plan by a key formed here, every field of _plan's that such a call can vary
+        key = (q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype, scale, causal,
+               kv_len.shape, kv_len.dtype, mask, backend)
+        run = _COMMON_PLANS.get(key)
+        if run is None:
+            run = keep_plan(_COMMON_PLANS, key, _plan(q, k, v, scale, causal, kv_len, mask,
+                                                      sinks, backend, stream))
+        return run(q, k, v, kv_len, mask, sinks)
+    run = _plan(q, k, v, scale, causal, kv_len, mask, sinks, backend, stream)
     return run(q, k, v, kv_len, mask, sinks)
+
+
+# The plans of sdpa_multi's common call (memo_plan's key over ten arguments costs about 2.5
+# us of a decode step's attention call; stand-in kernels on a 2-core x86 CPU)
+_COMMON_PLANS = plan_memory()
+
+
+class _Calling(threading.local):
+    """The array a plan's call gives as kv_len, for its forward's launch: MLX hands the
+    forward of a custom function with a VJP other array objects than the call's, and a
+    host-known kv_len (_msl.constants.scalar) is recognised by its object (the cuda executor
+    packs it). The VJP takes the primal. Per thread: a plan may serve several at once."""
+
+    kv_len: mx.array | None = None  # None outside a call (and in a thread making none)
 
 
 @memo_plan
@@ -716,7 +743,7 @@ def _plan(q, k, v, scale, causal, kv_len, mask, sinks, backend: str, stream) -> 
     # custom function serves every call of the plan (a decode loop builds none).
     has_sinks, device_kv_len = sinks is not None, p.kv_len is None
     additive = p.mask_kind == MASK_ADDITIVE
-    launch = _launcher(p, mask_shape, has_sinks, dtype, backend)
+    split, combine = _launcher(p, mask_shape, has_sinks, dtype, backend)
 
     def arrays(rest) -> tuple:
         """(kv_len, mask, sinks), None where absent, of the primals after q, k, v."""
@@ -725,16 +752,44 @@ def _plan(q, k, v, scale, causal, kv_len, mask, sinks, backend: str, stream) -> 
         mask = next(it) if mask_shape else None
         return next(it) if device_kv_len else None, mask, sinks
 
-    # The call's own kv_len array for the forward launch: MLX hands the forward of a
-    # custom function with a VJP other array objects than the call's, and a host-known
-    # kv_len (_msl.constants.scalar) is recognised by its object (the cuda executor packs
-    # it). The VJP takes the primal. Per thread: a plan may serve several at once.
-    calling = threading.local()
+    # The call's own kv_len array for the forward launch (_Calling). The forward and the
+    # call below bind the primals; those of a call with no mask array and no sinks (the
+    # patched attention's decode and verify calls) without the general binding.
+    calling = _Calling()
+    if mask_shape or has_sinks:
+        def forward(q, k, v, *rest):
+            kv_len, mask, sinks = arrays(rest)
+            own = calling.kv_len
+            o_part, ml_part = split(q, k, v, *[a for a in (kv_len if own is None else own, mask)
+                                               if a is not None])
+            return (combine(o_part, ml_part, sinks) if has_sinks else combine(o_part, ml_part))[0]
 
-    def forward(q, k, v, *rest):
-        kv_len, mask, sinks = arrays(rest)
-        own = getattr(calling, "kv_len", None)
-        return launch(q, k, v, kv_len if own is None else own, mask, sinks)
+        def run(q, k, v, kv_len, mask, sinks):
+            kv_len, mask, sinks = _call_arrays(p, mask_shape, dtype, kv_len, mask, sinks)
+            calling.kv_len = kv_len
+            try:
+                return op(q, k, v, *[a for a in (sinks, mask, kv_len) if a is not None])
+            finally:
+                calling.kv_len = None
+    elif device_kv_len:
+        def forward(q, k, v, kv_len):
+            own = calling.kv_len
+            o_part, ml_part = split(q, k, v, kv_len if own is None else own)
+            return combine(o_part, ml_part)[0]
+
+        def run(q, k, v, kv_len, mask, sinks):
+            kv_len = _device_kv_len(kv_len)
+            calling.kv_len = kv_len
+            try:
+                return op(q, k, v, kv_len)
+            finally:
+                calling.kv_len = None
+    else:
+        def forward(q, k, v):
+            return combine(*split(q, k, v))[0]
+
+        def run(q, k, v, kv_len, mask, sinks):
+            return op(q, k, v)
 
     # on the call's stream (MLX may trace it again later: a kernel launch refuses the
     # emulator in a trace)
@@ -752,13 +807,5 @@ def _plan(q, k, v, scale, causal, kv_len, mask, sinks, backend: str, stream) -> 
             dmask = mx.zeros_like(mask)  # a bool mask: no gradient
         return (dq, dk, dv, *(g for g in (dsinks, dmask) if g is not None),
                 *((mx.zeros_like(kv_len),) if device_kv_len else ()))
-
-    def run(q, k, v, kv_len, mask, sinks):
-        kv_len, mask, sinks = _call_arrays(p, mask_shape, dtype, kv_len, mask, sinks)
-        calling.kv_len = kv_len
-        try:
-            return op(q, k, v, *[a for a in (sinks, mask, kv_len) if a is not None])
-        finally:
-            calling.kv_len = None
 
     return run_on(stream, run)  # the mask's and sinks' casts run on the stream too

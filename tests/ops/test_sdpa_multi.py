@@ -325,6 +325,121 @@ def test_device_kv_len_decode_loop_builds_no_custom_function(launches, rng, monk
     assert len(built) == 1
 
 
+# The common call's fields (sdpa_multi's own plan key): one changed at a time from the base.
+_COMMON_BASE = dict(B=1, Hq=4, Hkv=2, L=1, S=64, D=64, dtype=mx.float32, scale=0.125,
+                    causal=False, kv_dtype=mx.uint32, mask=None)
+_COMMON_VARIATIONS = ({}, {"B": 2}, {"Hq": 8}, {"Hkv": 4}, {"L": 4}, {"S": 96}, {"D": 128},
+                      {"dtype": mx.float16}, {"scale": 0.25}, {"causal": True},
+                      {"kv_dtype": mx.int32}, {"L": 4, "mask": "causal"})
+
+
+def _common_call(rng, **fields):
+    """(q, k, v, keyword arguments) of a common call (_COMMON_BASE with ``fields``)."""
+    from mlx_metaltile._msl.constants import scalar
+
+    c = {**_COMMON_BASE, **fields}
+    q, k, v = make_inputs(rng, c["B"], c["Hq"], c["Hkv"], c["L"], c["S"], c["D"], c["dtype"])
+    kv_len = (scalar(40, mx.uint32) if c["kv_dtype"] == mx.uint32
+              else mx.array(40, dtype=c["kv_dtype"]))
+    kw = {"scale": c["scale"], "causal": c["causal"], "kv_len": kv_len}
+    return q, k, v, kw if c["mask"] is None else {**kw, "mask": c["mask"]}
+
+
+def _check_common_call(q, k, v, kw, backend):
+    """One common call, checked against the float64 oracle (mask "causal" as causal);
+    on a kernel backend both kernels must have run."""
+    before = launch_counts(backend)
+    out = mt.sdpa_multi(q, k, v, **kw)
+    mx.eval(out)
+    if backend != "reference":
+        assert launch_counts(backend) == (before[0] + 1, before[1] + 1)
+    assert out.dtype == q.dtype and tuple(out.shape) == tuple(q.shape)
+    want, magnitude = oracle(q, k, v, kw["scale"], kw["causal"] or "mask" in kw,
+                             kw["kv_len"].item())
+    assert_close(out, want, q.dtype, magnitude, what=f"sdpa_multi[{backend}]")
+
+
+def test_common_call_plan_per_metadata(kernel_backend, launches, rng):
+    """The common call (a 0-d kv_len, no mask array, no sinks, the default stream) finds
+    its plan by sdpa_multi's own key: a call differing in any one field gets a plan of its
+    own (a field the key missed would reuse a stale plan), each the one _plan builds, and
+    computes with its own arguments (both kernels ran; the float64 oracle). The reference
+    backend's plan is another."""
+    plans = op_module._COMMON_PLANS
+    assert not plans
+    for i, fields in enumerate(_COMMON_VARIATIONS):
+        _check_common_call(*_common_call(rng, **fields), kernel_backend)
+        assert len(plans) == i + 1, fields
+    with backends.use_backend("reference"):
+        _check_common_call(*_common_call(rng), "reference")
+    assert len(plans) == len(_COMMON_VARIATIONS) + 1
+    assert ({id(run) for run in plans.values()}
+            == {id(run) for run in op_module._plan.memory.values()})
+    n = len(launches)
+    _check_common_call(*_common_call(rng), kernel_backend)  # the base again: its plan
+    assert len(plans) == len(_COMMON_VARIATIONS) + 1 and len(launches) == n + 2
+
+
+@pytest.mark.parametrize("fields, change, exc, match", [
+    ({}, lambda q, k, v, kw: (q.astype(mx.float16), k, v, kw), TypeError,
+     "k must have q's dtype float16, got float32"),
+    ({}, lambda q, k, v, kw: (q, k.astype(mx.float16), v, kw), TypeError,
+     "k must have q's dtype float32, got float16"),
+    ({}, lambda q, k, v, kw: (q, k[:, :, :32], v, kw), ValueError,
+     "k and v must have the same shape"),
+    ({}, lambda q, k, v, kw: (q, k, v.astype(mx.float16), kw), TypeError,
+     "v must have q's dtype float32, got float16"),
+    ({}, lambda q, k, v, kw: (q, k, v[:, :, :32], kw), ValueError,
+     "k and v must have the same shape"),
+    ({}, lambda q, k, v, kw: (q, k, v, {**kw, "kv_len": kw["kv_len"].reshape(1)}),
+     ValueError, r"kv_len as an mx.array must be 0-d, got shape \(1,\)"),
+    ({}, lambda q, k, v, kw: (q, k, v, {**kw, "kv_len": mx.array(40.0)}), TypeError,
+     "kv_len as an mx.array must have an integer dtype, got float32"),
+    ({}, lambda q, k, v, kw: (q, k, v, {**kw, "mask": "full"}), ValueError,
+     "a string mask must be 'causal', got 'full'"),
+    ({"mask": "causal"}, lambda q, k, v, kw: (q, k, v, {**kw, "causal": True}), ValueError,
+     "pass either causal=True or mask=, not both"),
+    ({}, lambda q, k, v, kw: (q, k, v, {**kw, "scale": 1e39}), ValueError,
+     r"scale must satisfy \|scale\| <= "),
+], ids=("q-dtype", "k-dtype", "k-shape", "v-dtype", "v-shape", "kv_len-shape", "kv_len-dtype", "mask-string",
+        "mask-and-causal", "scale"))
+def test_common_call_checks_every_call(rng, fields, change, exc, match):
+    """A call that would be refused is refused after a valid common call remembered its
+    plan (a field sdpa_multi's own key missed would find that plan and skip the checks)."""
+    q, k, v, kw = _common_call(rng, **fields)
+    mx.eval(mt.sdpa_multi(q, k, v, **kw))
+    assert op_module._COMMON_PLANS
+    q, k, v, kw = change(q, k, v, kw)
+    with pytest.raises(exc, match=r"^\[sdpa_multi\] " + match):
+        mt.sdpa_multi(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("fields", ({}, {"L": 4, "causal": True}, {"L": 4, "mask": "causal"}),
+                         ids=("decode", "verify-causal", "verify-mask"))
+def test_common_call_matches_the_general_path(kernel_backend, launches, rng, fields):
+    """The common call's own plan gives the general path's results bitwise (that path
+    taken here by an explicit stream): forward, and the gradients of q, k and v through
+    the backward kernels."""
+    q, k, v, kw = _common_call(rng, **fields)
+    stream = mx.default_stream(mx.default_device())
+
+    def loss(q, k, v, **extra):
+        return (mt.sdpa_multi(q, k, v, **kw, **extra) * v[:, :1, :1]).sum()
+
+    grad = mx.value_and_grad(loss, argnums=(0, 1, 2))
+    common = grad(q, k, v)
+    assert len(op_module._COMMON_PLANS) == 1
+    mx.eval(common)
+    n = len(launches)
+    general = grad(q, k, v, stream=stream)
+    mx.eval(general)
+    assert len(op_module._COMMON_PLANS) == 1  # the general path: _plan alone
+    names = [launch.name.rsplit("_", 1)[-1] for launch in launches]
+    assert names[:n] == names[n:] and {"split", "combine", "dq", "dkv"} <= set(names)
+    for got, want in zip([common[0], *common[1]], [general[0], *general[1]], strict=True):
+        assert mx.array_equal(got, want, equal_nan=True).item()
+
+
 def test_kv_len_l_and_batch_do_not_rebuild(kernel_backend, launches, rng):
     """A decode/verify loop (growing kv_len, then other L and B) builds no new kernel."""
     S = 700
