@@ -399,3 +399,23 @@ def test_launch_bounds_are_in_the_compiled_kernel(tmp_path):
         assert entries >= 1
         assert ptx.count(".maxntid 1024, 1, 1") == (entries if expected else 0)
         assert ptx.count(".minnctapersm 2") == (entries if expected else 0)
+
+
+def test_prepared_launch_keeps_its_latest_layouts(monkeypatch):
+    """A prepared launch given a new host-known scalar each call (a decode loop's kv_len)
+    packs each call's own bits, and keeps only its latest layouts (one per value)."""
+    from mlx_metaltile._msl import constants
+
+    made = _KernelRecorder()
+    monkeypatch.setattr(mx.fast, "cuda_kernel", made)
+    k = cuda.metal_kernel("k", ["x", "kv", "n"], ["out"], "out[0] = x[0];")
+    run = k.prepare_launch([None, None, constants.scalar(5, mx.uint32)],
+                           output_shapes=[(1,)], output_dtypes=[mx.float32], grid=(32, 1, 1),
+                           threadgroup=(32, 1, 1), template=[])
+    x = mx.zeros((4,))
+    for n in (*range(1000, 1000 + cuda._LAYOUTS + 8), 1000, 1003):
+        run([x, constants.scalar(n, mx.uint32)])
+        name, kwargs = made.calls[-1]
+        x_in, packed = kwargs["inputs"]
+        assert name == "k_apupu" and x_in is x and packed.tolist()[:2] == [n, 5]
+    assert len(run._layouts) == cuda._LAYOUTS

@@ -24,9 +24,9 @@ PACKABLE = {mx.uint32: "uint", mx.int32: "int", mx.float32: "float"}
 # and an attention kv_len is a new one every token.
 _LIMIT = 8192
 _made: dict[tuple, mx.array] = {}
-# id -> (weak reference, bits) of every live scalar made here: one forgotten by _made but
-# still held (by an op's remembered plan, say) keeps its bits
-_bits: dict[int, tuple[weakref.ref, int]] = {}
+# id -> (weak reference, bits, (its PACKABLE type, bits)) of every live scalar made here: one
+# forgotten by _made but still held (by an op's remembered plan, say) keeps its bits
+_bits: dict[int, tuple[weakref.ref, int, tuple[str, int]]] = {}
 
 
 def scalar(value, dtype: mx.Dtype) -> mx.array:
@@ -42,7 +42,8 @@ def scalar(value, dtype: mx.Dtype) -> mx.array:
         bits = _bits_of(value, dtype)
         if bits is not None:
             at = id(array)
-            _bits[at] = (weakref.ref(array, lambda _, at=at: _bits.pop(at, None)), bits)
+            _bits[at] = (weakref.ref(array, lambda _, at=at: _bits.pop(at, None)), bits,
+                         (PACKABLE[dtype], bits))
     return array
 
 
@@ -64,3 +65,10 @@ def known_bits(array: mx.array) -> int | None:
     """The 32 bits of a remembered scalar made by :func:`scalar`, else None."""
     entry = _bits.get(id(array))
     return entry[1] if entry is not None and entry[0]() is array else None
+
+
+def packed_form(array: mx.array) -> tuple[str, int] | None:
+    """(its PACKABLE type, its 32 bits) of a remembered scalar made by :func:`scalar`, else
+    None: what an executor packing it needs, in one look-up (one tuple per scalar)."""
+    entry = _bits.get(id(array))
+    return entry[2] if entry is not None and entry[0]() is array else None

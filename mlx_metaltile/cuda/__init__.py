@@ -24,7 +24,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from .._msl.constants import PACKABLE, known_bits
+from .._msl.constants import PACKABLE, known_bits, packed_form
 from .._msl.kernel import Launch, MetalKernel, binder
 from ._translate import (
     GRID_INPUT,
@@ -196,10 +196,17 @@ def _kind(x: mx.array) -> str:
     return "s" if known_bits(x) is None else PACKABLE[x.dtype]
 
 
+# Layouts a prepared launch keeps (the latest): each host-known scalar value given per call
+# has its own (a decode step's layers share their kv_len, a new one each token).
+_LAYOUTS = 64
+
+
 class _PreparedLaunch:
     """``CudaKernel.prepare_launch``'s ``run(arrays)``. The kernel object, the inputs passed
-    and the packed scalars depend on the kinds of the arrays given (a 0-d one may be a known
-    scalar: packed, or a device one: passed as itself); each kinds' layout is made once."""
+    and the packed scalars depend on the forms of the arrays given: "a" an array, "s" a 0-d
+    array passed as itself, or a host-known scalar's (MSL type, bits), packed
+    (``_msl.constants.packed_form``). Each forms' layout, its packed array made, is made
+    once: per call the forms are read and the inputs bound."""
 
     __slots__ = ("_kernel", "_inputs", "_kinds", "_options", "_guarded", "_layouts")
 
@@ -207,41 +214,47 @@ class _PreparedLaunch:
         self._kernel, self._inputs, self._options = kernel, list(inputs), options
         self._kinds = [None if x is None else _kind(x) for x in inputs]  # None: per call
         self._guarded = not grid_is_whole(options["grid"], options["threadgroup"])
-        self._layouts: dict[tuple[str, ...], tuple[Callable, Callable]] = {}
+        self._layouts: dict[tuple, tuple[Callable, Callable]] = {}
 
     def __call__(self, arrays: Sequence[mx.array]) -> list[mx.array]:
-        kinds = tuple(["a" if x.ndim else _kind(x) for x in arrays])
-        layout = self._layouts.get(kinds)
+        forms = tuple(["a" if x.ndim else packed_form(x) or "s" for x in arrays])
+        layout = self._layouts.get(forms)
         if layout is None:
-            layout = self._layouts[kinds] = self._layout(kinds)
+            layout = self._layout(forms)
         kernel, bind = layout
         return kernel(inputs=bind(arrays), **self._options)
 
-    def _layout(self, given: tuple[str, ...]) -> tuple[Callable, Callable]:
-        """(the MLX kernel object, ``bind(arrays)``: its inputs) for arrays of kinds
-        ``given``: ``_run``'s inputs, with the constants' parts made now."""
+    def _layout(self, forms: tuple) -> tuple[Callable, Callable]:
+        """(the MLX kernel object, ``bind(arrays)``: its inputs) for arrays of ``forms``:
+        ``_run``'s inputs, the packed array made now; remembered."""
+        given = [f if f in _PASSED else f[0] for f in forms]
         kinds = binder(self._kinds)(given)
         _, kernel = self._kernel._variant(tuple(kinds), self._guarded)
-        passed = [x for x, k in zip(self._inputs, kinds, strict=True) if k in _PASSED]
-        bits = [None if x is None else known_bits(x)
+        given_bits = iter([f[1] for f in forms if f not in _PASSED])
+        bits = [next(given_bits) if x is None else known_bits(x)
                 for x, k in zip(self._inputs, kinds, strict=True) if k not in _PASSED]
-        extra = [_grid_array(self._options["grid"])] if self._guarded else []
-        packed_given = [j for j, k in enumerate(given) if k not in _PASSED]
-        if not packed_given:  # the usual case: every packed scalar is a constant
-            packed = [_packed_array(tuple(bits))] if bits else []
-            return kernel, binder(passed + packed + extra)
-        passed_given = [j for j, k in enumerate(given) if k in _PASSED]
-        bind_inputs, bind_bits = binder(passed + [None] + extra), binder(bits)
+        # the inputs passed (None: one given per call), the packed scalars, the grid
+        inputs = [x for x, k in zip(self._inputs, kinds, strict=True) if k in _PASSED]
+        inputs += [_packed_array(tuple(bits))] if bits else []
+        inputs += [_grid_array(self._options["grid"])] if self._guarded else []
+        passed_given = [j for j, f in enumerate(forms) if f in _PASSED]
+        places = [i for i, x in enumerate(inputs) if x is None]
+        n = len(places)
+        if passed_given == places == list(range(n)):  # the usual case: those given first
+            tail = inputs[n:]
 
-        @lru_cache(maxsize=64)  # a decode step's layers share their kv_len
-        def packed(*given_bits: int) -> mx.array:
-            return _packed_array(tuple(bind_bits(given_bits)))
+            def bind(arrays: Sequence[mx.array]) -> list[mx.array]:
+                return [*arrays[:n], *tail]
+        else:
+            bind_inputs = binder(inputs)
 
-        def bind(arrays: Sequence[mx.array]) -> list[mx.array]:
-            return bind_inputs([*[arrays[j] for j in passed_given],
-                                packed(*[known_bits(arrays[j]) for j in packed_given])])
+            def bind(arrays: Sequence[mx.array]) -> list[mx.array]:
+                return bind_inputs([arrays[j] for j in passed_given])
 
-        return kernel, bind
+        if len(self._layouts) >= _LAYOUTS:
+            self._layouts.pop(next(iter(self._layouts)), None)
+        layout = self._layouts[forms] = (kernel, bind)
+        return layout
 
 
 def metal_kernel(name: str, input_names: Sequence[str], output_names: Sequence[str],
