@@ -380,6 +380,26 @@ def test_common_call_plan_per_metadata(kernel_backend, launches, rng):
     assert len(plans) == len(_COMMON_VARIATIONS) + 1 and len(launches) == n + 2
 
 
+def test_common_call_plan_keeps_no_argument_alive(kernel_backend, rng):
+    """The common call's remembered plan holds none of its arguments (forward and VJP)."""
+    import gc
+    import weakref
+
+    q, k, v, _ = _common_call(rng)
+    args = (q, k, v, mx.array(40, dtype=mx.uint32))  # a kv_len made here, not a constant
+    refs = [weakref.ref(a) for a in args]
+
+    def loss(q, k, v, kv_len):
+        return mt.sdpa_multi(q, k, v, scale=0.125, kv_len=kv_len).sum()
+
+    mx.eval(mx.grad(loss, argnums=(0, 1, 2))(*args))
+    mx.eval(loss(*args))
+    assert len(op_module._COMMON_PLANS) == 1
+    del q, k, v, args
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+
+
 @pytest.mark.parametrize("fields, change, exc, match", [
     ({}, lambda q, k, v, kw: (q.astype(mx.float16), k, v, kw), TypeError,
      "k must have q's dtype float16, got float32"),
