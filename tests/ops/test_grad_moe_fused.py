@@ -293,8 +293,8 @@ def test_expert_glu_negative_control(kernel_backend, monkeypatch, rng):
 
 def test_expert_down_combine_negative_control(kernel_backend, monkeypatch, rng):
     """dscores without the bias' term (the kernel computes the forward) must fail."""
-    real = down._expert_outputs
-    monkeypatch.setattr(down, "_expert_outputs",
-                        lambda h, w, s, b, i, bias, info: real(h, w, s, b, i, None, info))
+    real = down._pair_outputs
+    monkeypatch.setattr(down, "_pair_outputs",
+                        lambda h, experts, i, bias, info: real(h, experts, i, None, info))
     with pytest.raises(AssertionError, match="dscores .*out of tolerance"):
         down_check(rng, mx.float32, 3, True, True)
