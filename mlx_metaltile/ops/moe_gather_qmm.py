@@ -15,7 +15,6 @@ the fp modes run the simdgroup path).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
@@ -444,32 +443,27 @@ def _x_vjp(g, w, scales, biases, indices, E, group_size, bits, mode, dtype,
         d = mx.gather_qmm(gf, w, scales, biases, rhs_indices=safe, transpose=False,
                           group_size=group_size, bits=bits, mode=mode)[:, 0, :]
     elif g.shape[0] < E:  # [M, N, K]: only the experts the rows name
-        wd = _rounded_weights(group_size, bits, dtype, mode)(
-            w[safe], scales[safe], None if biases is None else biases[safe])
+        wd = _rounded_weights(w[safe], scales[safe], None if biases is None else
+                              biases[safe], group_size, bits, dtype, mode)
         d = mx.matmul(gf, wd)[:, 0, :]
     else:
-        wd = _rounded_weights(group_size, bits, dtype, mode)(w, scales, biases)  # [E, N, K]
+        wd = _rounded_weights(w, scales, biases, group_size, bits, dtype, mode)  # [E, N, K]
         d = mx.gather_mm(gf, wd, rhs_indices=safe)[:, 0, :]
     return mx.where(valid[:, None], d, mx.array(float("nan"))).astype(out_dtype or dtype)
 
 
-@functools.cache
-def _rounded_weights(group_size: int, bits: int, dtype, mode: str) -> Callable:
-    """``_dequantize_rounded``'s float32 weights for the backward, its elementwise steps
-    fused by mx.compile (one pass over the [..., N, K] weights instead of one per step).
-    Affine codes are read as bytes (4 bits: low nibble first, the order of ``_unpack_codes``
-    on MLX's little-endian devices), not shifted out of words per element."""
+def _rounded_weights(w, scales, biases, group_size: int, bits: int, dtype,
+                     mode: str) -> mx.array:
+    """``_dequantize_rounded``'s float32 weights (the same values), for the backward. Affine
+    codes are read as bytes (4 bits: low nibble first, the order of ``_unpack_codes`` on
+    MLX's little-endian devices) instead of shifted out of words per element: no [..., K]
+    uint32 intermediate. (mx.compile would fuse the steps, but MLX runs a compiled function
+    uncompiled inside a VJP, where its inputs are tracers.)"""
     if mode != "affine":
-        return functools.partial(_dequantize_rounded, group_size=group_size, bits=bits,
-                                 dtype=dtype, mode=mode)
-
-    def rounded(w, scales, biases):
-        codes = w.view(mx.uint8)
-        if bits == 4:
-            codes = mx.stack([codes & 15, codes >> 4], axis=-1)
-        q = mx.unflatten(mx.flatten(codes, -2, -1) if bits == 4 else codes, -1,
-                         (-1, group_size)).astype(mx.float32)
-        wf = q * scales.astype(mx.float32)[..., None] + biases.astype(mx.float32)[..., None]
-        return mx.flatten(wf.astype(dtype).astype(mx.float32), -2, -1)
-
-    return mx.compile(rounded)
+        return _dequantize_rounded(w, scales, biases, group_size, bits, dtype, mode)
+    codes = w.view(mx.uint8)
+    if bits == 4:
+        codes = mx.flatten(mx.stack([codes & 15, codes >> 4], axis=-1), -2, -1)
+    q = mx.unflatten(codes, -1, (-1, group_size)).astype(mx.float32)
+    wf = q * scales.astype(mx.float32)[..., None] + biases.astype(mx.float32)[..., None]
+    return mx.flatten(wf.astype(dtype).astype(mx.float32), -2, -1)
