@@ -37,7 +37,14 @@ from ._grad import (
     refuse_shapeless,
     shapeless_tracing,
 )
-from .expert_qmv import ROWS_PER_THREADGROUP, SIMDGROUPS, _check_expert_qmv, _x_vjp
+from .expert_qmv import (
+    ROWS_PER_THREADGROUP,
+    SIMDGROUPS,
+    _check_expert_qmv,
+    _f32_experts,
+    _f32_product,
+    _x_vjp,
+)
 from .expert_qmv import _reference as _qmv_reference
 
 OP = "expert_down_combine"
@@ -129,15 +136,27 @@ def _reference(h, w, scales, biases, indices, scores, bias, info: dict) -> mx.ar
     return y.astype(h.dtype)
 
 
+def _pair_outputs(h, experts: tuple, indices, bias, info: dict) -> mx.array:
+    """_expert_outputs' y [..., k, D] from expert_qmv's _f32_experts operands."""
+    y = _f32_product(h.astype(mx.float32)[..., None, :], experts, info, transpose=True)
+    if bias is not None:
+        y = y + bias[mx.where(_valid(indices, info["n_experts"]), indices, 0)].astype(
+            mx.float32)
+    return y
+
+
 def _backward(g, h, w, scales, biases, indices, scores, bias, info: dict) -> list[mx.array]:
     """[dh, dscores] (+ [dbias]) for the cotangent g [..., D], in float32: dh_j = s_j g W[e_j]
     (expert_qmv's dx), dscores_j = g . y_j (y recomputed), dbias[e] = sum of s_j g over the
     pairs naming e. A pair with an id outside [0, E) gives its h row and its score NaN, as
-    its NaN term, and adds nothing to the bias' gradient."""
+    its NaN term, and adds nothing to the bias' gradient. The experts are gathered and
+    widened once (expert_qmv's _f32_experts: at decode only the selected ones) for both
+    products."""
     gf = g.astype(mx.float32)[..., None, :]
     sf = scores.astype(mx.float32)[..., None]
-    dh = _x_vjp(gf * sf, w, scales, biases, indices, h.shape, h.dtype, info)
-    y = _expert_outputs(h, w, scales, biases, indices, bias, info)
+    experts = _f32_experts(w, scales, biases, indices, info)
+    dh = _x_vjp(gf * sf, None, None, None, None, h.shape, h.dtype, info, experts)
+    y = _pair_outputs(h, experts, indices, bias, info)
     grads = [dh, (gf * y).sum(axis=-1).astype(scores.dtype)]
     if bias is not None:
         valid = _valid(indices, info["n_experts"]).reshape(-1)

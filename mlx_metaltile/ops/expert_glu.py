@@ -41,6 +41,8 @@ from .expert_qmv import (
     _bcast_dims,
     _bcast_input,
     _check_expert_qmv,
+    _f32_experts,
+    _f32_product,
     _k_groups,
     _out_shape,
     _x_vjp,
@@ -215,13 +217,22 @@ def _backward(g, x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up
     up recomputed in float32, MLX's autodiff of the activation (zero where swiglu_oai
     clamps), then the transposed quantized products (expert_qmv's dx: a pair with an id
     outside [0, E) gives its x NaN). The biases' gradients sum each expert's pairs; a pair
-    with an out-of-range id reads no bias row and adds nothing to them."""
-    gate, up = _projections(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up,
-                            indices, bias_gate, bias_up, info)
+    with an out-of-range id reads no bias row and adds nothing to them. Each projection's
+    experts are gathered and widened once (expert_qmv's _f32_experts: at decode only the
+    selected ones) for both its recomputation and its transposed product."""
+    gate_experts = _f32_experts(w_gate, scales_gate, biases_gate, indices, info)
+    up_experts = _f32_experts(w_up, scales_up, biases_up, indices, info)
+    xf = mx.expand_dims(x.astype(mx.float32), -2 if info["x_k_axis"] else (-3, -2))
+    gate = _f32_product(xf, gate_experts, info, transpose=True)
+    up = _f32_product(xf, up_experts, info, transpose=True)
+    if info["has_bias"]:
+        safe = mx.where(_valid(indices, info["n_experts"]), indices, 0)
+        gate = gate + bias_gate[safe].astype(mx.float32)
+        up = up + bias_up[safe].astype(mx.float32)
     _, (d_gate, d_up) = mx.vjp(lambda a, b: _activate(a, b, info["activation"]), [gate, up],
                                [g.astype(mx.float32)])
-    dx = (_x_vjp(d_gate, w_gate, scales_gate, biases_gate, indices, x.shape, mx.float32, info)
-          + _x_vjp(d_up, w_up, scales_up, biases_up, indices, x.shape, mx.float32, info))
+    dx = (_x_vjp(d_gate, None, None, None, None, x.shape, mx.float32, info, gate_experts)
+          + _x_vjp(d_up, None, None, None, None, x.shape, mx.float32, info, up_experts))
     grads = [dx.astype(x.dtype)]
     if info["has_bias"]:
         ids_shape = (*info["lead"], info["k"])

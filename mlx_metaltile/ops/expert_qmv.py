@@ -411,21 +411,50 @@ def _plan(x, w, scales, biases, indices, group_size, bits, mode, backend: str,
     return run_on(stream, run)
 
 
-def _x_vjp(g, w, scales, biases, indices, x_shape, x_dtype, info: dict) -> mx.array:
-    """dx for the cotangent g [..., k, N]: g times the experts' weights (the transposed
-    quantized product, MLX's gather_qmm(transpose=False)) in float32, summed over the axes
-    x was broadcast along. A (token, expert) pair with an out-of-range id contributes NaN,
-    as its output row is NaN."""
+def _f32_experts(w, scales, biases, indices, info: dict) -> tuple:
+    """The operands of float32 products over the selected experts, for the backward
+    passes: (w, scales, biases, ids, valid), ids in [0, len(w)) for mx.gather_qmm's
+    rhs_indices, valid False for an id outside [0, E). MLX's gather_qmm widens float16 /
+    bfloat16 scales and biases to x's float32 itself (an AsType of whole arrays): with
+    fewer (token, expert) pairs than experts (decode) the pairs' experts are gathered first,
+    so only their rows are widened, as in the forward composite; with more pairs the whole
+    stack is. Nothing is gathered or widened where the scales are float32 or uint8 (the fp
+    modes): gather_qmm reads only the selected experts then."""
     valid = indices < info["n_experts"]
     if indices.dtype == mx.int32:
         valid = valid & (indices >= 0)
-    safe = mx.where(valid, indices, 0).astype(mx.uint32)
-    if info["mode"] == "affine":
-        scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
-    d = mx.gather_qmm(g.astype(mx.float32)[..., None, :], w, scales, biases, rhs_indices=safe,
-                      transpose=False, group_size=info["group_size"], bits=info["bits"],
-                      mode=info["mode"])
-    d = mx.where(valid[..., None], mx.squeeze(d, axis=-2), mx.array(float("nan")))
+    ids = mx.where(valid, indices, 0).astype(mx.uint32)
+    if info["mode"] != "affine" or scales.dtype == mx.float32:
+        return w, scales, biases, ids, valid
+    pairs = info["tokens"] * info["k"]
+    if pairs < info["n_experts"]:
+        ids_shape = (*info["lead"], info["k"])
+        selected = mx.broadcast_to(ids, ids_shape).reshape(pairs)
+        w, scales, biases = w[selected], scales[selected], biases[selected]
+        ids = mx.arange(pairs, dtype=mx.uint32).reshape(ids_shape)
+    return w, scales.astype(mx.float32), biases.astype(mx.float32), ids, valid
+
+
+def _f32_product(a, experts: tuple, info: dict, transpose: bool) -> mx.array:
+    """mx.gather_qmm of float32 ``a`` [..., 1, K] (its leading axes broadcast with the
+    ids') with ``_f32_experts``' operands, the size-1 axis dropped; NaN rows for the pairs
+    with an id outside [0, E)."""
+    w, scales, biases, ids, valid = experts
+    d = mx.gather_qmm(a, w, scales, biases, rhs_indices=ids, transpose=transpose,
+                      group_size=info["group_size"], bits=info["bits"], mode=info["mode"])
+    return mx.where(valid[..., None], mx.squeeze(d, axis=-2), mx.array(float("nan")))
+
+
+def _x_vjp(g, w, scales, biases, indices, x_shape, x_dtype, info: dict,
+           experts: tuple | None = None) -> mx.array:
+    """dx for the cotangent g [..., k, N]: g times the experts' weights (the transposed
+    quantized product, MLX's gather_qmm(transpose=False)) in float32, summed over the axes
+    x was broadcast along. A (token, expert) pair with an out-of-range id contributes NaN,
+    as its output row is NaN. ``experts``: ``_f32_experts``' operands when the caller
+    already has them (then w, scales, biases and indices are not read)."""
+    if experts is None:
+        experts = _f32_experts(w, scales, biases, indices, info)
+    d = _f32_product(g.astype(mx.float32)[..., None, :], experts, info, transpose=False)
     if not info["x_k_axis"]:  # one activation shared by the token's k experts
         d = mx.sum(d, axis=-2)
     return sum_to_shape(d, tuple(x_shape)).astype(x_dtype)

@@ -429,19 +429,41 @@ def _x_vjp(g, w, scales, biases, indices, E, group_size, bits, mode, dtype,
            out_dtype=None) -> mx.array:
     """dx[m] = g[m] @ W[indices[m]] with the weights the forward multiplies by (each
     rounded to x's dtype), float32; a row with an out-of-range id gets NaN, as its output.
-    Returned in ``out_dtype`` (default: x's dtype). Dequantizes the rows' experts (fewer
-    rows than experts: one copy per row) or the whole stack (otherwise), whichever is
+    Returned in ``out_dtype`` (default: x's dtype). float32 x: the rounding is exact, so
+    MLX's gather_qmm(transpose=False) in float32 multiplies by those weights without
+    materialising them. float16/bfloat16: the rounded weights of the rows' experts (fewer
+    rows than experts: one copy per row) or of the whole stack (otherwise), whichever is
     smaller: the row count is a shape, so the choice needs no host sync."""
     valid = indices < E
     if indices.dtype == mx.int32:
         valid = valid & (indices >= 0)
     safe = mx.where(valid, indices, 0).astype(mx.uint32)
     gf = g.astype(mx.float32)[:, None, :]
-    if g.shape[0] < E:  # [M, N, K]: only the experts the rows name
-        wd = _dequantize_rounded(w[safe], scales[safe], None if biases is None else
-                                 biases[safe], group_size, bits, dtype, mode)
+    if dtype == mx.float32:
+        d = mx.gather_qmm(gf, w, scales, biases, rhs_indices=safe, transpose=False,
+                          group_size=group_size, bits=bits, mode=mode)[:, 0, :]
+    elif g.shape[0] < E:  # [M, N, K]: only the experts the rows name
+        wd = _rounded_weights(w[safe], scales[safe], None if biases is None else
+                              biases[safe], group_size, bits, dtype, mode)
         d = mx.matmul(gf, wd)[:, 0, :]
     else:
-        wd = _dequantize_rounded(w, scales, biases, group_size, bits, dtype, mode)  # [E, N, K]
+        wd = _rounded_weights(w, scales, biases, group_size, bits, dtype, mode)  # [E, N, K]
         d = mx.gather_mm(gf, wd, rhs_indices=safe)[:, 0, :]
     return mx.where(valid[:, None], d, mx.array(float("nan"))).astype(out_dtype or dtype)
+
+
+def _rounded_weights(w, scales, biases, group_size: int, bits: int, dtype,
+                     mode: str) -> mx.array:
+    """``_dequantize_rounded``'s float32 weights (the same values), for the backward. Affine
+    codes are read as bytes (4 bits: low nibble first, the order of ``_unpack_codes`` on
+    MLX's little-endian devices) instead of shifted out of words per element: no [..., K]
+    uint32 intermediate. (mx.compile would fuse the steps, but MLX runs a compiled function
+    uncompiled inside a VJP, where its inputs are tracers.)"""
+    if mode != "affine":
+        return _dequantize_rounded(w, scales, biases, group_size, bits, dtype, mode)
+    codes = w.view(mx.uint8)
+    if bits == 4:
+        codes = mx.flatten(mx.stack([codes & 15, codes >> 4], axis=-1), -2, -1)
+    q = mx.unflatten(codes, -1, (-1, group_size)).astype(mx.float32)
+    wf = q * scales.astype(mx.float32)[..., None] + biases.astype(mx.float32)[..., None]
+    return mx.flatten(wf.astype(dtype).astype(mx.float32), -2, -1)

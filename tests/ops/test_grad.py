@@ -178,6 +178,97 @@ def test_expert_qmv_vjp_out_of_range_id_is_nan(any_backend, rng):
     assert nan.tolist() == [False, True, False]
 
 
+# Decode: far fewer (token, expert) pairs than experts. The backward then gathers the
+# pairs' experts before widening their scales (expert_qmv._f32_experts): first, last and
+# duplicated ids, and an out-of-range one (NaN for its x, the others exact).
+DECODE_IDS = np.array([[0, 15, 15, 7], [16, 3, 0, 15]], dtype=np.int32)  # E = 16, 8 pairs
+
+
+@pytest.mark.parametrize("mode", ("affine", "mxfp4"))
+@pytest.mark.parametrize("per_expert", (False, True), ids=("shared_x", "per_expert_x"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_expert_qmv_vjp_decode_few_pairs(any_backend, rng, dtype, per_expert, mode):
+    E, N, K = 16, 33, 64
+    w, scales, biases, wd = _quantize(rng, (E, N, K), dtype, mode)
+    T, k = DECODE_IDS.shape
+    x = mx.array(rng.standard_normal((T, k, K) if per_expert else (T, K)).astype(np.float32))
+    x = x.astype(dtype)
+    g = mx.array(rng.standard_normal((T, k, N)).astype(np.float32)).astype(dtype)
+    _, (dx,) = mx.vjp(lambda x: mt.expert_qmv(x, w, scales, biases, mx.array(DECODE_IDS),
+                                              mode=mode), [x], [g])
+    valid = DECODE_IDS < E
+    terms = np.einsum("tkn,tknc->tknc", _f64(g), wd[np.where(valid, DECODE_IDS, 0)])
+    want, mag = terms.sum(2), np.abs(terms).sum(2)
+    if not per_expert:  # the token with the bad id: all of its x
+        want, mag, valid = want.sum(1), mag.sum(1), valid.all(1)
+    got = _f64(dx)
+    assert dx.dtype == dtype and np.isnan(got[~valid]).all()
+    assert_close(got[valid], want[valid], dtype, mag[valid], what="dx")
+
+
+@pytest.mark.parametrize("per_expert", (False, True), ids=("shared_x", "per_expert_x"))
+@pytest.mark.parametrize("dtype", (mx.float16, mx.bfloat16), ids=("float16", "bfloat16"))
+def test_expert_qmv_vjp_gathered_equals_whole_stack(rng, dtype, per_expert):
+    """The decode backward (the pairs' experts gathered, then widened) gives exactly the
+    dx of the whole stack widened (the products are the same per pair; on the CPU)."""
+    qmv = importlib.import_module("mlx_metaltile.ops.expert_qmv")
+    E, N, K = 16, 32, 128
+    w, scales, biases, _ = _quantize(rng, (E, N, K), dtype, "affine")
+    T, k = DECODE_IDS.shape
+    x = mx.zeros((T, k, K) if per_expert else (T, K), dtype=dtype)
+    g = mx.array(rng.standard_normal((T, k, N)).astype(np.float32))
+    ids = mx.array(DECODE_IDS)
+    info = qmv._check_expert_qmv(x, w, scales, biases, ids, None, None, "affine")
+    with mx.stream(mx.cpu):
+        gathered = qmv._f32_experts(w, scales, biases, ids, info)
+        assert gathered[0].shape[0] == T * k  # the pairs' experts only
+        valid = ids < E
+        whole = (w, scales.astype(mx.float32), biases.astype(mx.float32),
+                 mx.where(valid, ids, 0).astype(mx.uint32), valid & (ids >= 0))
+        got, want = (qmv._x_vjp(g, None, None, None, None, x.shape, mx.float32, info, e)
+                     for e in (gathered, whole))
+        assert np.array_equal(np.array(got), np.array(want), equal_nan=True)
+        assert np.isnan(np.array(got)).any() and not np.isnan(np.array(got)).all()
+
+
+@pytest.mark.parametrize("mode", ("affine", "mxfp4"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_moe_gather_qmm_vjp_decode_few_rows(any_backend, rng, dtype, mode):
+    """Fewer rows than experts (the rows' experts' rounded weights; float32: MLX's
+    gather_qmm) with first, last, duplicated and out-of-range ids."""
+    E, N, K = 16, 32, 64
+    w, scales, biases, _ = _quantize(rng, (E, N, K), dtype, mode)
+    wd = _f64(mx.array(_decode(w, scales, biases, mode), dtype=mx.float32).astype(dtype))
+    ids = DECODE_IDS.reshape(-1)
+    valid = ids < E
+    x = mx.array(rng.standard_normal((ids.size, K)).astype(np.float32)).astype(dtype)
+    g = mx.array(rng.standard_normal((ids.size, N)).astype(np.float32)).astype(dtype)
+    _, (dx,) = mx.vjp(lambda x: mt.moe_gather_qmm(x, w, scales, biases, mx.array(ids),
+                                                  mode=mode), [x], [g])
+    terms = _f64(g)[:, :, None] * wd[np.where(valid, ids, 0)]
+    got = _f64(dx)
+    assert dx.dtype == dtype and np.isnan(got[~valid]).all()
+    assert_close(got[valid], terms.sum(1)[valid], dtype, np.abs(terms).sum(1)[valid],
+                 what="dx")
+
+
+@pytest.mark.parametrize("dtype", (mx.float16, mx.bfloat16), ids=("float16", "bfloat16"))
+def test_moe_gather_qmm_vjp_rows_equal_whole_stack(rng, dtype):
+    """The rows' experts' rounded weights (fewer rows than experts) and the whole stack's
+    (as many rows as experts or more) give the rows the same dx (on the CPU)."""
+    mgq = importlib.import_module("mlx_metaltile.ops.moe_gather_qmm")
+    E, N, K = 16, 32, 128
+    w, scales, biases, _ = _quantize(rng, (E, N, K), dtype, "affine")
+    ids = mx.array(DECODE_IDS.reshape(-1))
+    g = mx.array(rng.standard_normal((ids.size, N)).astype(np.float32)).astype(dtype)
+    reps = -(-E // ids.size)  # the same rows repeated: at least E of them
+    with mx.stream(mx.cpu):
+        few, many = (mgq._x_vjp(mx.tile(g, (r, 1)), w, scales, biases, mx.tile(ids, r), E,
+                                64, 4, "affine", dtype)[:ids.size] for r in (1, reps))
+        assert np.array_equal(_f64(few), _f64(many), equal_nan=True)
+        assert np.isnan(_f64(few)).any() and not np.isnan(_f64(few)).all()
+
+
 @pytest.mark.parametrize("M", (1, 5))
 @pytest.mark.parametrize("mode", ("affine", "mxfp4"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)

@@ -78,34 +78,45 @@ def glu_grad_oracle(x, wg, wu, bg, bu, ids, c, activation):
                               mags[1][..., None] * np.abs(wu[ids])], axis=2)).sum(axes)
     dbias = []
     for d, mag in zip((d_gate, d_up), mags, strict=True):
-        acc, acc_mag = np.zeros((E, N)), np.zeros((E, N))
+        acc, acc_mag = np.zeros((len(wg), N)), np.zeros((len(wg), N))
         np.add.at(acc, ids.reshape(-1), d.reshape(-1, N))
         np.add.at(acc_mag, ids.reshape(-1), mag.reshape(-1, N))
         dbias.append((acc, acc_mag))
     return (dx, dx_mag), *dbias
 
 
-def _glu_inputs(rng, dtype, k, bias, per_expert=False):
-    gate, wg = _quantize(rng, (E, N, K), dtype)
-    up, wu = _quantize(rng, (E, N, K), dtype)
-    # k = 3: expert 0 twice in the first token (duplicated ids), the last expert in both.
-    ids = np.array([[0, 3, 0], [3, 2, 1]] if k == 3 else [[3], [0]], dtype=np.uint32)
+def _ids(k: int, n_experts: int) -> np.ndarray:
+    """k = 3: expert 0 twice in the first token (duplicated ids), the last expert in both;
+    k = 4 (decode, 16 experts or more: fewer pairs than experts): first, last twice, one
+    between."""
+    if k == 4:
+        return np.array([[0, n_experts - 1, n_experts - 1, 7]], dtype=np.uint32)
+    return np.array([[0, 3, 0], [3, 2, 1]] if k == 3 else [[3], [0]], dtype=np.uint32)
+
+
+def _glu_inputs(rng, dtype, k, bias, per_expert=False, n_experts=E):
+    gate, wg = _quantize(rng, (n_experts, N, K), dtype)
+    up, wu = _quantize(rng, (n_experts, N, K), dtype)
+    ids = _ids(k, n_experts)
+    T = ids.shape[0]
     # gate, up ~ N(0, 8): swiglu_oai clamps some of them
-    x = _rand(rng, (2, k, K) if per_expert else (2, K), dtype)
-    biases = (_rand(rng, (E, N), dtype), _rand(rng, (E, N), dtype)) if bias else ()
-    c = _rand(rng, (2, k, N), dtype)
+    x = _rand(rng, (T, k, K) if per_expert else (T, K), dtype)
+    biases = ((_rand(rng, (n_experts, N), dtype), _rand(rng, (n_experts, N), dtype)) if bias
+              else ())
+    c = _rand(rng, (T, k, N), dtype)
     return gate, up, wg, wu, ids, x, biases, c
 
 
-def glu_check(rng, dtype, k, activation, bias, per_expert=False):
-    gate, up, wg, wu, ids, x, biases, c = _glu_inputs(rng, dtype, k, bias, per_expert)
+def glu_check(rng, dtype, k, activation, bias, per_expert=False, n_experts=E):
+    gate, up, wg, wu, ids, x, biases, c = _glu_inputs(rng, dtype, k, bias, per_expert,
+                                                      n_experts)
 
     def fn(x, *b):
         kw = dict(bias_gate=b[0], bias_up=b[1]) if b else {}
         return mt.expert_glu(x, *gate, *up, mx.array(ids), activation=activation, **kw)
 
     _, grads = mx.vjp(fn, [x, *biases], [c])
-    zero = np.zeros((E, N))
+    zero = np.zeros((n_experts, N))
     bg, bu = (to_f64(b) for b in biases) if bias else (zero, zero)
     want = glu_grad_oracle(to_f64(x), wg, wu, bg, bu, ids, to_f64(c), activation)
     assert len(grads) == 1 + len(biases)
@@ -166,18 +177,19 @@ def down_grad_oracle(h, wd, b, ids, s, c):
     return (dh, dh_mag), (ds, ds_mag), (db, db_mag)
 
 
-def down_check(rng, dtype, k, bias, scores_f32):
+def down_check(rng, dtype, k, bias, scores_f32, n_experts=E):
     D = N
-    q, wd = _quantize(rng, (E, D, K), dtype)
-    ids = np.array([[0, 3, 0], [3, 2, 1]] if k == 3 else [[3], [0]], dtype=np.uint32)
-    h = _rand(rng, (2, k, K), dtype)
-    s = _rand(rng, (2, k), mx.float32 if scores_f32 else dtype)
-    b = _rand(rng, (E, D), dtype) if bias else None
-    c = _rand(rng, (2, D), dtype)
+    q, wd = _quantize(rng, (n_experts, D, K), dtype)
+    ids = _ids(k, n_experts)
+    T = ids.shape[0]
+    h = _rand(rng, (T, k, K), dtype)
+    s = _rand(rng, (T, k), mx.float32 if scores_f32 else dtype)
+    b = _rand(rng, (n_experts, D), dtype) if bias else None
+    c = _rand(rng, (T, D), dtype)
     primals = [h, s] + ([b] if bias else [])
     _, grads = mx.vjp(lambda h, s, *b: mt.expert_down_combine(
         h, *q, mx.array(ids), s, bias=b[0] if b else None), primals, [c])
-    want = down_grad_oracle(to_f64(h), wd, to_f64(b) if bias else np.zeros((E, D)), ids,
+    want = down_grad_oracle(to_f64(h), wd, to_f64(b) if bias else np.zeros((n_experts, D)), ids,
                             to_f64(s), to_f64(c))
     assert len(grads) == len(primals)
     for got, p, (exact, mag), name in zip(grads, primals, want[:len(grads)],
@@ -198,6 +210,42 @@ def test_expert_down_combine_vjp(any_backend, rng, dtype, scores_f32, bias, k):
         assert np.any(to_f64(g) != 0)  # no silent zero
     if any_backend != "reference":
         assert backends.launch_count() > before
+
+
+@pytest.mark.parametrize("per_expert", (False, True), ids=("shared_x", "per_expert_x"))
+@pytest.mark.parametrize("activation, bias", [("silu", False), ("swiglu_oai", True)],
+                         ids=("silu", "swiglu_oai_bias"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_expert_glu_vjp_decode_few_pairs(any_backend, rng, dtype, activation, bias,
+                                         per_expert):
+    """One token's 4 experts of 32: the backward gathers the pairs' experts (first, last
+    twice) before widening their scales."""
+    glu_check(rng, dtype, 4, activation, bias, per_expert, n_experts=32)
+
+
+@pytest.mark.parametrize("bias", (False, True), ids=("no_bias", "bias"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_expert_down_combine_vjp_decode_few_pairs(any_backend, rng, dtype, bias):
+    down_check(rng, dtype, 4, bias, False, n_experts=32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_fused_vjp_decode_out_of_range_id_is_nan(any_backend, rng, dtype):
+    """At decode (fewer pairs than experts: the gathered backward) a bad id still gives its
+    x, h row and score NaN, the rest finite."""
+    (gate, _), (down_q, _) = (_quantize(rng, (32, 32, 64), dtype) for _ in range(2))
+    ids = mx.array([[0, 31, 32], [31, 5, 0]], dtype=mx.int32)
+    x = _rand(rng, (2, 64), dtype)
+    dx = mx.grad(lambda x: mt.expert_glu(x, *gate, *gate, ids).astype(mx.float32)[
+        :, :, 0].sum())(x)
+    assert np.isnan(to_f64(dx)).all(axis=1).tolist() == [True, False]
+    h, s = _rand(rng, (2, 3, 64), dtype), _rand(rng, (2, 3), dtype)
+    dh, ds = mx.grad(lambda h, s: mt.expert_down_combine(h, *down_q, ids, s).astype(
+        mx.float32)[1].sum(), argnums=(0, 1))(h, s)
+    assert np.isnan(to_f64(dh)).all(axis=-1).tolist() == [[False, False, True],
+                                                          [False, False, False]]
+    assert np.isnan(to_f64(ds)).tolist() == [[False, False, True], [False, False, False]]
+    assert np.isfinite(to_f64(dh)).sum() == 5 * 64
 
 
 # ---- out-of-range ids ------------------------------------------------------------------
@@ -293,8 +341,8 @@ def test_expert_glu_negative_control(kernel_backend, monkeypatch, rng):
 
 def test_expert_down_combine_negative_control(kernel_backend, monkeypatch, rng):
     """dscores without the bias' term (the kernel computes the forward) must fail."""
-    real = down._expert_outputs
-    monkeypatch.setattr(down, "_expert_outputs",
-                        lambda h, w, s, b, i, bias, info: real(h, w, s, b, i, None, info))
+    real = down._pair_outputs
+    monkeypatch.setattr(down, "_pair_outputs",
+                        lambda h, experts, i, bias, info: real(h, experts, i, None, info))
     with pytest.raises(AssertionError, match="dscores .*out of tolerance"):
         down_check(rng, mx.float32, 3, True, True)
