@@ -8,7 +8,7 @@ import numpy as np
 import mlx_metaltile as mt
 
 from .. import backends
-from ..ops.sdpa_multi import BACKWARD_SPECS, COMBINE_SPEC, SPLIT_SPEC
+from ..ops.sdpa_multi import BACKWARD_SPECS, COMBINE_SPEC, MMA_SPEC, SPLIT_SPEC
 from ._base import DTYPES, BenchCase, assert_close, grad_case, to_f64
 
 OP = "sdpa_multi"
@@ -202,7 +202,9 @@ def make_inputs(rng, B, Hq, Hkv, L, S, D, dtype, qk_scale=1.0):
 
 
 def launch_counts(backend):
-    return (backends.launch_count(SPLIT_SPEC.name, backend),
+    """(pass-1 launches: the split kernel's and the MMA kernel's, combine launches)."""
+    return (backends.launch_count(SPLIT_SPEC.name, backend)
+            + backends.launch_count(MMA_SPEC.name, backend),
             backends.launch_count(COMBINE_SPEC.name, backend))
 
 
