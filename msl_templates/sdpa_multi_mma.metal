@@ -57,6 +57,12 @@
 //     sum with two simd_shuffle_xor each.
 //   Registers per lane: q, D/8 T fragments (2 elements each); o, D/8 float fragments; S 4;
 //     P 4 x PT T fragments.
+//   CUDA (nvcc sm_90 --resource-usage, no mask / bool / additive): half D 64 89 / 94 / 95
+//     registers per thread, D 96 128 / 128 / 122, D 128 183 / 178 / 182, D 256 240 / 213 /
+//     255; bfloat D 64 130 / 128 / 125, D 96 128 / 128 / 172, D 128 184 / 178 / 182, D 256
+//     239 / 206 / 255; no spills, no stack (the unrolled loops below: without them nvcc kept
+//     q and o in local memory). Products of half / bfloat fragments run on the tensor cores
+//     (mt_cuda/matrix.cuh: one mma.sync m16n8k8 and 5 shuffles each).
 //
 // TRAFFIC per call: each visible K/V row is read once per row tile (ceil(G*L / TR) times;
 //   once when G*L <= 32); a causal tile stops at the last key its rows see, and a simdgroup
