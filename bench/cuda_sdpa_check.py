@@ -6,7 +6,7 @@ verify shapes, with the split kernel's paths (MMA, vector, staged) side by side.
         [--dtypes float16 bfloat16] [--iters 20] [--batch 8]
         [--vec-simdgroups-per-core 12] [--vec-min-keys 64] [--vec-max-splits 64]
         [--mma-min-rows 16] [--mma-min-queries 2] [--mma-simdgroups 4]
-        [--mma-simdgroups-per-core 16] [--mma-min-keys 128] [--mma-max-splits 64]
+        [--mma-simdgroups-per-core 8] [--mma-min-keys 128] [--mma-max-splits 64]
 
 Per case: native and ours in microseconds per call (median of --iters samples, each the
 evaluation of --batch queued calls on rotating device copies of the inputs, as

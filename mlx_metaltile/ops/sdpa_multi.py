@@ -73,12 +73,13 @@ VEC_MAX_SPLITS = 64
 # while a decode step (L 1, G rows: usually <= 8, one 8-row fragment at most) reads K/V once
 # on the vector path and is bound by memory. A huge MMA_MIN_ROWS disables it. Its tiles:
 # up to MMA_SIMDGROUPS simdgroups of 8 rows; slices for about MMA_SIMDGROUPS_PER_CORE
-# simdgroups per core, each at least MMA_MIN_KEYS keys, at most MMA_MAX_SPLITS (tuning
-# constants: they change speed, never results).
+# simdgroups per core (8: two 4-simdgroup threadgroups, what an H100/H200 SM holds at the
+# kernel's 178-184 registers per thread at D 128), each at least MMA_MIN_KEYS keys, at
+# most MMA_MAX_SPLITS (tuning constants: they change speed, never results).
 MMA_MIN_ROWS = 16
 MMA_MIN_QUERIES = 2
 MMA_SIMDGROUPS = 4
-MMA_SIMDGROUPS_PER_CORE = 16
+MMA_SIMDGROUPS_PER_CORE = 8
 MMA_MIN_KEYS = 128
 MMA_MAX_SPLITS = 64
 # Terms of T holding a probability (sdpa_multi_mma.metal, PROBABILITIES IN T).
