@@ -47,9 +47,11 @@
 //   grid = (32 * NSG * ceil(G*L / TR), n_splits, B * Hkv): threadgroup_position_in_grid =
 //     (row tile, slice, b * Hkv + kvh), the row tiles of one slice adjacent
 //   slice s covers keys [s * chunk, min((s + 1) * chunk, kv_len)); n_splits * chunk >= kv_len
-//   threadgroup memory: kv_tile, 32 x (D + 8) elements of T (D 128: 8,704 bytes; D 256:
-//     16,896): q's TR rows first, then each block's K, then its V (rows past the block's
-//     keys zero-filled: 0 * NaN would poison o). Every thread reaches every barrier.
+//   threadgroup memory: kv_tile, 32 x (D + 8) elements of T for K and as many for V where
+//     both fit in 32 KiB (KV_APART: D 64, 96, 128; D 128: 17,408 bytes), else one tile for
+//     both (D 256: 16,896 bytes): q's TR rows first, then each block's K and V, staged
+//     together (two barriers per block), or K then V (four). Rows past the block's keys
+//     are zero-filled (0 * NaN would poison o). Every thread reaches every barrier.
 //   Lane l of a simdgroup holds (Apple's simdgroup_matrix layout, the emulator's and the
 //     CUDA layer's) row fm = (l / 4 & 4) + (l / 2) % 4 and columns fn, fn + 1, fn = (l / 4 &
 //     2) * 2 + (l % 2) * 2 of each 8x8 fragment: its row's scores of a block are 8 of S's
@@ -57,9 +59,9 @@
 //     sum with two simd_shuffle_xor each.
 //   Registers per lane: q, D/8 T fragments (2 elements each); o, D/8 float fragments; S 4;
 //     P 4 x PT T fragments.
-//   CUDA (nvcc sm_90 --resource-usage, no mask / bool / additive): half D 64 89 / 94 / 95
-//     registers per thread, D 96 128 / 128 / 122, D 128 183 / 178 / 182, D 256 240 / 213 /
-//     255; bfloat D 64 130 / 128 / 125, D 96 128 / 128 / 172, D 128 184 / 178 / 182, D 256
+//   CUDA (nvcc sm_90 --resource-usage, no mask / bool / additive): half D 64 91 / 88 / 107
+//     registers per thread, D 96 128 / 125 / 123, D 128 179 / 181 / 179, D 256 240 / 213 /
+//     255; bfloat D 64 92 / 88 / 105, D 96 122 / 125 / 123, D 128 176 / 181 / 181, D 256
 //     239 / 206 / 255; no spills, no stack (the unrolled loops below: without them nvcc kept
 //     q and o in local memory). Products of half / bfloat fragments run on the tensor cores
 //     (mt_cuda/matrix.cuh: one mma.sync m16n8k8 and 5 shuffles each).
@@ -103,6 +105,26 @@ inline void mt_sdpa_mma_stage(threadgroup T* tile, const device T* src, uint n_v
     *reinterpret_cast<threadgroup vec<T, 4>*>(tile + j * TS + c) = x;
   }
 }
+
+// The same for a 32-row block of K and of V at once (both loads issued before the stores).
+template <typename T, int D, int TS>
+inline void mt_sdpa_mma_stage_kv(threadgroup T* k_tile, threadgroup T* v_tile,
+                                 const device T* k_src, const device T* v_src, uint n_valid,
+                                 uint tid, uint n_threads) {
+  constexpr uint Q4 = uint(D) / 4u;
+  for (uint e = tid; e < 32u * Q4; e += n_threads) {
+    const uint j = e / Q4;
+    const uint c = (e - j * Q4) * 4u;
+    vec<T, 4> xk = vec<T, 4>(T(0));
+    vec<T, 4> xv = vec<T, 4>(T(0));
+    if (j < n_valid) {
+      xk = *reinterpret_cast<const device vec<T, 4>*>(k_src + size_t(j) * D + c);
+      xv = *reinterpret_cast<const device vec<T, 4>*>(v_src + size_t(j) * D + c);
+    }
+    *reinterpret_cast<threadgroup vec<T, 4>*>(k_tile + j * TS + c) = xk;
+    *reinterpret_cast<threadgroup vec<T, 4>*>(v_tile + j * TS + c) = xv;
+  }
+}
 // ---- kernel body ----
 // Every loop over fragments, terms or a lane's 8 scores is unrolled: their arrays then live
 // in registers (nvcc left the unannotated ones in local memory).
@@ -112,7 +134,9 @@ constexpr int TS = D + 8;    // kv_tile row stride: 16 bytes of padding (fragmen
 constexpr float TERM_SCALE = PT == 2 ? 2048.0f : 1.0f;  // t_i's weight is TERM_SCALE^-i
 static_assert(D % 32 == 0, "head dim");
 static_assert(PT >= 1 && PT <= 3, "probability terms");
-threadgroup T kv_tile[32 * TS];
+constexpr bool KV_APART = 2 * 32 * TS * int(sizeof(T)) <= 32 * 1024;  // K and V tiles
+threadgroup T kv_tile[(KV_APART ? 2 : 1) * 32 * TS];
+threadgroup T* v_tile = kv_tile + (KV_APART ? 32 * TS : 0);
 
 const uint tile = threadgroup_position_in_grid.x;
 const uint slice = threadgroup_position_in_grid.y;
@@ -182,7 +206,12 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
   const uint nk = min(32u, k_end - kb);  // keys of this block (uniform)
   const bool live = kb < sg_end;         // this simdgroup's rows see a key of the block
   threadgroup_barrier(mem_flags::mem_threadgroup);  // earlier readers of kv_tile are done
-  mt_sdpa_mma_stage<T, D, TS>(kv_tile, k_head + size_t(kb) * D, nk, 32u, tid, n_threads);
+  if (KV_APART) {
+    mt_sdpa_mma_stage_kv<T, D, TS>(kv_tile, v_tile, k_head + size_t(kb) * D,
+                                   v_head + size_t(kb) * D, nk, tid, n_threads);
+  } else {
+    mt_sdpa_mma_stage<T, D, TS>(kv_tile, k_head + size_t(kb) * D, nk, 32u, tid, n_threads);
+  }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
   simdgroup_matrix<T, 8, 8> pf[PT][4];  // the block's weights w_j as PT terms
@@ -261,9 +290,11 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
     }
   }
 
-  threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done with K
-  mt_sdpa_mma_stage<T, D, TS>(kv_tile, v_head + size_t(kb) * D, nk, 32u, tid, n_threads);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (!KV_APART) {  // V into K's tile (uniform: a constant)
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done with K
+    mt_sdpa_mma_stage<T, D, TS>(v_tile, v_head + size_t(kb) * D, nk, 32u, tid, n_threads);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
 
   if (live) {
     // o += P V: term 0 straight into o, the others summed apart and added with their
@@ -274,7 +305,7 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
       #pragma clang loop unroll(full)
       for (int j = 0; j < 4; ++j) {
         simdgroup_matrix<T, 8, 8> vf;
-        simdgroup_load(vf, kv_tile + uint(j * 8) * TS + uint(i * 8), TS);
+        simdgroup_load(vf, v_tile + uint(j * 8) * TS + uint(i * 8), TS);
         simdgroup_multiply_accumulate(of[i], pf[0][j], vf, of[i]);
         #pragma clang loop unroll(full)
         for (int t = 1; t < PT; ++t) {

@@ -74,7 +74,7 @@ VEC_MAX_SPLITS = 64
 # on the vector path and is bound by memory. A huge MMA_MIN_ROWS disables it. Its tiles:
 # up to MMA_SIMDGROUPS simdgroups of 8 rows; slices for about MMA_SIMDGROUPS_PER_CORE
 # simdgroups per core (8: two 4-simdgroup threadgroups, what an H100/H200 SM holds at the
-# kernel's 178-184 registers per thread at D 128), each at least MMA_MIN_KEYS keys, at
+# kernel's 176-181 registers per thread at D 128), each at least MMA_MIN_KEYS keys, at
 # most MMA_MAX_SPLITS (tuning constants: they change speed, never results).
 MMA_MIN_ROWS = 16
 MMA_MIN_QUERIES = 2
@@ -501,7 +501,9 @@ def mma_plan(B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int, dtype: mx.D
         "path": "mma", "pt": MMA_TERMS[dtype], "rows": rows, "n_tiles": n_tiles,
         "n_simdgroups": nsg, "n_splits": n_splits, "chunk": chunk,
         "threadgroup": (tg, 1, 1), "grid": (tg * n_tiles, n_splits, B * Hkv),
-        "threadgroup_memory": KEY_BLOCK * (D + 8) * dtype.size,
+        # K and V tiles apart where both fit in 32 KiB (the kernel's KV_APART), else one
+        "threadgroup_memory": KEY_BLOCK * (D + 8) * dtype.size
+        * (2 if 2 * KEY_BLOCK * (D + 8) * dtype.size <= 32 * 1024 else 1),
     }
 
 

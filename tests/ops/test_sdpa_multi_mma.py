@@ -303,21 +303,24 @@ def test_emulator_strict_shuffled(mma_path, rng, seed):
     require_backend("emulator")
     with strict_emulator(seed):
         with backends.use_backend("emulator"):
-            q, k, v = make_inputs(rng, 1, 8, 1, 5, 100, 128, mx.bfloat16)
-            run_and_check(q, k, v, scale=128 ** -0.5, causal=True, kv_len=90,
-                          backend="emulator")
+            for D in (128, 256):  # K and V tiles apart, one tile for both
+                q, k, v = make_inputs(rng, 1, 8, 1, 5, 100, D, mx.bfloat16)
+                run_and_check(q, k, v, scale=D ** -0.5, causal=True, kv_len=90,
+                              backend="emulator")
 
 
-def test_negative_control_missing_barrier(mma_path, broken_kernel, rng):
-    """Reading the staged V block without waiting for all of it must be caught."""
+@pytest.mark.parametrize("D", (64, 256), ids=("kv-apart", "kv-shared"))
+def test_negative_control_missing_barrier(mma_path, broken_kernel, rng, D):
+    """Reading a staged K (D 64: K and V apart) or V block (D 256: one tile for both)
+    without waiting for all of it must be caught."""
     require_backend("emulator")
     from mlx_metaltile import emulator
 
-    staged = ("nk, 32u, tid, n_threads);\n  threadgroup_barrier(mem_flags::mem_threadgroup);\n"
-              "\n  if (live) {\n    // o += P V")
-    broken_kernel(op_module.MMA_SPEC, (staged, staged.replace(
-        "threadgroup_barrier(mem_flags::mem_threadgroup);", "")))
-    q, k, v = make_inputs(rng, 1, 8, 1, 5, 100, 64, mx.float16)
+    barrier = "threadgroup_barrier(mem_flags::mem_threadgroup);"
+    staged = (f"nk, 32u, tid, n_threads);\n  }}\n  {barrier}\n" if D == 64 else
+              f"nk, 32u, tid, n_threads);\n    {barrier}\n  }}\n")
+    broken_kernel(op_module.MMA_SPEC, (staged, staged.replace(barrier, "")))
+    q, k, v = make_inputs(rng, 1, 8, 1, 5, 100, D, mx.float16)
     with strict_emulator(1):
         with backends.use_backend("emulator"), pytest.raises((emulator.ThreadgroupRace,
                                                            emulator.UninitializedThreadgroupRead)):
