@@ -11,6 +11,7 @@ import numpy as np
 import mlx_metaltile as mt
 
 from .. import backends
+from ..ops._common import clear_plans
 from ..ops.sdpa_multi import BACKWARD_SPECS, COMBINE_SPEC, MMA_SPEC, SPLIT_SPEC
 from ._base import DTYPES, BenchCase, assert_close, grad_case, to_f64
 
@@ -298,7 +299,9 @@ def _variant_call(backend, rng):
 @contextlib.contextmanager
 def mma_rows(min_rows: int, path: str | None = None):
     """Inside: the MMA path's MMA_MIN_ROWS is ``min_rows`` (and MMA_MIN_QUERIES 1 when
-    ``min_rows`` is 1), and with ``path`` every backend's SPLIT_PATH is ``path``."""
+    ``min_rows`` is 1), and with ``path`` every backend's SPLIT_PATH is ``path`` (the
+    plans, which read them once, are forgotten on the way in and out)."""
+    clear_plans()
     saved = (dict(_ops.SPLIT_PATH), _ops.MMA_MIN_ROWS, _ops.MMA_MIN_QUERIES)
     _ops.MMA_MIN_ROWS = min_rows
     if min_rows == 1:
@@ -311,6 +314,7 @@ def mma_rows(min_rows: int, path: str | None = None):
         _ops.SPLIT_PATH.clear()
         _ops.SPLIT_PATH.update(saved[0])
         _ops.MMA_MIN_ROWS, _ops.MMA_MIN_QUERIES = saved[1:]
+        clear_plans()
 
 
 def _split_call(backend, rng):
