@@ -98,9 +98,13 @@ def override_tag(filename: str) -> str:
 @contextlib.contextmanager
 def override(filename: str, *edits: tuple[str, str]) -> Iterator[None]:
     """Inside: template ``filename`` reads as its text with each (old, new) edit applied in
-    turn (each ``old`` must occur; every occurrence is replaced). Nests."""
+    turn (each ``old`` must occur; every occurrence is replaced). An ``old`` found only in a
+    header the template includes edits that header's text inlined into the template (the
+    other kernels including the header keep it as it is). Nests."""
     text = read_text(filename)
     for old, new in edits:
+        if old not in text:
+            text = _inline_includes(text, set())
         if old not in text:
             raise ValueError(f"[mlx_metaltile] {old!r} does not occur in template {filename}")
         text = text.replace(old, new)

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+
 import mlx.core as mx
 import numpy as np
 
 import mlx_metaltile as mt
 
 from .. import backends
-from ..ops.sdpa_multi import BACKWARD_SPECS, COMBINE_SPEC, SPLIT_SPEC
+from ..ops._common import clear_plans
+from ..ops.sdpa_multi import BACKWARD_SPECS, COMBINE_SPEC, MMA_SPEC, SPLIT_SPEC
 from ._base import DTYPES, BenchCase, assert_close, grad_case, to_f64
+
+_ops = importlib.import_module("..ops.sdpa_multi", __package__)  # the module (the package
+# exports the function under the same name)
 
 OP = "sdpa_multi"
 
@@ -202,7 +209,9 @@ def make_inputs(rng, B, Hq, Hkv, L, S, D, dtype, qk_scale=1.0):
 
 
 def launch_counts(backend):
-    return (backends.launch_count(SPLIT_SPEC.name, backend),
+    """(pass-1 launches: the split kernel's and the MMA kernel's, combine launches)."""
+    return (backends.launch_count(SPLIT_SPEC.name, backend)
+            + backends.launch_count(MMA_SPEC.name, backend),
             backends.launch_count(COMBINE_SPEC.name, backend))
 
 
@@ -287,7 +296,38 @@ def _variant_call(backend, rng):
     run_and_check(q, k, v, scale=0.125, causal=True, kv_len=80, backend=backend)
 
 
-VARIANT_CALLS = {"split": _variant_call, "combine": _variant_call}  # one call runs both
+@contextlib.contextmanager
+def mma_rows(min_rows: int, path: str | None = None):
+    """Inside: the MMA path's MMA_MIN_ROWS is ``min_rows`` (and MMA_MIN_QUERIES 1 when
+    ``min_rows`` is 1), and with ``path`` every backend's SPLIT_PATH is ``path`` (the
+    plans, which read them once, are forgotten on the way in and out)."""
+    clear_plans()
+    saved = (dict(_ops.SPLIT_PATH), _ops.MMA_MIN_ROWS, _ops.MMA_MIN_QUERIES)
+    _ops.MMA_MIN_ROWS = min_rows
+    if min_rows == 1:
+        _ops.MMA_MIN_QUERIES = 1
+    if path is not None:
+        _ops.SPLIT_PATH.update(dict.fromkeys(_ops.SPLIT_PATH, path))
+    try:
+        yield
+    finally:
+        _ops.SPLIT_PATH.clear()
+        _ops.SPLIT_PATH.update(saved[0])
+        _ops.MMA_MIN_ROWS, _ops.MMA_MIN_QUERIES = saved[1:]
+        clear_plans()
+
+
+def _split_call(backend, rng):
+    with mma_rows(1 << 30):  # the cuda plan's MMA path off: sdpa_multi.metal
+        _variant_call(backend, rng)
+
+
+def _mma_call(backend, rng):
+    with mma_rows(1, "mma"):  # sdpa_multi_mma.metal on every backend
+        _variant_call(backend, rng)
+
+
+VARIANT_CALLS = {"split": _split_call, "combine": _variant_call, "split_mma": _mma_call}
 
 
 def _backward_call(backend, rng):

@@ -52,12 +52,14 @@ TARGET_THREADS = 32 * 1024
 MIN_SPLIT_BLOCKS = 4
 MIN_KEYS_PER_ROW = 16
 MAX_SPLITS = 128
-# The split kernel's two paths (sdpa_multi.metal), chosen per backend: "staged" (32-row
-# tiles, K/V staged through threadgroup memory, lane per key) or "vector" (RS-row tiles, 4
-# simdgroups per KV slice, each lane reading D/32 contiguous elements of every K/V row). The
-# Metal plan keeps the staged path until the vector path is timed on a Mac; the emulator
-# follows Metal (tests force either).
-SPLIT_PATH = {"metal": "staged", "emulator": "staged", "cuda": "vector"}
+# The split kernel's paths, chosen per backend: "staged" (sdpa_multi.metal: 32-row tiles,
+# K/V staged through threadgroup memory, lane per key), "vector" (sdpa_multi.metal: RS-row
+# tiles, 4 simdgroups per KV slice, each lane reading D/32 contiguous elements of every K/V
+# row) or "mma" (sdpa_multi_mma.metal on simdgroup_matrix products, for half / bfloat
+# problems of at least MMA_MIN_ROWS query rows per KV head and MMA_MIN_QUERIES queries; the
+# vector path for the others). The Metal plan keeps the staged path until the others are
+# timed on a Mac; the emulator follows Metal (tests force each).
+SPLIT_PATH = {"metal": "staged", "emulator": "staged", "cuda": "mma"}
 VEC_ROWS = (4, 8, 16)  # rows per simdgroup (RS) the vector path is built for
 VEC_SIMDGROUPS = 4  # simdgroups sharing a KV slice per threadgroup (the kernel's VSG)
 # Simdgroups in flight per GPU core the vector plan aims for (12: three 4-simdgroup
@@ -66,6 +68,22 @@ VEC_SIMDGROUPS = 4  # simdgroups sharing a KV slice per threadgroup (the kernel'
 VEC_SIMDGROUPS_PER_CORE = 12
 VEC_MIN_KEYS = 64
 VEC_MAX_SPLITS = 64
+# The MMA path. Taken from G*L >= 16 rows and L >= 2: there the vector path's scalar FMAs
+# and shuffles bound it (H100, h32/8 D128 f16: 0.28-0.36x native at L 8, 0.62x at L 4),
+# while a decode step (L 1, G rows: usually <= 8, one 8-row fragment at most) reads K/V once
+# on the vector path and is bound by memory. A huge MMA_MIN_ROWS disables it. Its tiles:
+# up to MMA_SIMDGROUPS simdgroups of 8 rows; slices for about MMA_SIMDGROUPS_PER_CORE
+# simdgroups per core (8: two 4-simdgroup threadgroups, what an H100/H200 SM holds at the
+# kernel's 176-181 registers per thread at D 128), each at least MMA_MIN_KEYS keys, at
+# most MMA_MAX_SPLITS (tuning constants: they change speed, never results).
+MMA_MIN_ROWS = 16
+MMA_MIN_QUERIES = 2
+MMA_SIMDGROUPS = 4
+MMA_SIMDGROUPS_PER_CORE = 8
+MMA_MIN_KEYS = 128
+MMA_MAX_SPLITS = 64
+# Terms of T holding a probability (sdpa_multi_mma.metal, PROBABILITIES IN T).
+MMA_TERMS = {mx.float16: 2, mx.bfloat16: 3}
 LOG2E = 1.4426950408889634
 MAX_SCALE = 3.4028234663852886e38 / LOG2E  # scale * log2(e) stays a finite float32
 
@@ -131,6 +149,29 @@ SPLIT_SPEC, COMBINE_SPEC = register(
         bindings=grid(T=FLOAT_TYPES, D=HEAD_DIMS),
         geometry="one simdgroup per output row, 4 rows per TG; grid (128*ceil(rows/4), 1, 1)",
         notes="template T, D; n_rows, n_splits, scale, L, Hq and the sinks are runtime",
+    ),
+)
+
+
+def _mma_bindings():
+    for t, d, kind in itertools.product(MMA_TERMS, HEAD_DIMS,
+                                        (MASK_NONE, MASK_BOOL, MASK_ADDITIVE)):
+        yield {"T": t, "D": d, "PT": MMA_TERMS[t], "MASK_KIND": kind,
+               "MT": _mask_type(kind, t)}
+
+
+(MMA_SPEC,) = register(
+    KernelSpec(
+        op=OP, variant="split_mma", template="sdpa_multi_mma.metal",
+        inputs=SPLIT_SPEC.inputs, outputs=SPLIT_SPEC.outputs,
+        params=("T", "D", "PT", "MASK_KIND"), bindings=_mma_bindings,
+        dtypes=("float16", "bfloat16"),
+        geometry="pass 1 on 8x8 simdgroup_matrix products (half / bfloat): tiles of 8*NSG "
+                 "query rows (NSG = 1..4 simdgroups of 8 rows); TG = 32*NSG threads; grid "
+                 "(TG*ceil(rows/(8*NSG)), n_splits, B*Hkv); K/V staged 32 keys at a time, "
+                 "each read once per row tile",
+        notes="template T, D, PT (terms of T per probability: 2 half, 3 bfloat), MASK_KIND; "
+              "the same runtime inputs and partials as the split kernel",
     ),
 )
 
@@ -436,10 +477,46 @@ def vector_plan(B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int, dtype: m
     }
 
 
+def mma_plan(B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int, dtype: mx.Dtype,
+             cores: int | None = None) -> dict:
+    """The MMA path's launch geometry (sdpa_multi_mma.metal): tiles of 8 * NSG query rows,
+    NSG = min(MMA_SIMDGROUPS, ceil(rows / 8)) simdgroups of 8 rows, and enough slices of
+    whole 32-key blocks for about MMA_SIMDGROUPS_PER_CORE simdgroups per core, each at least
+    MMA_MIN_KEYS keys, at most MMA_MAX_SPLITS. Half and bfloat only."""
+    if dtype not in MMA_TERMS:
+        raise ValueError(f"[{OP}] the MMA path takes float16 or bfloat16, got "
+                         f"{dtype_name(dtype)}")
+    rows = (Hq // Hkv) * L
+    nsg = min(MMA_SIMDGROUPS, -(-rows // 8))
+    n_tiles = -(-rows // (8 * nsg))
+    cores = cores or _device.gpu_cores() or _device.DEFAULT_GPU_CORES
+    want = max(1, min(cores * MMA_SIMDGROUPS_PER_CORE // (B * Hkv * n_tiles * nsg),
+                      MMA_MAX_SPLITS))
+    # As the vector plan: up to MMA_MIN_KEYS * want keys the slices are MMA_MIN_KEYS long
+    # whatever kv_len is (a device-side kv_len, planned at S, sums in the same order).
+    chunk = -(-max(MMA_MIN_KEYS, -(-kv_len // want)) // KEY_BLOCK) * KEY_BLOCK
+    n_splits = -(-kv_len // chunk)
+    tg = 32 * nsg
+    return {
+        "path": "mma", "pt": MMA_TERMS[dtype], "rows": rows, "n_tiles": n_tiles,
+        "n_simdgroups": nsg, "n_splits": n_splits, "chunk": chunk,
+        "threadgroup": (tg, 1, 1), "grid": (tg * n_tiles, n_splits, B * Hkv),
+        # K and V tiles apart where both fit in 32 KiB (the kernel's KV_APART), else one
+        "threadgroup_memory": KEY_BLOCK * (D + 8) * dtype.size
+        * (2 if 2 * KEY_BLOCK * (D + 8) * dtype.size <= 32 * 1024 else 1),
+    }
+
+
 def split_plan(backend: str, B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int,
                dtype: mx.Dtype) -> dict:
     """The split kernel's geometry on ``backend`` (SPLIT_PATH chooses the path)."""
-    if SPLIT_PATH.get(backend, "staged") == "vector":
+    path = SPLIT_PATH.get(backend, "staged")
+    if path == "mma":
+        if (dtype in MMA_TERMS and L >= MMA_MIN_QUERIES
+                and (Hq // Hkv) * L >= MMA_MIN_ROWS):
+            return mma_plan(B, Hq, Hkv, L, D, kv_len, dtype)
+        path = "vector"
+    if path == "vector":
         return vector_plan(B, Hq, Hkv, L, D, kv_len, dtype)
     return plan(B, Hq, Hkv, L, D, kv_len, dtype)
 
@@ -465,8 +542,12 @@ def _launcher(p: _Problem, mask_shape: tuple | None, has_sinks: bool, dtype: mx.
     # Element strides of the row-contiguous 4-D mask, 0 on its broadcast (size-1) axes.
     mb, mh, ml, mc = mask_shape or _NO_MASK[0].shape
     strides = (mh * ml * mc if mb > 1 else 0, ml * mc if mh > 1 else 0, mc if ml > 1 else 0)
+    if pl["path"] == "mma":
+        split_spec, params = MMA_SPEC, {"PT": pl["pt"]}
+    else:
+        split_spec, params = SPLIT_SPEC, {"RS": pl["rs"], "DC": pl["dc"]}
     split = backends.prepare(
-        SPLIT_SPEC, backend,
+        split_spec, backend,
         inputs={"q": None, "k": None, "v": None, "n_q": scalar(L, mx.uint32),
                 "group": scalar(Hq // Hkv, mx.uint32),
                 "kv_len": None if device_kv_len else scalar(p.kv_len, mx.uint32),
@@ -477,8 +558,7 @@ def _launcher(p: _Problem, mask_shape: tuple | None, has_sinks: bool, dtype: mx.
                 "mask_sh": scalar(strides[1], mx.uint32),
                 "mask_sl": scalar(strides[2], mx.uint32), "kv_heads": scalar(Hkv, mx.uint32),
                 "mask_block": scalar(int(p.block), mx.uint32)},
-        template={"T": dtype, "D": D, "RS": pl["rs"], "DC": pl["dc"],
-                  "MASK_KIND": p.mask_kind},
+        template={"T": dtype, "D": D, **params, "MASK_KIND": p.mask_kind},
         outputs={"o_part": ((n_out, pl["n_splits"], D), mx.float32),
                  "ml_part": ((n_out, pl["n_splits"], 2), mx.float32)},
         grid=pl["grid"], threadgroup=pl["threadgroup"],
