@@ -14,6 +14,11 @@ from mlx_metaltile import _registry, backends
 KERNEL_BACKENDS = ("emulator", "metal", "cuda")
 
 
+def dtype_id(d: mx.Dtype) -> str:
+    """A dtype's short name, for pytest ids (``float16``)."""
+    return str(d).split(".")[-1]
+
+
 def backend_params(*names: str):
     """pytest params for backends, marked so that absent ones skip with their reason."""
     params = []

@@ -8,7 +8,7 @@ import importlib
 import mlx.core as mx
 import numpy as np
 import pytest
-from support import backend_params, require_backend
+from support import backend_params, dtype_id, require_backend
 
 import mlx_metaltile as mt
 from mlx_metaltile import backends
@@ -18,9 +18,6 @@ from mlx_metaltile.cases.sdpa_multi import make_inputs, oracle, run_and_check
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 op_module = importlib.import_module("mlx_metaltile.ops.sdpa_multi")
 
-
-def dtype_id(d):
-    return str(d).split(".")[-1]
 
 
 def bool_mask(rng, shape, p=0.6):

@@ -10,7 +10,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from support import backend_params, require_backend, strict_emulator
+from support import backend_params, dtype_id, require_backend, strict_emulator
 
 import mlx_metaltile as mt
 from mlx_metaltile import backends
@@ -21,9 +21,6 @@ from mlx_metaltile.cases.sdpa_multi import launch_counts, make_inputs, oracle, r
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 op_module = importlib.import_module("mlx_metaltile.ops.sdpa_multi")
 
-
-def dtype_id(d):
-    return str(d).split(".")[-1]
 
 
 # (B, Hq, Hkv, L, kv_len, S, D, causal): L in {1, 8, 16, 33}, GQA 1/2/4/8, with and

@@ -12,7 +12,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from support import require_backend, strict_emulator
+from support import dtype_id, require_backend, strict_emulator
 
 import mlx_metaltile as mt
 from mlx_metaltile import backends
@@ -23,9 +23,6 @@ from mlx_metaltile.cases.sdpa_multi import launch_counts, make_inputs, oracle, r
 DTYPES = (mx.float16, mx.bfloat16)
 op_module = importlib.import_module("mlx_metaltile.ops.sdpa_multi")
 
-
-def dtype_id(d):
-    return str(d).split(".")[-1]
 
 
 @pytest.fixture
