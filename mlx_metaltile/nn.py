@@ -56,6 +56,13 @@ _EXPERT_BITS = (4, 8)  # expert_qmv / moe_gather_qmm, affine mode
 _EXPERT_GROUP_SIZES = (32, 64, 128)
 _MGQ_TILE = 32  # moe_gather_qmm needs N and K multiples of this
 SDPA_HEAD_DIMS = (64, 96, 128, 256)  # sdpa_multi
+# Query rows per call (L) for which a routed attention call runs sdpa_multi; a call outside
+# runs mlx-lm's own sdpa (mx.fast.scaled_dot_product_attention), counted in ``fallbacks``.
+# A backend where a model measured faster on MLX's attention kernels (``python -m
+# mlx_metaltile model-bench``) gets its own entry in SDPA_QUERIES_PER_BACKEND;
+# sdpa_queries() is the one place that reads the two.
+SDPA_QUERIES = range(1, 1 << 31)
+SDPA_QUERIES_PER_BACKEND: dict[str, range] = {}
 # Calls of stand-ins (and routed attention) that ran mlx-lm's path: (kind, why) -> count.
 fallbacks: Counter = Counter()
 
@@ -69,6 +76,12 @@ def prefill_min_pairs(backend: str | None = None) -> int:
     (None: the one an op call would run on now)."""
     return PREFILL_MIN_PAIRS_PER_BACKEND.get(backend or backends.resolve_backend(),
                                              PREFILL_MIN_PAIRS)
+
+
+def sdpa_queries(backend: str | None = None) -> range:
+    """The query rows per call (L) for which routed attention runs sdpa_multi on
+    ``backend`` (None: the one an op call would run on now)."""
+    return SDPA_QUERIES_PER_BACKEND.get(backend or backends.resolve_backend(), SDPA_QUERIES)
 
 
 # ---------------------------------------------------------------------------- gated norm
@@ -696,6 +709,8 @@ def _kv_cache_class() -> type:
 def sdpa_unserved(queries, keys, values, cache, mask, sinks) -> str | None:
     """None if one ``scaled_dot_product_attention`` call of mlx-lm can run on sdpa_multi
     over the cache's whole buffer, else why not."""
+    if queries.shape[-2] not in sdpa_queries():
+        return "queries per call outside sdpa_queries()"
     if sinks is not None and (not isinstance(sinks, mx.array)
                               or tuple(sinks.shape) != (queries.shape[1],)
                               or not _promotes_to(sinks.dtype, queries.dtype)):

@@ -436,6 +436,32 @@ def test_unserved_cache_falls_back(op_calls):
     assert all(mx.array_equal(a, b).item() for a, b in zip(want, got, strict=True))
 
 
+def test_attention_serves_only_the_backends_query_range(op_calls, monkeypatch):
+    """A backend's SDPA_QUERIES_PER_BACKEND entry sends the calls whose L falls outside it to
+    mlx-lm's sdpa (counted as fallbacks) and the others to sdpa_multi; the logits stay
+    those of the unpatched model."""
+    model = model_for("llama")
+    want = forward(model)
+    backend = backends.resolve_backend()
+    # the prompt (L = 32) and the decode steps (L = 1) fall outside, the L = 3 block inside
+    monkeypatch.setitem(mtnn.SDPA_QUERIES_PER_BACKEND, backend, range(2, 9))
+    assert mtnn.sdpa_queries() == range(2, 9)
+    assert mtnn.sdpa_queries("no such backend") == mtnn.SDPA_QUERIES
+    report = mt.patch(model)
+    before = mtnn.fallbacks.copy()
+    try:
+        got = forward(model)
+    finally:
+        mt.unpatch(model)
+    ran = mtnn.fallbacks - before
+    layers = len(model.layers)
+    assert ran == Counter({("attention", "queries per call outside sdpa_queries()"):
+                           3 * layers}), ran
+    assert op_calls["sdpa_multi"] == layers  # the verification block, once per layer
+    for a, b in zip(want, got, strict=True):
+        assert mx.abs(a - b).max().item() <= logits_bound(report, a)
+
+
 def test_only_patched_instances_are_routed(op_calls):
     patched, plain = model_for("qwen3"), tiny_model("qwen3")
     mt.patch(patched)
