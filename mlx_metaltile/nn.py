@@ -58,11 +58,18 @@ _MGQ_TILE = 32  # moe_gather_qmm needs N and K multiples of this
 SDPA_HEAD_DIMS = (64, 96, 128, 256)  # sdpa_multi
 # Query rows per call (L) for which a routed attention call runs sdpa_multi; a call outside
 # runs mlx-lm's own sdpa (mx.fast.scaled_dot_product_attention), counted in ``fallbacks``.
-# A backend where a model measured faster on MLX's attention kernels (``python -m
-# mlx_metaltile model-bench``) gets its own entry in SDPA_QUERIES_PER_BACKEND;
+# A backend where models measured faster on MLX's attention kernels (``python -m
+# mlx_metaltile model-bench``) gets its own entry per head dim in SDPA_QUERIES_PER_BACKEND;
 # sdpa_queries() is the one place that reads the two.
 SDPA_QUERIES = range(1, 1 << 31)
-SDPA_QUERIES_PER_BACKEND: dict[str, range] = {}
+# cuda: decode and verify steps (L = 1, 4, 8, 16) and a 512-token prefill of 4-layer models
+# on an H100, 1024 cached tokens, native / patched with sdpa_multi / patched with MLX's
+# attention: MLX's (cuDNN's flash kernels) was as fast or faster at head dim 128
+# (Qwen3-30B-A3B, Mixtral) and 64 (gpt-oss, with sinks) at every L; at 256 (Qwen3-Next)
+# sdpa_multi was faster from L = 1 to 16 (decode 1.00x against 0.85x) and MLX's at the
+# prefill. Head dim 96 was not measured.
+SDPA_QUERIES_PER_BACKEND: dict[str, dict[int, range]] = {
+    "cuda": {64: range(0), 128: range(0), 256: range(1, 17)}}
 # Calls of stand-ins (and routed attention) that ran mlx-lm's path: (kind, why) -> count.
 fallbacks: Counter = Counter()
 
@@ -78,10 +85,11 @@ def prefill_min_pairs(backend: str | None = None) -> int:
                                              PREFILL_MIN_PAIRS)
 
 
-def sdpa_queries(backend: str | None = None) -> range:
-    """The query rows per call (L) for which routed attention runs sdpa_multi on
-    ``backend`` (None: the one an op call would run on now)."""
-    return SDPA_QUERIES_PER_BACKEND.get(backend or backends.resolve_backend(), SDPA_QUERIES)
+def sdpa_queries(head_dim: int, backend: str | None = None) -> range:
+    """The query rows per call (L) for which routed attention with this head dim runs
+    sdpa_multi on ``backend`` (None: the one an op call would run on now)."""
+    table = SDPA_QUERIES_PER_BACKEND.get(backend or backends.resolve_backend())
+    return SDPA_QUERIES if table is None else table.get(head_dim, SDPA_QUERIES)
 
 
 # ---------------------------------------------------------------------------- gated norm
@@ -709,7 +717,7 @@ def _kv_cache_class() -> type:
 def sdpa_unserved(queries, keys, values, cache, mask, sinks) -> str | None:
     """None if one ``scaled_dot_product_attention`` call of mlx-lm can run on sdpa_multi
     over the cache's whole buffer, else why not."""
-    if queries.shape[-2] not in sdpa_queries():
+    if queries.shape[-2] not in sdpa_queries(queries.shape[-1]):
         return "queries per call outside sdpa_queries()"
     if sinks is not None and (not isinstance(sinks, mx.array)
                               or tuple(sinks.shape) != (queries.shape[1],)

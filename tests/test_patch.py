@@ -437,16 +437,18 @@ def test_unserved_cache_falls_back(op_calls):
 
 
 def test_attention_serves_only_the_backends_query_range(op_calls, monkeypatch):
-    """A backend's SDPA_QUERIES_PER_BACKEND entry sends the calls whose L falls outside it to
-    mlx-lm's sdpa (counted as fallbacks) and the others to sdpa_multi; the logits stay
-    those of the unpatched model."""
+    """A backend's SDPA_QUERIES_PER_BACKEND entry for the model's head dim sends the calls
+    whose L falls outside it to mlx-lm's sdpa (counted as fallbacks) and the others to
+    sdpa_multi; the logits stay those of the unpatched model."""
     model = model_for("llama")
     want = forward(model)
-    backend = backends.resolve_backend()
+    backend, head_dim = backends.resolve_backend(), model.layers[0].self_attn.head_dim
     # the prompt (L = 32) and the decode steps (L = 1) fall outside, the L = 3 block inside
-    monkeypatch.setitem(mtnn.SDPA_QUERIES_PER_BACKEND, backend, range(2, 9))
-    assert mtnn.sdpa_queries() == range(2, 9)
-    assert mtnn.sdpa_queries("no such backend") == mtnn.SDPA_QUERIES
+    monkeypatch.setitem(mtnn.SDPA_QUERIES_PER_BACKEND, backend, {head_dim: range(2, 9)})
+    assert mtnn.sdpa_queries(head_dim) == range(2, 9)
+    assert mtnn.sdpa_queries(head_dim * 2) == mtnn.SDPA_QUERIES  # another head dim
+    assert mtnn.sdpa_queries(head_dim, "no such backend") == mtnn.SDPA_QUERIES
+    assert mtnn.sdpa_queries(128, "cuda") == range(0)  # MLX's attention measured faster
     report = mt.patch(model)
     before = mtnn.fallbacks.copy()
     try:
