@@ -6,7 +6,8 @@ floating-point scale per group (float32 / float16 / bfloat16; groups of 16, 32, 
 ``mode=`` names MLX's mode; without it the format is read from the scales (dtype and groups).
 
 Kernels (``variant=``):
-  qmv        GEMV-shaped, for small M (decode); auto for M <= 8
+  qmv        GEMV-shaped, for small M (decode); auto for M <= 8 (on cuda at M = 5..8 as
+             its w-first kernel, fp4_qmm_qmv_wfirst: w read once)
   simdgroup  32x32 output tiles on simdgroup matrices; every Apple GPU; auto for M > 8
   mpp        32x32 tiles on MetalPerformancePrimitives matmul2d (16, 16, 32); auto for M > 8
              on Metal when macOS >= 26.2 and the GPU generation is >= 17 (as MLX's NAX)
