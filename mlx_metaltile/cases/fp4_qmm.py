@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 
 import mlx.core as mx
 import numpy as np
@@ -10,6 +11,7 @@ import numpy as np
 import mlx_metaltile as mt
 
 from .. import backends
+from ..ops._common import clear_plans
 from ..ops.fp4_qmm import _choose, _split_k
 from ._base import DTYPES, BenchCase, assert_close, grad_case, to_f64
 
@@ -136,8 +138,25 @@ def _variant_call(variant, backend, rng):
     run_and_check(x, w, s, "e8m0", 32, backend, variant=variant, expect=variant)
 
 
+fp4_module = importlib.import_module("mlx_metaltile.ops.fp4_qmm")  # the function shadows it
+
+
+def _wfirst_call(backend, rng):
+    """qmv's w-first form (QMV_WFIRST forced, for this call only) at M = 8 (MB 8)."""
+    saved = fp4_module.QMV_WFIRST
+    fp4_module.QMV_WFIRST = True
+    clear_plans()  # plans read QMV_WFIRST once
+    try:
+        x, w, s = make_case(rng, 8, 64, 256, mx.bfloat16)
+        run_and_check(x, w, s, "e8m0", 32, backend, variant="qmv", expect="qmv_wfirst")
+    finally:
+        fp4_module.QMV_WFIRST = saved
+        clear_plans()
+
+
 VARIANT_CALLS = {
     "qmv": functools.partial(_variant_call, "qmv"),
+    "qmv_wfirst": _wfirst_call,
     "simdgroup": functools.partial(_variant_call, "simdgroup"),
     "mpp": functools.partial(_variant_call, "mpp"),
     "splitk_sum": functools.partial(_variant_call, "simdgroup"),

@@ -6,7 +6,8 @@ floating-point scale per group (float32 / float16 / bfloat16; groups of 16, 32, 
 ``mode=`` names MLX's mode; without it the format is read from the scales (dtype and groups).
 
 Kernels (``variant=``):
-  qmv        GEMV-shaped, for small M (decode); auto for M <= 8
+  qmv        GEMV-shaped, for small M (decode); auto for M <= 8 (on cuda at M = 5..8 as
+             its w-first kernel, fp4_qmm_qmv_wfirst: w read once)
   simdgroup  32x32 output tiles on simdgroup matrices; every Apple GPU; auto for M > 8
   mpp        32x32 tiles on MetalPerformancePrimitives matmul2d (16, 16, 32); auto for M > 8
              on Metal when macOS >= 26.2 and the GPU generation is >= 17 (as MLX's NAX)
@@ -51,11 +52,16 @@ QMV_MAX_SLICES = 8  # SIMD-groups sharing one row block's K steps, at most (the 
 # The qmv launch plan on cuda (the template's LAUNCH PLANS), as module constants that a
 # script may set before calling ops._common.clear_plans() (a plan reads them once):
 QMV_TARGET_WARPS = 4096  # K slices until about this many warps (an H100 holds 8448)
-QMV_CUDA_MAX_MB = 4  # rows of x per threadgroup, at most: 1, 2, 4 or 8
+QMV_CUDA_MAX_MB = 8  # rows of x per threadgroup, at most: 1, 2, 4 or 8
 QMV_SLICES: int | None = None  # an int 1..8 forces S on every backend; None: the plan's
-# MB 8 takes up to 168 registers a thread (ptxas, sm_90, 16-bit T): an SM's 65536 hold 12
-# such warps, so one threadgroup of 64 S threads needs S <= 6.
+# MB 8's form (the template's WFIRST): True w-first (QMV_WFIRST_SPEC, 80 registers under its
+# launch bounds), False held x (168 registers); None: the plan's (w-first on cuda only).
+QMV_WFIRST: bool | None = None
+# MB 8 held x takes 168 registers a thread (ptxas, sm_90, 16-bit T): an SM's 65536 hold 12
+# such warps, so one threadgroup of 64 S threads needs S <= 6; w-first's launch bounds
+# allow 64 S <= 256.
 QMV_MB8_MAX_SLICES = 4
+QMV_WFIRST_BOUNDS = (256, 3)  # w-first's cuda launch bounds (read at import): 80 registers
 TILE = 32  # BM = BN = BK of the tile kernels
 TILE_THREADS = 128
 SPLITK_TARGET_TGS = 512  # split K (simdgroup kernel) until about this many threadgroups run
@@ -96,12 +102,15 @@ QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC = register(
     KernelSpec(
         op=OP, variant="qmv", template="fp4_qmm_qmv.metal",
         inputs=(*_ARGS, *scalars("gs_shift")), outputs=_OUT,
-        params=("T", "ST", "SCALE_MODE", "MB"), bindings=_bindings(MB=lambda t: (1, 2, 4, 8)),
+        params=("T", "ST", "SCALE_MODE", "MB", "WFIRST"),
+        bindings=_bindings(MB=lambda t: (1, 2, 4, 8), WFIRST=lambda t: (0,)),
         geometry="auto for M <= 8: threadgroup (64 * S, 1, 1) = 2 simdgroups x 4 rows of w "
                  "x S K slices; grid (64 * S, N/8, ceil(M/MB)), MB = next power of two >= "
-                 "min(M, 8) (cuda: min(M, 4)); S = 1 (cuda: K split for ~4096 warps, <= 8)",
-        notes="template: T, ST, SCALE_MODE, MB (rows of x per threadgroup); group size and "
-              "S (simdgroups_per_threadgroup) runtime",
+                 "min(M, 8); S = 1 (cuda: K split for ~4096 warps, <= 8; MB 8: "
+                 "QMV_WFIRST_SPEC)",
+        notes="template: T, ST, SCALE_MODE, MB (rows of x per threadgroup), WFIRST (0 here: "
+              "held x; QMV_WFIRST_SPEC: 1); group size and S (simdgroups_per_threadgroup) "
+              "runtime",
     ),
     KernelSpec(
         op=OP, variant="simdgroup", template="fp4_qmm_simdgroup.metal",
@@ -130,6 +139,19 @@ QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC = register(
         params=("T",), bindings=lambda: ({"T": t} for t in FLOAT_TYPES),
         geometry="second pass of a split-K simdgroup call: threadgroup (256, 1, 1), 4 outputs "
                  "per thread; grid (round_up(M*N/4, 256), 1, 1)",
+    ),
+)
+# qmv's w-first form at MB 8 (the template's WFIRST): its own kernel object, so that only it
+# carries cuda launch bounds (cuda's plan at M = 5..8; variant="qmv" runs it there).
+(QMV_WFIRST_SPEC,) = register(
+    KernelSpec(
+        op=OP, variant="qmv_wfirst", template="fp4_qmm_qmv.metal",
+        inputs=QMV_SPEC.inputs, outputs=_OUT, params=QMV_SPEC.params,
+        bindings=_bindings(MB=lambda t: (8,), WFIRST=lambda t: (1,)),
+        cuda_launch_bounds=QMV_WFIRST_BOUNDS,
+        geometry="qmv's at MB = 8 with S <= 4: threadgroup (64 * S, 1, 1), grid "
+                 "(64 * S, N/8, ceil(M/8)); w-first: each step's 4 rows of w decoded once, "
+                 "the 8 rows of x streamed past them",
     ),
 )
 VARIANT_SPECS = {spec.variant: spec for spec in (QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC)}
@@ -307,13 +329,24 @@ def _qmv_rows(m: int, backend: str) -> int:
     return 1 << (min(m, most) - 1).bit_length()
 
 
+def _qmv_wfirst(mb: int, backend: str) -> bool:
+    """Whether the qmv launch runs the w-first form (QMV_WFIRST_SPEC; MB 8 only):
+    QMV_WFIRST where set (every backend), else on cuda (the template's LAUNCH PLANS)."""
+    if mb != 8:
+        return False
+    return backend == "cuda" if QMV_WFIRST is None else bool(QMV_WFIRST)
+
+
 def _qmv_slices(m: int, n: int, k: int, mb: int, backend: str) -> int:
     """The qmv launch plan's S: SIMD-groups sharing one row block's K steps (the template's
     DISPATCH INVARIANTS). QMV_SLICES where set (every backend). Else Metal and the emulator
     keep one; cuda splits K where the grid is small, for about QMV_TARGET_WARPS warps, at
     most one slice per step of K (32 VPT values) and QMV_MAX_SLICES (QMV_MB8_MAX_SLICES at
-    MB 8), the steps dealt evenly (the slice with the most steps sets the time)."""
+    MB 8; w-first: within its launch bounds), the steps dealt evenly (the slice with the
+    most steps sets the time)."""
     most = QMV_MAX_SLICES if mb < 8 else QMV_MB8_MAX_SLICES
+    if _qmv_wfirst(mb, backend):  # its launch bounds' threads
+        most = min(most, QMV_WFIRST_BOUNDS[0] // (backends.SIMD_WIDTH * QMV_SIMDGROUPS))
     if QMV_SLICES is not None:
         if not 1 <= QMV_SLICES <= QMV_MAX_SLICES:
             raise ValueError(f"[{OP}] QMV_SLICES must be None or 1..{QMV_MAX_SLICES}, "
@@ -360,7 +393,9 @@ def _launcher(spec: KernelSpec, m: int, n: int, k: int, mode: int, group_size: i
     if spec.variant == "qmv":
         mb = _qmv_rows(m, backend)
         threads = backends.SIMD_WIDTH * QMV_SIMDGROUPS * _qmv_slices(m, n, k, mb, backend)
-        template["MB"] = mb
+        wfirst = _qmv_wfirst(mb, backend)
+        spec = QMV_WFIRST_SPEC if wfirst else spec
+        template.update(MB=mb, WFIRST=int(wfirst))
         inputs["gs_shift"] = gs_shift
         grid = (threads, n // QMV_ROWS_PER_TG, -(-m // mb))
         threadgroup = (threads, 1, 1)

@@ -420,6 +420,24 @@ def test_instantiations_match_the_launches(launch_recorder, monkeypatch, rng):
     launch_recorder.assert_declared()
 
 
+def test_instantiations_match_the_cuda_launches(launch_recorder, monkeypatch, rng):
+    """The same for cuda's qmv plan (MB 8 w-first, its own kernel), and MB 8 held x forced."""
+    monkeypatch.setattr(backends, "resolve_backend", lambda name=None: "cuda")
+    clear_plans()
+    for dtype in DTYPES:
+        for kind, gs in SCALE_KINDS:
+            x, w, s = make_case(rng, 8, 64, 128, dtype, kind, gs)
+            for wfirst in (None, False):
+                monkeypatch.setattr(op_module, "QMV_WFIRST", wfirst)
+                clear_plans()
+                for m in (1, 2, 3, 5, 8):
+                    mt.fp4_qmm(x[:m], w, s, group_size=gs)
+    clear_plans()
+    names = {name for name, *_ in launch_recorder.seen}
+    assert names == {"fp4_qmm_qmv", "fp4_qmm_qmv_wfirst"}
+    launch_recorder.assert_declared()
+
+
 @pytest.mark.parametrize("kind, group_size", (("e8m0", 32), ("e4m3", 16), ("bfloat16", 64)))
 def test_op_is_lazy_and_compiles(no_host_sync, rng, kind, group_size):
     """On the reference backend: no evaluation inside the op (the result stays a lazy graph
@@ -489,7 +507,7 @@ def test_negative_control_broken_split_k(kernel_backend, monkeypatch, broken_ker
 
 # The row guards of a ragged M, removed one at a time: each must fault on the emulator.
 UNGUARDED = {
-    "qmv-load": ("qmv", "    if (m0 + m < M) {\n      const size_t xo", "    if (true) {\n      const size_t xo"),
+    "qmv-load": ("qmv", "if (m0 + m < M) {\n        const size_t xo", "if (true) {\n        const size_t xo"),
     "qmv-store": ("qmv", "      if (m0 + m < M) {\n        const size_t oo",
                   "      if (true) {\n        const size_t oo"),
     "simdgroup-store": ("simdgroup", "if (x_row_ok) {\n  const", "if (true) {\n  const"),
@@ -664,9 +682,9 @@ def qmv_slices(monkeypatch):
 
 @pytest.fixture
 def cuda_plan(monkeypatch):
-    """The emulator launched with the cuda backend's qmv plan (its MB and S)."""
+    """The emulator launched with the cuda backend's qmv plan (its MB, S and form)."""
     require_backend("emulator")
-    for name in ("_qmv_rows", "_qmv_slices"):
+    for name in ("_qmv_rows", "_qmv_slices", "_qmv_wfirst"):
         real = getattr(op_module, name)
         monkeypatch.setattr(op_module, name, lambda *a, real=real: real(*a[:-1], "cuda"))
     clear_plans()
@@ -675,27 +693,29 @@ def cuda_plan(monkeypatch):
     clear_plans()
 
 
-def _ran_slices(slices, m_blocks):
-    """The last launch was qmv with ``slices`` K slices and ``m_blocks`` blocks of rows of x,
-    every threadgroup meeting the combine's barrier once (none at S = 1)."""
+def _ran_slices(slices, m_blocks, wfirst=False):
+    """The last launch was qmv (``wfirst``: its w-first form) with ``slices`` K slices and
+    ``m_blocks`` blocks of rows of x, every threadgroup meeting the combine's barrier once
+    (none at S = 1)."""
     from mlx_metaltile import emulator
 
     stats = emulator.last_launch_stats()
-    assert stats.kernel.endswith("fp4_qmm_qmv")
+    assert stats.kernel.endswith("fp4_qmm_qmv_wfirst" if wfirst else "fp4_qmm_qmv")
     assert stats.threadgroup == (64 * slices, 1, 1) and stats.grid[2] == m_blocks
     assert stats.threadgroup_barriers == (stats.threadgroups if slices > 1 else 0)
     return stats
 
 
 def test_qmv_plan_of_each_backend(monkeypatch):
-    """cuda: MB <= 4 and K sliced for about 4096 warps, the steps dealt evenly; Metal and
-    the emulator: MB up to 8, S = 1; QMV_SLICES forces S everywhere."""
+    """cuda: MB up to 8 (w-first at 8) and K sliced for about 4096 warps, the steps dealt
+    evenly; Metal and the emulator: MB up to 8 (held x), S = 1; QMV_SLICES forces S
+    everywhere."""
     rows, slices = op_module._qmv_rows, op_module._qmv_slices
     # (M, N, K) -> cuda's (MB, S): the benchmark shapes
-    for (m, n, k), want in {(1, 4096, 4096): (1, 4), (8, 4096, 4096): (4, 2),
+    for (m, n, k), want in {(1, 4096, 4096): (1, 4), (8, 4096, 4096): (8, 4),
                             (3, 4096, 4096): (4, 4), (1, 14336, 4096): (1, 2),
-                            (8, 14336, 4096): (4, 1), (1, 32, 4096): (1, 8),
-                            (1, 4096, 1152): (1, 3), (5, 32, 1152): (4, 5),
+                            (8, 14336, 4096): (8, 2), (1, 32, 4096): (1, 8),
+                            (1, 4096, 1152): (1, 3), (5, 32, 1152): (8, 3),
                             (1, 4096, 32): (1, 1)}.items():
         mb = rows(m, "cuda")
         assert (mb, slices(m, n, k, mb, "cuda")) == want, (m, n, k)
@@ -710,8 +730,15 @@ def test_qmv_plan_of_each_backend(monkeypatch):
                 steps = -(-k // (32 * (16 if mb <= 2 else 8)))
                 per = -(-steps // s)
                 assert 1 <= s <= min(8, steps) and (s - 1) * per < steps <= s * per, (m, n, k)
-    monkeypatch.setattr(op_module, "QMV_CUDA_MAX_MB", 8)
     assert rows(8, "cuda") == 8 and slices(1, 32, 8192, 8, "cuda") == 4  # MB 8's registers
+    monkeypatch.setattr(op_module, "QMV_MB8_MAX_SLICES", 8)  # w-first: its launch bounds
+    assert slices(1, 32, 8192, 8, "cuda") == 4 and slices(1, 32, 8192, 8, "metal") == 1
+    monkeypatch.setattr(op_module, "QMV_WFIRST", False)  # held x: the cap alone
+    assert slices(1, 32, 8192, 8, "cuda") == 8
+    monkeypatch.setattr(op_module, "QMV_MB8_MAX_SLICES", 4)
+    monkeypatch.setattr(op_module, "QMV_WFIRST", None)
+    monkeypatch.setattr(op_module, "QMV_CUDA_MAX_MB", 4)  # the plan before w-first
+    assert rows(8, "cuda") == 4 and slices(8, 4096, 4096, 4, "cuda") == 2
     monkeypatch.setattr(op_module, "QMV_SLICES", 3)
     assert slices(1, 4096, 4096, 1, "metal") == slices(1, 32, 32, 1, "cuda") == 3
     monkeypatch.setattr(op_module, "QMV_SLICES", 9)
@@ -743,17 +770,19 @@ def test_qmv_slices_scale_formats(qmv_slices, poisoned_outputs, rng, dtype, kind
 
 
 @pytest.mark.parametrize("m, k, mb, slices", [
-    (1, K_SLICED, 1, 3), (2, K_SLICED, 2, 3), (5, K_SLICED, 4, 5), (8, K_SLICED, 4, 5),
-    (1, 4096, 1, 8), (8, 4096, 4, 8)])
+    (1, K_SLICED, 1, 3), (2, K_SLICED, 2, 3), (3, K_SLICED, 4, 5), (5, K_SLICED, 8, 3),
+    (8, K_SLICED, 8, 3), (1, 4096, 1, 8), (7, 4096, 8, 4)])
 def test_qmv_cuda_plan_matches_oracle(cuda_plan, poisoned_outputs, rng, m, k, mb, slices):
-    """cuda's own plan at N = 32 (8 warps without slices): MB <= 4 (M = 5, 8: two blocks of
-    rows of x) and S up to 8. (x / 16: sums of 4096 terms stay inside half's range.)"""
+    """cuda's own plan at N = 32 (8 warps without slices): MB 8 w-first at M = 5..8 (one
+    block of rows of x) and S up to 8 (4 at MB 8). (x / 16: sums of 4096 terms stay inside
+    half's range.)"""
     for dtype, (kind, gs) in zip(DTYPES, (("e8m0", 32), ("e4m3", 16), ("bfloat16", 64)),
                                  strict=True):
         x = make_x(rng, (m,), k, dtype, scale=1 / 16)
         w, s = make_w(rng, 32, k), make_scales(rng, 32, k, kind, gs)
-        run_and_check(x, w, s, kind, gs, "emulator", variant="qmv", expect="qmv")
-        _ran_slices(slices, -(-m // mb))
+        expect = "qmv_wfirst" if mb == 8 else "qmv"
+        run_and_check(x, w, s, kind, gs, "emulator", variant="qmv", expect=expect)
+        _ran_slices(slices, -(-m // mb), wfirst=mb == 8)
 
 
 @pytest.mark.parametrize("seed", (1, 2))
@@ -789,6 +818,116 @@ def test_qmv_slices_traffic_and_no_rebuild(qmv_slices, poisoned_outputs, rng):
         assert stats.bytes_read["x"] == (n // 4) * m * K_SLICED * 2
         assert stats.bytes_written["out"] == m * n * 2 and stats.bytes_read["out"] == 0
     assert backends.built_kernels() == built and _emulator_instantiations() == compiled
+
+
+# ---- qmv's w-first form (MB 8; cuda's plan at M = 5..8), forced on the emulator --------
+
+@pytest.fixture
+def wfirst(monkeypatch):
+    """qmv launches from then on run MB 8 in the w-first form (QMV_WFIRST), on the emulator."""
+    require_backend("emulator")
+    monkeypatch.setattr(op_module, "QMV_WFIRST", True)
+    clear_plans()  # plans read QMV_WFIRST once
+    with backends.use_backend("emulator"):
+        yield
+    clear_plans()
+
+
+def test_qmv_cuda_plan_reads_w_once_at_m5_to_8(monkeypatch):
+    """cuda's plan at M = 5..8: one block of 8 rows of x (w read once), w-first, S within its
+    launch bounds; QMV_CUDA_MAX_MB = 4 gives back two blocks of 4 (w read twice)."""
+    rows, slices, wf = op_module._qmv_rows, op_module._qmv_slices, op_module._qmv_wfirst
+    bound = op_module.QMV_WFIRST_BOUNDS[0]
+    for m in (5, 6, 7, 8):
+        for n, k in ((32, 1152), (4096, 4096), (14336, 4096), (32, 8192)):
+            mb = rows(m, "cuda")
+            assert mb == 8 and -(-m // mb) == 1 and wf(mb, "cuda"), (m, n, k)
+            assert 64 * slices(m, n, k, mb, "cuda") <= bound, (m, n, k)
+        for backend in ("metal", "emulator"):  # Apple's plan: MB 8, held x
+            assert rows(m, backend) == 8 and not wf(8, backend)
+    assert not any(wf(mb, "cuda") for mb in (1, 2, 4))
+    monkeypatch.setattr(op_module, "QMV_CUDA_MAX_MB", 4)
+    assert all(rows(m, "cuda") == 4 for m in (5, 6, 7, 8))
+    monkeypatch.setattr(op_module, "QMV_WFIRST", False)
+    monkeypatch.setattr(op_module, "QMV_CUDA_MAX_MB", 8)
+    assert not wf(8, "cuda")
+    monkeypatch.setattr(op_module, "QMV_WFIRST", True)
+    assert wf(8, "metal") and not wf(4, "metal")
+
+
+@pytest.mark.parametrize("m", (5, 7, 8), ids=lambda v: f"M{v}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_qmv_wfirst_matches_oracle(wfirst, poisoned_outputs, rng, dtype, m):
+    """Every scale format, N = 64, K = 1152 (a partial last step), S = 1."""
+    for kind, gs in SCALE_KINDS:
+        x, w, s = make_case(rng, m, 64, K_SLICED, dtype, kind, gs)
+        run_and_check(x, w, s, kind, gs, "emulator", variant="qmv", expect="qmv_wfirst")
+        _ran_slices(1, 1, wfirst=True)
+
+
+@pytest.mark.parametrize("slices", (1, 3, 4))
+def test_qmv_wfirst_equals_held_x(monkeypatch, poisoned_outputs, rng, slices):
+    """The same terms in the same order (the template's REDUCTION ORDER): the w-first form
+    gives the held-x form's bits, whatever S."""
+    require_backend("emulator")
+    monkeypatch.setattr(op_module, "QMV_SLICES", slices)
+    x, w, s = make_case(rng, 7, 64, K_SLICED, mx.float16, "e4m3", 16)
+    outs = []
+    with backends.use_backend("emulator"):
+        for form in (False, True):
+            monkeypatch.setattr(op_module, "QMV_WFIRST", form)
+            clear_plans()
+            expect = "qmv_wfirst" if form else "qmv"
+            outs.append(run_and_check(x, w, s, "e4m3", 16, "emulator", variant="qmv",
+                                      expect=expect))
+            _ran_slices(slices, 1, wfirst=form)
+    clear_plans()
+    assert mx.array_equal(outs[0], outs[1]).item()
+
+
+@pytest.mark.parametrize("max_mb, w_reads", ((8, 1), (4, 2)))
+def test_qmv_cuda_plan_traffic_at_m8(monkeypatch, cuda_plan, poisoned_outputs, rng, max_mb,
+                                     w_reads):
+    """cuda's plan at M = 8 (S = 3): MB 8 w-first reads w exactly once, the plan with
+    QMV_CUDA_MAX_MB = 4 (two blocks of rows, S = 5) twice; a scale once per VPT = 8 codes
+    of each block, x once per row block, out written once."""
+    monkeypatch.setattr(op_module, "QMV_CUDA_MAX_MB", max_mb)
+    clear_plans()  # plans read QMV_CUDA_MAX_MB once
+    m, n = 8, 64
+    x, w, s = make_case(rng, m, n, K_SLICED, mx.bfloat16)
+    expect = "qmv_wfirst" if max_mb == 8 else "qmv"
+    run_and_check(x, w, s, "e8m0", 32, "emulator", variant="qmv", expect=expect)
+    stats = _ran_slices(3 if max_mb == 8 else 5, w_reads, wfirst=max_mb == 8)
+    assert stats.bytes_read["w"] == w_reads * n * K_SLICED // 2
+    assert stats.bytes_read["scales"] == w_reads * n * K_SLICED // 8
+    assert stats.bytes_read["x"] == (n // 4) * m * K_SLICED * 2
+    assert stats.bytes_written["out"] == m * n * 2 and stats.bytes_read["out"] == 0
+
+
+# Each breaks the w-first form alone: the decode's pair order, the last row of w of a step.
+WFIRST_BREAKS = {
+    "pair_order": ("xm[8 * q + j] * v.x + xm[8 * q + j + 4] * v.y",
+                   "xm[8 * q + j] * v.y + xm[8 * q + j + 4] * v.x"),
+    "three_rows": ("acc[m][r] += sr[r] * part;", "acc[m][r] += r < 3 ? sr[r] * part : 0.0f;"),
+}
+
+
+@pytest.mark.parametrize("brk", WFIRST_BREAKS)
+def test_qmv_wfirst_negative_control(wfirst, broken_kernel, rng, brk):
+    broken_kernel(op_module.QMV_WFIRST_SPEC, WFIRST_BREAKS[brk])
+    x, w, s = make_case(rng, 6, 32, 256, mx.float32)
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check(x, w, s, "e8m0", 32, "emulator", variant="qmv", expect="qmv_wfirst")
+
+
+def test_qmv_wfirst_negative_control_unguarded_rows(wfirst, broken_kernel, rng):
+    """The w-first row guard removed: a ragged M (5 of 8 rows) reads past x."""
+    from mlx_metaltile import emulator
+
+    broken_kernel(op_module.QMV_WFIRST_SPEC, ("if (m0 + m < M) {  // uniform", "if (true) {"))
+    x, w, s = make_case(rng, 5, 32, 64, mx.float32)
+    with pytest.raises(emulator.OutOfBoundsAccess):
+        mx.eval(mt.fp4_qmm(x, w, s, variant="qmv"))
 
 
 SLICE_BREAKS = {
