@@ -48,13 +48,13 @@
 //   registers -> V tile, the next K block's loads issued (none past the slice's, or the
 //   tile's causal, last key), barrier, P V. One block of one matrix in registers (D/16
 //   four-element pieces per thread, slot tid's: piece e of a block belongs to slot e % 128;
-//   with fewer than 128 threads the other slots are staged at the store, loads then
-//   stores). The slice's first K block is fetched before q is staged. q stays in a tile of
-//   its own, its fragments loaded per block (the registers they took pay for the fetched
-//   block's). The same two barriers per block as PF 0, the same products in the same order:
-//   the same results, bit for bit. K and V tiles apart only (D 64, 96, 128). PF 0: each
-//   block's K and V loads, then stores, between barriers (nothing overlaps the loads); q
-//   held in registers.
+//   with fewer than 128 threads the other slots are staged at the store, loads then stores:
+//   their loads are not overlapped). The slice's first K block is fetched before q is
+//   staged. q stays in a tile of its own, its fragments loaded per block (the registers they
+//   took pay for the fetched block's). The same two barriers per block as PF 0, the same
+//   products in the same order: the same results, bit for bit. K and V tiles apart only (D
+//   64, 96, 128). PF 0: each block's K and V loads, then stores, between barriers (nothing
+//   overlaps the loads); q held in registers.
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
 //   threadgroup = (32 * NSG, 1, 1), NSG = 1 .. 4 simdgroups, read at run time: the row tile
@@ -65,8 +65,8 @@
 //   threadgroup memory: kv_tile, 32 x (D + 8) elements of T for K and as many for V where
 //     both fit in 32 KiB (KV_APART: D 64, 96, 128; D 128: 17,408 bytes), else one tile for
 //     both (D 256: 16,896 bytes): q's TR rows first, then each block's K and V, staged
-//     together (two barriers per block), or K then V (four). PF 1: a third tile for q's
-//     rows (D 128: 26,112 bytes), K and V as PREFETCH. Rows past the block's keys are
+//     together (two barriers per block), or K then V (four). PF 1: a third tile for q's TR
+//     rows (D 128: 26,112 bytes in all), K and V as PREFETCH. Rows past the block's keys are
 //     zero-filled (0 * NaN would poison o). Every thread reaches every barrier.
 //   Lane l of a simdgroup holds (Apple's simdgroup_matrix layout, the emulator's and the
 //     CUDA layer's) row fm = (l / 4 & 4) + (l / 2) % 4 and columns fn, fn + 1, fn = (l / 4 &
@@ -79,20 +79,20 @@
 //   CUDA (nvcc sm_90 --resource-usage, no mask / bool / additive), PF 0: half D 64 91 / 88
 //     / 107 registers per thread, D 96 128 / 125 / 123, D 128 179 / 181 / 179, D 256 240 /
 //     213 / 255; bfloat D 64 92 / 88 / 105, D 96 122 / 125 / 123, D 128 176 / 181 / 181, D
-//     256 239 / 206 / 255. PF 1 (q
-//     from its tile): half D 64 91 / 93 / 118, D 96 123 / 162 / 162, D 128 162 / 158 / 156;
-//     bfloat D 64 102 / 121 / 122, D 96 160 / 162 / 162, D 128 163 / 162 / 158: at D 128
-//     three 4-simdgroup threadgroups per SM (<= 168) where PF 0 fits two. No spills, no stack (the unrolled loops
-//     below: without them nvcc kept q and o in local memory). Launch bounds (128, 3)
-//     (MMA_BOUNDED in ops/sdpa_multi.py: PF 0, no mask, D 128): half 147, bfloat 153, no
-//     spills. Products of half / bfloat fragments run on the tensor cores
+//     256 239 / 206 / 255. PF 1 (q from its tile): half D 64 91 / 93 / 118, D 96 123 / 162
+//     / 162, D 128 162 / 158 / 156; bfloat D 64 102 / 121 / 122, D 96 160 / 162 / 162, D
+//     128 163 / 162 / 158: at D 128 three 4-simdgroup threadgroups per SM (<= 168) where
+//     PF 0 fits two. No spills, no stack (the unrolled loops below: without them nvcc kept
+//     q and o in local memory). With launch bounds (128, 3) (MMA_BOUNDED in
+//     ops/sdpa_multi.py: PF 0, no mask, D 128): half 147, bfloat 153, no spills; with a
+//     mask they spill. Products of half / bfloat fragments run on the tensor cores
 //     (mt_cuda/matrix.cuh: one mma.sync m16n8k8 and 5 shuffles each).
 //
 // TRAFFIC per call: each visible K/V row is read once per row tile (ceil(G*L / TR) times;
 //   once when G*L <= 32); a causal tile stops at the last key its rows see, and a simdgroup
 //   whose rows see no key of a block skips its products (it still stages; PF 1 fetches no
-//   row past that last key, so the same bytes). q is read once
-//   per slice, the partials written once (as sdpa_multi.metal).
+//   row past that last key: the same bytes). q is read once per slice, the partials written
+//   once (as sdpa_multi.metal).
 //   Work per 32-key block and simdgroup (8 rows): 4 * D/8 products for S and PT * 4 * D/8
 //   for P V, against the staged path's 8 * 32 * 2D scalar FMAs per row group.
 //
@@ -108,8 +108,9 @@
 //   into float fragments, thread_elements() in the lane layout above, the vec<T, 4> loads
 //   and threadgroup stores, PF 1's thread array of vec<T, 4> passed by pointer; bfloat needs
 //   Metal 3.1's bfloat), that nothing spills (PF 1's registers included), and the speed of
-//   each PF. The emulator checks the semantics, the lane layout, barriers, races on threadgroup
-//   memory (strict mode) and the device traffic; nvcc the CUDA translation and its registers.
+//   each PF. The emulator checks the semantics, the lane layout, barriers, races on
+//   threadgroup memory (strict mode) and the device traffic; nvcc the CUDA translation and
+//   its registers.
 #include "common.h"
 #include "sdpa_multi.h"
 
