@@ -468,6 +468,21 @@ def test_negative_control_missing_barrier(mma_path, monkeypatch, broken_kernel, 
             mx.eval(mt.sdpa_multi(q, k, v, scale=0.125, causal=True, kv_len=90))
 
 
+def test_negative_control_unstaged_slots(mma_path, broken_kernel, rng):
+    """PF 1 with 2 simdgroups: dropping the store-time staging of the slots past the
+    threadgroup's threads leaves half of each block unwritten: strict mode must catch it."""
+    require_backend("emulator")
+    from mlx_metaltile import emulator
+
+    broken_kernel(op_module.MMA_SPEC, ("slot < 128u;", "slot < n_threads;"))
+    q, k, v = make_inputs(rng, 1, 2, 1, 5, 100, 64, mx.float16)
+    assert mplan(1, 2, 1, 5, 64, 90, mx.float16)["n_simdgroups"] == 2
+    with strict_emulator(1):
+        with backends.use_backend("emulator"), pytest.raises(
+                emulator.UninitializedThreadgroupRead):
+            mx.eval(mt.sdpa_multi(q, k, v, scale=0.125, causal=True, kv_len=90))
+
+
 @pytest.mark.parametrize("edit", [
     ("of[i].thread_elements()[0] *= keep;", "(void)keep;"),     # o not rescaled
     ("(1.0f / TERM_SCALE)", "1.0f"),                           # half's second term unweighted
