@@ -72,15 +72,16 @@ VEC_MAX_SPLITS = 64
 # and shuffles bound it (H100, h32/8 D128 f16: 0.28-0.36x native at L 8, 0.62x at L 4),
 # while a decode step (L 1, G rows: usually <= 8, one 8-row fragment at most) reads K/V once
 # on the vector path and is bound by memory. A huge MMA_MIN_ROWS disables it. Its tiles:
-# up to MMA_SIMDGROUPS simdgroups of 8 rows; slices for about MMA_SIMDGROUPS_PER_CORE[PF]
-# simdgroups per core (PF 1: 12, three 4-simdgroup threadgroups, what an H100/H200 SM holds
-# at its 156-163 registers per thread at D 128; PF 0: 8, two, at 176-181; 12 suits
-# MMA_BOUNDED's 147-153), each at least MMA_MIN_KEYS keys, at most MMA_MAX_SPLITS (tuning
-# constants: they change speed, never results).
+# up to MMA_SIMDGROUPS simdgroups of 8 rows; slices for about MMA_SIMDGROUPS_PER_CORE
+# simdgroups per core with PF 1 (12: three 4-simdgroup threadgroups, what an H100/H200 SM
+# holds at its 156-163 registers per thread at D 128), MMA_SIMDGROUPS_PER_CORE_PF0 with PF 0
+# (8: two, at 176-181; 12 suits MMA_BOUNDED's 147-153), each at least MMA_MIN_KEYS keys, at
+# most MMA_MAX_SPLITS (tuning constants: they change speed, never results).
 MMA_MIN_ROWS = 16
 MMA_MIN_QUERIES = 2
 MMA_SIMDGROUPS = 4
-MMA_SIMDGROUPS_PER_CORE = {0: 8, 1: 12}
+MMA_SIMDGROUPS_PER_CORE = 12
+MMA_SIMDGROUPS_PER_CORE_PF0 = 8
 MMA_MIN_KEYS = 128
 MMA_MAX_SPLITS = 64
 # The MMA kernel's K/V staging (its template PF; sdpa_multi_mma.metal, PREFETCH): True
@@ -515,9 +516,9 @@ def mma_plan(B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int, dtype: mx.D
              cores: int | None = None) -> dict:
     """The MMA path's launch geometry (sdpa_multi_mma.metal): tiles of 8 * NSG query rows,
     NSG = min(MMA_SIMDGROUPS, ceil(rows / 8)) simdgroups of 8 rows, and enough slices of
-    whole 32-key blocks for about MMA_SIMDGROUPS_PER_CORE[pf] simdgroups per core, each at
-    least MMA_MIN_KEYS keys, at most MMA_MAX_SPLITS; pf 1 where MMA_PREFETCH takes D. Half
-    and bfloat only."""
+    whole 32-key blocks for about MMA_SIMDGROUPS_PER_CORE (pf 1) or
+    MMA_SIMDGROUPS_PER_CORE_PF0 simdgroups per core, each at least MMA_MIN_KEYS keys, at
+    most MMA_MAX_SPLITS; pf 1 where MMA_PREFETCH takes D. Half and bfloat only."""
     if dtype not in MMA_TERMS:
         raise ValueError(f"[{OP}] the MMA path takes float16 or bfloat16, got "
                          f"{dtype_name(dtype)}")
@@ -526,8 +527,8 @@ def mma_plan(B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int, dtype: mx.D
     n_tiles = -(-rows // (8 * nsg))
     pf = int(MMA_PREFETCH and D in MMA_PREFETCH_DIMS)
     cores = cores or _device.gpu_cores() or _device.DEFAULT_GPU_CORES
-    want = max(1, min(cores * MMA_SIMDGROUPS_PER_CORE[pf] // (B * Hkv * n_tiles * nsg),
-                      MMA_MAX_SPLITS))
+    per_core = MMA_SIMDGROUPS_PER_CORE if pf else MMA_SIMDGROUPS_PER_CORE_PF0
+    want = max(1, min(cores * per_core // (B * Hkv * n_tiles * nsg), MMA_MAX_SPLITS))
     # As the vector plan: up to MMA_MIN_KEYS * want keys the slices are MMA_MIN_KEYS long
     # whatever kv_len is (a device-side kv_len, planned at S, sums in the same order).
     chunk = -(-max(MMA_MIN_KEYS, -(-kv_len // want)) // KEY_BLOCK) * KEY_BLOCK
