@@ -6,7 +6,8 @@ verify shapes, with the split kernel's paths (MMA, vector, staged) side by side.
         [--dtypes float16 bfloat16] [--iters 20] [--batch 8]
         [--vec-simdgroups-per-core 12] [--vec-min-keys 64] [--vec-max-splits 64]
         [--mma-min-rows 16] [--mma-min-queries 2] [--mma-simdgroups 4]
-        [--mma-simdgroups-per-core 8] [--mma-min-keys 128] [--mma-max-splits 64]
+        [--mma-simdgroups-per-core 12] [--mma-simdgroups-per-core-pf0 8]
+        [--mma-min-keys 128] [--mma-max-splits 64] [--mma-prefetch 1] [--mma-bounded 0]
 
 Per case: native and ours in microseconds per call (median of --iters samples, each the
 evaluation of --batch queued calls on rotating device copies of the inputs, as
@@ -37,13 +38,15 @@ from mlx_metaltile import backends  # noqa: E402
 from mlx_metaltile._measure import copies, samples  # noqa: E402
 from mlx_metaltile.cases import bound  # noqa: E402
 from mlx_metaltile.cases.sdpa_multi import launch_counts, oracle  # noqa: E402
+from mlx_metaltile.ops._common import clear_plans  # noqa: E402
 
 op_module = importlib.import_module("mlx_metaltile.ops.sdpa_multi")
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 BACKEND = "cuda"
 TUNING = ("VEC_SIMDGROUPS_PER_CORE", "VEC_MIN_KEYS", "VEC_MAX_SPLITS", "MMA_MIN_ROWS",
-          "MMA_MIN_QUERIES", "MMA_SIMDGROUPS", "MMA_SIMDGROUPS_PER_CORE", "MMA_MIN_KEYS",
-          "MMA_MAX_SPLITS")
+          "MMA_MIN_QUERIES", "MMA_SIMDGROUPS", "MMA_SIMDGROUPS_PER_CORE",
+          "MMA_SIMDGROUPS_PER_CORE_PF0", "MMA_MIN_KEYS", "MMA_MAX_SPLITS", "MMA_PREFETCH",
+          "MMA_BOUNDED")
 
 
 def error_ratio(out, want, limit) -> float:
@@ -111,6 +114,7 @@ def run(args) -> None:
         row = [heads, str(D), str(L), str(kv), dname, f"{t_native * 1e6:.1f}"]
         for name in args.variant:
             op_module.SPLIT_PATH[BACKEND] = name
+            clear_plans()  # plans read SPLIT_PATH once
             pl = op_module.split_plan(BACKEND, 1, Hq, Hkv, L, D, kv, dtype)
             row.append(f"{pl['n_splits']}{'' if pl['path'] == name else ' ' + pl['path']}")
             before = launch_counts(BACKEND)

@@ -39,7 +39,22 @@
 //   n_q, group, kv_len (device-side too), kv_rows, chunk (a multiple of 32), causal, scale,
 //   mask with mask_sb, mask_sh, mask_sl, kv_heads, mask_block).
 //   Template: T (half or bfloat), D (64, 96, 128, 256), PT (2 for half, 3 for bfloat: above),
-//   MASK_KIND (0 none or causal, 1 bool, 2 additive; MT the mask's element type).
+//   PF (1: PREFETCH below, D 64, 96, 128; 0: each block staged in place), MASK_KIND (0 none
+//   or causal, 1 bool, 2 additive; MT the mask's element type).
+//
+// PREFETCH (PF 1): the loads of the next K or V block are issued before the current
+//   products, into registers, and stored to threadgroup memory after them: per 32-key block,
+//   K's registers -> K tile, V's loads issued, barrier, S = Q K^T and the softmax, V's
+//   registers -> V tile, the next K block's loads issued (none past the slice's, or the
+//   tile's causal, last key), barrier, P V. One block of one matrix in registers (D/16
+//   four-element pieces per thread, slot tid's: piece e of a block belongs to slot e % 128;
+//   with fewer than 128 threads the other slots are staged at the store, loads then stores:
+//   their loads are not overlapped). The slice's first K block is fetched before q is
+//   staged. q stays in a tile of its own, its fragments loaded per block (the registers they
+//   took pay for the fetched block's). The same two barriers per block as PF 0, the same
+//   products in the same order: the same results, bit for bit. K and V tiles apart only (D
+//   64, 96, 128). PF 0: each block's K and V loads, then stores, between barriers (nothing
+//   overlaps the loads); q held in registers.
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
 //   threadgroup = (32 * NSG, 1, 1), NSG = 1 .. 4 simdgroups, read at run time: the row tile
@@ -50,26 +65,34 @@
 //   threadgroup memory: kv_tile, 32 x (D + 8) elements of T for K and as many for V where
 //     both fit in 32 KiB (KV_APART: D 64, 96, 128; D 128: 17,408 bytes), else one tile for
 //     both (D 256: 16,896 bytes): q's TR rows first, then each block's K and V, staged
-//     together (two barriers per block), or K then V (four). Rows past the block's keys
-//     are zero-filled (0 * NaN would poison o). Every thread reaches every barrier.
+//     together (two barriers per block), or K then V (four). PF 1: a third tile for q's TR
+//     rows (D 128: 26,112 bytes in all), K and V as PREFETCH. Rows past the block's keys are
+//     zero-filled (0 * NaN would poison o). Every thread reaches every barrier.
 //   Lane l of a simdgroup holds (Apple's simdgroup_matrix layout, the emulator's and the
 //     CUDA layer's) row fm = (l / 4 & 4) + (l / 2) % 4 and columns fn, fn + 1, fn = (l / 4 &
 //     2) * 2 + (l % 2) * 2 of each 8x8 fragment: its row's scores of a block are 8 of S's
 //     4 key fragments, and the 4 lanes sharing a row (lane bits 0 and 3) reduce its max and
 //     sum with two simd_shuffle_xor each.
-//   Registers per lane: q, D/8 T fragments (2 elements each); o, D/8 float fragments; S 4;
-//     P 4 x PT T fragments.
-//   CUDA (nvcc sm_90 --resource-usage, no mask / bool / additive): half D 64 91 / 88 / 107
-//     registers per thread, D 96 128 / 125 / 123, D 128 179 / 181 / 179, D 256 240 / 213 /
-//     255; bfloat D 64 92 / 88 / 105, D 96 122 / 125 / 123, D 128 176 / 181 / 181, D 256
-//     239 / 206 / 255; no spills, no stack (the unrolled loops below: without them nvcc kept
-//     q and o in local memory). Products of half / bfloat fragments run on the tensor cores
+//   Registers per lane: q, D/8 T fragments (2 elements each; PF 1: one at a time); o, D/8
+//     float fragments; S 4; P 4 x PT T fragments; PF 1: D/16 vec<T, 4> pieces of the next
+//     block.
+//   CUDA (nvcc sm_90 --resource-usage, no mask / bool / additive), PF 0: half D 64 91 / 88
+//     / 107 registers per thread, D 96 128 / 125 / 123, D 128 179 / 181 / 179, D 256 240 /
+//     213 / 255; bfloat D 64 92 / 88 / 105, D 96 122 / 125 / 123, D 128 176 / 181 / 181, D
+//     256 239 / 206 / 255. PF 1 (q from its tile): half D 64 91 / 93 / 118, D 96 123 / 162
+//     / 162, D 128 162 / 158 / 156; bfloat D 64 102 / 121 / 122, D 96 160 / 162 / 162, D
+//     128 163 / 162 / 158: at D 128 three 4-simdgroup threadgroups per SM (<= 168) where
+//     PF 0 fits two. No spills, no stack (the unrolled loops below: without them nvcc kept
+//     q and o in local memory). With launch bounds (128, 3) (MMA_BOUNDED in
+//     ops/sdpa_multi.py: PF 0, no mask, D 128): half 147, bfloat 153, no spills; with a
+//     mask they spill. Products of half / bfloat fragments run on the tensor cores
 //     (mt_cuda/matrix.cuh: one mma.sync m16n8k8 and 5 shuffles each).
 //
 // TRAFFIC per call: each visible K/V row is read once per row tile (ceil(G*L / TR) times;
 //   once when G*L <= 32); a causal tile stops at the last key its rows see, and a simdgroup
-//   whose rows see no key of a block skips its products (it still stages). q is read once
-//   per slice, the partials written once (as sdpa_multi.metal).
+//   whose rows see no key of a block skips its products (it still stages; PF 1 fetches no
+//   row past that last key: the same bytes). q is read once per slice, the partials written
+//   once (as sdpa_multi.metal).
 //   Work per 32-key block and simdgroup (8 rows): 4 * D/8 products for S and PT * 4 * D/8
 //   for P V, against the staged path's 8 * 32 * 2D scalar FMAs per row group.
 //
@@ -77,15 +100,17 @@
 //   a product is the hardware's); a block's max and sum over the row's 4 lanes by the xor
 //   tree (1, then 8); o accumulates the keys of a block by fragments of 8 in increasing
 //   order, the half t1 terms apart and added at the block's end, blocks in increasing
-//   order. Different from the staged and vector paths (last bits differ, all within the
-//   tolerance table).
+//   order; PF 0 and PF 1 alike. Different from the staged and vector paths (last bits
+//   differ, all within the tolerance table).
 //
 // Checked only on a Mac: that Apple's compiler accepts the body as written (half and bfloat
 //   simdgroup_matrix loads from threadgroup memory, transposed loads, products of T fragments
 //   into float fragments, thread_elements() in the lane layout above, the vec<T, 4> loads
-//   and threadgroup stores; bfloat needs Metal 3.1's bfloat), that nothing spills, and the
-//   speed. The emulator checks the semantics, the lane layout, barriers, races on threadgroup
-//   memory (strict mode) and the device traffic; nvcc the CUDA translation and its registers.
+//   and threadgroup stores, PF 1's thread array of vec<T, 4> passed by pointer; bfloat needs
+//   Metal 3.1's bfloat), that nothing spills (PF 1's registers included), and the speed of
+//   each PF. The emulator checks the semantics, the lane layout, barriers, races on
+//   threadgroup memory (strict mode) and the device traffic; nvcc the CUDA translation and
+//   its registers.
 #include "common.h"
 #include "sdpa_multi.h"
 
@@ -125,6 +150,51 @@ inline void mt_sdpa_mma_stage_kv(threadgroup T* k_tile, threadgroup T* v_tile,
     *reinterpret_cast<threadgroup vec<T, 4>*>(v_tile + j * TS + c) = xv;
   }
 }
+
+// PF 1 (PREFETCH below): a 32-row block of K or V as 32 * D / 4 four-element pieces, piece
+// e held by slot e % 128 (N = D / 16 pieces a slot: e = slot + 128 i, so that a thread's
+// addresses differ by constants). Thread tid fetches slot tid's pieces into registers; the
+// slots past n_threads (fewer than 4 simdgroups) are staged at the store, straight from
+// src. Rows n_valid .. 31 read as zeros.
+template <typename T, int D, int N>
+inline void mt_sdpa_mma_fetch(thread vec<T, 4>* buf, const device T* src, uint n_valid,
+                              uint tid) {
+  constexpr uint Q4 = uint(D) / 4u;
+  #pragma clang loop unroll(full)
+  for (int i = 0; i < N; ++i) {
+    const uint e = tid + uint(i) * 128u;
+    const uint j = e / Q4;
+    buf[i] = vec<T, 4>(T(0));
+    if (j < n_valid) {
+      buf[i] = *reinterpret_cast<const device vec<T, 4>*>(src + size_t(e) * 4u);
+    }
+  }
+}
+
+// Store a fetched block into tile, then stage slots n_threads .. 127 straight from src.
+template <typename T, int D, int TS, int N>
+inline void mt_sdpa_mma_put(threadgroup T* tile, const thread vec<T, 4>* buf,
+                            const device T* src, uint n_valid, uint tid, uint n_threads) {
+  constexpr uint Q4 = uint(D) / 4u;
+  #pragma clang loop unroll(full)
+  for (int i = 0; i < N; ++i) {
+    const uint e = tid + uint(i) * 128u;
+    const uint j = e / Q4;
+    *reinterpret_cast<threadgroup vec<T, 4>*>(tile + e * 4u + j * uint(TS - D)) = buf[i];
+  }
+  for (uint slot = tid + n_threads; slot < 128u; slot += n_threads) {
+    for (int i = 0; i < N; ++i) {
+      const uint e = slot + uint(i) * 128u;
+      const uint j = e / Q4;
+      vec<T, 4> x = vec<T, 4>(T(0));
+      if (j < n_valid) {
+        x = *reinterpret_cast<const device vec<T, 4>*>(src + size_t(e) * 4u);
+      }
+      *reinterpret_cast<threadgroup vec<T, 4>*>(tile + e * 4u + j * uint(TS - D)) = x;
+    }
+  }
+}
+
 // ---- kernel body ----
 // Every loop over fragments, terms or a lane's 8 scores is unrolled: their arrays then live
 // in registers (nvcc left the unannotated ones in local memory).
@@ -134,8 +204,12 @@ constexpr int TS = D + 8;    // kv_tile row stride: 16 bytes of padding (fragmen
 constexpr float TERM_SCALE = PT == 2 ? 2048.0f : 1.0f;  // t_i's weight is TERM_SCALE^-i
 static_assert(D % 32 == 0, "head dim");
 static_assert(PT >= 1 && PT <= 3, "probability terms");
+constexpr int PF_N = D / 16;  // PF 1: pieces per slot of a fetched block
 constexpr bool KV_APART = 2 * 32 * TS * int(sizeof(T)) <= 32 * 1024;  // K and V tiles
-threadgroup T kv_tile[(KV_APART ? 2 : 1) * 32 * TS];
+static_assert(PF == 0 || KV_APART, "PF 1 keeps K, V and q in tiles of their own");
+// PF 1: q's tile after V's (fragments loaded per block), else q staged into K's tile once
+threadgroup T kv_tile[(KV_APART ? 2 : 1) * 32 * TS + (PF ? 32 * TS : 0)];
+threadgroup T* q_tile = kv_tile + (PF ? 2 * 32 * TS : 0);
 threadgroup T* v_tile = kv_tile + (KV_APART ? 32 * TS : 0);
 
 const uint tile = threadgroup_position_in_grid.x;
@@ -183,13 +257,22 @@ const uint lim = row_valid ? mt_sdpa_row_end(r, L, kvn, is_causal) : 0u;  // 0: 
 const size_t mask_row = mt_sdpa_mask_row(bh, r, L, group, kv_heads, mask_sb, mask_sh,
                                          mask_sl);
 
-// q: the tile's rows staged once, each simdgroup keeping its 8 rows as D/8 fragments.
-mt_sdpa_mma_stage<T, D, TS>(kv_tile, q + (q_row0 + tile_row0) * D, tile_valid, tile_rows,
+// PF 1: the registers holding the next K or V block, and the slice's first K block fetched
+// before q is staged.
+vec<T, 4> pre[PF ? PF_N : 1];
+if (PF && k_begin < k_end) {
+  mt_sdpa_mma_fetch<T, D, PF_N>(pre, k_head + size_t(k_begin) * D, min(32u, k_end - k_begin),
+                                tid);
+}
+
+// q: the tile's rows staged once; with PF 0 each simdgroup keeps its 8 rows as D/8
+// fragments, with PF 1 it loads them from q_tile per block (fewer registers).
+mt_sdpa_mma_stage<T, D, TS>(q_tile, q + (q_row0 + tile_row0) * D, tile_valid, tile_rows,
                             tid, n_threads);
 threadgroup_barrier(mem_flags::mem_threadgroup);
-simdgroup_matrix<T, 8, 8> qf[DF];
+simdgroup_matrix<T, 8, 8> qf[PF ? 1 : DF];
 #pragma clang loop unroll(full)
-for (int i = 0; i < DF; ++i) {
+for (int i = 0; i < (PF ? 0 : DF); ++i) {
   simdgroup_load(qf[i], kv_tile + sg * 8u * TS + uint(i * 8), TS);
 }
 
@@ -205,27 +288,55 @@ for (int i = 0; i < DF; ++i) {
 for (uint kb = k_begin; kb < k_end; kb += 32u) {
   const uint nk = min(32u, k_end - kb);  // keys of this block (uniform)
   const bool live = kb < sg_end;         // this simdgroup's rows see a key of the block
-  threadgroup_barrier(mem_flags::mem_threadgroup);  // earlier readers of kv_tile are done
-  if (KV_APART) {
-    mt_sdpa_mma_stage_kv<T, D, TS>(kv_tile, v_tile, k_head + size_t(kb) * D,
-                                   v_head + size_t(kb) * D, nk, tid, n_threads);
-  } else {
-    mt_sdpa_mma_stage<T, D, TS>(kv_tile, k_head + size_t(kb) * D, nk, 32u, tid, n_threads);
+  if (PF) {  // the fetched K block into its tile, then V's fetch issued (PREFETCH)
+    mt_sdpa_mma_put<T, D, TS, PF_N>(kv_tile, pre, k_head + size_t(kb) * D, nk, tid,
+                                    n_threads);
+    mt_sdpa_mma_fetch<T, D, PF_N>(pre, v_head + size_t(kb) * D, nk, tid);
+  } else {  // K (and V where apart) staged: loads, then stores
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // earlier readers of kv_tile are done
+    if (KV_APART) {
+      mt_sdpa_mma_stage_kv<T, D, TS>(kv_tile, v_tile, k_head + size_t(kb) * D,
+                                     v_head + size_t(kb) * D, nk, tid, n_threads);
+    } else {
+      mt_sdpa_mma_stage<T, D, TS>(kv_tile, k_head + size_t(kb) * D, nk, 32u, tid, n_threads);
+    }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
   simdgroup_matrix<T, 8, 8> pf[PT][4];  // the block's weights w_j as PT terms
   if (live) {
     // S = Q K^T: key fragment j from K's rows 8j .. 8j + 7, read transposed.
+    // (PF 1: q's fragment i loaded once for the 4 key fragments; every sf[j] still sums
+    // its D/8 products in increasing i, as PF 0 does.)
     simdgroup_matrix<float, 8, 8> sf[4];
-    #pragma clang loop unroll(full)
-    for (int j = 0; j < 4; ++j) {
-      sf[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    if (PF) {
+      #pragma clang loop unroll(full)
+      for (int j = 0; j < 4; ++j) {
+        sf[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      }
       #pragma clang loop unroll(full)
       for (int i = 0; i < DF; ++i) {
-        simdgroup_matrix<T, 8, 8> kf;
-        simdgroup_load(kf, kv_tile + uint(j * 8) * TS + uint(i * 8), TS, ulong2(0, 0), true);
-        simdgroup_multiply_accumulate(sf[j], qf[i], kf, sf[j]);
+        simdgroup_matrix<T, 8, 8> qi;
+        simdgroup_load(qi, q_tile + sg * 8u * TS + uint(i * 8), TS);
+        #pragma clang loop unroll(full)
+        for (int j = 0; j < 4; ++j) {
+          simdgroup_matrix<T, 8, 8> kf;
+          simdgroup_load(kf, kv_tile + uint(j * 8) * TS + uint(i * 8), TS, ulong2(0, 0),
+                         true);
+          simdgroup_multiply_accumulate(sf[j], qi, kf, sf[j]);
+        }
+      }
+    } else {
+      #pragma clang loop unroll(full)
+      for (int j = 0; j < 4; ++j) {
+        sf[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+        #pragma clang loop unroll(full)
+        for (int i = 0; i < DF; ++i) {
+          simdgroup_matrix<T, 8, 8> kf;
+          simdgroup_load(kf, kv_tile + uint(j * 8) * TS + uint(i * 8), TS, ulong2(0, 0),
+                         true);
+          simdgroup_multiply_accumulate(sf[j], qf[i], kf, sf[j]);
+        }
       }
     }
 
@@ -290,7 +401,15 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
     }
   }
 
-  if (!KV_APART) {  // V into K's tile (uniform: a constant)
+  if (PF) {  // the fetched V block into its tile, then the next K block's fetch issued
+    mt_sdpa_mma_put<T, D, TS, PF_N>(v_tile, pre, v_head + size_t(kb) * D, nk, tid,
+                                    n_threads);
+    if (kb + 32u < k_end) {  // never past the slice's (or the tile's causal) last key
+      mt_sdpa_mma_fetch<T, D, PF_N>(pre, k_head + size_t(kb + 32u) * D,
+                                    min(32u, k_end - kb - 32u), tid);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  } else if (!KV_APART) {  // V into K's tile (uniform: a constant)
     threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done with K
     mt_sdpa_mma_stage<T, D, TS>(v_tile, v_head + size_t(kb) * D, nk, 32u, tid, n_threads);
     threadgroup_barrier(mem_flags::mem_threadgroup);

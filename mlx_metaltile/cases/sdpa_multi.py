@@ -12,7 +12,13 @@ import mlx_metaltile as mt
 
 from .. import backends
 from ..ops._common import clear_plans
-from ..ops.sdpa_multi import BACKWARD_SPECS, COMBINE_SPEC, MMA_SPEC, SPLIT_SPEC
+from ..ops.sdpa_multi import (
+    BACKWARD_SPECS,
+    COMBINE_SPEC,
+    MMA_BOUNDED_SPEC,
+    MMA_SPEC,
+    SPLIT_SPEC,
+)
 from ._base import DTYPES, BenchCase, assert_close, grad_case, to_f64
 
 _ops = importlib.import_module("..ops.sdpa_multi", __package__)  # the module (the package
@@ -209,9 +215,10 @@ def make_inputs(rng, B, Hq, Hkv, L, S, D, dtype, qk_scale=1.0):
 
 
 def launch_counts(backend):
-    """(pass-1 launches: the split kernel's and the MMA kernel's, combine launches)."""
+    """(pass-1 launches: the split kernel's and the MMA kernels', combine launches)."""
     return (backends.launch_count(SPLIT_SPEC.name, backend)
-            + backends.launch_count(MMA_SPEC.name, backend),
+            + backends.launch_count(MMA_SPEC.name, backend)
+            + backends.launch_count(MMA_BOUNDED_SPEC.name, backend),
             backends.launch_count(COMBINE_SPEC.name, backend))
 
 
@@ -327,7 +334,19 @@ def _mma_call(backend, rng):
         _variant_call(backend, rng)
 
 
-VARIANT_CALLS = {"split": _split_call, "combine": _variant_call, "split_mma": _mma_call}
+def _mma_bounded_call(backend, rng):
+    saved = (_ops.MMA_PREFETCH, _ops.MMA_BOUNDED)
+    _ops.MMA_PREFETCH, _ops.MMA_BOUNDED = False, True  # PF 0 at D 128: the bounded kernel
+    try:
+        with mma_rows(1, "mma"):
+            q, k, v = make_inputs(rng, 1, 8, 2, 4, 96, 128, mx.bfloat16)
+            run_and_check(q, k, v, scale=128 ** -0.5, causal=True, kv_len=80, backend=backend)
+    finally:
+        _ops.MMA_PREFETCH, _ops.MMA_BOUNDED = saved
+
+
+VARIANT_CALLS = {"split": _split_call, "combine": _variant_call, "split_mma": _mma_call,
+                 "split_mma_bounded": _mma_bounded_call}
 
 
 def _backward_call(backend, rng):

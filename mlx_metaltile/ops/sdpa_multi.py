@@ -73,15 +73,37 @@ VEC_MAX_SPLITS = 64
 # while a decode step (L 1, G rows: usually <= 8, one 8-row fragment at most) reads K/V once
 # on the vector path and is bound by memory. A huge MMA_MIN_ROWS disables it. Its tiles:
 # up to MMA_SIMDGROUPS simdgroups of 8 rows; slices for about MMA_SIMDGROUPS_PER_CORE
-# simdgroups per core (8: two 4-simdgroup threadgroups, what an H100/H200 SM holds at the
-# kernel's 176-181 registers per thread at D 128), each at least MMA_MIN_KEYS keys, at
+# simdgroups per core with PF 1 (12: three 4-simdgroup threadgroups, what an H100/H200 SM
+# holds at its 156-163 registers per thread at D 128), MMA_SIMDGROUPS_PER_CORE_PF0 with PF 0
+# (8: two, at 176-181; 12 suits MMA_BOUNDED's 147-153), each at least MMA_MIN_KEYS keys, at
 # most MMA_MAX_SPLITS (tuning constants: they change speed, never results).
 MMA_MIN_ROWS = 16
 MMA_MIN_QUERIES = 2
 MMA_SIMDGROUPS = 4
-MMA_SIMDGROUPS_PER_CORE = 8
+MMA_SIMDGROUPS_PER_CORE = 12
+MMA_SIMDGROUPS_PER_CORE_PF0 = 8
 MMA_MIN_KEYS = 128
 MMA_MAX_SPLITS = 64
+# The MMA kernel's K/V staging (its template PF; sdpa_multi_mma.metal, PREFETCH): True
+# fetches the next K or V block into registers while the current one is multiplied (D/16
+# four-element pieces per thread) and reads q's fragments from threadgroup memory per block,
+# for the head dims of MMA_PREFETCH_DIMS (D 256: K, V and q tiles would pass 32 KiB);
+# False, and the other head dims, stage each block with loads then stores between barriers
+# (nothing overlaps the loads) and hold q in registers. A tuning constant: every sum keeps
+# its order, the results their bits.
+MMA_PREFETCH = True
+MMA_PREFETCH_DIMS = (64, 96, 128)
+# True: where the MMA kernel runs with PF 0 and no mask array at a head dim of
+# MMA_BOUNDED_DIMS, the launch takes its copy compiled with CUDA's __launch_bounds__(128,
+# MMA_BOUNDED_BLOCKS) (MMA_BOUNDED_SPEC): at most 168 registers per thread, so three
+# 4-simdgroup threadgroups fit on an H100/H200 SM where the unbounded one (176-181 at D 128)
+# fits two. nvcc sm_90 fits the bounded kernels without spills (half / bfloat D 128: 147 /
+# 153 registers); with a mask they spill, hence not built (nor D 64 and 96: unbounded they
+# use fewer). A tuning constant (Metal and the emulator run the same source either way):
+# the same results.
+MMA_BOUNDED = False
+MMA_BOUNDED_DIMS = (128,)
+MMA_BOUNDED_BLOCKS = 3
 # Terms of T holding a probability (sdpa_multi_mma.metal, PROBABILITIES IN T).
 MMA_TERMS = {mx.float16: 2, mx.bfloat16: 3}
 LOG2E = 1.4426950408889634
@@ -154,26 +176,39 @@ SPLIT_SPEC, COMBINE_SPEC = register(
 
 
 def _mma_bindings():
-    for t, d, kind in itertools.product(MMA_TERMS, HEAD_DIMS,
-                                        (MASK_NONE, MASK_BOOL, MASK_ADDITIVE)):
-        yield {"T": t, "D": d, "PT": MMA_TERMS[t], "MASK_KIND": kind,
+    for t, d, pf, kind in itertools.product(MMA_TERMS, HEAD_DIMS, (1, 0),
+                                            (MASK_NONE, MASK_BOOL, MASK_ADDITIVE)):
+        if pf and d not in MMA_PREFETCH_DIMS:
+            continue
+        yield {"T": t, "D": d, "PT": MMA_TERMS[t], "PF": pf, "MASK_KIND": kind,
                "MT": _mask_type(kind, t)}
 
 
-(MMA_SPEC,) = register(
-    KernelSpec(
-        op=OP, variant="split_mma", template="sdpa_multi_mma.metal",
-        inputs=SPLIT_SPEC.inputs, outputs=SPLIT_SPEC.outputs,
-        params=("T", "D", "PT", "MASK_KIND"), bindings=_mma_bindings,
-        dtypes=("float16", "bfloat16"),
-        geometry="pass 1 on 8x8 simdgroup_matrix products (half / bfloat): tiles of 8*NSG "
-                 "query rows (NSG = 1..4 simdgroups of 8 rows); TG = 32*NSG threads; grid "
-                 "(TG*ceil(rows/(8*NSG)), n_splits, B*Hkv); K/V staged 32 keys at a time, "
-                 "each read once per row tile",
-        notes="template T, D, PT (terms of T per probability: 2 half, 3 bfloat), MASK_KIND; "
-              "the same runtime inputs and partials as the split kernel",
-    ),
+def _mma_bounded_bindings():
+    for t, d in itertools.product(MMA_TERMS, MMA_BOUNDED_DIMS):
+        yield {"T": t, "D": d, "PT": MMA_TERMS[t], "PF": 0, "MASK_KIND": MASK_NONE,
+               "MT": _mask_type(MASK_NONE, t)}
+
+
+_MMA = KernelSpec(
+    op=OP, variant="split_mma", template="sdpa_multi_mma.metal",
+    inputs=SPLIT_SPEC.inputs, outputs=SPLIT_SPEC.outputs,
+    params=("T", "D", "PT", "PF", "MASK_KIND"), bindings=_mma_bindings,
+    dtypes=("float16", "bfloat16"),
+    geometry="pass 1 on 8x8 simdgroup_matrix products (half / bfloat): tiles of 8*NSG "
+             "query rows (NSG = 1..4 simdgroups of 8 rows); TG = 32*NSG threads; grid "
+             "(TG*ceil(rows/(8*NSG)), n_splits, B*Hkv); K/V staged 32 keys at a time, "
+             "each read once per row tile (PF 1: the next block fetched into registers "
+             "during the current one's products)",
+    notes="template T, D, PT (terms of T per probability: 2 half, 3 bfloat), PF "
+          "(MMA_PREFETCH), MASK_KIND; the same runtime inputs and partials as the split "
+          "kernel",
 )
+MMA_SPEC, MMA_BOUNDED_SPEC = register(_MMA, replace(
+    _MMA, variant="split_mma_bounded", bindings=_mma_bounded_bindings,
+    cuda_launch_bounds=(128, MMA_BOUNDED_BLOCKS),
+    notes=_MMA.notes + "; the PF 0, MASK_KIND 0 kernels for D 128 with CUDA launch bounds "
+          "(128 threads, MMA_BOUNDED_BLOCKS per SM): MMA_BOUNDED"))
 
 
 @dataclass(frozen=True)
@@ -481,29 +516,32 @@ def mma_plan(B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int, dtype: mx.D
              cores: int | None = None) -> dict:
     """The MMA path's launch geometry (sdpa_multi_mma.metal): tiles of 8 * NSG query rows,
     NSG = min(MMA_SIMDGROUPS, ceil(rows / 8)) simdgroups of 8 rows, and enough slices of
-    whole 32-key blocks for about MMA_SIMDGROUPS_PER_CORE simdgroups per core, each at least
-    MMA_MIN_KEYS keys, at most MMA_MAX_SPLITS. Half and bfloat only."""
+    whole 32-key blocks for about MMA_SIMDGROUPS_PER_CORE (pf 1) or
+    MMA_SIMDGROUPS_PER_CORE_PF0 simdgroups per core, each at least MMA_MIN_KEYS keys, at
+    most MMA_MAX_SPLITS; pf 1 where MMA_PREFETCH takes D. Half and bfloat only."""
     if dtype not in MMA_TERMS:
         raise ValueError(f"[{OP}] the MMA path takes float16 or bfloat16, got "
                          f"{dtype_name(dtype)}")
     rows = (Hq // Hkv) * L
     nsg = min(MMA_SIMDGROUPS, -(-rows // 8))
     n_tiles = -(-rows // (8 * nsg))
+    pf = int(MMA_PREFETCH and D in MMA_PREFETCH_DIMS)
     cores = cores or _device.gpu_cores() or _device.DEFAULT_GPU_CORES
-    want = max(1, min(cores * MMA_SIMDGROUPS_PER_CORE // (B * Hkv * n_tiles * nsg),
-                      MMA_MAX_SPLITS))
+    per_core = MMA_SIMDGROUPS_PER_CORE if pf else MMA_SIMDGROUPS_PER_CORE_PF0
+    want = max(1, min(cores * per_core // (B * Hkv * n_tiles * nsg), MMA_MAX_SPLITS))
     # As the vector plan: up to MMA_MIN_KEYS * want keys the slices are MMA_MIN_KEYS long
     # whatever kv_len is (a device-side kv_len, planned at S, sums in the same order).
     chunk = -(-max(MMA_MIN_KEYS, -(-kv_len // want)) // KEY_BLOCK) * KEY_BLOCK
     n_splits = -(-kv_len // chunk)
     tg = 32 * nsg
+    tile = KEY_BLOCK * (D + 8) * dtype.size
     return {
-        "path": "mma", "pt": MMA_TERMS[dtype], "rows": rows, "n_tiles": n_tiles,
-        "n_simdgroups": nsg, "n_splits": n_splits, "chunk": chunk,
+        "path": "mma", "pt": MMA_TERMS[dtype], "pf": pf, "rows": rows,
+        "n_tiles": n_tiles, "n_simdgroups": nsg, "n_splits": n_splits, "chunk": chunk,
         "threadgroup": (tg, 1, 1), "grid": (tg * n_tiles, n_splits, B * Hkv),
-        # K and V tiles apart where both fit in 32 KiB (the kernel's KV_APART), else one
-        "threadgroup_memory": KEY_BLOCK * (D + 8) * dtype.size
-        * (2 if 2 * KEY_BLOCK * (D + 8) * dtype.size <= 32 * 1024 else 1),
+        # K and V tiles apart where both fit in 32 KiB (the kernel's KV_APART), else one;
+        # PF 1 (tiles apart) q's tile too
+        "threadgroup_memory": tile * ((2 if 2 * tile <= 32 * 1024 else 1) + pf),
     }
 
 
@@ -519,6 +557,14 @@ def split_plan(backend: str, B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: 
     if path == "vector":
         return vector_plan(B, Hq, Hkv, L, D, kv_len, dtype)
     return plan(B, Hq, Hkv, L, D, kv_len, dtype)
+
+
+def _mma_spec(pl: dict, D: int, mask_kind: int) -> KernelSpec:
+    """The MMA kernel's spec for the plan ``pl``: MMA_BOUNDED_SPEC where MMA_BOUNDED takes
+    it, else MMA_SPEC."""
+    bounded = (MMA_BOUNDED and pl["pf"] == 0 and D in MMA_BOUNDED_DIMS
+               and mask_kind == MASK_NONE)
+    return MMA_BOUNDED_SPEC if bounded else MMA_SPEC
 
 
 # MASK_KIND 0's dummy mask, never read; 16 bytes, as _NO_SINKS: MLX's CUDA allocator keeps
@@ -543,7 +589,7 @@ def _launcher(p: _Problem, mask_shape: tuple | None, has_sinks: bool, dtype: mx.
     mb, mh, ml, mc = mask_shape or _NO_MASK[0].shape
     strides = (mh * ml * mc if mb > 1 else 0, ml * mc if mh > 1 else 0, mc if ml > 1 else 0)
     if pl["path"] == "mma":
-        split_spec, params = MMA_SPEC, {"PT": pl["pt"]}
+        split_spec, params = _mma_spec(pl, D, p.mask_kind), {"PT": pl["pt"], "PF": pl["pf"]}
     else:
         split_spec, params = SPLIT_SPEC, {"RS": pl["rs"], "DC": pl["dc"]}
     split = backends.prepare(

@@ -19,6 +19,7 @@ from mlx_metaltile import backends
 from mlx_metaltile._registry import instantiations
 from mlx_metaltile.cases import assert_close
 from mlx_metaltile.cases.sdpa_multi import launch_counts, make_inputs, oracle, run_and_check
+from mlx_metaltile.ops._common import clear_plans
 
 DTYPES = (mx.float16, mx.bfloat16)
 op_module = importlib.import_module("mlx_metaltile.ops.sdpa_multi")
@@ -38,12 +39,25 @@ def mplan(B, Hq, Hkv, L, D, kv_len, dtype):
     return op_module.mma_plan(B, Hq, Hkv, L, D, kv_len, dtype)
 
 
+def prefetches(D):
+    """The MMA kernel's PF for head dim D under the module's constants."""
+    return int(op_module.MMA_PREFETCH and D in op_module.MMA_PREFETCH_DIMS)
+
+
 def assert_mma_ran(launches, dtype, D):
     """The pass-1 launch was the MMA kernel, with the template the plan gives."""
     split = launches[-2]
     assert split.name == op_module.MMA_SPEC.name
     t = dict(split.template)
     assert t["T"] == dtype and t["D"] == D and t["PT"] == op_module.MMA_TERMS[dtype]
+    assert t["PF"] == prefetches(D)
+
+
+@pytest.fixture(params=(True, False), ids=("prefetch", "staged"))
+def staging(request, monkeypatch):
+    """MMA_PREFETCH forced each way (PF 1 for MMA_PREFETCH_DIMS, or 0 everywhere)."""
+    monkeypatch.setattr(op_module, "MMA_PREFETCH", request.param)
+    return request.param
 
 
 # (B, Hq, Hkv, L, kv_len, S, D, causal): GQA 1 / 4 / 8, L 2..16, rows that are not a
@@ -203,6 +217,108 @@ def test_launches_are_declared_instantiations(kernel_backend, mma_path, launches
     assert all(t in declared for t in splits)
 
 
+# The prefetch form's edges (B, Hq, Hkv, L, kv_len, S, D, causal): one block only, ragged
+# last blocks (33, 95, 1000 keys), 1 to 4 simdgroups (the slots past the threadgroup's
+# threads staged at the store), GQA 1 / 4 / 8, several slices.
+PREFETCH_CASES = [
+    (1, 4, 4, 2, 20, 24, 128, True),      # GQA 1 x L 2: 1 simdgroup, one block of 20 keys
+    (1, 8, 2, 4, 33, 40, 64, False),      # GQA 4 x L 4: 2 simdgroups, a last block of 1 key
+    (1, 8, 1, 3, 95, 96, 96, True),       # GQA 8 x L 3: 3 simdgroups, causal, 3 blocks
+    (1, 8, 1, 4, 1000, 1000, 128, True),  # GQA 8 x L 4: 4 simdgroups, slices, causal
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("case", PREFETCH_CASES, ids=case_id)
+def test_prefetch_matches_oracle(kernel_backend, mma_path, monkeypatch, poisoned_outputs,
+                                 launches, rng, case, dtype):
+    """PF 1 forced: the float64 oracle, with and without sinks."""
+    monkeypatch.setattr(op_module, "MMA_PREFETCH", True)
+    B, Hq, Hkv, L, kv_len, S, D, causal = case
+    q, k, v = make_inputs(rng, B, Hq, Hkv, L, S, D, dtype)
+    sinks = mx.array((rng.standard_normal(Hq) * 2).astype(np.float32)).astype(dtype)
+    for s in (None, sinks):
+        run_and_check(q, k, v, scale=1.0 / math.sqrt(D), causal=causal, kv_len=kv_len,
+                      sinks=s, backend=kernel_backend)
+        assert_mma_ran(launches, dtype, D)
+        assert dict(launches[-2].template)["PF"] == 1
+
+
+def test_prefetch_cases_cover_its_edges():
+    plans = [mplan(B, Hq, Hkv, L, D, kv, mx.float16)
+             for B, Hq, Hkv, L, kv, S, D, causal in PREFETCH_CASES]
+    assert {p["n_simdgroups"] for p in plans} == {1, 2, 3, 4}
+    assert any(p["n_splits"] > 1 for p in plans)
+    assert {c[4] for c in PREFETCH_CASES} >= {33, 95, 1000} and min(
+        c[4] for c in PREFETCH_CASES) <= 32
+    assert {c[6] for c in PREFETCH_CASES} == set(op_module.MMA_PREFETCH_DIMS)
+
+
+@pytest.mark.parametrize("mask_kind", ("bool", "additive", "block", "causal"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_prefetch_same_bits_as_staged(kernel_backend, mma_path, monkeypatch, launches, rng,
+                                      mask_kind, dtype):
+    """Both staging forms sum in the same order: the same bits, masks and sinks included
+    (GQA 4 x L 3: 2 simdgroups; 150 keys over two slices)."""
+    B, Hq, Hkv, L, kv_len, S, D = 1, 8, 2, 3, 150, 160, 128
+    q, k, v = make_inputs(rng, B, Hq, Hkv, L, S, D, dtype)
+    mask, causal = None, mask_kind == "causal"
+    if mask_kind == "bool":
+        mask = mx.array(rng.random((1, Hq, L, kv_len)) < 0.6)
+    elif mask_kind == "additive":
+        m = rng.standard_normal((L, kv_len)) * 2.0
+        m[rng.random(m.shape) < 0.3] = -np.inf
+        mask = mx.array(m.astype(np.float32)).astype(dtype)
+    elif mask_kind == "block":
+        mask = mx.array(rng.random((L, L)) < 0.5)
+    sinks = mx.array((rng.standard_normal(Hq) * 2).astype(np.float32)).astype(dtype)
+    outs = []
+    for prefetch in (True, False):
+        monkeypatch.setattr(op_module, "MMA_PREFETCH", prefetch)
+        clear_plans()  # the constant takes effect in new plans
+        outs.append(run_and_check(q, k, v, scale=D ** -0.5, causal=causal, kv_len=kv_len,
+                                  mask=mask, sinks=sinks, backend=kernel_backend))
+        assert dict(launches[-2].template)["PF"] == int(prefetch)
+    assert mplan(B, Hq, Hkv, L, D, kv_len, dtype)["n_splits"] > 1
+    assert np.array_equal(np.array(outs[0].astype(mx.float32)),
+                          np.array(outs[1].astype(mx.float32)), equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_bounded_kernel(kernel_backend, mma_path, monkeypatch, launches, rng, dtype):
+    """MMA_BOUNDED: PF 0 with no mask array at D <= 128 launches MMA_BOUNDED_SPEC (a
+    declared instantiation) with the unbounded kernel's bits; a mask array, PF 1 or D 256
+    keep MMA_SPEC."""
+    monkeypatch.setattr(op_module, "MMA_PREFETCH", False)
+    declared = {inst.template for inst in instantiations(op_module.MMA_BOUNDED_SPEC)}
+    q, k, v = make_inputs(rng, 1, 8, 2, 3, 150, 128, dtype)
+    outs = []
+    for bounded in (True, False):
+        monkeypatch.setattr(op_module, "MMA_BOUNDED", bounded)
+        clear_plans()
+        outs.append(run_and_check(q, k, v, scale=128 ** -0.5, causal=True, kv_len=150,
+                                  backend=kernel_backend))
+        split = launches[-2]
+        assert split.name == (op_module.MMA_BOUNDED_SPEC if bounded else op_module.MMA_SPEC).name
+        assert not bounded or split.template in declared
+    assert np.array_equal(np.array(outs[0].astype(mx.float32)),
+                          np.array(outs[1].astype(mx.float32)))
+    monkeypatch.setattr(op_module, "MMA_BOUNDED", True)
+    clear_plans()
+    mask = mx.array(rng.random((3, 150)) < 0.7)
+    run_and_check(q, k, v, scale=0.1, causal=False, kv_len=150, mask=mask,
+                  backend=kernel_backend)
+    assert launches[-2].name == op_module.MMA_SPEC.name
+    q, k, v = make_inputs(rng, 1, 4, 2, 2, 40, 256, dtype)
+    run_and_check(q, k, v, scale=0.1, causal=False, kv_len=40, backend=kernel_backend)
+    assert launches[-2].name == op_module.MMA_SPEC.name
+    monkeypatch.setattr(op_module, "MMA_PREFETCH", True)
+    clear_plans()
+    q, k, v = make_inputs(rng, 1, 4, 2, 2, 40, 64, dtype)
+    run_and_check(q, k, v, scale=0.1, causal=False, kv_len=40, backend=kernel_backend)
+    assert launches[-2].name == op_module.MMA_SPEC.name
+
+
 # ---- the plan ----------------------------------------------------------------------------
 
 def test_plan():
@@ -223,6 +339,7 @@ def test_plan():
         assert 1 <= n <= op_module.MMA_MAX_SPLITS
         assert p["threadgroup"] == (32 * nsg, 1, 1) and p["threadgroup_memory"] <= 32 * 1024
         assert p["grid"] == (32 * nsg * p["n_tiles"], n, B * Hkv)
+        assert p["pf"] == int(D in op_module.MMA_PREFETCH_DIMS)
 
 
 def test_which_path_the_cuda_plan_takes(monkeypatch):
@@ -291,36 +408,78 @@ def test_cache_is_read_once_per_tile(launches, mma_path, rng, case):
     assert split.threadgroup_memory <= plan["threadgroup_memory"]
 
 
+def test_negative_control_unguarded_prefetch(launches, mma_path, broken_kernel, rng):
+    """A prefetch of the block after the slice's last one (its guard dropped) reads K rows
+    that no query of the slice sees: the traffic check must catch it."""
+    require_backend("emulator")
+    broken_kernel(op_module.MMA_SPEC, ("if (kb + 32u < k_end) {", "if (kb < k_end) {"),
+                  ("min(32u, k_end - kb - 32u)", "32u"))
+    B, Hq, Hkv, L, kv_len, S, D = 1, 8, 2, 4, 150, 256, 64
+    q, k, v = make_inputs(rng, B, Hq, Hkv, L, S, D, mx.float16)
+    with backends.use_backend("emulator"):
+        run_and_check(q, k, v, scale=0.125, causal=False, kv_len=kv_len, backend="emulator")
+    split = launches[-2]
+    assert split.name == op_module.MMA_SPEC.name and dict(split.template)["PF"] == 1
+    want = mma_bytes_read(B, Hq, Hkv, L, kv_len, D, False, 2,
+                          8 * mplan(B, Hq, Hkv, L, D, kv_len, mx.float16)["n_simdgroups"])
+    assert split.stats.bytes_read["k"] > want
+
+
 # ---- strict mode and negative controls ---------------------------------------------------
 
 @pytest.mark.parametrize("seed", (1, 2))
-def test_emulator_strict_shuffled(mma_path, rng, seed):
+def test_emulator_strict_shuffled(mma_path, staging, rng, seed):
     """Strict mode (no read of threadgroup memory before it is written, no race on it) with
-    threads and threadgroups in a permuted order: the result must not change."""
+    threads and threadgroups in a permuted order, each staging form: the result must not
+    change."""
     require_backend("emulator")
     with strict_emulator(seed):
         with backends.use_backend("emulator"):
-            for D in (128, 256):  # K and V tiles apart, one tile for both
-                q, k, v = make_inputs(rng, 1, 8, 1, 5, 100, D, mx.bfloat16)
+            # K and V tiles apart (4 simdgroups, then 2: slots staged at the store), one
+            # tile for both
+            for D, Hq in ((128, 8), (64, 2), (256, 8)):
+                q, k, v = make_inputs(rng, 1, Hq, 1, 5, 100, D, mx.bfloat16)
                 run_and_check(q, k, v, scale=D ** -0.5, causal=True, kv_len=90,
                               backend="emulator")
 
 
-@pytest.mark.parametrize("D", (64, 256), ids=("kv-apart", "kv-shared"))
-def test_negative_control_missing_barrier(mma_path, broken_kernel, rng, D):
+@pytest.mark.parametrize("form", ("kv-apart", "kv-shared", "prefetch-k", "prefetch-v"))
+def test_negative_control_missing_barrier(mma_path, monkeypatch, broken_kernel, rng, form):
     """Reading a staged K (D 64: K and V apart) or V block (D 256: one tile for both)
-    without waiting for all of it must be caught."""
+    without waiting for all of it must be caught; so must the prefetch form (D 64) reading
+    K or V without a barrier after its store."""
     require_backend("emulator")
     from mlx_metaltile import emulator
 
     barrier = "threadgroup_barrier(mem_flags::mem_threadgroup);"
-    staged = (f"nk, 32u, tid, n_threads);\n  }}\n  {barrier}\n" if D == 64 else
-              f"nk, 32u, tid, n_threads);\n    {barrier}\n  }}\n")
-    broken_kernel(op_module.MMA_SPEC, (staged, staged.replace(barrier, "")))
+    staged, D = {
+        "kv-apart": (f"nk, 32u, tid, n_threads);\n    }}\n  }}\n  {barrier}\n", 64),
+        "kv-shared": (f"nk, 32u, tid, n_threads);\n    {barrier}\n  }}\n", 256),
+        # the block's first barrier, after either form's K store
+        "prefetch-k": (f"nk, 32u, tid, n_threads);\n    }}\n  }}\n  {barrier}\n", 64),
+        "prefetch-v": (f"tid);\n    }}\n    {barrier}\n  }} else if", 64),
+    }[form]
+    broken_kernel(op_module.MMA_SPEC, (staged, staged.replace(barrier, "", 1)))
+    monkeypatch.setattr(op_module, "MMA_PREFETCH", form.startswith("prefetch"))
     q, k, v = make_inputs(rng, 1, 8, 1, 5, 100, D, mx.float16)
     with strict_emulator(1):
         with backends.use_backend("emulator"), pytest.raises((emulator.ThreadgroupRace,
                                                            emulator.UninitializedThreadgroupRead)):
+            mx.eval(mt.sdpa_multi(q, k, v, scale=0.125, causal=True, kv_len=90))
+
+
+def test_negative_control_unstaged_slots(mma_path, broken_kernel, rng):
+    """PF 1 with 2 simdgroups: dropping the store-time staging of the slots past the
+    threadgroup's threads leaves half of each block unwritten: strict mode must catch it."""
+    require_backend("emulator")
+    from mlx_metaltile import emulator
+
+    broken_kernel(op_module.MMA_SPEC, ("slot < 128u;", "slot < n_threads;"))
+    q, k, v = make_inputs(rng, 1, 2, 1, 5, 100, 64, mx.float16)
+    assert mplan(1, 2, 1, 5, 64, 90, mx.float16)["n_simdgroups"] == 2
+    with strict_emulator(1):
+        with backends.use_backend("emulator"), pytest.raises(
+                emulator.UninitializedThreadgroupRead):
             mx.eval(mt.sdpa_multi(q, k, v, scale=0.125, causal=True, kv_len=90))
 
 
