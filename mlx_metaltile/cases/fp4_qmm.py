@@ -111,6 +111,9 @@ def run_and_check(x, w, scales, kind, group_size, backend, variant=None, expect=
     if spec is not None and spec.variant.startswith("simdgroup") and \
             _split_k(m, n, k)[0] > 1:
         launches = 2  # the tile kernel's float32 partial sums, then fp4_qmm_splitk_sum
+    if expect == "qmv" and spec is not None and fp4_module._qmv_wfirst(
+            fp4_module._qmv_rows(m, backend), backend):
+        expect = "qmv_wfirst"  # the qmv variant's launch plan runs its w-first kernel here
     names = [] if expect is None else [f"fp4_qmm_{expect}"] + (
         ["fp4_qmm_splitk_sum"] if launches == 2 else [])
     before = backends.launch_count(backend=backend)
@@ -133,8 +136,9 @@ def run_and_check(x, w, scales, kind, group_size, backend, variant=None, expect=
 # the registry fails there until it has one here).
 def _variant_call(variant, backend, rng):
     """M = 9, N = 64, K = 256 forced onto a variant; the simdgroup kernel splits K in 8 here
-    and launches fp4_qmm_splitk_sum after it."""
-    x, w, s = make_case(rng, 9, 64, 256, mx.bfloat16)
+    and launches fp4_qmm_splitk_sum after it. qmv at M = 4: its held-x kernel on every
+    backend (cuda's plan runs w-first from M = 5: _wfirst_call)."""
+    x, w, s = make_case(rng, 4 if variant == "qmv" else 9, 64, 256, mx.bfloat16)
     run_and_check(x, w, s, "e8m0", 32, backend, variant=variant, expect=variant)
 
 
