@@ -11,6 +11,7 @@ model runs the reference composites: those numbers are not kernel timings.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import platform
@@ -357,7 +358,38 @@ def op_split(model, vocab: int, context: int, iters: int) -> dict:
     return dict(launches={k: v for (_, k), v in launches.items() if v > 0}, split=split)
 
 
+# --attention: which sdpa the patched model's attention runs. "auto": what
+# mt.nn.sdpa_queries says for the backend; "sdpa_multi" / "mlx": every call on one side
+# (how the per-backend table is measured).
+ATTENTION = ("auto", "sdpa_multi", "mlx")
+
+
+@contextlib.contextmanager
+def attention_choice(choice: str, backend: str):
+    """``mt.nn.SDPA_QUERIES_PER_BACKEND[backend]`` set for ``choice`` while inside."""
+    table = mtnn.SDPA_QUERIES_PER_BACKEND
+    saved = table.get(backend)
+    if choice == "sdpa_multi":
+        table[backend] = {}  # every head dim: mtnn.SDPA_QUERIES
+    elif choice == "mlx":
+        table[backend] = {d: range(0) for d in mtnn.SDPA_HEAD_DIMS}
+    elif choice != "auto":
+        raise ValueError(f"[model-bench] attention must be one of {ATTENTION}, got {choice!r}")
+    try:
+        yield
+    finally:
+        if saved is None:
+            table.pop(backend, None)
+        else:
+            table[backend] = saved
+
+
 def run(args) -> int:
+    with attention_choice(args.attention, backends.resolve_backend()):
+        return _run(args)
+
+
+def _run(args) -> int:
     try:
         import mlx_lm
     except ImportError:
@@ -370,7 +402,8 @@ def run(args) -> int:
     prefill = args.prefill or (512 if gpu else 8)
     device = _device.device_name()
     print(f"model-bench {args.arch}  layers {args.layers}  mlx {mx.__version__}  mlx-lm "
-          f"{mlx_lm.__version__}  device: {device}  backend: {backend}")
+          f"{mlx_lm.__version__}  device: {device}  backend: {backend}  attention: "
+          f"{args.attention}")
     if not gpu:
         print("NOTE: no GPU kernel backend here: the patched model runs "
               f"{backend} code, so these numbers are not kernel timings")
@@ -425,7 +458,7 @@ def run(args) -> int:
                     mlx_lm_version=mlx_lm.__version__, package_version=mt.__version__,
                     git_sha=_device.git_sha(), platform=platform.platform(),
                     time=time.strftime("%Y-%m-%dT%H:%M:%S"), iters=iters, context=context,
-                    prefill=prefill)
+                    prefill=prefill, attention=args.attention)
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, native=native, patched=patched, max_logit_diff=diff,
                            report=[e.__dict__ for e in report.entries], **ops), f, indent=1)
@@ -444,6 +477,9 @@ def add_parser(sub) -> None:
     p.add_argument("--prefill", type=int, help="prompt tokens timed for prefill "
                    "(default 512 on a GPU, 8 elsewhere)")
     p.add_argument("--iters", type=int, help="timed samples (default 10 on a GPU, 1 elsewhere)")
+    p.add_argument("--attention", choices=ATTENTION, default="auto",
+                   help="the patched attention's sdpa: auto (mt.nn.sdpa_queries per backend "
+                   "and head dim), sdpa_multi or mlx for every call")
     p.add_argument("--json", metavar="PATH", help="save results with device and versions")
     p.set_defaults(fn=run, parser=p)
 
@@ -452,7 +488,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlx_metaltile.model_bench")
     add_parser(parser.add_subparsers(dest="cmd", required=True))
     args = parser.parse_args(["model-bench", *(argv if argv is not None else sys.argv[1:])])
-    return args.fn(args)
+    scope = mt.use_backend(args.backend) if args.backend else contextlib.nullcontext()
+    with scope:  # as ``python -m mlx_metaltile model-bench``: --backend for this run only
+        return args.fn(args)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,33 @@ def test_model_bench_runs_and_saves_json(compiled, monkeypatch, tmp_path, capsys
     mtnn._decode_pair.cache_clear()
 
 
+def test_model_bench_attention_choice(monkeypatch, tmp_path, capsys):
+    """--attention mlx: every patched attention call runs mlx-lm's sdpa (fallbacks counted,
+    no sdpa_multi in the split); the per-backend table is as it was afterwards."""
+    config, experts, rest = model_bench.ARCHS["qwen3_moe"]
+    small = dict(config, hidden_size=128, intermediate_size=128, vocab_size=256, num_experts=8,
+                 num_experts_per_tok=2, moe_intermediate_size=64, num_attention_heads=2,
+                 num_key_value_heads=1)
+    monkeypatch.setitem(model_bench.ARCHS, "qwen3_moe", (small, experts, rest))
+    table = {k: dict(v) for k, v in mtnn.SDPA_QUERIES_PER_BACKEND.items()}
+    path = tmp_path / "bench.json"
+    assert model_bench.main(["--arch", "qwen3_moe", "--layers", "1", "--backend", "reference",
+                             "--prefill", "8", "--iters", "1", "--attention", "mlx",
+                             "--json", str(path)]) == 0
+    assert "attention: mlx" in capsys.readouterr().out
+    data = json.loads(path.read_text())
+    assert data["meta"]["attention"] == "mlx"
+    assert "sdpa_multi" not in data["split"] and "expert_glu" in data["split"]
+    assert data["fallbacks"]["attention: queries per call outside sdpa_queries()"] > 0
+    assert mtnn.SDPA_QUERIES_PER_BACKEND == table
+    with model_bench.attention_choice("sdpa_multi", "cuda"):
+        assert mtnn.sdpa_queries(128, "cuda") == mtnn.SDPA_QUERIES
+    assert mtnn.SDPA_QUERIES_PER_BACKEND == table
+    with pytest.raises(ValueError, match=r"\[model-bench\] attention must be one of"):
+        with model_bench.attention_choice("cudnn", "cuda"):
+            pass
+
+
 def test_moe_bench_runs_and_saves_json(tmp_path, capsys):
     """moe-bench through the CLI at shrunk shapes: every block, both patched paths next to
     mlx-lm's block, outputs close to it, the switch point and the JSON."""
