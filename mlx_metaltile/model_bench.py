@@ -367,21 +367,14 @@ ATTENTION = ("auto", "sdpa_multi", "mlx")
 @contextlib.contextmanager
 def attention_choice(choice: str, backend: str):
     """``mt.nn.SDPA_QUERIES_PER_BACKEND[backend]`` set for ``choice`` while inside."""
-    table = mtnn.SDPA_QUERIES_PER_BACKEND
-    saved = table.get(backend)
-    if choice == "sdpa_multi":
-        table[backend] = {}  # every head dim: mtnn.SDPA_QUERIES
-    elif choice == "mlx":
-        table[backend] = {d: range(0) for d in mtnn.SDPA_HEAD_DIMS}
-    elif choice != "auto":
+    if choice not in ATTENTION:
         raise ValueError(f"[model-bench] attention must be one of {ATTENTION}, got {choice!r}")
-    try:
+    if choice == "auto":
         yield
-    finally:
-        if saved is None:
-            table.pop(backend, None)
-        else:
-            table[backend] = saved
+        return
+    served = {} if choice == "sdpa_multi" else {d: range(0) for d in mtnn.SDPA_HEAD_DIMS}
+    with mtnn.backend_entry(mtnn.SDPA_QUERIES_PER_BACKEND, backend, served):  # {}: every L
+        yield
 
 
 def run(args) -> int:

@@ -132,17 +132,12 @@ def build_block(arch: str, quick: bool = False, dtype=mx.bfloat16) -> Block:
 def forced_path(path: str):
     """Make patched SwitchGLUs take their decode or prefill path at every pair count on
     the backend in use ("auto": :func:`mlx_metaltile.nn.prefill_min_pairs` as set)."""
-    table, backend = mtnn.PREFILL_MIN_PAIRS_PER_BACKEND, backends.resolve_backend()
-    before = table.get(backend)
-    if path != "auto":
-        table[backend] = 0 if path == "prefill" else 1 << 62
-    try:
+    if path == "auto":
         yield
-    finally:
-        if before is None:
-            table.pop(backend, None)
-        else:
-            table[backend] = before
+        return
+    with mtnn.backend_entry(mtnn.PREFILL_MIN_PAIRS_PER_BACKEND, backends.resolve_backend(),
+                            0 if path == "prefill" else 1 << 62):
+        yield
 
 
 def _sample(fn, xs) -> float:

@@ -11,6 +11,7 @@ mlx-lm is imported only where its code runs (the fallbacks, SwitchGLU's construc
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import Counter
 from collections.abc import Callable
@@ -83,6 +84,22 @@ def prefill_min_pairs(backend: str | None = None) -> int:
     (None: the one an op call would run on now)."""
     return PREFILL_MIN_PAIRS_PER_BACKEND.get(backend or backends.resolve_backend(),
                                              PREFILL_MIN_PAIRS)
+
+
+@contextlib.contextmanager
+def backend_entry(table: dict, backend: str, value):
+    """``table[backend] = value`` while inside (PREFILL_MIN_PAIRS_PER_BACKEND,
+    SDPA_QUERIES_PER_BACKEND: how the benchmarks force one side); the entry as it was
+    afterwards, absent if it was."""
+    before = table.get(backend)
+    table[backend] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            table.pop(backend, None)
+        else:
+            table[backend] = before
 
 
 def sdpa_queries(head_dim: int, backend: str | None = None) -> range:
