@@ -226,8 +226,8 @@ def _timed(fn, iters: int) -> float:
 
 
 def measure(model, vocab: int, context: int, prefill: int, iters: int) -> dict:
-    """prefill tokens/s, mlx-lm's generate tokens/s, and the logits of a decode step and of
-    the prefill (decode and verify are timed by :func:`interleaved_steps`)."""
+    """prefill tokens/s, and the logits of a decode step and of the prefill (decode, verify
+    and mlx-lm's generate are timed by :func:`interleaved_steps`)."""
     cache = _make_cache(model)
     mx.eval(model(_tokens(context, vocab, 1), cache=cache))
     _progress(f"context of {context} tokens cached")
@@ -241,7 +241,6 @@ def measure(model, vocab: int, context: int, prefill: int, iters: int) -> dict:
         mx.eval(prefill_logits)
 
     out = {"prefill_tok_s": prefill / _timed(run_prefill, max(1, iters // 4))}
-    out["generate_tok_s"] = _generate_tok_s(model, vocab, context, GENERATE_TOKENS)
     out["logits"] = (logits, prefill_logits[0])
     return out
 
@@ -251,15 +250,17 @@ STEPS = {"decode_ms": 1, "verify4_ms": 4, "verify8_ms": 8}  # key -> tokens per 
 
 def interleaved_steps(model, vocab: int, context: int, iters: int) -> dict[str, dict]:
     """Median ms of one decode step (1 token) and of verification steps (4 and 8 tokens)
-    after ``context`` cached tokens, each step built and evaluated, native and patched:
-    {"native": {key: ms}, "patched": {key: ms}}. The two sides' samples are taken in turns
-    (a native round of the three steps, then a patched one, ``iters`` times; the first call
+    after ``context`` cached tokens, each step built and evaluated, and the median
+    ``generate_tok_s`` of mlx-lm's generate, native and patched: {"native": {key: value},
+    "patched": {key: value}}. The two sides' samples are taken in turns (a native round of
+    the three steps and one generation, then a patched one, ``iters`` times; the first call
     of each step after a switch is not timed), so a drift of the GPU's clocks or of the
     host's load falls on both sides alike. Leaves the model patched."""
     cache = _make_cache(model)
     mx.eval(model(_tokens(context, vocab, 1), cache=cache))
     tokens = {key: _tokens(L, vocab, 2 if L == 1 else 3 + L) for key, L in STEPS.items()}
-    samples = {side: {key: [] for key in STEPS} for side in ("native", "patched")}
+    samples = {side: {key: [] for key in (*STEPS, "generate_tok_s")}
+               for side in ("native", "patched")}
 
     def step(tok) -> float:
         t = time.perf_counter()
@@ -273,10 +274,12 @@ def interleaved_steps(model, vocab: int, context: int, iters: int) -> dict[str, 
             mt.patch(model) if side == "patched" else mt.unpatch(model)
             for key, tok in tokens.items():
                 step(tok)
-                samples[side][key].append(step(tok))
-        _progress(f"decode and verify: round {i + 1}/{iters}")
-    return {side: {key: 1e3 * sorted(t)[len(t) // 2] for key, t in times.items()}
-            for side, times in samples.items()}
+                samples[side][key].append(1e3 * step(tok))
+            samples[side]["generate_tok_s"].append(
+                _generate_tok_s(model, vocab, context, GENERATE_TOKENS))
+        _progress(f"decode, verify and generate: round {i + 1}/{iters}")
+    return {side: {key: sorted(t)[len(t) // 2] for key, t in values.items()}
+            for side, values in samples.items()}
 
 
 GENERATE_TOKENS = 64  # tokens generated after the prompt for generate_tok_s
@@ -415,7 +418,7 @@ def _run(args) -> int:
     patched = measure(model, vocab, context, prefill, iters)
     _progress("patched: per-op split of a decode step")
     ops = op_split(model, vocab, context, iters)
-    _progress("decode and verify, native and patched in turns")
+    _progress("decode, verify and generate, native and patched in turns")
     steps = interleaved_steps(model, vocab, context, iters)
     native.update(steps["native"])
     patched.update(steps["patched"])
@@ -431,8 +434,8 @@ def _run(args) -> int:
         ratio = (native[key] / patched[key] if key.endswith("_ms")
                  else patched[key] / native[key])
         print(f"{key:<16}{native[key]:>12.3f}{patched[key]:>12.3f}{ratio:>7.2f}x  {unit}")
-    print(f"decode and verify: medians of {iters} samples per side, native and patched "
-          "samples taken in turns")
+    print(f"decode, verify and generate: medians of {iters} samples per side, native and "
+          "patched samples taken in turns")
     print(f"max |logit difference| (bfloat16 model, decode and prefill): {diff:.4g}")
     print("kernel launches in one patched decode step: "
           + (", ".join(f"{k} x{v}" for k, v in sorted(ops["launches"].items())) or "none"))

@@ -147,7 +147,8 @@ def test_moe_bench_counts_tokens_routed_apart(monkeypatch):
 
 def test_decode_and_verify_samples_alternate_sides(monkeypatch):
     """interleaved_steps takes a native round, then a patched round, ``iters`` times (so a
-    drift during the run falls on both sides), and times every step on each side."""
+    drift during the run falls on both sides), and times every step and a generation on
+    each side."""
     import types
 
     import mlx_metaltile as mt
@@ -167,7 +168,7 @@ def test_decode_and_verify_samples_alternate_sides(monkeypatch):
     assert order == ["unpatch", "patch"] * 3
     assert set(times) == {"native", "patched"}
     for side in times.values():
-        assert set(side) == set(model_bench.STEPS) and min(side.values()) > 0
+        assert set(side) == {*model_bench.STEPS, "generate_tok_s"} and min(side.values()) > 0
     assert type(model.layers[0].mlp).__name__ == "Qwen3MoeSparseMoeBlock"
     assert getattr(type(model.layers[0].mlp), "_mlx_metaltile_kind", None) == "moe_block"
     mt.unpatch(model)
