@@ -214,6 +214,27 @@ def make_inputs(rng, B, Hq, Hkv, L, S, D, dtype, qk_scale=1.0):
     return arr((B, Hq, L, D), qk_scale), arr((B, Hkv, S, D), qk_scale), arr((B, Hkv, S, D))
 
 
+MASK_KINDS = ("bool", "additive", "block", "causal")
+
+
+def make_mask(rng, kind, bool_shape, additive_shape, L, dtype):
+    """(mask, causal) of a mask-kind test: "bool" keeps 60% of keys (``bool_shape``),
+    "additive" N(0, 2) logits with 30% -inf in ``dtype`` (``additive_shape``), "block" an
+    [L, L] bool block form, "causal" no array and causal=True."""
+    mask = None
+    if kind == "bool":
+        mask = mx.array(rng.random(bool_shape) < 0.6)
+    elif kind == "additive":
+        m = rng.standard_normal(additive_shape) * 2.0
+        m[rng.random(m.shape) < 0.3] = -np.inf
+        mask = mx.array(m.astype(np.float32)).astype(dtype)
+    elif kind == "block":
+        mask = mx.array(rng.random((L, L)) < 0.5)
+    elif kind != "causal":
+        raise ValueError(f"mask kind must be one of {MASK_KINDS}, got {kind!r}")
+    return mask, kind == "causal"
+
+
 def launch_counts(backend):
     """(pass-1 launches: the split kernel's and the MMA kernels', combine launches)."""
     return (backends.launch_count(SPLIT_SPEC.name, backend)

@@ -18,7 +18,13 @@ import mlx_metaltile as mt
 from mlx_metaltile import backends
 from mlx_metaltile._registry import instantiations
 from mlx_metaltile.cases import assert_close
-from mlx_metaltile.cases.sdpa_multi import launch_counts, make_inputs, oracle, run_and_check
+from mlx_metaltile.cases.sdpa_multi import (
+    launch_counts,
+    make_inputs,
+    make_mask,
+    oracle,
+    run_and_check,
+)
 from mlx_metaltile.ops._common import clear_plans
 
 DTYPES = (mx.float16, mx.bfloat16)
@@ -113,15 +119,7 @@ def test_masks_and_sinks(kernel_backend, mma_path, poisoned_outputs, launches, r
     without sinks, over two slices."""
     B, Hq, Hkv, L, kv_len, S, D = 2, 8, 2, 3, 150, 160, 64
     q, k, v = make_inputs(rng, B, Hq, Hkv, L, S, D, dtype)
-    mask, causal = None, kind == "causal"
-    if kind == "bool":
-        mask = mx.array(rng.random((B, 1, L, kv_len)) < 0.6)
-    elif kind == "additive":
-        m = rng.standard_normal((Hq, L, kv_len)) * 2.0
-        m[rng.random(m.shape) < 0.3] = -np.inf
-        mask = mx.array(m.astype(np.float32)).astype(dtype)
-    elif kind == "block":
-        mask = mx.array(rng.random((L, L)) < 0.5)
+    mask, causal = make_mask(rng, kind, (B, 1, L, kv_len), (Hq, L, kv_len), L, dtype)
     sinks = mx.array((rng.standard_normal(Hq) * 3).astype(np.float32)).astype(dtype)
     assert mplan(B, Hq, Hkv, L, D, kv_len, dtype)["n_splits"] > 1
     for s in (None, sinks):
@@ -262,15 +260,7 @@ def test_prefetch_same_bits_as_staged(kernel_backend, mma_path, monkeypatch, lau
     sinks included (GQA 4 x L 3: 2 simdgroups; 150 keys over two slices)."""
     B, Hq, Hkv, L, kv_len, S, D = 1, 8, 2, 3, 150, 160, 128
     q, k, v = make_inputs(rng, B, Hq, Hkv, L, S, D, dtype)
-    mask, causal = None, mask_kind == "causal"
-    if mask_kind == "bool":
-        mask = mx.array(rng.random((1, Hq, L, kv_len)) < 0.6)
-    elif mask_kind == "additive":
-        m = rng.standard_normal((L, kv_len)) * 2.0
-        m[rng.random(m.shape) < 0.3] = -np.inf
-        mask = mx.array(m.astype(np.float32)).astype(dtype)
-    elif mask_kind == "block":
-        mask = mx.array(rng.random((L, L)) < 0.5)
+    mask, causal = make_mask(rng, mask_kind, (1, Hq, L, kv_len), (L, kv_len), L, dtype)
     sinks = mx.array((rng.standard_normal(Hq) * 2).astype(np.float32)).astype(dtype)
     outs = []
     for prefetch in (True, False):

@@ -17,7 +17,13 @@ import mlx_metaltile as mt
 from mlx_metaltile import backends
 from mlx_metaltile._registry import instantiations
 from mlx_metaltile.cases import assert_close
-from mlx_metaltile.cases.sdpa_multi import launch_counts, make_inputs, oracle, run_and_check
+from mlx_metaltile.cases.sdpa_multi import (
+    launch_counts,
+    make_inputs,
+    make_mask,
+    oracle,
+    run_and_check,
+)
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 op_module = importlib.import_module("mlx_metaltile.ops.sdpa_multi")
@@ -85,15 +91,7 @@ def test_masks_and_sinks(kernel_backend, vector_path, poisoned_outputs, rng, kin
     without sinks, at decode and in a verify block."""
     for B, Hq, Hkv, L, kv_len, S, D in ((1, 8, 2, 1, 600, 640, 64), (2, 4, 2, 6, 90, 96, 128)):
         q, k, v = make_inputs(rng, B, Hq, Hkv, L, S, D, dtype)
-        mask, causal = None, kind == "causal"
-        if kind == "bool":
-            mask = mx.array(rng.random((B, 1, L, kv_len)) < 0.6)
-        elif kind == "additive":
-            m = rng.standard_normal((Hq, L, kv_len)) * 2.0
-            m[rng.random(m.shape) < 0.3] = -np.inf
-            mask = mx.array(m.astype(np.float32)).astype(dtype)
-        elif kind == "block":
-            mask = mx.array(rng.random((L, L)) < 0.5)
+        mask, causal = make_mask(rng, kind, (B, 1, L, kv_len), (Hq, L, kv_len), L, dtype)
         sinks = mx.array((rng.standard_normal(Hq) * 3).astype(np.float32)).astype(dtype)
         for s in (None, sinks):
             run_and_check(q, k, v, scale=D ** -0.5, causal=causal, kv_len=kv_len, mask=mask,
