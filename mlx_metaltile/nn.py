@@ -60,7 +60,7 @@ SDPA_HEAD_DIMS = (64, 96, 128, 256)  # sdpa_multi
 # Query rows per call (L) for which a routed attention call runs sdpa_multi; a call outside
 # runs mlx-lm's own sdpa (mx.fast.scaled_dot_product_attention), counted in ``fallbacks``.
 # A backend where models measured faster on MLX's attention kernels (``python -m
-# mlx_metaltile model-bench``) gets its own entry per head dim in SDPA_QUERIES_PER_BACKEND;
+# mlx_metaltile model-bench --attention sdpa_multi`` against ``--attention mlx``) gets its own entry per head dim in SDPA_QUERIES_PER_BACKEND;
 # sdpa_queries() is the one place that reads the two.
 SDPA_QUERIES = range(1, 1 << 31)
 # cuda: decode and verify steps (L = 1, 4, 8, 16) and a 512-token prefill of 4-layer models

@@ -52,9 +52,11 @@
 //   their loads are not overlapped). The slice's first K block is fetched before q is
 //   staged. q stays in a tile of its own, its fragments loaded per block (the registers they
 //   took pay for the fetched block's). The same two barriers per block as PF 0, the same
-//   products in the same order: the same results, bit for bit. K and V tiles apart only (D
-//   64, 96, 128). PF 0: each block's K and V loads, then stores, between barriers (nothing
-//   overlaps the loads); q held in registers.
+//   products in the same order: the same results, bit for bit, as the MSL is written (the
+//   emulator checks it; on CUDA the compiler may contract the two kernels' float operations
+//   into FMAs differently: last bits differ there, within the table). K and V tiles apart
+//   only (D 64, 96, 128). PF 0: each block's K and V loads, then stores, between barriers
+//   (nothing overlaps the loads); q held in registers.
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
 //   threadgroup = (32 * NSG, 1, 1), NSG = 1 .. 4 simdgroups, read at run time: the row tile

@@ -90,7 +90,8 @@ MMA_MAX_SPLITS = 64
 # for the head dims of MMA_PREFETCH_DIMS (D 256: K, V and q tiles would pass 32 KiB);
 # False, and the other head dims, stage each block with loads then stores between barriers
 # (nothing overlaps the loads) and hold q in registers. A tuning constant: every sum keeps
-# its order, the results their bits.
+# its order, the results their bits (on the emulator; CUDA's compiler may contract the two
+# kernels differently: last bits, within the tolerance table).
 MMA_PREFETCH = True
 MMA_PREFETCH_DIMS = (64, 96, 128)
 # True: where the MMA kernel runs with PF 0 and no mask array at a head dim of
