@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 from functools import partial
 
 import mlx.core as mx
@@ -82,6 +84,30 @@ def _variant_call(n, backend, rng):
 
 
 VARIANT_CALLS = {v: functools.partial(_variant_call, n) for v, n in VARIANT_N.items()}
+
+
+@contextlib.contextmanager
+def simd_looped_from(backend: str, rows: int):
+    """Rows longer than 128 run one per SIMD-group (the simd_looped variant, cuda's plan for
+    many rows) on ``backend`` from ``rows`` rows, within the block."""
+    from ..ops._common import clear_plans
+
+    op_module = importlib.import_module("mlx_metaltile.ops.gated_rms_norm")
+
+    with mt.nn.backend_entry(op_module.SIMD_LOOPED_MIN_ROWS, backend, rows):
+        clear_plans()  # plans read SIMD_LOOPED_MIN_ROWS once
+        try:
+            yield
+        finally:
+            clear_plans()
+
+
+def _simd_looped_call(backend, rng):
+    with simd_looped_from(backend, 1):
+        _variant_call(1000, backend, rng)
+
+
+VARIANT_CALLS["simd_looped"] = _simd_looped_call
 
 
 def _backward_call(backend, rng):

@@ -34,6 +34,11 @@ N_READS = 4  # elements of a row held by each thread (matches the templates)
 MAX_REGISTER_ROW = 1024 * N_READS  # longest row held in registers in one pass
 MAX_SIMD_ROW = 32 * N_READS  # longest row one SIMD-group holds
 SIMD_ROWS_PER_GROUP = 8
+# Per backend, the fewest rows for which rows longer than MAX_SIMD_ROW run one per
+# SIMD-group (gated_rms_norm_simd_looped.metal, its header says why); a backend absent here
+# never does (Metal keeps a threadgroup per row). Plans read it once (clear_plans()).
+SIMD_LOOPED_MIN_ROWS: dict[str, int] = {"cuda": 1024}
+SIMD_LOOPED_ITEMS = 8  # elements per lane and load step of that kernel (its ITEMS: 8 or 16)
 
 _ARGS = (Arg("y", "T", 2), Arg("z", "ZT", 2), Arg("w", "WT", 1))
 _OUTPUTS = (Arg("out", "T", 2),)
@@ -49,7 +54,7 @@ def _bindings():
 
 _COMMON = dict(outputs=_OUTPUTS, params=("T",), bindings=_bindings)
 
-SIMD_ROWS_SPEC, REGISTER_SPEC, LOOPED_SPEC = register(
+SIMD_ROWS_SPEC, REGISTER_SPEC, LOOPED_SPEC, SIMD_LOOPED_SPEC = register(
     KernelSpec(
         op=OP, variant="simd_rows", template="gated_rms_norm_simd_rows.metal",
         inputs=(*_ARGS, *scalars("n_cols", "n_rows"), _EPS), **_COMMON,
@@ -68,6 +73,14 @@ SIMD_ROWS_SPEC, REGISTER_SPEC, LOOPED_SPEC = register(
         inputs=(*_ARGS, *scalars("n_cols"), _EPS), **_COMMON,
         geometry="n > 4096: one threadgroup of 1024 per row, row looped in 4096-chunks; "
                  "grid (1024, rows, 1)",
+    ),
+    KernelSpec(
+        op=OP, variant="simd_looped", template="gated_rms_norm_simd_looped.metal",
+        inputs=(*_ARGS, *scalars("n_cols", "n_rows"), _EPS), outputs=_OUTPUTS,
+        params=("T", "ITEMS"),
+        bindings=lambda: ({**b, "ITEMS": items} for b in _bindings() for items in (8, 16)),
+        geometry="n > 128 and rows >= SIMD_LOOPED_MIN_ROWS[backend]: one SIMD-group per "
+                 "row, 8 rows per threadgroup of (32, 8, 1); grid (32, round_up(rows, 8), 1)",
     ),
 )
 BACKWARD_SPEC, BACKWARD_SUM_SPEC = register(
@@ -149,8 +162,11 @@ def _launcher(n: int, rows: int, eps: float, shape: tuple[int, ...], dtype: mx.D
     """The kernel call of y [..., n] (``rows`` rows of ``shape``, in ``dtype``) on
     ``backend``, prepared once: returns ``launch(y, z, weight)``."""
     inputs = {"y": None, "z": None, "w": None, "n_cols": scalar(n, mx.uint32)}
-    if n <= MAX_SIMD_ROW:
+    template = {"T": dtype}
+    if n <= MAX_SIMD_ROW or rows >= SIMD_LOOPED_MIN_ROWS.get(backend, math.inf):
         spec = SIMD_ROWS_SPEC
+        if n > MAX_SIMD_ROW:
+            spec, template["ITEMS"] = SIMD_LOOPED_SPEC, SIMD_LOOPED_ITEMS
         inputs["n_rows"] = scalar(rows, mx.uint32)
         grid = (32, round_up(rows, SIMD_ROWS_PER_GROUP), 1)
         threadgroup, tg_memory = (32, SIMD_ROWS_PER_GROUP, 1), 0
@@ -160,7 +176,7 @@ def _launcher(n: int, rows: int, eps: float, shape: tuple[int, ...], dtype: mx.D
         grid, threadgroup, tg_memory = (tg, rows, 1), (tg, 1, 1), 2 * 32 * 4
     inputs["eps"] = scalar(eps, mx.float32)
     prepared = backends.prepare(
-        spec, backend, inputs=inputs, template={"T": dtype},
+        spec, backend, inputs=inputs, template=template,
         outputs={"out": (shape, dtype)}, grid=grid, threadgroup=threadgroup,
         threadgroup_memory=tg_memory,
     )

@@ -13,7 +13,13 @@ import pytest
 import mlx_metaltile as mt
 from mlx_metaltile import backends
 from mlx_metaltile.cases import assert_close
-from mlx_metaltile.cases.gated_rms_norm import make_inputs, oracle, run_and_check
+from mlx_metaltile.cases.gated_rms_norm import (
+    make_inputs,
+    oracle,
+    run_and_check,
+    simd_looped_from,
+)
+from mlx_metaltile.ops._common import clear_plans
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 LENGTHS = (1, 3, 31, 32, 33, 128, 512, 1000, 4096, 4097, 8192)
@@ -212,6 +218,116 @@ def test_negative_control_reference_without_gate(monkeypatch, rng):
     y, z, w = make_inputs(rng, (4,), 64, mx.float32, mx.float32)
     with backends.use_backend("reference"), pytest.raises(AssertionError, match="out of tolerance"):
         run_and_check(y, z, w, 1e-5, "reference")
+
+
+# ---- the simd_looped variant (cuda's plan for many rows), forced on every kernel backend --
+
+# (rows, n): one and several steps of 32 * ITEMS, ragged tails, a partial last threadgroup of
+# SIMD-groups (rows not a multiple of 8), one row.
+SIMD_LOOPED_SHAPES = ((9, 129), (8, 255), (3, 256), (1, 257), (5, 1000), (2, 4096), (3, 4097),
+                      (2, 8192))
+
+
+@pytest.fixture
+def simd_looped(kernel_backend):
+    """Rows longer than 128 run the simd_looped variant on the kernel backend (any row count)."""
+    with simd_looped_from(kernel_backend, 1):
+        yield kernel_backend
+
+
+@pytest.mark.parametrize("rows, n", SIMD_LOOPED_SHAPES, ids=lambda s: str(s))
+@pytest.mark.parametrize("y_f32", (True, False), ids=("y_f32", "y_same"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_simd_looped_matches_oracle(simd_looped, launches, rng, dtype, y_f32, rows, n):
+    y, z, w = make_inputs(rng, (rows,), n, dtype, mx.float32 if y_f32 else dtype)
+    run_and_check(y, z, w, 1e-5, simd_looped)
+    assert [launch.name for launch in launches] == [op_module.SIMD_LOOPED_SPEC.name]
+
+
+@pytest.mark.parametrize("n", (300, 4097))
+def test_simd_looped_items_16(simd_looped, launches, monkeypatch, rng, n):
+    """The kernel's other instantiation (ITEMS 16: 512 elements per step)."""
+    monkeypatch.setattr(op_module, "SIMD_LOOPED_ITEMS", 16)
+    clear_plans()
+    try:
+        y, z, w = make_inputs(rng, (9,), n, mx.bfloat16, mx.float32)
+        run_and_check(y, z, w, 1e-5, simd_looped)
+    finally:
+        clear_plans()
+    assert [dict(launch.template)["ITEMS"] for launch in launches] == [16]
+
+
+@pytest.mark.parametrize("n", (300, 4097))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_simd_looped_large_magnitudes(simd_looped, rng, dtype, n):
+    """Rows from |y| ~ 1e3 to 1e-3: the lanes' running maxima differ, so their sums are
+    rescaled when combined."""
+    y, z, w = large_inputs(rng, n, dtype, dtype)
+    run_and_check(y, z, w, 1e-6, simd_looped)
+
+
+def test_simd_looped_one_large_element(simd_looped, rng):
+    """One |y| = 1e30 in each row, in a different lane and step per row, the rest ~ 1: the
+    lane holding it rescales its own sum, the others are rescaled when combined (and sum
+    y^2 overflows float32)."""
+    n = 1000
+    y, z, w = make_inputs(rng, (6,), n, mx.float32, mx.float32)
+    big = np.array(y)
+    for r, col in enumerate((0, 31, 32, 255, 256, n - 1)):
+        big[r, col] = 1e30 * (-1) ** r
+    run_and_check(mx.array(big), z, w, 1e-5, simd_looped)
+
+
+@pytest.mark.parametrize("old, new", [
+    ("mt_silu(", "("),
+    ("if (col < n) {", "if (col + 1 < n) {"),
+    ("row_max > 0.0f ? row_max : 1.0f", "1.0f"),  # squares unscaled: 1e20 rows overflow
+    ("s_l *= c * c;", ""),  # the running sum not rescaled when the lane's max grows
+], ids=("without_gate", "leaving_the_last_column", "unscaled_squares", "no_rescale"))
+def test_simd_looped_negative_controls(simd_looped, broken_kernel, rng, old, new):
+    """A kernel broken in each way fails the harness (on rows that show it)."""
+    broken_kernel(op_module.SIMD_LOOPED_SPEC, (old, new))
+    y, z, w = make_inputs(rng, (3,), 1000, mx.float32, mx.float32)
+    if old.startswith("row_max"):
+        y = y * 1e20
+    if old.startswith("s_l"):  # a lane's early elements small, later ones larger
+        y = y * mx.array(np.where(np.arange(1000) < 256, 1e-3, 1.0).astype(np.float32))
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check(y, z, w, 1e-5, simd_looped)
+
+
+def test_simd_looped_traffic(simd_looped, launches, rng):
+    """y read twice (the second pass from cache on a GPU), z and w once per row, out written
+    once: exactly the row's elements, nothing past n."""
+    if simd_looped != "emulator":
+        pytest.skip("byte counters are the emulator's")
+    rows, n = 3, 1000
+    y, z, w = make_inputs(rng, (rows,), n, mx.bfloat16, mx.float32)
+    run_and_check(y, z, w, 1e-5, simd_looped)
+    stats = launches[-1].stats
+    assert stats.bytes_read["y"] == 2 * rows * n * 4
+    assert stats.bytes_read["z"] == rows * n * 2
+    assert stats.bytes_read["w"] == rows * n * 2
+    assert stats.bytes_written["out"] == rows * n * 4 and stats.bytes_read["out"] == 0
+
+
+def test_cuda_plan_runs_simd_looped_from_its_row_count(launch_recorder, monkeypatch):
+    """cuda's plan: rows longer than 128 run one per SIMD-group from
+    SIMD_LOOPED_MIN_ROWS["cuda"] rows on, a threadgroup per row below; Metal never."""
+    least = op_module.SIMD_LOOPED_MIN_ROWS["cuda"]
+    for backend, rows, n, want in (
+            ("cuda", least, 4096, "simd_looped"), ("cuda", least - 1, 4096, "row"),
+            ("cuda", least, 8192, "simd_looped"), ("cuda", least, 128, "simd_rows"),
+            ("metal", least, 4096, "row"), ("metal", least, 8192, "looped")):
+        monkeypatch.setattr(backends, "resolve_backend", lambda name=None, b=backend: b)
+        clear_plans()
+        launch_recorder.seen.clear()
+        y = mx.zeros((rows, n), dtype=mx.bfloat16)
+        mx.eval(mt.gated_rms_norm(y, y, mx.ones((n,), dtype=mx.bfloat16)))
+        assert [name for name, *_ in launch_recorder.seen] == [f"gated_rms_norm_{want}"], (
+            backend, rows, n)
+    launch_recorder.assert_declared()
+    clear_plans()
 
 
 # ---- bad input ------------------------------------------------------------------------
