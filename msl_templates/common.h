@@ -6,6 +6,26 @@
 // SIMD width is 32 on every Apple GPU; the reductions below rely on it.
 #pragma once
 
+// Elements p[0 .. 8) of a device array as floats, and 8 floats stored there (rounded to T).
+// Element by element here (Metal, the emulator); the CUDA layer defines MT_WIDE_LOADS and its
+// own versions (mlx_metaltile/cuda/include/mt_cuda/wide.cuh: 16-byte accesses where p is
+// 16-byte aligned), which NVIDIA needs to stream half and bfloat near its bandwidth.
+#ifndef MT_WIDE_LOADS
+template <typename T>
+inline void mt_load8(const device T* p, thread float* v) {
+  for (uint j = 0; j < 8; ++j) {
+    v[j] = float(p[j]);
+  }
+}
+
+template <typename T>
+inline void mt_store8(device T* p, const thread float* v) {
+  for (uint j = 0; j < 8; ++j) {
+    p[j] = T(v[j]);
+  }
+}
+#endif
+
 // Sum of one float per thread over the whole threadgroup.
 // Every thread of the threadgroup must call it (it contains a barrier), with
 // `scratch` a kernel-scope `threadgroup float[32]` array. All threads get the total.

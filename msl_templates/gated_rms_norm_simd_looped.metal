@@ -11,8 +11,10 @@
 //   1024-thread threadgroup holds 4 elements per thread and waits on two threadgroup
 //   barriers between its loads and its stores, so an SM has few bytes in flight (H100,
 //   4096 x 4096 bfloat16: about 30% of DRAM bandwidth, latency-bound). Here rows are
-//   independent SIMD-groups: each lane issues ITEMS loads per array before using any, and
-//   a row's reduction is simd_max and simd_sum, never a barrier.
+//   independent SIMD-groups: each lane issues its ITEMS elements' loads per array before
+//   using any, 8 consecutive elements at a time (mt_load8 / mt_store8: one 16-byte access
+//   each on CUDA where aligned), and a row's reduction is simd_max and simd_sum, never a
+//   barrier.
 //
 // RANGE: as gated_rms_norm_looped.metal: each lane keeps its running max m_l and
 //   sum((y/m_l)^2), rescaled when m_l grows; the row max m = simd_max(m_l) and the lanes'
@@ -24,13 +26,16 @@
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
 //   threadgroup = (32, 8, 1); grid = (32, round_up(rows, 8), 1): thread_position_in_grid.y is
-//   the row. Step s covers elements [s * 32 * ITEMS, (s + 1) * 32 * ITEMS) of the row; lane l
-//   holds s * 32 * ITEMS + 32 i + l for i < ITEMS (a SIMD-group's load reads 32 consecutive
-//   elements); past n they read as 0. No threadgroup memory and no barrier: a SIMD-group
-//   whose row is past n_rows returns as a whole (uniform).
+//   the row. ITEMS is 8 or 16. Step s covers elements [s * 32 * ITEMS, (s + 1) * 32 * ITEMS)
+//   of the row in ITEMS / 8 chunks of 256; lane l holds elements 8l .. 8l + 7 of each chunk
+//   (a SIMD-group's chunk is 512 contiguous bytes of 16-bit elements); past n they read as 0
+//   and are not written. No threadgroup memory and no barrier: a SIMD-group whose row is past
+//   n_rows returns as a whole (uniform).
 #include "common.h"
 // ---- kernel body ----
+constexpr uint CHUNKS = ITEMS / 8;
 constexpr uint STEP = 32 * ITEMS;
+static_assert(ITEMS % 8 == 0, "ITEMS: whole chunks of 8");
 
 const uint row = thread_position_in_grid.y;
 if (row >= n_rows) {
@@ -45,9 +50,15 @@ float m_l = 0.0f;
 float s_l = 0.0f;
 for (uint start = 0; start < n; start += STEP) {
   float v[ITEMS];
-  for (uint i = 0; i < ITEMS; ++i) {  // all loads of the step first
-    const uint col = start + i * 32 + lane;
-    v[i] = col < n ? float(y[base + col]) : 0.0f;
+  for (uint g = 0; g < CHUNKS; ++g) {  // all loads of the step first
+    const uint col = start + g * 256 + lane * 8;
+    if (col + 8 <= n) {
+      mt_load8(y + base + col, v + 8 * g);
+    } else {
+      for (uint j = 0; j < 8; ++j) {
+        v[8 * g + j] = col + j < n ? float(y[base + col + j]) : 0.0f;
+      }
+    }
   }
   float a = 0.0f;
   for (uint i = 0; i < ITEMS; ++i) {
@@ -75,17 +86,35 @@ for (uint start = 0; start < n; start += STEP) {
   float yv[ITEMS];
   float zv[ITEMS];
   float wv[ITEMS];
-  for (uint i = 0; i < ITEMS; ++i) {
-    const uint col = start + i * 32 + lane;
-    const bool inside = col < n;
-    yv[i] = inside ? float(y[base + col]) : 0.0f;
-    zv[i] = inside ? float(z[base + col]) : 0.0f;
-    wv[i] = inside ? float(w[col]) : 0.0f;
+  for (uint g = 0; g < CHUNKS; ++g) {
+    const uint col = start + g * 256 + lane * 8;
+    if (col + 8 <= n) {
+      mt_load8(y + base + col, yv + 8 * g);
+      mt_load8(z + base + col, zv + 8 * g);
+      mt_load8(w + col, wv + 8 * g);
+    } else {
+      for (uint j = 0; j < 8; ++j) {
+        const bool inside = col + j < n;
+        yv[8 * g + j] = inside ? float(y[base + col + j]) : 0.0f;
+        zv[8 * g + j] = inside ? float(z[base + col + j]) : 0.0f;
+        wv[8 * g + j] = inside ? float(w[col + j]) : 0.0f;
+      }
+    }
   }
+  float o[ITEMS];
   for (uint i = 0; i < ITEMS; ++i) {
-    const uint col = start + i * 32 + lane;
-    if (col < n) {
-      out[base + col] = T(wv[i] * (yv[i] / m) * k * mt_silu(zv[i]));
+    o[i] = wv[i] * (yv[i] / m) * k * mt_silu(zv[i]);
+  }
+  for (uint g = 0; g < CHUNKS; ++g) {
+    const uint col = start + g * 256 + lane * 8;
+    if (col + 8 <= n) {
+      mt_store8(out + base + col, o + 8 * g);
+    } else {
+      for (uint j = 0; j < 8; ++j) {
+        if (col + j < n) {
+          out[base + col + j] = T(o[8 * g + j]);
+        }
+      }
     }
   }
 }

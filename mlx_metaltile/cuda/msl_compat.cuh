@@ -29,6 +29,7 @@
 #include "include/mt_cuda/simd.cuh"
 #include "include/mt_cuda/atomic.cuh"
 #include "include/mt_cuda/matrix.cuh"
+#include "include/mt_cuda/wide.cuh"
 #include "include/mt_cuda/kernel.cuh"
 
 #endif  // MLX_METALTILE_MSL_COMPAT_CUH

@@ -278,22 +278,41 @@ def test_simd_looped_one_large_element(simd_looped, rng):
     run_and_check(mx.array(big), z, w, 1e-5, simd_looped)
 
 
-@pytest.mark.parametrize("old, new", [
-    ("mt_silu(", "("),
-    ("if (col < n) {", "if (col + 1 < n) {"),
-    ("row_max > 0.0f ? row_max : 1.0f", "1.0f"),  # squares unscaled: 1e20 rows overflow
-    ("s_l *= c * c;", ""),  # the running sum not rescaled when the lane's max grows
-], ids=("without_gate", "leaving_the_last_column", "unscaled_squares", "no_rescale"))
-def test_simd_looped_negative_controls(simd_looped, broken_kernel, rng, old, new):
+@pytest.mark.parametrize("old, new, n", [
+    ("mt_silu(", "(", 1000),
+    ("if (col + j < n) {", "if (col + j + 1 < n) {", 1001),  # a ragged tail's last column
+    ("mt_load8(z + base + col", "mt_load8(y + base + col", 1000),  # whole chunks: z as y
+    ("row_max > 0.0f ? row_max : 1.0f", "1.0f", 1000),  # squares unscaled: 1e20 rows overflow
+    ("s_l *= c * c;", "", 1000),  # the running sum not rescaled when the lane's max grows
+], ids=("without_gate", "leaving_the_last_column", "z_read_as_y", "unscaled_squares",
+        "no_rescale"))
+def test_simd_looped_negative_controls(simd_looped, broken_kernel, rng, old, new, n):
     """A kernel broken in each way fails the harness (on rows that show it)."""
     broken_kernel(op_module.SIMD_LOOPED_SPEC, (old, new))
-    y, z, w = make_inputs(rng, (3,), 1000, mx.float32, mx.float32)
+    y, z, w = make_inputs(rng, (3,), n, mx.float32, mx.float32)
     if old.startswith("row_max"):
         y = y * 1e20
     if old.startswith("s_l"):  # a lane's early elements small, later ones larger
-        y = y * mx.array(np.where(np.arange(1000) < 256, 1e-3, 1.0).astype(np.float32))
+        y = y * mx.array(np.where(np.arange(n) < 256, 1e-3, 1.0).astype(np.float32))
     with pytest.raises(AssertionError, match="out of tolerance"):
         run_and_check(y, z, w, 1e-5, simd_looped)
+
+
+@pytest.mark.parametrize("offset", (0, 1, 3, 4))
+@pytest.mark.parametrize("n", (256, 1000, 1001))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_simd_looped_any_element_offset(simd_looped, rng, dtype, n, offset):
+    """y, z, w and their rows at any element offset from a buffer's start (slices of a
+    larger array; odd n staggers the rows): the 16-byte accesses of the CUDA layer are
+    taken only where aligned, element by element elsewhere."""
+    rows = 5
+    y, z, w = make_inputs(rng, (rows,), n, dtype, dtype)
+
+    def at_offset(a):
+        flat = mx.concatenate([mx.zeros((offset,), dtype=a.dtype), a.reshape(-1)])
+        return flat[offset:].reshape(a.shape)
+
+    run_and_check(at_offset(y), at_offset(z), at_offset(w), 1e-5, simd_looped)
 
 
 def test_simd_looped_traffic(simd_looped, launches, rng):

@@ -1,0 +1,72 @@
+// mt_cuda/wide.cuh: 16-byte loads and stores of 8 consecutive elements, where the address
+// allows them. Not MSL: a kernel reaches them through common.h's mt_load8 / mt_store8, whose
+// MSL definitions (element by element: what Metal and the emulator run) this header
+// replaces by defining MT_WIDE_LOADS. Part of msl_compat.cuh; included only from it.
+//
+// Why: a warp's scalar 16-bit load moves 64 bytes, a 16-byte load per lane 512. NVIDIA's
+// memory system tracks a bounded number of requests per SM, so streaming kernels reading
+// half or bfloat one element at a time stay near 30% of an H100's bandwidth.
+// The address is checked per call (MLX may hand a kernel an array at any element offset);
+// a misaligned one takes the element-by-element path.
+#pragma once
+
+#define MT_WIDE_LOADS 1
+
+namespace mlx::core::cu {
+namespace metal {
+
+template <class T>
+MT_FN bool mt_aligned16(const T* p) {
+  return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
+}
+
+// v[j] = float(p[j]), j < 8.
+template <class T>
+MT_FN void mt_load8(const T* p, float* v) {
+  static_assert(sizeof(T) == 2 || sizeof(T) == 4, "mt_load8: 16- or 32-bit elements");
+  if (mt_aligned16(p)) {
+    constexpr int WORDS = sizeof(T) / 2;  // 16-byte words holding 8 elements
+    ::uint4 w[WORDS];
+#pragma unroll
+    for (int i = 0; i < WORDS; ++i) {
+      w[i] = reinterpret_cast<const ::uint4*>(p)[i];
+    }
+    const T* e = reinterpret_cast<const T*>(w);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      v[j] = mt_cast<float>(e[j]);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      v[j] = mt_cast<float>(p[j]);
+    }
+  }
+}
+
+// p[j] = T(v[j]), j < 8 (rounded as MSL's conversion rounds).
+template <class T>
+MT_FN void mt_store8(T* p, const float* v) {
+  static_assert(sizeof(T) == 2 || sizeof(T) == 4, "mt_store8: 16- or 32-bit elements");
+  if (mt_aligned16(p)) {
+    constexpr int WORDS = sizeof(T) / 2;
+    ::uint4 w[WORDS];
+    T* e = reinterpret_cast<T*>(w);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      e[j] = mt_cast<T>(v[j]);
+    }
+#pragma unroll
+    for (int i = 0; i < WORDS; ++i) {
+      reinterpret_cast<::uint4*>(p)[i] = w[i];
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      p[j] = mt_cast<T>(v[j]);
+    }
+  }
+}
+
+}  // namespace metal
+}  // namespace mlx::core::cu
