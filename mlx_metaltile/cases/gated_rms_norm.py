@@ -87,27 +87,28 @@ VARIANT_CALLS = {v: functools.partial(_variant_call, n) for v, n in VARIANT_N.it
 
 
 @contextlib.contextmanager
-def simd_looped_from(backend: str, rows: int):
-    """Rows longer than 128 run one per SIMD-group (the simd_looped variant, cuda's plan for
-    many rows) on ``backend`` from ``rows`` rows, within the block."""
+def wide_kernels_from(backend: str, rows: int):
+    """On ``backend``, from ``rows`` rows, rows of 129 to 4096 run the wide_row variant and
+    longer ones the simd_looped variant (cuda's plan), within the block."""
     from ..ops._common import clear_plans
 
     op_module = importlib.import_module("mlx_metaltile.ops.gated_rms_norm")
-
-    with mt.nn.backend_entry(op_module.SIMD_LOOPED_MIN_ROWS, backend, rows):
-        clear_plans()  # plans read SIMD_LOOPED_MIN_ROWS once
+    with (mt.nn.backend_entry(op_module.WIDE_ROW_MIN_ROWS, backend, rows),
+          mt.nn.backend_entry(op_module.SIMD_LOOPED_MIN_ROWS, backend, rows)):
+        clear_plans()  # plans read the tables once
         try:
             yield
         finally:
             clear_plans()
 
 
-def _simd_looped_call(backend, rng):
-    with simd_looped_from(backend, 1):
-        _variant_call(1000, backend, rng)
+def _wide_call(n, backend, rng):
+    with wide_kernels_from(backend, 1):
+        _variant_call(n, backend, rng)
 
 
-VARIANT_CALLS["simd_looped"] = _simd_looped_call
+VARIANT_CALLS["wide_row"] = functools.partial(_wide_call, 1000)
+VARIANT_CALLS["simd_looped"] = functools.partial(_wide_call, 5000)
 
 
 def _backward_call(backend, rng):

@@ -34,9 +34,12 @@ N_READS = 4  # elements of a row held by each thread (matches the templates)
 MAX_REGISTER_ROW = 1024 * N_READS  # longest row held in registers in one pass
 MAX_SIMD_ROW = 32 * N_READS  # longest row one SIMD-group holds
 SIMD_ROWS_PER_GROUP = 8
-# Per backend, the fewest rows for which rows longer than MAX_SIMD_ROW run one per
-# SIMD-group (gated_rms_norm_simd_looped.metal, its header says why); a backend absent here
-# never does (Metal keeps a threadgroup per row). Plans read it once (clear_plans()).
+# Per backend, the fewest rows from which rows of MAX_SIMD_ROW < n <= MAX_REGISTER_ROW run
+# gated_rms_norm_wide_row.metal and longer rows gated_rms_norm_simd_looped.metal (each
+# header says why); a backend absent from a table never runs that kernel (Metal keeps the
+# row and looped kernels). Plans read these once (clear_plans()).
+WIDE_ROW_MIN_ROWS: dict[str, int] = {"cuda": 1}
+WIDE_ROW_ITEMS = 32  # elements per thread of the wide-row kernel (its ITEMS: 16 or 32)
 SIMD_LOOPED_MIN_ROWS: dict[str, int] = {"cuda": 1024}
 SIMD_LOOPED_ITEMS = 8  # elements per lane and load step of that kernel (its ITEMS: 8 or 16)
 
@@ -54,7 +57,7 @@ def _bindings():
 
 _COMMON = dict(outputs=_OUTPUTS, params=("T",), bindings=_bindings)
 
-SIMD_ROWS_SPEC, REGISTER_SPEC, LOOPED_SPEC, SIMD_LOOPED_SPEC = register(
+SIMD_ROWS_SPEC, REGISTER_SPEC, LOOPED_SPEC, WIDE_ROW_SPEC, SIMD_LOOPED_SPEC = register(
     KernelSpec(
         op=OP, variant="simd_rows", template="gated_rms_norm_simd_rows.metal",
         inputs=(*_ARGS, *scalars("n_cols", "n_rows"), _EPS), **_COMMON,
@@ -73,6 +76,14 @@ SIMD_ROWS_SPEC, REGISTER_SPEC, LOOPED_SPEC, SIMD_LOOPED_SPEC = register(
         inputs=(*_ARGS, *scalars("n_cols"), _EPS), **_COMMON,
         geometry="n > 4096: one threadgroup of 1024 per row, row looped in 4096-chunks; "
                  "grid (1024, rows, 1)",
+    ),
+    KernelSpec(
+        op=OP, variant="wide_row", template="gated_rms_norm_wide_row.metal",
+        inputs=(*_ARGS, *scalars("n_cols"), _EPS), outputs=_OUTPUTS,
+        params=("T", "ITEMS"),
+        bindings=lambda: ({**b, "ITEMS": items} for b in _bindings() for items in (16, 32)),
+        geometry="128 < n <= 4096 and rows >= WIDE_ROW_MIN_ROWS[backend]: one threadgroup "
+                 "per row, TG = round_up(ceil(n/ITEMS), 32); grid (TG, rows, 1)",
     ),
     KernelSpec(
         op=OP, variant="simd_looped", template="gated_rms_norm_simd_looped.metal",
@@ -163,16 +174,20 @@ def _launcher(n: int, rows: int, eps: float, shape: tuple[int, ...], dtype: mx.D
     ``backend``, prepared once: returns ``launch(y, z, weight)``."""
     inputs = {"y": None, "z": None, "w": None, "n_cols": scalar(n, mx.uint32)}
     template = {"T": dtype}
-    if n <= MAX_SIMD_ROW or rows >= SIMD_LOOPED_MIN_ROWS.get(backend, math.inf):
+    long_row = n > MAX_REGISTER_ROW
+    if n <= MAX_SIMD_ROW or (long_row and rows >= SIMD_LOOPED_MIN_ROWS.get(backend, math.inf)):
         spec = SIMD_ROWS_SPEC
-        if n > MAX_SIMD_ROW:
+        if long_row:
             spec, template["ITEMS"] = SIMD_LOOPED_SPEC, SIMD_LOOPED_ITEMS
         inputs["n_rows"] = scalar(rows, mx.uint32)
         grid = (32, round_up(rows, SIMD_ROWS_PER_GROUP), 1)
         threadgroup, tg_memory = (32, SIMD_ROWS_PER_GROUP, 1), 0
     else:
-        tg = round_up(-(-n // N_READS), 32) if n <= MAX_REGISTER_ROW else 1024
-        spec = REGISTER_SPEC if n <= MAX_REGISTER_ROW else LOOPED_SPEC
+        spec, per_thread = (LOOPED_SPEC, None) if long_row else (REGISTER_SPEC, N_READS)
+        if not long_row and rows >= WIDE_ROW_MIN_ROWS.get(backend, math.inf):
+            spec, per_thread = WIDE_ROW_SPEC, WIDE_ROW_ITEMS
+            template["ITEMS"] = per_thread
+        tg = 1024 if long_row else round_up(-(-n // per_thread), 32)
         grid, threadgroup, tg_memory = (tg, rows, 1), (tg, 1, 1), 2 * 32 * 4
     inputs["eps"] = scalar(eps, mx.float32)
     prepared = backends.prepare(

@@ -17,7 +17,7 @@ from mlx_metaltile.cases.gated_rms_norm import (
     make_inputs,
     oracle,
     run_and_check,
-    simd_looped_from,
+    wide_kernels_from,
 )
 from mlx_metaltile.ops._common import clear_plans
 
@@ -220,88 +220,105 @@ def test_negative_control_reference_without_gate(monkeypatch, rng):
         run_and_check(y, z, w, 1e-5, "reference")
 
 
-# ---- the simd_looped variant (cuda's plan for many rows), forced on every kernel backend --
+# ---- the wide_row and simd_looped variants (cuda's plan), forced on every kernel backend --
 
-# (rows, n): one and several steps of 32 * ITEMS, ragged tails, a partial last threadgroup of
-# SIMD-groups (rows not a multiple of 8), one row.
-SIMD_LOOPED_SHAPES = ((9, 129), (8, 255), (3, 256), (1, 257), (5, 1000), (2, 4096), (3, 4097),
-                      (2, 8192))
+# (rows, n): n <= 4096 runs wide_row (one and several chunks of 8 per thread, ragged tails,
+# a row shorter than one SIMD-group's chunks), longer rows simd_looped (one and several steps,
+# a partial last threadgroup of SIMD-groups: rows not a multiple of 8).
+WIDE_SHAPES = ((9, 129), (8, 255), (3, 256), (1, 257), (5, 1000), (2, 1001), (2, 4096),
+               (3, 4097), (9, 5000), (1, 8192))
+
+
+def wide_variant(n: int) -> str:
+    return "wide_row" if n <= op_module.MAX_REGISTER_ROW else "simd_looped"
 
 
 @pytest.fixture
-def simd_looped(kernel_backend):
-    """Rows longer than 128 run the simd_looped variant on the kernel backend (any row count)."""
-    with simd_looped_from(kernel_backend, 1):
+def wide(kernel_backend):
+    """Rows longer than 128 run the wide_row / simd_looped variants on the kernel backend
+    (any row count)."""
+    with wide_kernels_from(kernel_backend, 1):
         yield kernel_backend
 
 
-@pytest.mark.parametrize("rows, n", SIMD_LOOPED_SHAPES, ids=lambda s: str(s))
+@pytest.mark.parametrize("rows, n", WIDE_SHAPES, ids=lambda s: str(s))
 @pytest.mark.parametrize("y_f32", (True, False), ids=("y_f32", "y_same"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_simd_looped_matches_oracle(simd_looped, launches, rng, dtype, y_f32, rows, n):
+def test_wide_matches_oracle(wide, launches, rng, dtype, y_f32, rows, n):
     y, z, w = make_inputs(rng, (rows,), n, dtype, mx.float32 if y_f32 else dtype)
-    run_and_check(y, z, w, 1e-5, simd_looped)
-    assert [launch.name for launch in launches] == [op_module.SIMD_LOOPED_SPEC.name]
+    run_and_check(y, z, w, 1e-5, wide)
+    assert [launch.name for launch in launches] == [f"gated_rms_norm_{wide_variant(n)}"]
 
 
-@pytest.mark.parametrize("n", (300, 4097))
-def test_simd_looped_items_16(simd_looped, launches, monkeypatch, rng, n):
-    """The kernel's other instantiation (ITEMS 16: 512 elements per step)."""
+@pytest.mark.parametrize("n", (300, 4096, 5000))
+def test_wide_items_16(wide, launches, monkeypatch, rng, n):
+    """Each kernel's other instantiation (ITEMS 16)."""
+    monkeypatch.setattr(op_module, "WIDE_ROW_ITEMS", 16)
     monkeypatch.setattr(op_module, "SIMD_LOOPED_ITEMS", 16)
     clear_plans()
     try:
         y, z, w = make_inputs(rng, (9,), n, mx.bfloat16, mx.float32)
-        run_and_check(y, z, w, 1e-5, simd_looped)
+        run_and_check(y, z, w, 1e-5, wide)
     finally:
         clear_plans()
-    assert [dict(launch.template)["ITEMS"] for launch in launches] == [16]
+    assert [(launch.name, dict(launch.template)["ITEMS"]) for launch in launches] == [
+        (f"gated_rms_norm_{wide_variant(n)}", 16)]
 
 
-@pytest.mark.parametrize("n", (300, 4097))
+@pytest.mark.parametrize("n", (300, 4096, 5000))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_simd_looped_large_magnitudes(simd_looped, rng, dtype, n):
-    """Rows from |y| ~ 1e3 to 1e-3: the lanes' running maxima differ, so their sums are
-    rescaled when combined."""
+def test_wide_large_magnitudes(wide, rng, dtype, n):
+    """Rows from |y| ~ 1e3 to 1e-3 (simd_looped: the lanes' running maxima differ, so their
+    sums are rescaled when combined)."""
     y, z, w = large_inputs(rng, n, dtype, dtype)
-    run_and_check(y, z, w, 1e-6, simd_looped)
+    run_and_check(y, z, w, 1e-6, wide)
 
 
-def test_simd_looped_one_large_element(simd_looped, rng):
-    """One |y| = 1e30 in each row, in a different lane and step per row, the rest ~ 1: the
-    lane holding it rescales its own sum, the others are rescaled when combined (and sum
-    y^2 overflows float32)."""
-    n = 1000
+@pytest.mark.parametrize("n", (1000, 5000))
+def test_wide_one_large_element(wide, rng, n):
+    """One |y| = 1e30 in each row, in a different thread and chunk per row, the rest ~ 1
+    (sum y^2 overflows float32; simd_looped: the lane holding it rescales its own sum, the
+    others are rescaled when combined)."""
     y, z, w = make_inputs(rng, (6,), n, mx.float32, mx.float32)
     big = np.array(y)
     for r, col in enumerate((0, 31, 32, 255, 256, n - 1)):
         big[r, col] = 1e30 * (-1) ** r
-    run_and_check(mx.array(big), z, w, 1e-5, simd_looped)
+    run_and_check(mx.array(big), z, w, 1e-5, wide)
 
 
-@pytest.mark.parametrize("old, new, n", [
-    ("mt_silu(", "(", 1000),
-    ("if (col + j < n) {", "if (col + j + 1 < n) {", 1001),  # a ragged tail's last column
-    ("mt_load8(z + base + col", "mt_load8(y + base + col", 1000),  # whole chunks: z as y
-    ("row_max > 0.0f ? row_max : 1.0f", "1.0f", 1000),  # squares unscaled: 1e20 rows overflow
-    ("s_l *= c * c;", "", 1000),  # the running sum not rescaled when the lane's max grows
-], ids=("without_gate", "leaving_the_last_column", "z_read_as_y", "unscaled_squares",
-        "no_rescale"))
-def test_simd_looped_negative_controls(simd_looped, broken_kernel, rng, old, new, n):
+@pytest.mark.parametrize("n", (1000, 5000), ids=wide_variant)
+@pytest.mark.parametrize("old, new, ragged", [
+    ("mt_silu(", "(", False),
+    ("if (col + j < n) {", "if (col + j + 1 < n) {", True),  # a ragged tail's last column
+    ("mt_load8(z + base + col", "mt_load8(y + base + col", False),  # whole chunks: z as y
+    ("row_max > 0.0f ? row_max : 1.0f", "1.0f", False),  # squares unscaled: 1e20 overflows
+], ids=("without_gate", "leaving_the_last_column", "z_read_as_y", "unscaled_squares"))
+def test_wide_negative_controls(wide, broken_kernel, rng, old, new, ragged, n):
     """A kernel broken in each way fails the harness (on rows that show it)."""
-    broken_kernel(op_module.SIMD_LOOPED_SPEC, (old, new))
+    broken_kernel(getattr(op_module, f"{wide_variant(n).upper()}_SPEC"), (old, new))
+    n += ragged
     y, z, w = make_inputs(rng, (3,), n, mx.float32, mx.float32)
     if old.startswith("row_max"):
         y = y * 1e20
-    if old.startswith("s_l"):  # a lane's early elements small, later ones larger
-        y = y * mx.array(np.where(np.arange(n) < 256, 1e-3, 1.0).astype(np.float32))
     with pytest.raises(AssertionError, match="out of tolerance"):
-        run_and_check(y, z, w, 1e-5, simd_looped)
+        run_and_check(y, z, w, 1e-5, wide)
+
+
+def test_simd_looped_negative_control_no_rescale(wide, broken_kernel, rng):
+    """simd_looped's running sum not rescaled when the lane's max grows: rows whose first
+    elements are small and later ones larger notice."""
+    broken_kernel(op_module.SIMD_LOOPED_SPEC, ("s_l *= c * c;", ""))
+    n = 5000
+    y, z, w = make_inputs(rng, (3,), n, mx.float32, mx.float32)
+    y = y * mx.array(np.where(np.arange(n) < 256, 1e-3, 1.0).astype(np.float32))
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check(y, z, w, 1e-5, wide)
 
 
 @pytest.mark.parametrize("offset", (0, 1, 3, 4))
-@pytest.mark.parametrize("n", (256, 1000, 1001))
+@pytest.mark.parametrize("n", (256, 1000, 1001, 5000))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_simd_looped_any_element_offset(simd_looped, rng, dtype, n, offset):
+def test_wide_any_element_offset(wide, rng, dtype, n, offset):
     """y, z, w and their rows at any element offset from a buffer's start (slices of a
     larger array; odd n staggers the rows): the 16-byte accesses of the CUDA layer are
     taken only where aligned, element by element elsewhere."""
@@ -312,32 +329,36 @@ def test_simd_looped_any_element_offset(simd_looped, rng, dtype, n, offset):
         flat = mx.concatenate([mx.zeros((offset,), dtype=a.dtype), a.reshape(-1)])
         return flat[offset:].reshape(a.shape)
 
-    run_and_check(at_offset(y), at_offset(z), at_offset(w), 1e-5, simd_looped)
+    run_and_check(at_offset(y), at_offset(z), at_offset(w), 1e-5, wide)
 
 
-def test_simd_looped_traffic(simd_looped, launches, rng):
-    """y read twice (the second pass from cache on a GPU), z and w once per row, out written
-    once: exactly the row's elements, nothing past n."""
-    if simd_looped != "emulator":
+@pytest.mark.parametrize("n, y_reads", [(1000, 1), (5000, 2)], ids=("wide_row", "simd_looped"))
+def test_wide_traffic(wide, launches, rng, n, y_reads):
+    """z and w read once per row, out written once, y once (wide_row) or twice (simd_looped:
+    the second pass from cache on a GPU): exactly the row's elements, nothing past n."""
+    if wide != "emulator":
         pytest.skip("byte counters are the emulator's")
-    rows, n = 3, 1000
+    rows = 3
     y, z, w = make_inputs(rng, (rows,), n, mx.bfloat16, mx.float32)
-    run_and_check(y, z, w, 1e-5, simd_looped)
+    run_and_check(y, z, w, 1e-5, wide)
     stats = launches[-1].stats
-    assert stats.bytes_read["y"] == 2 * rows * n * 4
+    assert stats.bytes_read["y"] == y_reads * rows * n * 4
     assert stats.bytes_read["z"] == rows * n * 2
     assert stats.bytes_read["w"] == rows * n * 2
     assert stats.bytes_written["out"] == rows * n * 4 and stats.bytes_read["out"] == 0
 
 
-def test_cuda_plan_runs_simd_looped_from_its_row_count(launch_recorder, monkeypatch):
-    """cuda's plan: rows longer than 128 run one per SIMD-group from
-    SIMD_LOOPED_MIN_ROWS["cuda"] rows on, a threadgroup per row below; Metal never."""
-    least = op_module.SIMD_LOOPED_MIN_ROWS["cuda"]
+def test_cuda_plan_runs_the_wide_kernels(launch_recorder, monkeypatch):
+    """cuda's plan: rows of 129 to 4096 run wide_row from WIDE_ROW_MIN_ROWS["cuda"] rows on,
+    longer rows simd_looped from SIMD_LOOPED_MIN_ROWS["cuda"] rows on (the looped kernel
+    below); Metal runs neither."""
+    wide_least = op_module.WIDE_ROW_MIN_ROWS["cuda"]
+    looped_least = op_module.SIMD_LOOPED_MIN_ROWS["cuda"]
     for backend, rows, n, want in (
-            ("cuda", least, 4096, "simd_looped"), ("cuda", least - 1, 4096, "row"),
-            ("cuda", least, 8192, "simd_looped"), ("cuda", least, 128, "simd_rows"),
-            ("metal", least, 4096, "row"), ("metal", least, 8192, "looped")):
+            ("cuda", wide_least, 4096, "wide_row"), ("cuda", wide_least, 129, "wide_row"),
+            ("cuda", looped_least, 8192, "simd_looped"),
+            ("cuda", looped_least - 1, 4097, "looped"), ("cuda", looped_least, 128, "simd_rows"),
+            ("metal", looped_least, 4096, "row"), ("metal", looped_least, 8192, "looped")):
         monkeypatch.setattr(backends, "resolve_backend", lambda name=None, b=backend: b)
         clear_plans()
         launch_recorder.seen.clear()
