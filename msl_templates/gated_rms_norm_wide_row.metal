@@ -18,6 +18,10 @@
 // RANGE: as gated_rms_norm.metal: the row is scaled by its max |y| m and mean(y^2) is never
 //   formed; right for any row whose RMS is a finite float32 (an all-zero row with eps = 0
 //   gives NaN, 0/0). TRAFFIC: y, z and w read once, out written once.
+// ARITHMETIC: two IEEE divisions per element (y / m and silu's) cost an H100 about as much
+//   time as the row's bytes; here y / m is y * (1 / m) and silu divides with fast::divide
+//   (mt_silu_fast), so the element's work is one exp and a few multiplies. Metal compiles
+//   with fast math by default, where `/` is approximate already.
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
 //   threadgroup = (TG, 1, 1), TG = round_up(ceil(n / ITEMS), 32) <= 1024; ITEMS is 16 or 32;
@@ -62,9 +66,13 @@ const uint n_simd = tg / 32;
 const float row_max = mt_threadgroup_max(abs_max, simd_maxima, thread_index_in_simdgroup,
                                          simdgroup_index_in_threadgroup, n_simd);
 const float m = row_max > 0.0f ? row_max : 1.0f;  // any m > 0 serves an all-zero row
+// y / m as y * (1 / m) where 1 / m is finite (m normal): one division per row, not per
+// element (a row of subnormal maxima divides).
+const bool normal_max = m >= FLT_MIN;
+const float inv_m = 1.0f / m;
 float sum_sq = 0.0f;
 for (uint i = 0; i < ITEMS; ++i) {
-  yv[i] = yv[i] / m;
+  yv[i] = normal_max ? yv[i] * inv_m : yv[i] / m;
   sum_sq += yv[i] * yv[i];
 }
 const float total = mt_threadgroup_sum(sum_sq, simd_partials, thread_index_in_simdgroup,
@@ -83,7 +91,7 @@ for (uint c = 0; c < CHUNKS; ++c) {
     }
   }
   for (uint j = 0; j < 8; ++j) {
-    o[j] = wv[j] * yv[8 * c + j] * k * mt_silu(zv[8 * c + j]);
+    o[j] = wv[j] * yv[8 * c + j] * k * mt_silu_fast(zv[8 * c + j]);
   }
   if (col + 8 <= n) {
     mt_store8(out + base + col, o);
