@@ -38,7 +38,7 @@ SIMD_ROWS_PER_GROUP = 8
 # gated_rms_norm_wide_row.metal and longer rows gated_rms_norm_simd_looped.metal (each
 # header says why); a backend absent from a table never runs that kernel (Metal keeps the
 # row and looped kernels). Plans read these once (clear_plans()).
-WIDE_ROW_MIN_ROWS: dict[str, int] = {"cuda": 256}
+WIDE_ROW_MIN_ROWS: dict[str, int] = {"cuda": 128}
 WIDE_ROW_ITEMS = 16  # elements per thread of the wide-row kernel (its ITEMS: 16 or 32)
 SIMD_LOOPED_MIN_ROWS: dict[str, int] = {"cuda": 1024}
 SIMD_LOOPED_ITEMS = 8  # elements per lane and load step of that kernel (its ITEMS: 8 or 16)
