@@ -19,7 +19,8 @@
 //   threadgroup = (TG, 1, 1), TG = round_up(ceil(n / 4), 32) <= 1024, i.e. 128 < n <= 4096
 //   grid        = (TG, rows, 1): threadgroup_position_in_grid.y is the row
 //   Thread t holds elements [4t, 4t + 4) of its row (y, z and w); past n they read as 0.
-//   (Rows of n <= 128 go to gated_rms_norm_simd_rows.metal instead.)
+//   (Rows of n <= 128 go to gated_rms_norm_simd_rows.metal instead; on cuda, from 128 rows,
+//   rows to gated_rms_norm_wide_row.metal: ops/gated_rms_norm.py's WIDE_ROW_MIN_ROWS.)
 //   threadgroup memory: 2 x 32 floats. Every thread reaches both barriers (no early return).
 // CUDA ONLY: the spec's launch bounds (1024, 2) hold the kernel to 32 registers, so two
 //   1024-thread threadgroups share an SM (the register file holds 64K): at 39 registers one
