@@ -177,7 +177,9 @@ def grad_bench_cases() -> list[BenchCase]:
     composite. bytes: the forward's (y, z, weight read, out written) plus the backward's
     (y, z, weight, g read, dy, dz, dweight written)."""
     out = []
-    for rows, n, quick in [(32, 2048, True), (4096, 2048, False), (4096, 4096, False)]:
+    # 16384 x 128: Qwen3-Next's per-head norm over 512 tokens of 32 heads (a fine-tune).
+    for rows, n, quick in [(32, 2048, True), (4096, 2048, False), (4096, 4096, False),
+                           (16384, 128, False)]:
         for dtype in DTYPES:
             def make(rng, rows=rows, n=n, dtype=dtype):
                 a = [mx.array(rng.standard_normal((rows, n), dtype=np.float32)).astype(dtype)
