@@ -114,12 +114,6 @@ BACKWARD_SPEC, BACKWARD_SUM_SPEC = register(
 )
 BACKWARD_SPECS = (BACKWARD_SPEC, BACKWARD_SUM_SPEC)
 MAX_DW_PARTIALS = 256  # threadgroups of the backward (rows of dweight's partial sums)
-# Per backend, the threads the backward aims for where MAX_DW_PARTIALS threadgroups hold
-# fewer: short rows (n <= 128: one SIMD-group per threadgroup) would otherwise leave each of
-# 256 SIMD-groups a long run of rows (16384 per-head rows of 128: 64 each, one after
-# another). More threadgroups mean more rows of partial sums for dweight's kernel to add.
-# A backend absent here keeps MAX_DW_PARTIALS (Metal: not measured on a Mac).
-DW_TARGET_THREADS: dict[str, int] = {"cuda": 65536}
 
 
 @memo_check
@@ -234,19 +228,12 @@ def _backward_reference(y, z, weight, g, eps: float) -> tuple[mx.array, mx.array
     return dy.astype(y.dtype), dz.astype(z.dtype), dw.astype(weight.dtype)
 
 
-def _dw_groups(rows: int, tg: int, backend: str) -> tuple[int, int]:
-    """(rows per threadgroup, threadgroups) of the backward for ``rows`` rows and ``tg``
-    threads per threadgroup on ``backend`` (MAX_DW_PARTIALS, DW_TARGET_THREADS)."""
-    parts = max(MAX_DW_PARTIALS, -(-DW_TARGET_THREADS.get(backend, 0) // tg))
-    per_group = -(-rows // parts)
-    return per_group, -(-rows // per_group)
-
-
 def _launch_backward(y, z, weight, g, n: int, rows: int, eps: float,
                      backend: str) -> tuple[mx.array, mx.array, mx.array]:
     """(dy, dz, dweight) for the cotangent g, from the fused backward kernel."""
     tg = min(1024, round_up(-(-n // N_READS), 32))
-    per_group, groups = _dw_groups(rows, tg, backend)
+    per_group = -(-rows // MAX_DW_PARTIALS)
+    groups = -(-rows // per_group)
     dy, dz, partial = backends.launch(
         BACKWARD_SPEC, backend,
         inputs={"y": y, "z": z, "w": weight, "g": g.astype(y.dtype),

@@ -84,27 +84,6 @@ def test_gated_rms_norm_dweight_many_rows_deterministic(kernel_backend, rng):
     assert np.array_equal(np.array(runs[0]), np.array(runs[1]))
 
 
-def test_gated_rms_norm_dw_groups():
-    """The backward's plan: MAX_DW_PARTIALS threadgroups, or more where the backend's
-    DW_TARGET_THREADS asks for more threads (short rows on cuda); never more than rows."""
-    per_group = {b: gated._dw_groups(16384, 32, b) for b in ("metal", "cuda")}
-    assert per_group == {"metal": (64, 256), "cuda": (8, 2048)}
-    assert gated._dw_groups(4096, 1024, "cuda") == (16, 256)  # long rows: 256 suffice
-    assert gated._dw_groups(700, 32, "cuda") == (1, 700)
-
-
-def test_gated_rms_norm_dweight_many_groups(kernel_backend, monkeypatch, rng):
-    """More threadgroups than MAX_DW_PARTIALS, each with several rows (the plan cuda takes
-    for short rows, forced here): right, and the same bits on a second run."""
-    monkeypatch.setitem(gated.DW_TARGET_THREADS, kernel_backend, 32 * 1024)
-    assert gated._dw_groups(3000, 32, kernel_backend) == (3, 1000)
-    y, z, w = make_inputs(rng, (3000,), 40, mx.float32, mx.float32)
-    gated_check(y, z, w, 1e-5, mx.float32, rng, kernel_backend)
-    g = mx.ones(z.shape)
-    runs = [mx.vjp(mt.gated_rms_norm, [y, z, w], [g])[1][2] for _ in range(2)]
-    assert np.array_equal(np.array(runs[0]), np.array(runs[1]))
-
-
 @pytest.mark.parametrize("n, passes", [(1000, 1), (5000, 3)], ids=("one_chunk", "chunked"))
 def test_gated_rms_norm_backward_traffic(launches, rng, n, passes):
     """The emulator's counters: a row of n <= 4096 is read once (y, z, weight, g) and dy, dz
