@@ -14,9 +14,11 @@
 //   SUMMATION ORDER (fixed for given shapes and template: bitwise reproducible run to run):
 //   SIMD-group s of a threadgroup takes the 32-row blocks b = s, s + SG, s + 2 SG, ... of N
 //   (rows n = 32 b .. 32 b + 31), in increasing order, each row in increasing n; each lane
-//   accumulates, per k value of its word, acc = fma(g[m, n], W[n, k], acc) over those rows.
-//   The SG partials of one k are then added in SIMD-group order 0, 1, ..., SG - 1
-//   (((p0 + p1) + p2) + ...), through threadgroup memory, and written as float32.
+//   accumulates, per k value of its word and per row m of its run (TILES),
+//   acc = fma(g[m, n], W[n, k], acc) over those n. The SG partials of one (m, k) are then
+//   added in SIMD-group order 0, 1, ..., SG - 1 (((p0 + p1) + p2) + ...), through
+//   threadgroup memory, and written as float32. A row's sum depends on SG only, not on
+//   which tile, run or slot it falls in (nor on UNROLL or ROWS).
 //   OUT-OF-RANGE IDS: the id is read as uint (a negative int32 id becomes >= 2^31); an id
 //   >= E makes dx[m, :] NaN, and no byte of w / scales / biases / g is read for row m.
 //
@@ -28,7 +30,8 @@
 //   dx [M, K] float32. n_rows (M), n_experts (E), n_cols (N), k_dim (K): 0-d uint runtime
 //   inputs (changing them never builds a new kernel). Template: T, BITS (4, 8), GROUP_SIZE
 //   (32, 64, 128; nvfp4 16), MODE (0 affine, 1 mxfp4, 2 nvfp4, 3 mxfp8), SIMDGROUPS (SG) and
-//   UNROLL (the launch plan's geometry: ops/moe_gather_qmm.py's DX_SIMDGROUPS, DX_UNROLL).
+//   UNROLL, ROWS (the launch plan's geometry: ops/moe_gather_qmm.py's DX_SIMDGROUPS,
+//   DX_UNROLL, DX_ROWS).
 //   ADDRESS SPACES: indices of M < 8 rows arrive in the `constant` address space (a second
 //   instantiation, as the forward's); the body reads every input through `auto` pointers
 //   or direct indexing, so both forms compile. g, w, scales hold >= 32 elements.
@@ -36,6 +39,17 @@
 // RANGE / ROUNDING: each weight is rounded to T once, from the float32 fma (the forward's
 //   own value, bit for bit); g is T, widened exactly; each product and sum is one float32
 //   fma. No intermediate is rounded to T or scaled, so the range is float32's.
+//
+// TILES: the rows are cut into tiles of ROWS consecutive rows (the wrapper sorts them by
+//   expert first when ROWS > 1, unless the caller promised sorted ids, and un-permutes dx).
+//   Inside a tile the rows sharing an expert form a run; threadgroup (tile, slot) computes
+//   the run whose first row in the tile is `slot` (its leader); the tile's other slots exit
+//   at once (uniformly, before any barrier), as moe_gather_qmm_simdgroup's slots. So each
+//   weight is read and decoded (rounded to T) once per run and multiplied into the g values
+//   of every row of the run: at prefill (a handful of rows per expert) the decode, most of
+//   the arithmetic of a one-row kernel, is shared; at decode (distinct experts) each run is
+//   one row and the kernel is the one-row kernel. Per-row work is behind uniform branches
+//   on the run mask (no shuffle or fma for rows outside the run).
 //
 // WORD MAPPING: threadgroup y = chunk c of 32 consecutive words of a weight row (K values
 //   [32 PACK c, 32 PACK (c + 1)) clipped to K): lane l owns word w0 + l (w0 = 32 c), i.e.
@@ -45,35 +59,41 @@
 //   them, a group never straddling a chunk: GROUP_SIZE / PACK divides 32) are loaded one per
 //   lane, scale and affine bias packed in one uint (expert_qdot.h's mt_group_bits; a float
 //   T's bias apart) and passed to the lanes of their words by simd_shuffle. The g values of
-//   a 32-row block are loaded one per lane (one 64- or 128-byte load) and broadcast to the
-//   lanes row by row by simd_shuffle.
+//   a 32-row block are loaded one per lane for each row m of the run (one 64- or 128-byte
+//   load each) and broadcast to the lanes row n by row n by simd_shuffle.
 //
 // LOADS (memory-level parallelism): a decode-sized call is latency-bound, so each SIMD-group
-//   first issues the loads of UNROLL rows (UNROLL words per lane, UNROLL group uints), none
-//   waiting for another, then decodes and accumulates them; the g values of a block are
-//   loaded before its rows.
+//   first issues the loads of UNROLL weight rows (UNROLL words per lane, UNROLL group uints),
+//   none waiting for another, then decodes and accumulates them; the g values of a block
+//   are loaded before its rows. Registers: ROWS * PACK accumulators + PACK decoded weights
+//   + 2-3 UNROLL loads + ROWS g values per lane; nvcc (CUDA translation, SG 8, UNROLL 8,
+//   ROWS 4): 80 registers for bf16 (affine 4-bit GS 64, mxfp4), 96 for float32, no spill.
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
 //   threadgroup = (32 * SG, 1, 1): SG SIMD-groups of 32, splitting N (SUMMATION ORDER)
-//   grid        = (32 * SG * M, ceil(K * BITS / 32 / 32), 1) threads: threadgroup_position_in
-//                 _grid is (row m, word chunk, 0) (rows on x: CUDA caps grid y and z at
-//                 65535 blocks; consecutive threadgroups are rows of one chunk, so sorted rows
-//                 of one expert find its chunk in cache); every (m, k) is written by exactly
-//                 one thread of exactly one threadgroup
+//   grid        = (32 * SG * ROWS * ceil(M / ROWS), ceil(K * BITS / 32 / 32), 1) threads:
+//                 threadgroup_position_in_grid is (ROWS * tile + slot, word chunk, 0) (rows
+//                 on x: CUDA caps grid y and z at 65535 blocks; consecutive threadgroups are
+//                 rows of one chunk, so the tiles of one expert find its chunk in cache);
+//                 slots past M exit; every (m, k) is written by exactly one thread of
+//                 exactly one threadgroup (its run's leader, or its own slot for a NaN row)
 //   N % 32 == 0 (whole 32-row blocks: every g / row load is in range), K % 32 == 0 and
 //   K % GROUP_SIZE == 0 (a group never straddles a row end), UNROLL divides 32.
-//   The only early return (an out-of-range id) is uniform over the threadgroup and comes
-//   before the one barrier; shuffles are executed by all 32 lanes (lanes whose word lies
-//   past the row end load nothing, shuffle along and skip the arithmetic).
+//   The early returns (a slot past M, an out-of-range id, a slot that leads no run) are
+//   uniform over the threadgroup and come before any barrier; the per-row barriers are
+//   behind the run mask, uniform too; shuffles are executed by all 32 lanes (lanes whose
+//   word lies past the row end load nothing, shuffle along and skip the arithmetic).
 //   threadgroup memory: SG * 32 * (PACK + 1) floats (the partials; PACK + 1: an odd lane
 //   stride, no bank conflicts on the stores and at most 2-way on the reads).
 //
-// TRAFFIC per threadgroup (row m, chunk c), valid id: the chunk's words of each of expert
+// TRAFFIC per threadgroup (run, chunk c), valid id: the chunk's words of each of expert
 //   e's N rows once (32 words or fewer per row), the chunk's groups of each row once (scales,
-//   and biases in affine mode), the g row once (N values); dx written once (32 PACK values
-//   or fewer). Per row m over its chunks: the expert's N * K * BITS / 8 code bytes and N * K
-//   / GROUP_SIZE scales (and biases) exactly once; g read once per chunk (cache hits after
-//   the first). Invalid id: only the id (one read per thread), then NaN written.
+//   and biases in affine mode), the g row of each run row once (N values); dx written once
+//   (32 PACK values or fewer per run row). Per run over its chunks: the expert's
+//   N * K * BITS / 8 code bytes and N * K / GROUP_SIZE scales (and biases) exactly once
+//   (ROWS = 1: once per row); g read once per chunk (cache hits after the first). Each
+//   thread reads its slot's id and, for a valid id, the tile's <= ROWS ids (cache hits).
+//   Invalid id: only the ids, then NaN written.
 //
 // ONLY CHECKED ON A MAC: that Apple's compiler accepts this body (auto pointers into device
 //   and constant inputs, simd_shuffle of uint and float with a ushort lane, a kernel-scope
@@ -97,13 +117,16 @@ constexpr int SCALE_FORMAT = MODE == 3 ? 1 : MODE;  // mt_fp4_scale's: mxfp8 sca
 constexpr bool BIAS_APART = MODE == 0 && sizeof(T) == 4;
 constexpr uint MASK = (1u << BITS) - 1u;
 static_assert(32 % UNROLL == 0, "UNROLL divides a 32-row block");
+static_assert(ROWS >= 1 && ROWS <= 32, "a tile's run is a 32-bit mask");
 
 threadgroup float partials[SG * 32 * LD];  // per (SIMD-group, lane, value)
 
 const uint lane = thread_index_in_simdgroup;
 const uint sg = simdgroup_index_in_threadgroup;
 const uint tid = thread_position_in_threadgroup.x;
-const uint m = threadgroup_position_in_grid.x;
+const uint row0 = (threadgroup_position_in_grid.x / ROWS) * ROWS;  // the tile's first row
+const uint slot = threadgroup_position_in_grid.x % ROWS;
+const uint M = n_rows;
 const uint N = n_cols;
 const uint K = k_dim;
 const uint words_per_row = K / PACK;
@@ -111,15 +134,30 @@ const uint groups_per_row = K / GROUP_SIZE;
 const uint word0 = threadgroup_position_in_grid.y * 32;
 const uint k0 = word0 * PACK;
 const uint vals = metal::min(CHUNK_VALS, K - k0);  // the chunk's k values inside K
-device float* dx_chunk = dx + size_t(m) * K + k0;
 
-const uint e = uint(indices[m]);
+const uint rows_here = metal::min(ROWS, M - row0);
+if (slot >= rows_here) {
+  return;  // past M (uniform over the threadgroup)
+}
+const uint e = uint(indices[row0 + slot]);
 if (e >= n_experts) {
-  // Out-of-range id (uniform over the threadgroup): NaN, nothing of the expert read.
+  // Out-of-range id (uniform over the threadgroup): NaN for this row, nothing of the
+  // expert read.
+  device float* dx_nan = dx + size_t(row0 + slot) * K + k0;
   for (uint o = tid; o < vals; o += THREADS) {
-    dx_chunk[o] = metal::numeric_limits<float>::quiet_NaN();
+    dx_nan[o] = metal::numeric_limits<float>::quiet_NaN();
   }
   return;
+}
+uint run = 0u;        // bit r: row row0 + r has expert e (this threadgroup's rows)
+bool leader = true;   // slot is the tile's first row with expert e
+for (uint r = 0; r < rows_here; ++r) {
+  const bool same = uint(indices[row0 + r]) == e;
+  run |= same ? (1u << r) : 0u;
+  leader = leader && !(same && r < slot);
+}
+if (!leader) {
+  return;  // the run's leader computes this row (uniform over the threadgroup)
 }
 
 const bool live = word0 + lane < words_per_row;  // this lane's word lies inside the row
@@ -131,14 +169,19 @@ const size_t first_row = size_t(e) * N;
 const auto w_lane = w + first_row * words_per_row + word0 + lane;  // row n: + n * words_per_row
 const auto s_lane = scales + first_row * groups_per_row + group0 + lane;
 const auto b_lane = biases + first_row * groups_per_row + group0 + lane;
-const auto g_lane = g + size_t(m) * N + lane;
+const auto g_lane = g + size_t(row0) * N + lane;  // tile row r: + r * N
 
-float acc[PACK];
-for (uint i = 0; i < PACK; ++i) {
-  acc[i] = 0.0f;
+float acc[ROWS][PACK];
+for (uint r = 0; r < ROWS; ++r) {
+  for (uint i = 0; i < PACK; ++i) {
+    acc[r][i] = 0.0f;
+  }
 }
 for (uint n0 = sg * 32; n0 < N; n0 += SG * 32) {  // this SIMD-group's 32-row blocks
-  const float g_block = float(g_lane[n0]);  // g[m, n0 + lane]
+  float g_block[ROWS];  // g[row0 + r, n0 + lane] of the run's rows
+  for (uint r = 0; r < ROWS; ++r) {
+    g_block[r] = ((run >> r) & 1u) != 0u ? float(g_lane[size_t(r) * N + n0]) : 0.0f;
+  }
   for (uint r0 = 0; r0 < 32; r0 += UNROLL) {
     // 1. Every load of UNROLL rows, none waiting for another.
     uint words[UNROLL];
@@ -162,10 +205,10 @@ for (uint n0 = sg * 32; n0 < N; n0 += SG * 32) {  // this SIMD-group's 32-row bl
         }
       }
     }
-    // 2. Per row: its g value and its group's scale (and bias) from the lanes holding
-    //    them (every lane shuffles), then each weight rounded to T and accumulated.
+    // 2. Per weight row: its group's scale (and bias) from the lane holding them (every
+    //    lane shuffles), the PACK weights rounded to T, then each run row's g value
+    //    (shuffled from the lane that loaded it) times them.
     for (uint u = 0; u < UNROLL; ++u) {
-      const float gn = simd_shuffle(g_block, ushort(r0 + u));
       const uint gb = simd_shuffle(group[u], src);
       float s;
       float b = 0.0f;
@@ -179,22 +222,30 @@ for (uint n0 = sg * 32; n0 < N; n0 += SG * 32) {  // this SIMD-group's 32-row bl
       } else {
         s = mt_fp4_scale<SCALE_FORMAT>(gb);  // the E8M0 / E4M3 scale code
       }
-      if (live) {
-        const uint word = words[u];
-        if constexpr (MODE == 0) {
-          for (uint i = 0; i < PACK; ++i) {
-            const float q = float((word >> (BITS * i)) & MASK);
-            acc[i] = metal::fma(gn, float(T(metal::fma(s, q, b))), acc[i]);
-          }
-        } else if constexpr (MODE == 3) {
-          for (uint i = 0; i < 4; ++i) {
-            acc[i] = metal::fma(gn, float(T(s * mt_fp4_scale<2>(word >> (8 * i)))), acc[i]);
-          }
-        } else {
-          for (uint i = 0; i < 4; ++i) {  // codes i and i + 4 of the word at once
-            const float2 v = float2(mt_e2m1x2(word >> (4 * i)));
-            acc[i] = metal::fma(gn, float(T(s * v.x)), acc[i]);
-            acc[i + 4] = metal::fma(gn, float(T(s * v.y)), acc[i + 4]);
+      float wv[PACK];  // the lane's PACK weights of row n, each rounded to T
+      const uint word = words[u];
+      if constexpr (MODE == 0) {
+        for (uint i = 0; i < PACK; ++i) {
+          wv[i] = float(T(metal::fma(s, float((word >> (BITS * i)) & MASK), b)));
+        }
+      } else if constexpr (MODE == 3) {
+        for (uint i = 0; i < 4; ++i) {
+          wv[i] = float(T(s * mt_fp4_scale<2>(word >> (8 * i))));
+        }
+      } else {
+        for (uint i = 0; i < 4; ++i) {  // codes i and i + 4 of the word at once
+          const float2 v = float2(mt_e2m1x2(word >> (4 * i)));
+          wv[i] = float(T(s * v.x));
+          wv[i + 4] = float(T(s * v.y));
+        }
+      }
+      for (uint r = 0; r < ROWS; ++r) {
+        if (((run >> r) & 1u) != 0u) {  // uniform over the threadgroup
+          const float gn = simd_shuffle(g_block[r], ushort(r0 + u));
+          if (live) {
+            for (uint i = 0; i < PACK; ++i) {
+              acc[r][i] = metal::fma(gn, wv[i], acc[r][i]);
+            }
           }
         }
       }
@@ -202,16 +253,24 @@ for (uint n0 = sg * 32; n0 < N; n0 += SG * 32) {  // this SIMD-group's 32-row bl
   }
 }
 
-// The SG partials, added in SIMD-group order and written (consecutive threads, consecutive k).
-for (uint i = 0; i < PACK; ++i) {
-  partials[(sg * 32 + lane) * LD + i] = acc[i];
-}
-threadgroup_barrier(mem_flags::mem_threadgroup);
-for (uint o = tid; o < vals; o += THREADS) {
-  const uint at = (o / PACK) * LD + o % PACK;  // lane o / PACK, value o % PACK
-  float v = partials[at];
-  for (uint s = 1; s < SG; ++s) {
-    v += partials[s * 32 * LD + at];
+// Per run row: the SG partials, added in SIMD-group order and written (consecutive threads,
+// consecutive k).
+for (uint r = 0; r < ROWS; ++r) {
+  if (((run >> r) & 1u) == 0u) {
+    continue;  // uniform over the threadgroup
   }
-  dx_chunk[o] = v;
+  for (uint i = 0; i < PACK; ++i) {
+    partials[(sg * 32 + lane) * LD + i] = acc[r][i];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  device float* dx_chunk = dx + size_t(row0 + r) * K + k0;
+  for (uint o = tid; o < vals; o += THREADS) {
+    const uint at = (o / PACK) * LD + o % PACK;  // lane o / PACK, value o % PACK
+    float v = partials[at];
+    for (uint s = 1; s < SG; ++s) {
+      v += partials[s * 32 * LD + at];
+    }
+    dx_chunk[o] = v;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // partials free for the next row
 }

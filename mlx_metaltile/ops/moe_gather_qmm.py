@@ -78,25 +78,31 @@ SIMDGROUP_SPEC, MPP_SPEC = register(
 VARIANT_SPECS = {"simdgroup": SIMDGROUP_SPEC, "mpp": MPP_SPEC}
 
 # The x-VJP kernel's geometry (read once per plan; clear_plans() after changing them):
-# SIMD-groups per threadgroup splitting N, and rows whose loads are issued together.
+# SIMD-groups per threadgroup splitting N, weight rows whose loads are issued together, and
+# rows per tile (the rows of one expert in a tile share each decoded weight; DX_ROWS > 1
+# sorts the rows by expert first, as the forward does).
 DX_SIMDGROUPS = 8
 DX_UNROLL = 8
+DX_ROWS = 4
 
 
 def _dx_bindings():
-    """The forward's instantiations, each at the current DX_SIMDGROUPS / DX_UNROLL."""
+    """The forward's instantiations, each at the current DX_SIMDGROUPS / DX_UNROLL /
+    DX_ROWS."""
     for binding in quantized_bindings(MODES)():
-        yield dict(binding, SIMDGROUPS=DX_SIMDGROUPS, UNROLL=DX_UNROLL)
+        yield dict(binding, SIMDGROUPS=DX_SIMDGROUPS, UNROLL=DX_UNROLL, ROWS=DX_ROWS)
 
 
 (DX_SPEC,) = register(KernelSpec(
     op=OP, variant="dx", template="moe_gather_qmm_dx.metal",
     inputs=(Arg("g", "T", 2), *QUANTIZED_INPUTS[1:],
             *scalars("n_rows", "n_experts", "n_cols", "k_dim")),
-    outputs=(Arg("dx", "float32", 2),), params=(*QUANTIZED_PARAMS, "SIMDGROUPS", "UNROLL"),
+    outputs=(Arg("dx", "float32", 2),), params=(*QUANTIZED_PARAMS, "SIMDGROUPS", "UNROLL", "ROWS"),
     bindings=_dx_bindings,
-    geometry="threadgroup (32*SG,1,1) = SG simdgroups splitting N; grid (32*SG*M, "
-             "ceil(K*BITS/32/32), 1): (row, 32-word chunk of K); SG = DX_SIMDGROUPS",
+    geometry="threadgroup (32*SG,1,1) = SG simdgroups splitting N; grid (32*SG*R*ceil(M/R), "
+             "ceil(K*BITS/32/32), 1): (row slot of an R-row tile, 32-word chunk of K); one "
+             "run of equal ids per threadgroup, other slots exit; SG = DX_SIMDGROUPS, "
+             "R = DX_ROWS",
     notes="x-VJP dx = g @ W[ids] (weights rounded to T as the forward's), float32 out; "
           "affine, mxfp4, nvfp4, mxfp8",
 ))
@@ -303,13 +309,16 @@ def _launcher(spec: KernelSpec, M: int, N: int, K: int, E: int, group_size: int,
 def _dx_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, mode: str,
                  dtype: mx.Dtype, backend: str) -> Callable:
     """The x-VJP kernel of M rows on ``backend``, prepared once: returns
-    ``launch(g, w, scales, biases, indices)`` -> dx [M, K] float32 (NaN rows for
-    out-of-range ids)."""
-    sg, unroll = DX_SIMDGROUPS, DX_UNROLL
+    ``launch(g, w, scales, biases, indices, sorted_indices)`` -> dx [M, K] float32 (NaN
+    rows for out-of-range ids); with DX_ROWS > 1 the rows are sorted by expert around the
+    kernel unless ``sorted_indices``."""
+    sg, unroll, rows = DX_SIMDGROUPS, DX_UNROLL, DX_ROWS
     if not (isinstance(sg, int) and 1 <= sg <= 32 and isinstance(unroll, int)
-            and unroll >= 1 and 32 % unroll == 0):
-        raise ValueError(f"[{OP}] DX_SIMDGROUPS must be an int in [1, 32] and DX_UNROLL an "
-                         f"int dividing 32, got {sg!r} and {unroll!r}")
+            and unroll >= 1 and 32 % unroll == 0 and isinstance(rows, int)
+            and 1 <= rows <= 32):
+        raise ValueError(f"[{OP}] DX_SIMDGROUPS must be an int in [1, 32], DX_UNROLL an "
+                         f"int dividing 32 and DX_ROWS an int in [1, 32], got {sg!r}, "
+                         f"{unroll!r} and {rows!r}")
     pack = 32 // bits
     chunks = -(-(K // pack) // 32)  # 32-word chunks of a weight row
     prepared = backends.prepare(
@@ -318,17 +327,22 @@ def _dx_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, mod
                 "n_rows": scalar(M, mx.uint32), "n_experts": scalar(E, mx.uint32),
                 "n_cols": scalar(N, mx.uint32), "k_dim": scalar(K, mx.uint32)},
         template={"T": dtype, "BITS": bits, "GROUP_SIZE": group_size,
-                  "MODE": MODE_IDS[mode], "SIMDGROUPS": sg, "UNROLL": unroll},
+                  "MODE": MODE_IDS[mode], "SIMDGROUPS": sg, "UNROLL": unroll,
+                  "ROWS": rows},
         outputs={"dx": ((M, K), mx.float32)},
-        grid=(32 * sg * M, chunks, 1), threadgroup=(32 * sg, 1, 1),
+        grid=(32 * sg * rows * -(-M // rows), chunks, 1), threadgroup=(32 * sg, 1, 1),
         threadgroup_memory=sg * 32 * (pack + 1) * 4,
     )
 
-    def launch(g, w, scales, biases, indices):
+    def launch(g, w, scales, biases, indices, sorted_indices):
         if biases is None:  # fp modes: the kernel never reads its biases input
             biases = scales
-        (dx,) = prepared(g, w, scales, biases, indices)
-        return dx
+        if sorted_indices or rows == 1 or M < 2:
+            (dx,) = prepared(g, w, scales, biases, indices)
+            return dx
+        order = mx.argsort(indices)  # the rows of one expert adjacent: one run per tile
+        (dx,) = prepared(g[order], w, scales, biases, indices[order])
+        return dx[mx.argsort(order)]
 
     return launch
 
@@ -442,13 +456,13 @@ def _plan(x, w, scales, biases, indices, group_size, bits, mode, sorted_indices,
     def x_vjp(g, w, scales, biases, indices):  # at backward time: the stream again
         if lead is None:
             if dx_launch is not None:  # kernel backends: the dx kernel (float32 out)
-                return dx_launch(g, w, scales, biases, indices).astype(dtype)
+                return dx_launch(g, w, scales, biases, indices, sorted_indices).astype(dtype)
             return _x_vjp(g, w, scales, biases, indices, E, group_size, bits, mode, dtype)
         # mx.gather_qmm's form: the rows' gradients, summed over the axes x was
         # broadcast along (in float32).
         ids = _row_ids(indices, lead, x_shape[-2])
         if dx_launch is not None:
-            d = dx_launch(g.reshape(-1, N), w, scales, biases, ids)
+            d = dx_launch(g.reshape(-1, N), w, scales, biases, ids, sorted_indices)
         else:
             d = _x_vjp(g.reshape(-1, N), w, scales, biases, ids, E, group_size, bits, mode,
                        dtype, out_dtype=mx.float32)

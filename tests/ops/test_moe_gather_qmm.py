@@ -635,31 +635,42 @@ def test_dx_weights_rounded_to_t(kernel_backend, poisoned_outputs, dtype):
         assert (to_f64(dx)[0] == 0).all()
 
 
-def test_dx_reads_each_expert_once(rng):
-    """Emulator counters: each valid row reads its expert's words, scales and biases exactly
-    once, and its g row once per 32-word chunk of K; an invalid row reads none of them;
+@pytest.mark.parametrize("rows", (1, 4))
+def test_dx_reads_each_expert_once(monkeypatch, rng, rows):
+    """Emulator counters: each run (the rows of one expert in a tile of DX_ROWS rows, after
+    the sort by expert) reads its expert's words, scales and biases exactly once, each of
+    its rows its g row once per 32-word chunk of K; an invalid row reads none of them;
     every dx element is written once."""
     require_backend("emulator")
     from mlx_metaltile import emulator
+    from mlx_metaltile.ops._common import clear_plans
 
+    monkeypatch.setattr(op_module, "DX_ROWS", rows)
+    clear_plans()
     E, N, K, gs, bits, dtype = 4, 96, 320, 32, 4, mx.bfloat16
     ids = [1, 1, 7, 0, 3, 3, 3, 5, 2, 1]
     g, w, scales, biases = dx_inputs(rng, E, len(ids), N, K, "affine", bits, gs, dtype)
     indices = mx.array(ids, dtype=mx.uint32)
     with backends.use_backend("emulator"):
         run_and_check_dx(g, w, scales, biases, indices, gs, bits, "affine", dtype, "emulator")
+    clear_plans()
     stats = emulator.last_launch_stats()
     assert stats.kernel.startswith(f"mt_{op_module.DX_SPEC.name}")
+    in_order = sorted(ids) if rows > 1 else ids  # the rows as the kernel sees them
+    tiles = [in_order[i:i + rows] for i in range(0, len(ids), rows)]
+    runs = sum(len({e for e in tile if e < E}) for tile in tiles)
     valid = sum(0 <= e < E for e in ids)
     chunks = -(-(K * bits // 32) // 32)
-    assert stats.bytes_read["w"] == valid * N * K * bits // 8
+    assert stats.bytes_read["w"] == runs * N * K * bits // 8
     for name in ("scales", "biases"):
-        assert stats.bytes_read[name] == valid * N * (K // gs) * dtype.size, name
+        assert stats.bytes_read[name] == runs * N * (K // gs) * dtype.size, name
     assert stats.bytes_read["g"] == valid * chunks * N * dtype.size
+    # ids: each thread its slot's, and a valid slot's the tile's (the run)
+    per_thread = sum(1 + (len(tile) if e < E else 0) for tile in tiles for e in tile)
     threads = 32 * op_module.DX_SIMDGROUPS
-    assert stats.bytes_read["indices"] == len(ids) * chunks * threads * 4
+    assert stats.bytes_read["indices"] == per_thread * chunks * threads * 4
     assert stats.bytes_written["dx"] == len(ids) * K * 4
-    assert stats.threadgroups == len(ids) * chunks
+    assert stats.threadgroups == len(tiles) * rows * chunks
 
 
 @pytest.mark.parametrize("seed", (1, 2))
@@ -680,20 +691,22 @@ def test_dx_strict_shuffled_bitwise(rng, seed):
 
 
 def test_dx_geometry_constants(monkeypatch, rng):
-    """DX_SIMDGROUPS / DX_UNROLL are read once per plan: other values (after clear_plans)
-    launch that geometry and give the same bits (the sums per SIMD-group change order,
-    so only where each SIMD-group holds one 32-row block)."""
+    """DX_SIMDGROUPS / DX_UNROLL / DX_ROWS are read once per plan: other values (after
+    clear_plans) launch that geometry and give the same bits (each row's sums keep their
+    order: here each SIMD-group holds one 32-row block, and a row's products are added in
+    the same order whichever tile or run it falls in)."""
     require_backend("emulator")
     from mlx_metaltile.ops._common import clear_plans
 
     E, N, K, gs, bits, dtype = 3, 64, 128, 32, 4, mx.bfloat16
-    ids = mx.array([1, 2, 0], dtype=mx.uint32)
-    g, w, scales, biases = dx_inputs(rng, E, 3, N, K, "affine", bits, gs, dtype)
+    ids = mx.array([1, 2, 0, 1, 1, 2, 7], dtype=mx.uint32)
+    g, w, scales, biases = dx_inputs(rng, E, 7, N, K, "affine", bits, gs, dtype)
     results = []
     with backends.use_backend("emulator"):
-        for sg, unroll in ((8, 8), (2, 1), (2, 32)):
+        for sg, unroll, rows in ((8, 8, 4), (2, 1, 1), (2, 32, 2), (4, 4, 32)):
             monkeypatch.setattr(op_module, "DX_SIMDGROUPS", sg)
             monkeypatch.setattr(op_module, "DX_UNROLL", unroll)
+            monkeypatch.setattr(op_module, "DX_ROWS", rows)
             clear_plans()
             results.append(to_f64(run_and_check_dx(g, w, scales, biases, ids, gs, bits,
                                                    "affine", dtype, "emulator")))
@@ -703,14 +716,21 @@ def test_dx_geometry_constants(monkeypatch, rng):
             run_and_check_dx(g, w, scales, biases, ids, gs, bits, "affine", dtype,
                              "emulator")
     clear_plans()
-    assert all(np.array_equal(results[0], r) for r in results[1:])
+    assert all(np.array_equal(results[0], r, equal_nan=True) for r in results[1:])
 
 
 # A deliberately broken dx kernel must fail the harness: (edit, case, what must be raised).
 DX_BREAKAGES = {
     "weights_not_rounded_to_t": (
-        ("acc[i] = metal::fma(gn, float(T(metal::fma(s, q, b))), acc[i]);",
-         "acc[i] = metal::fma(gn, metal::fma(s, q, b), acc[i]);"), "rounding", None),
+        ("wv[i] = float(T(metal::fma(s, float((word >> (BITS * i)) & MASK), b)));",
+         "wv[i] = metal::fma(s, float((word >> (BITS * i)) & MASK), b);"), "rounding", None),
+    # the random case's sorted ids [0, 1, 3, 3, 9]: a tile of 4 holds 3 runs
+    "runs_share_one_expert": (
+        ("const bool same = uint(indices[row0 + r]) == e;", "const bool same = true;"),
+        "random", "out of tolerance"),
+    "run_rows_not_stored": (
+        ("  if (((run >> r) & 1u) == 0u) {\n    continue;",
+         "  if (r != slot) {\n    continue;"), "random", None),
     "last_word_dropped": (
         ("const bool live = word0 + lane < words_per_row;",
          "const bool live = word0 + lane + 1 < words_per_row;"), "random", "out of tolerance"),
@@ -721,7 +741,7 @@ DX_BREAKAGES = {
         ("for (uint s = 1; s < SG; ++s) {", "for (uint s = 1; s + 1 < SG; ++s) {"),
         "random", "out of tolerance"),
     "nan_row_not_stored": (
-        ("dx_chunk[o] = metal::numeric_limits<float>::quiet_NaN();", "continue;"),
+        ("dx_nan[o] = metal::numeric_limits<float>::quiet_NaN();", "continue;"),
         "random", "bytes written to dx"),
     "no_expert_id_guard": (("if (e >= n_experts) {", "if (false) {"), "random",
                            "OutOfBounds"),
@@ -750,5 +770,6 @@ def test_dx_negative_control(broken_kernel, rng, breakage):
             assert isinstance(caught.value, emulator.OutOfBoundsAccess), caught.value
         elif expect is not None:
             assert expect in str(caught.value), caught.value
-        else:
-            assert "out of tolerance" in str(caught.value), caught.value
+        else:  # wrong values or unwritten (NaN-poisoned) elements
+            assert "out of tolerance" in str(caught.value) or "NaN row" in str(
+                caught.value), caught.value
