@@ -79,11 +79,13 @@ VARIANT_SPECS = {"simdgroup": SIMDGROUP_SPEC, "mpp": MPP_SPEC}
 
 # The x-VJP kernel's geometry (read once per plan; clear_plans() after changing them):
 # SIMD-groups per threadgroup splitting N, weight rows whose loads are issued together, and
-# rows per tile (the rows of one expert in a tile share each decoded weight; DX_ROWS > 1
-# sorts the rows by expert first, as the forward does).
+# rows per tile (the rows of one expert in a tile share each decoded weight), and the row
+# count from which DX_ROWS > 1 sorts the rows by expert first (as the forward does; fewer
+# rows, e.g. one token's distinct experts at decode, rarely share one).
 DX_SIMDGROUPS = 8
 DX_UNROLL = 8
 DX_ROWS = 4
+DX_SORT_MIN_ROWS = 64
 
 
 def _dx_bindings():
@@ -310,9 +312,9 @@ def _dx_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, mod
                  dtype: mx.Dtype, backend: str) -> Callable:
     """The x-VJP kernel of M rows on ``backend``, prepared once: returns
     ``launch(g, w, scales, biases, indices, sorted_indices)`` -> dx [M, K] float32 (NaN
-    rows for out-of-range ids); with DX_ROWS > 1 the rows are sorted by expert around the
-    kernel unless ``sorted_indices``."""
-    sg, unroll, rows = DX_SIMDGROUPS, DX_UNROLL, DX_ROWS
+    rows for out-of-range ids); with DX_ROWS > 1 and M >= DX_SORT_MIN_ROWS the rows are
+    sorted by expert around the kernel unless ``sorted_indices``."""
+    sg, unroll, rows, sort_min = DX_SIMDGROUPS, DX_UNROLL, DX_ROWS, DX_SORT_MIN_ROWS
     if not (isinstance(sg, int) and 1 <= sg <= 32 and isinstance(unroll, int)
             and unroll >= 1 and 32 % unroll == 0 and isinstance(rows, int)
             and 1 <= rows <= 32):
@@ -337,7 +339,7 @@ def _dx_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, mod
     def launch(g, w, scales, biases, indices, sorted_indices):
         if biases is None:  # fp modes: the kernel never reads its biases input
             biases = scales
-        if sorted_indices or rows == 1 or M < 2:
+        if sorted_indices or rows == 1 or M < max(2, sort_min):
             (dx,) = prepared(g, w, scales, biases, indices)
             return dx
         order = mx.argsort(indices)  # the rows of one expert adjacent: one run per tile

@@ -545,6 +545,17 @@ QUANTS = [("affine", b, gs) for b in (4, 8) for gs in (32, 64, 128)] + [
 QUANT_IDS = [f"{m}-b{b}-gs{gs}" if m == "affine" else m for m, b, gs in QUANTS]
 
 
+@pytest.fixture
+def dx_sort_from_32(monkeypatch):
+    """DX_SORT_MIN_ROWS = 32 inside the test, plans built with it forgotten after."""
+    from mlx_metaltile.ops._common import clear_plans
+
+    monkeypatch.setattr(op_module, "DX_SORT_MIN_ROWS", 32)
+    clear_plans()
+    yield
+    clear_plans()
+
+
 def dx_inputs(rng, E, M, N, K, mode, bits, gs, dtype):
     """Random weights of ``mode`` (affine scales of both signs, nvfp4 scales of any sign) and
     a cotangent g [M, N] in ``dtype``."""
@@ -574,9 +585,10 @@ def dx_shapes(gs):
 
 @pytest.mark.parametrize("quant", QUANTS, ids=QUANT_IDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_dx_matches_oracle(backend, poisoned_outputs, rng, dtype, quant):
+def test_dx_matches_oracle(dx_sort_from_32, backend, poisoned_outputs, rng, dtype, quant):
     """dx = g @ W[ids] (the weights rounded to x's dtype) against the float64 oracle; on
-    the kernel backends the dx kernel runs once per VJP and writes every element once."""
+    the kernel backends the dx kernel runs once per VJP and writes every element once.
+    M = 33 rows are sorted by expert around the kernel, M = 5 are not."""
     mode, bits, gs = quant
     for what, E, M, N, K, ids, index_dtype in dx_shapes(gs):
         g, w, scales, biases = dx_inputs(rng, E, M, N, K, mode, bits, gs, dtype)
@@ -635,17 +647,19 @@ def test_dx_weights_rounded_to_t(kernel_backend, poisoned_outputs, dtype):
         assert (to_f64(dx)[0] == 0).all()
 
 
-@pytest.mark.parametrize("rows", (1, 4))
-def test_dx_reads_each_expert_once(monkeypatch, rng, rows):
+@pytest.mark.parametrize("rows, sort_min", [(1, 2), (4, 2), (4, 64)],
+                         ids=("one_row", "sorted_tiles", "tiles_as_given"))
+def test_dx_reads_each_expert_once(monkeypatch, rng, rows, sort_min):
     """Emulator counters: each run (the rows of one expert in a tile of DX_ROWS rows, after
-    the sort by expert) reads its expert's words, scales and biases exactly once, each of
-    its rows its g row once per 32-word chunk of K; an invalid row reads none of them;
+    the sort by expert from DX_SORT_MIN_ROWS rows) reads its expert's words, scales and
+    biases exactly once, each of its rows its g row once per 32-word chunk of K; an invalid row reads none of them;
     every dx element is written once."""
     require_backend("emulator")
     from mlx_metaltile import emulator
     from mlx_metaltile.ops._common import clear_plans
 
     monkeypatch.setattr(op_module, "DX_ROWS", rows)
+    monkeypatch.setattr(op_module, "DX_SORT_MIN_ROWS", sort_min)
     clear_plans()
     E, N, K, gs, bits, dtype = 4, 96, 320, 32, 4, mx.bfloat16
     ids = [1, 1, 7, 0, 3, 3, 3, 5, 2, 1]
@@ -656,7 +670,7 @@ def test_dx_reads_each_expert_once(monkeypatch, rng, rows):
     clear_plans()
     stats = emulator.last_launch_stats()
     assert stats.kernel.startswith(f"mt_{op_module.DX_SPEC.name}")
-    in_order = sorted(ids) if rows > 1 else ids  # the rows as the kernel sees them
+    in_order = sorted(ids) if rows > 1 and len(ids) >= sort_min else ids  # as launched
     tiles = [in_order[i:i + rows] for i in range(0, len(ids), rows)]
     runs = sum(len({e for e in tile if e < E}) for tile in tiles)
     valid = sum(0 <= e < E for e in ids)
@@ -703,10 +717,12 @@ def test_dx_geometry_constants(monkeypatch, rng):
     g, w, scales, biases = dx_inputs(rng, E, 7, N, K, "affine", bits, gs, dtype)
     results = []
     with backends.use_backend("emulator"):
-        for sg, unroll, rows in ((8, 8, 4), (2, 1, 1), (2, 32, 2), (4, 4, 32)):
+        for sg, unroll, rows, sort_min in ((8, 8, 4, 64), (2, 1, 1, 2), (2, 32, 2, 2),
+                                           (4, 4, 32, 2), (2, 8, 4, 64)):
             monkeypatch.setattr(op_module, "DX_SIMDGROUPS", sg)
             monkeypatch.setattr(op_module, "DX_UNROLL", unroll)
             monkeypatch.setattr(op_module, "DX_ROWS", rows)
+            monkeypatch.setattr(op_module, "DX_SORT_MIN_ROWS", sort_min)
             clear_plans()
             results.append(to_f64(run_and_check_dx(g, w, scales, biases, ids, gs, bits,
                                                    "affine", dtype, "emulator")))
@@ -724,7 +740,7 @@ DX_BREAKAGES = {
     "weights_not_rounded_to_t": (
         ("wv[i] = float(T(metal::fma(s, float((word >> (BITS * i)) & MASK), b)));",
          "wv[i] = metal::fma(s, float((word >> (BITS * i)) & MASK), b);"), "rounding", None),
-    # the random case's sorted ids [0, 1, 3, 3, 9]: a tile of 4 holds 3 runs
+    # the random case's ids [0, 3, 1, 3, 9]: the first tile of 4 holds 3 runs
     "runs_share_one_expert": (
         ("const bool same = uint(indices[row0 + r]) == e;", "const bool same = true;"),
         "random", "out of tolerance"),
@@ -761,7 +777,7 @@ def test_dx_negative_control(broken_kernel, rng, breakage):
             g, w, scales, biases, ids, gs, bits = dx_rounding_case(dtype)
         else:
             E, N, K, gs, bits = 4, 32 * 9, 320, 32, 4
-            ids = mx.array([0, 3, 9, 1, 3], dtype=mx.uint32)
+            ids = mx.array([0, 3, 1, 3, 9], dtype=mx.uint32)
             g, w, scales, biases = dx_inputs(rng, E, 5, N, K, "affine", bits, gs, dtype)
         errors = (AssertionError, emulator.KernelHazard)
         with backends.use_backend("emulator"), pytest.raises(errors) as caught:
