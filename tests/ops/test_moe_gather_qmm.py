@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 
@@ -789,3 +790,21 @@ def test_dx_negative_control(broken_kernel, rng, breakage):
         else:  # wrong values or unwritten (NaN-poisoned) elements
             assert "out of tolerance" in str(caught.value) or "NaN row" in str(
                 caught.value), caught.value
+
+
+def test_dx_instantiations_cover_the_launches(launch_recorder, rng):
+    """Every dx launch (each dtype, quantization and index dtype) is an instantiation
+    DX_SPEC declares (what the CUDA compile check builds); recorded, nothing runs."""
+    for dtype in DTYPES:
+        for mode, bits, gs in QUANTS:
+            g, w, scales, biases = dx_inputs(rng, 3, 9, 32, 128, mode, bits, gs, dtype)
+            x = mx.zeros((9, 128), dtype=dtype)
+            for index_dtype in (mx.uint32, mx.int32):
+                ids = mx.array([0, 2, 1, 1, 0, 2, 2, 1, 0], dtype=index_dtype)
+                forward = functools.partial(mt.moe_gather_qmm, w=w, scales=scales,
+                                            biases=biases, indices=ids, group_size=gs,
+                                            bits=bits, mode=mode)
+                mx.vjp(forward, [x], [g])
+    names = [name for name, *_ in launch_recorder.seen]
+    assert names.count(op_module.DX_SPEC.name) == 3 * len(QUANTS) * 2
+    launch_recorder.assert_declared()
