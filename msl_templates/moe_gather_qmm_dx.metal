@@ -11,6 +11,7 @@
 //              as +-480 like MLX's Metal decoder); the fp modes have no bias
 //   dx[m, k] = sum_n float(g[m, n]) * float(W[n, k])      if e < E, else NaN
 //   T = float: the rounding is the identity (the float32 weight itself).
+//   ROUND = false (expert_qmv's x-VJP): W[n, k] is the float32 value, not rounded to T.
 //   SUMMATION ORDER (fixed for given shapes and template: bitwise reproducible run to run):
 //   SIMD-group s of a threadgroup takes the 32-row blocks b = s, s + SG, s + 2 SG, ... of N
 //   (rows n = 32 b .. 32 b + 31), in increasing order, each row in increasing n; each lane
@@ -31,7 +32,7 @@
 //   inputs (changing them never builds a new kernel). Template: T, BITS (4, 8), GROUP_SIZE
 //   (32, 64, 128; nvfp4 16), MODE (0 affine, 1 mxfp4, 2 nvfp4, 3 mxfp8), SIMDGROUPS (SG) and
 //   UNROLL, ROWS (the launch plan's geometry: ops/moe_gather_qmm.py's DX_SIMDGROUPS,
-//   DX_UNROLL, DX_ROWS).
+//   DX_UNROLL, DX_ROWS), ROUND (the weights rounded to T: true for moe_gather_qmm).
 //   ADDRESS SPACES: indices of M < 8 rows arrive in the `constant` address space (a second
 //   instantiation, as the forward's); the body reads every input through `auto` pointers
 //   or direct indexing, so both forms compile. g, w, scales hold >= 32 elements.
@@ -77,8 +78,9 @@
 //                 rows of one chunk, so the tiles of one expert find its chunk in cache);
 //                 slots past M exit; every (m, k) is written by exactly one thread of
 //                 exactly one threadgroup (its run's leader, or its own slot for a NaN row)
-//   N % 32 == 0 (whole 32-row blocks: every g / row load is in range), K % 32 == 0 and
-//   K % GROUP_SIZE == 0 (a group never straddles a row end), UNROLL divides 32.
+//   N any: rows past N are neither loaded nor multiplied (moe_gather_qmm's N is a multiple
+//   of 32; expert_qmv's any). K % GROUP_SIZE == 0 and K % PACK == 0 (a group never
+//   straddles a row end; a chunk past the row end masks its words), UNROLL divides 32.
 //   The early returns (a slot past M, an out-of-range id, a slot that leads no run) are
 //   uniform over the threadgroup and come before any barrier; the per-row barriers are
 //   behind the run mask, uniform too; shuffles are executed by all 32 lanes (lanes whose
@@ -103,6 +105,13 @@
 //   compiles in CI.
 #include "common.h"
 #include "expert_qdot.h"
+
+// A weight as the products use it: rounded once to T (ROUND: moe_gather_qmm's weights), or
+// the float32 value itself (expert_qmv's).
+template <typename T, bool ROUND>
+inline float mt_dx_weight(float v) {
+  return ROUND ? float(T(v)) : v;
+}
 
 // ---- kernel body ----
 constexpr uint SG = SIMDGROUPS;
@@ -180,19 +189,24 @@ for (uint r = 0; r < ROWS; ++r) {
 for (uint n0 = sg * 32; n0 < N; n0 += SG * 32) {  // this SIMD-group's 32-row blocks
   float g_block[ROWS];  // g[row0 + r, n0 + lane] of the run's rows
   for (uint r = 0; r < ROWS; ++r) {
-    g_block[r] = ((run >> r) & 1u) != 0u ? float(g_lane[size_t(r) * N + n0]) : 0.0f;
+    const bool in_run = ((run >> r) & 1u) != 0u;
+    g_block[r] = in_run && n0 + lane < N ? float(g_lane[size_t(r) * N + n0]) : 0.0f;
   }
   for (uint r0 = 0; r0 < 32; r0 += UNROLL) {
+    if (n0 + r0 >= N) {
+      break;  // uniform over the SIMD-group: the block's rows past N (a ragged N)
+    }
     // 1. Every load of UNROLL rows, none waiting for another.
     uint words[UNROLL];
     uint group[UNROLL];        // the lane's group of each row: mt_group_bits (raw bits)
     float bias_apart[UNROLL];  // BIAS_APART only
     for (uint u = 0; u < UNROLL; ++u) {
       const size_t n = n0 + r0 + u;
-      words[u] = live ? w_lane[n * words_per_row] : 0u;
+      const bool row_in = n < N;
+      words[u] = live && row_in ? w_lane[n * words_per_row] : 0u;
       group[u] = 0u;
       bias_apart[u] = 0.0f;
-      if (loads_group) {
+      if (loads_group && row_in) {
         const size_t at = n * groups_per_row;
         if constexpr (MODE == 0) {
           const T b = b_lane[at];
@@ -209,6 +223,9 @@ for (uint n0 = sg * 32; n0 < N; n0 += SG * 32) {  // this SIMD-group's 32-row bl
     //    lane shuffles), the PACK weights rounded to T, then each run row's g value
     //    (shuffled from the lane that loaded it) times them.
     for (uint u = 0; u < UNROLL; ++u) {
+      if (n0 + r0 + u >= N) {
+        break;  // uniform over the SIMD-group
+      }
       const uint gb = simd_shuffle(group[u], src);
       float s;
       float b = 0.0f;
@@ -226,17 +243,18 @@ for (uint n0 = sg * 32; n0 < N; n0 += SG * 32) {  // this SIMD-group's 32-row bl
       const uint word = words[u];
       if constexpr (MODE == 0) {
         for (uint i = 0; i < PACK; ++i) {
-          wv[i] = float(T(metal::fma(s, float((word >> (BITS * i)) & MASK), b)));
+          const float q = float((word >> (BITS * i)) & MASK);
+          wv[i] = mt_dx_weight<T, ROUND>(metal::fma(s, q, b));
         }
       } else if constexpr (MODE == 3) {
         for (uint i = 0; i < 4; ++i) {
-          wv[i] = float(T(s * mt_fp4_scale<2>(word >> (8 * i))));
+          wv[i] = mt_dx_weight<T, ROUND>(s * mt_fp4_scale<2>(word >> (8 * i)));
         }
       } else {
         for (uint i = 0; i < 4; ++i) {  // codes i and i + 4 of the word at once
           const float2 v = float2(mt_e2m1x2(word >> (4 * i)));
-          wv[i] = float(T(s * v.x));
-          wv[i + 4] = float(T(s * v.y));
+          wv[i] = mt_dx_weight<T, ROUND>(s * v.x);
+          wv[i + 4] = mt_dx_weight<T, ROUND>(s * v.y);
         }
       }
       for (uint r = 0; r < ROWS; ++r) {

@@ -88,19 +88,24 @@ DX_ROWS = 4
 DX_SORT_MIN_ROWS = 64
 
 
-def _dx_bindings():
+def dx_bindings(rounded: bool):
     """The forward's instantiations, each at the current DX_SIMDGROUPS / DX_UNROLL /
-    DX_ROWS."""
-    for binding in quantized_bindings(MODES)():
-        yield dict(binding, SIMDGROUPS=DX_SIMDGROUPS, UNROLL=DX_UNROLL, ROWS=DX_ROWS)
+    DX_ROWS; ``rounded``: the weights rounded to T (ROUND)."""
+    def bindings():
+        for binding in quantized_bindings(MODES)():
+            yield dict(binding, SIMDGROUPS=DX_SIMDGROUPS, UNROLL=DX_UNROLL, ROWS=DX_ROWS,
+                       ROUND=rounded)
+    return bindings
+
+
+DX_PARAMS = (*QUANTIZED_PARAMS, "SIMDGROUPS", "UNROLL", "ROWS", "ROUND")
 
 
 (DX_SPEC,) = register(KernelSpec(
     op=OP, variant="dx", template="moe_gather_qmm_dx.metal",
     inputs=(Arg("g", "T", 2), *QUANTIZED_INPUTS[1:],
             *scalars("n_rows", "n_experts", "n_cols", "k_dim")),
-    outputs=(Arg("dx", "float32", 2),), params=(*QUANTIZED_PARAMS, "SIMDGROUPS", "UNROLL", "ROWS"),
-    bindings=_dx_bindings,
+    outputs=(Arg("dx", "float32", 2),), params=DX_PARAMS, bindings=dx_bindings(True),
     geometry="threadgroup (32*SG,1,1) = SG simdgroups splitting N; grid (32*SG*R*ceil(M/R), "
              "ceil(K*BITS/32/32), 1): (row slot of an R-row tile, 32-word chunk of K); one "
              "run of equal ids per threadgroup, other slots exit; SG = DX_SIMDGROUPS, "
@@ -308,9 +313,11 @@ def _launcher(spec: KernelSpec, M: int, N: int, K: int, E: int, group_size: int,
     return launch
 
 
-def _dx_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, mode: str,
-                 dtype: mx.Dtype, backend: str) -> Callable:
-    """The x-VJP kernel of M rows on ``backend``, prepared once: returns
+def dx_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, mode: str,
+                dtype: mx.Dtype, backend: str, spec: KernelSpec = DX_SPEC,
+                rounded: bool = True) -> Callable:
+    """The x-VJP kernel (``spec``, this template; ``rounded``: the weights rounded to T) of
+    M rows on ``backend``, prepared once: returns
     ``launch(g, w, scales, biases, indices, sorted_indices)`` -> dx [M, K] float32 (NaN
     rows for out-of-range ids); with DX_ROWS > 1 and M >= DX_SORT_MIN_ROWS the rows are
     sorted by expert around the kernel unless ``sorted_indices``."""
@@ -324,13 +331,13 @@ def _dx_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, mod
     pack = 32 // bits
     chunks = -(-(K // pack) // 32)  # 32-word chunks of a weight row
     prepared = backends.prepare(
-        DX_SPEC, backend,
+        spec, backend,
         inputs={"g": None, "w": None, "scales": None, "biases": None, "indices": None,
                 "n_rows": scalar(M, mx.uint32), "n_experts": scalar(E, mx.uint32),
                 "n_cols": scalar(N, mx.uint32), "k_dim": scalar(K, mx.uint32)},
         template={"T": dtype, "BITS": bits, "GROUP_SIZE": group_size,
                   "MODE": MODE_IDS[mode], "SIMDGROUPS": sg, "UNROLL": unroll,
-                  "ROWS": rows},
+                  "ROWS": rows, "ROUND": rounded},
         outputs={"dx": ((M, K), mx.float32)},
         grid=(32 * sg * rows * -(-M // rows), chunks, 1), threadgroup=(32 * sg, 1, 1),
         threadgroup_memory=sg * 32 * (pack + 1) * 4,
@@ -441,7 +448,7 @@ def _plan(x, w, scales, biases, indices, group_size, bits, mode, sorted_indices,
     launch = dx_launch = None
     if spec is not None and M > 0:
         launch = _launcher(spec, M, N, K, E, group_size, bits, mode, dtype, backend)
-        dx_launch = _dx_launcher(M, N, K, E, group_size, bits, mode, dtype, backend)
+        dx_launch = dx_launcher(M, N, K, E, group_size, bits, mode, dtype, backend)
 
     def forward(x, w, scales, biases, indices):
         if launch is None:

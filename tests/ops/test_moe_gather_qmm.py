@@ -739,8 +739,7 @@ def test_dx_geometry_constants(monkeypatch, rng):
 # A deliberately broken dx kernel must fail the harness: (edit, case, what must be raised).
 DX_BREAKAGES = {
     "weights_not_rounded_to_t": (
-        ("wv[i] = float(T(metal::fma(s, float((word >> (BITS * i)) & MASK), b)));",
-         "wv[i] = metal::fma(s, float((word >> (BITS * i)) & MASK), b);"), "rounding", None),
+        ("return ROUND ? float(T(v)) : v;", "return v;"), "rounding", None),
     # the random case's ids [0, 3, 1, 3, 9]: the first tile of 4 holds 3 runs
     "runs_share_one_expert": (
         ("const bool same = uint(indices[row0 + r]) == e;", "const bool same = true;"),
