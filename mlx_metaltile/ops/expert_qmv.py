@@ -367,7 +367,9 @@ def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
     Returns: ``[..., k, N]`` in x's dtype, accumulated in float32. An id outside ``[0, E)``
     gives a NaN output row (no out-of-bounds read; nothing is synced to check it).
 
-    Differentiable with respect to x (the transposed product through MLX's
+    Differentiable with respect to x (the transposed product with the float32 weights: on a
+    kernel backend one launch of the ``expert_qmv_dx`` kernel, moe_gather_qmm's dx template
+    without the rounding to x's dtype; on the reference backend MLX's
     ``gather_qmm(transpose=False)``; a pair with an out-of-range id gives its x a NaN
     gradient, as its NaN output row); asking for the gradient of w, scales or biases raises.
 

@@ -6,6 +6,7 @@ through every op equal on the reference and kernel backends."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import mlx.core as mx
@@ -550,3 +551,23 @@ def test_compiled_function_keeps_the_backend_of_its_trace(rng):
         assert np.array_equal(np.array(got), np.array(want))
         with pytest.raises(ValueError, match="runs kernels eagerly"):
             mx.eval(mx.compile(lambda y: mt.gated_rms_norm(y, z, w))(y))
+
+
+def test_dx_instantiations_cover_the_expert_qmv_launches(launch_recorder, rng):
+    """Every expert_qmv dx launch (each dtype, mode, index dtype, x layout) is an
+    instantiation its spec declares (what the CUDA compile check builds); nothing runs."""
+    from mlx_metaltile.ops.expert_qmv import DX_SPEC
+
+    for dtype in DTYPES:
+        for mode in ("affine", "mxfp4", "nvfp4", "mxfp8"):
+            w, scales, biases, _ = _quantize(rng, (3, 32, 64), dtype, mode)
+            g = mx.zeros((2, 3, 32), dtype=dtype)
+            for index_dtype in (mx.uint32, mx.int32):
+                ids = mx.array([[0, 2, 1], [1, 0, 2]], dtype=index_dtype)
+                for x in (mx.zeros((2, 64), dtype), mx.zeros((2, 3, 64), dtype)):
+                    forward = functools.partial(mt.expert_qmv, w=w, scales=scales,
+                                                biases=biases, indices=ids, mode=mode)
+                    mx.vjp(forward, [x], [g])
+    names = [name for name, *_ in launch_recorder.seen]
+    assert names.count(DX_SPEC.name) == 3 * 4 * 2 * 2
+    launch_recorder.assert_declared()
