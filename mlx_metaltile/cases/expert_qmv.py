@@ -108,7 +108,32 @@ def _variant_call(backend, rng):
     run_and_check(make_x(rng, (2, 128), mx.bfloat16), w, s, b, ids, 64, 4, backend)
 
 
-VARIANT_CALLS = {"simd_rows": _variant_call}
+def run_and_check_dx(x, w, s, b, ids, g, group_size, bits, backend, mode="affine"):
+    """The x-VJP with cotangent g against grad_oracle; on a kernel backend the dx kernel
+    runs once (never the composite)."""
+    from mlx_metaltile import backends
+    from mlx_metaltile.ops.expert_qmv import DX_SPEC
+
+    before = backends.launch_count(DX_SPEC.name, backend)
+    _, (dx,) = mx.vjp(lambda x: mt.expert_qmv(x, w, s, b, ids, group_size=group_size,
+                                              bits=bits, mode=mode), [x], [g])
+    mx.eval(dx)
+    if backend != "reference":
+        assert backends.launch_count(DX_SPEC.name, backend) == before + 1, DX_SPEC.name
+    ((want, mag),) = grad_oracle(x, w, s, b, ids, g, group_size, bits, mode)
+    valid = ~np.isnan(want).any(axis=-1)
+    check_rows(dx, want, mag, valid, x.dtype, f"expert_qmv dx[{backend}]")
+    return dx
+
+
+def _dx_call(backend, rng):
+    w, s, b = make_packed(rng, 6, 13, 128, mx.bfloat16, 64, 4)
+    ids = mx.array([[0, 5], [2, 2]], dtype=mx.uint32)
+    g = make_x(rng, (2, 2, 13), mx.bfloat16)
+    run_and_check_dx(make_x(rng, (2, 128), mx.bfloat16), w, s, b, ids, g, 64, 4, backend)
+
+
+VARIANT_CALLS = {"simd_rows": _variant_call, "dx": _dx_call}
 
 
 # ---- benchmarks (one decode token) ------------------------------------------------------

@@ -12,9 +12,10 @@ import numpy as np
 import mlx_metaltile as mt
 
 from .. import backends
-from ..ops.moe_gather_qmm import VARIANT_SPECS
+from ..ops.moe_gather_qmm import DX_SPEC, VARIANT_SPECS
 from . import _mxfp4
 from ._base import BenchCase, check_rows, grad_case, to_f64
+from .expert_glu import dequantize
 
 OP = "moe_gather_qmm"
 
@@ -90,6 +91,27 @@ def grad_oracle(x, w, scales, biases, indices, g, group_size, bits):
     return [(dx, mag)]
 
 
+def dx_oracle(g, w, scales, biases, indices, group_size, bits, mode, dtype):
+    """(dx, magnitude) in float64 of the x-VJP, every mode: dx[m] = g[m] @ W[e_m] with
+    W = dtype(scale * q + bias) (fp modes: dtype(scale * fp(q))) decoded from the format's
+    definition, then rounded once to ``dtype``; NaN rows for e_m outside [0, E)."""
+    gf = to_f64(g)
+    ids = np.array(indices).astype(np.int64)
+    E = w.shape[0]
+    K = w.shape[2] * 32 // bits
+    dx = np.full((gf.shape[0], K), np.nan)
+    mag = np.zeros_like(dx)
+    for e in np.unique(ids):
+        if 0 <= e < E:
+            wt = round_to(dequantize(np.array(w[int(e)]), scales[int(e)],
+                                     None if biases is None else biases[int(e)], mode,
+                                     group_size, bits), dtype)
+            rows = ids == e
+            dx[rows] = gf[rows] @ wt
+            mag[rows] = np.abs(gf[rows]) @ np.abs(wt)
+    return dx, mag
+
+
 # ---- inputs ----------------------------------------------------------------------------
 
 def make_weights(rng, E, N, K, group_size, bits, dtype):
@@ -107,6 +129,62 @@ def make_case(rng, E, M, N, K, group_size, bits, dtype, ids=None, index_dtype=mx
     x = mx.array(rng.standard_normal((M, K)).astype(np.float32)).astype(dtype)
     w, scales, biases = make_weights(rng, E, N, K, group_size, bits, dtype)
     return x, w, scales, biases, mx.array(np.asarray(ids), dtype=index_dtype)
+
+
+def make_fp_weights(rng, E, N, K, mode):
+    """Random codes and uint8 scales of an fp mode, in mx.quantize's layout (biases None).
+    E8M0 scales near 1 (elements up to 6, mxfp8's up to 448); nvfp4's E4M3 scales are any
+    byte of either sign. E4M3 bytes 0x7F / 0xFF (NaN to MLX's CPU, +-480 to the kernels;
+    mx.quantize never writes them) are not drawn."""
+    bits = 8 if mode == "mxfp8" else 4
+    group_size = 16 if mode == "nvfp4" else 32
+    words = rng.integers(0, 2**32, size=(E, N, K * bits // 32), dtype=np.uint32)
+    if mode == "mxfp8":
+        codes = words.view(np.uint8)
+        codes[(codes & 0x7F) == 0x7F] -= 1
+    w = mx.array(words)
+    shape = (E, N, K // group_size)
+    if mode == "nvfp4":
+        scales = rng.integers(0, 256, size=shape)
+        scales[(scales & 0x7F) == 0x7F] -= 1
+    else:
+        scales = rng.integers(116, 127, size=shape) if mode == "mxfp8" else \
+            rng.integers(120, 131, size=shape)
+    return w, mx.array(scales.astype(np.uint8)), None
+
+
+def run_and_check_dx(g, w, scales, biases, indices, group_size, bits, mode, dtype, backend,
+                     what=""):
+    """The x-VJP of moe_gather_qmm (rows form, cotangent g [M, N]) against dx_oracle; on a
+    kernel backend exactly one launch, of the dx kernel (never the composite). Returns dx."""
+    M, K = g.shape[0], w.shape[2] * 32 // bits
+    x = mx.zeros((M, K), dtype=dtype)  # dx does not depend on x
+    before_all = backends.launch_count()
+    before = backends.launch_count(DX_SPEC.name, backend)
+
+    def forward(x):
+        return mt.moe_gather_qmm(x, w, scales, biases, indices, group_size=group_size,
+                                 bits=bits, mode=mode)
+
+    _, (dx,) = mx.vjp(forward, [x], [g])
+    mx.eval(dx)
+    if backend != "reference":  # the forward's kernel, then the dx kernel: nothing else
+        assert backends.launch_count(DX_SPEC.name, backend) == before + 1, DX_SPEC.name
+        assert backends.launch_count() == before_all + 2
+    else:  # the composite of native ops dispatches no kernel of ours
+        assert backends.launch_count() == before_all
+    want, mag = dx_oracle(g, w, scales, biases, indices, group_size, bits, mode, dtype)
+    check_rows(dx, want, mag, ~np.isnan(want[:, 0]), dtype,
+               f"moe_gather_qmm dx[{backend}/{mode}]{what}")
+    if backend == "emulator":
+        from mlx_metaltile import emulator
+
+        stats = emulator.last_launch_stats()
+        assert stats.kernel.startswith(f"mt_{DX_SPEC.name}"), stats.kernel
+        assert stats.bytes_written["dx"] == M * K * 4, (
+            f"{what}: {stats.bytes_written['dx']} bytes written to dx, expected each of the "
+            f"{M * K} float32 elements once")
+    return dx
 
 
 def run_and_check(case, group_size, bits, dtype, backend, variant=None, what=""):
@@ -147,7 +225,14 @@ def _variant_call(variant, backend, rng):
     run_and_check(case, 64, 4, mx.bfloat16, backend, variant)
 
 
+def _dx_call(backend, rng):
+    x, w, scales, biases, indices = make_case(rng, 4, 13, 64, 128, 64, 4, mx.bfloat16)
+    g = mx.array(rng.standard_normal((13, 64)).astype(np.float32)).astype(mx.bfloat16)
+    run_and_check_dx(g, w, scales, biases, indices, 64, 4, "affine", mx.bfloat16, backend)
+
+
 VARIANT_CALLS = {v: functools.partial(_variant_call, v) for v in VARIANT_SPECS}
+VARIANT_CALLS[DX_SPEC.variant] = _dx_call  # the x-VJP kernel
 
 
 # ---- benchmarks -------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from ._grad import (
     sum_to_shape,
     x_vjp_function,
 )
+from .moe_gather_qmm import DX_PARAMS, dx_bindings, dx_launcher
 
 OP = "expert_qmv"
 __all__ = ["expert_qmv", "expert_qmv_reference"]
@@ -56,6 +57,19 @@ ROWS_PER_THREADGROUP = SIMDGROUPS * ROWS
                  "grid (64 * S, ceil(N / 8), tokens * k): one threadgroup per (pair, 8-row tile)",
         notes="affine bits 4/8, group_size 32/64/128; mxfp4, nvfp4, mxfp8; ids >= E (or "
               "< 0) give a NaN row",
+    ),
+)
+# The x-VJP: moe_gather_qmm's dx kernel over the (token, expert) pairs, with the float32
+# weights scale * q + bias (this op's weights are not rounded to x's dtype: ROUND false).
+(DX_SPEC,) = register(
+    KernelSpec(
+        op=OP, variant="dx", template="moe_gather_qmm_dx.metal",
+        inputs=(Arg("g", "T", 2), *QUANTIZED_INPUTS[1:],
+                *scalars("n_rows", "n_experts", "n_cols", "k_dim")),
+        outputs=(Arg("dx", "float32", 2),), params=DX_PARAMS, bindings=dx_bindings(False),
+        geometry="as moe_gather_qmm_dx (rows = the tokens * k pairs; N any)",
+        notes="x-VJP per pair dx = g @ W[id] (float32 weights), summed over the k experts "
+              "and the broadcast axes after it",
     ),
 )
 # Leading dimensions of the broadcast token grid the kernel walks (after merging): the
@@ -353,7 +367,9 @@ def expert_qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | No
     Returns: ``[..., k, N]`` in x's dtype, accumulated in float32. An id outside ``[0, E)``
     gives a NaN output row (no out-of-bounds read; nothing is synced to check it).
 
-    Differentiable with respect to x (the transposed product through MLX's
+    Differentiable with respect to x (the transposed product with the float32 weights: on a
+    kernel backend one launch of the ``expert_qmv_dx`` kernel, moe_gather_qmm's dx template
+    without the rounding to x's dtype; on the reference backend MLX's
     ``gather_qmm(transpose=False)``; a pair with an out-of-range id gives its x a NaN
     gradient, as its NaN output row); asking for the gradient of w, scales or biases raises.
 
@@ -388,12 +404,25 @@ def _plan(x, w, scales, biases, indices, group_size, bits, mode, backend: str,
         return empty_call(OP, stream, out_shape, dtype)
     reference = backend == "reference"
     launch = None if reference else _launcher(info, backend, dtype)
+    lead, k, n_out, n_in = info["lead"], info["k"], info["n_out"], info["in_features"]
+    dx_launch = None if reference else dx_launcher(
+        info["tokens"] * k, n_out, n_in, info["n_experts"], info["group_size"],
+        info["bits"], info["mode"], dtype, backend, DX_SPEC, rounded=False)
 
     def composite(x, w, scales, biases, indices):
         return _reference(x, w, scales, biases, indices, info)
 
     def x_vjp(g, w, scales, biases, indices):  # at backward time: the stream again
-        return _x_vjp(g, w, scales, biases, indices, x_shape, dtype, info)
+        if dx_launch is None:
+            return _x_vjp(g, w, scales, biases, indices, x_shape, dtype, info)
+        # kernel backends: each pair's dx (float32, NaN for an out-of-range id), then summed
+        # as _x_vjp sums them
+        ids = mx.broadcast_to(indices, (*lead, k)).reshape(-1)
+        d = dx_launch(g.reshape(-1, n_out), w, scales, biases, ids, False)
+        d = d.reshape(*lead, k, n_in)
+        if not info["x_k_axis"]:  # one activation shared by the token's k experts
+            d = mx.sum(d, axis=-2)
+        return sum_to_shape(d, x_shape).astype(dtype)
 
     # The forward and the VJP run on the call's stream (MLX may trace them again later).
     # mx.vmap: the reference composite (mx.gather_qmm) is refused by the constants'

@@ -77,6 +77,43 @@ SIMDGROUP_SPEC, MPP_SPEC = register(
 )
 VARIANT_SPECS = {"simdgroup": SIMDGROUP_SPEC, "mpp": MPP_SPEC}
 
+# The x-VJP kernel's geometry (read once per plan; clear_plans() after changing them):
+# SIMD-groups per threadgroup splitting N, weight rows whose loads are issued together, and
+# rows per tile (the rows of one expert in a tile share each decoded weight), and the row
+# count from which DX_ROWS > 1 sorts the rows by expert first (as the forward does; fewer
+# rows, e.g. one token's distinct experts at decode, rarely share one).
+DX_SIMDGROUPS = 8
+DX_UNROLL = 8
+DX_ROWS = 4
+DX_SORT_MIN_ROWS = 64
+
+
+def dx_bindings(rounded: bool):
+    """The forward's instantiations, each at the current DX_SIMDGROUPS / DX_UNROLL /
+    DX_ROWS; ``rounded``: the weights rounded to T (ROUND)."""
+    def bindings():
+        for binding in quantized_bindings(MODES)():
+            yield dict(binding, SIMDGROUPS=DX_SIMDGROUPS, UNROLL=DX_UNROLL, ROWS=DX_ROWS,
+                       ROUND=rounded)
+    return bindings
+
+
+DX_PARAMS = (*QUANTIZED_PARAMS, "SIMDGROUPS", "UNROLL", "ROWS", "ROUND")
+
+
+(DX_SPEC,) = register(KernelSpec(
+    op=OP, variant="dx", template="moe_gather_qmm_dx.metal",
+    inputs=(Arg("g", "T", 2), *QUANTIZED_INPUTS[1:],
+            *scalars("n_rows", "n_experts", "n_cols", "k_dim")),
+    outputs=(Arg("dx", "float32", 2),), params=DX_PARAMS, bindings=dx_bindings(True),
+    geometry="threadgroup (32*SG,1,1) = SG simdgroups splitting N; grid (32*SG*R*ceil(M/R), "
+             "ceil(K*BITS/32/32), 1): (row slot of an R-row tile, 32-word chunk of K); one "
+             "run of equal ids per threadgroup, other slots exit; SG = DX_SIMDGROUPS, "
+             "R = DX_ROWS",
+    notes="x-VJP dx = g @ W[ids] (weights rounded to T as the forward's), float32 out; "
+          "affine, mxfp4, nvfp4, mxfp8",
+))
+
 
 def _lead(x, indices) -> tuple[int, ...] | None:
     """The batch shape of mx.gather_qmm's form (x [..., M, K] with x.ndim >= 3: x.shape[:-2]
@@ -276,6 +313,49 @@ def _launcher(spec: KernelSpec, M: int, N: int, K: int, E: int, group_size: int,
     return launch
 
 
+def dx_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, mode: str,
+                dtype: mx.Dtype, backend: str, spec: KernelSpec = DX_SPEC,
+                rounded: bool = True) -> Callable:
+    """The x-VJP kernel (``spec``, this template; ``rounded``: the weights rounded to T) of
+    M rows on ``backend``, prepared once: returns
+    ``launch(g, w, scales, biases, indices, sorted_indices)`` -> dx [M, K] float32 (NaN
+    rows for out-of-range ids); with DX_ROWS > 1 and M >= DX_SORT_MIN_ROWS the rows are
+    sorted by expert around the kernel unless ``sorted_indices``."""
+    sg, unroll, rows, sort_min = DX_SIMDGROUPS, DX_UNROLL, DX_ROWS, DX_SORT_MIN_ROWS
+    if not (isinstance(sg, int) and 1 <= sg <= 32 and isinstance(unroll, int)
+            and unroll >= 1 and 32 % unroll == 0 and isinstance(rows, int)
+            and 1 <= rows <= 32):
+        raise ValueError(f"[{OP}] DX_SIMDGROUPS must be an int in [1, 32], DX_UNROLL an "
+                         f"int dividing 32 and DX_ROWS an int in [1, 32], got {sg!r}, "
+                         f"{unroll!r} and {rows!r}")
+    pack = 32 // bits
+    chunks = -(-(K // pack) // 32)  # 32-word chunks of a weight row
+    prepared = backends.prepare(
+        spec, backend,
+        inputs={"g": None, "w": None, "scales": None, "biases": None, "indices": None,
+                "n_rows": scalar(M, mx.uint32), "n_experts": scalar(E, mx.uint32),
+                "n_cols": scalar(N, mx.uint32), "k_dim": scalar(K, mx.uint32)},
+        template={"T": dtype, "BITS": bits, "GROUP_SIZE": group_size,
+                  "MODE": MODE_IDS[mode], "SIMDGROUPS": sg, "UNROLL": unroll,
+                  "ROWS": rows, "ROUND": rounded},
+        outputs={"dx": ((M, K), mx.float32)},
+        grid=(32 * sg * rows * -(-M // rows), chunks, 1), threadgroup=(32 * sg, 1, 1),
+        threadgroup_memory=sg * 32 * (pack + 1) * 4,
+    )
+
+    def launch(g, w, scales, biases, indices, sorted_indices):
+        if biases is None:  # fp modes: the kernel never reads its biases input
+            biases = scales
+        if sorted_indices or rows == 1 or M < max(2, sort_min):
+            (dx,) = prepared(g, w, scales, biases, indices)
+            return dx
+        order = mx.argsort(indices)  # the rows of one expert adjacent: one run per tile
+        (dx,) = prepared(g[order], w, scales, biases, indices[order])
+        return dx[mx.argsort(order)]
+
+    return launch
+
+
 def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None,
                    indices: mx.array, *, group_size: int | None = None,
                    bits: int | None = None, mode: str = "affine",
@@ -330,7 +410,8 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
 
     Differentiable with respect to x (``g @ W[indices]`` with the same rounded weights; a
     row with an out-of-range id gets a NaN gradient, as its NaN output); asking for the
-    gradient of w, scales or biases raises.
+    gradient of w, scales or biases raises. On a kernel backend the gradient is one kernel
+    (``moe_gather_qmm_dx``: each row reads its expert's weights once, no dequantised copy).
 
     M, E, N and K are runtime inputs: one kernel instantiation per (variant, dtype, mode,
     bits, group_size, index dtype), plus one more the first time M < 8: MLX passes inputs of
@@ -364,8 +445,10 @@ def _plan(x, w, scales, biases, indices, group_size, bits, mode, sorted_indices,
     spec = _select_variant(variant, backend, mode)
     on_stream(OP, stream)  # refuses what is not a stream
     dtype, x_shape, n_ids = x.dtype, tuple(x.shape), indices.size
-    launch = None if spec is None or M == 0 else _launcher(
-        spec, M, N, K, E, group_size, bits, mode, dtype, backend)
+    launch = dx_launch = None
+    if spec is not None and M > 0:
+        launch = _launcher(spec, M, N, K, E, group_size, bits, mode, dtype, backend)
+        dx_launch = dx_launcher(M, N, K, E, group_size, bits, mode, dtype, backend)
 
     def forward(x, w, scales, biases, indices):
         if launch is None:
@@ -381,12 +464,17 @@ def _plan(x, w, scales, biases, indices, group_size, bits, mode, sorted_indices,
 
     def x_vjp(g, w, scales, biases, indices):  # at backward time: the stream again
         if lead is None:
+            if dx_launch is not None:  # kernel backends: the dx kernel (float32 out)
+                return dx_launch(g, w, scales, biases, indices, sorted_indices).astype(dtype)
             return _x_vjp(g, w, scales, biases, indices, E, group_size, bits, mode, dtype)
         # mx.gather_qmm's form: the rows' gradients, summed over the axes x was
         # broadcast along (in float32).
         ids = _row_ids(indices, lead, x_shape[-2])
-        d = _x_vjp(g.reshape(-1, N), w, scales, biases, ids, E, group_size, bits, mode,
-                   dtype, out_dtype=mx.float32)
+        if dx_launch is not None:
+            d = dx_launch(g.reshape(-1, N), w, scales, biases, ids, sorted_indices)
+        else:
+            d = _x_vjp(g.reshape(-1, N), w, scales, biases, ids, E, group_size, bits, mode,
+                       dtype, out_dtype=mx.float32)
         d = d.reshape(*lead, x_shape[-2], K)
         return sum_to_shape(d, x_shape).astype(dtype)
 
@@ -427,7 +515,8 @@ def _plan(x, w, scales, biases, indices, group_size, bits, mode, sorted_indices,
 
 def _x_vjp(g, w, scales, biases, indices, E, group_size, bits, mode, dtype,
            out_dtype=None) -> mx.array:
-    """dx[m] = g[m] @ W[indices[m]] with the weights the forward multiplies by (each
+    """The reference backend's x-VJP (the kernel backends launch DX_SPEC's kernel, the same
+    math): dx[m] = g[m] @ W[indices[m]] with the weights the forward multiplies by (each
     rounded to x's dtype), float32; a row with an out-of-range id gets NaN, as its output.
     Returned in ``out_dtype`` (default: x's dtype). float32 x: the rounding is exact, so
     MLX's gather_qmm(transpose=False) in float32 multiplies by those weights without

@@ -6,6 +6,7 @@ through every op equal on the reference and kernel backends."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import mlx.core as mx
@@ -176,6 +177,57 @@ def test_expert_qmv_vjp_out_of_range_id_is_nan(any_backend, rng):
     dx = mx.grad(lambda x: mt.expert_qmv(x, w, scales, biases, ids)[:, 0, 0].sum())(x)
     nan = np.isnan(np.array(dx)).all(axis=1)
     assert nan.tolist() == [False, True, False]
+
+
+@pytest.mark.parametrize("mode", ("affine", "mxfp4", "nvfp4", "mxfp8"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_expert_qmv_vjp_runs_the_dx_kernel(kernel_backend, rng, dtype, mode):
+    """On a kernel backend the VJP is one launch of the dx kernel (float32 weights, N
+    ragged against its 32-row blocks, shared and per-expert x, out-of-range ids)."""
+    from mlx_metaltile.cases.expert_qmv import run_and_check_dx
+
+    E, N, K = 5, 45, 128
+    w, scales, biases, _ = _quantize(rng, (E, N, K), dtype, mode)
+    ids = mx.array([[0, 4, 9], [3, 3, 1]], dtype=mx.uint32)
+    g = mx.array(rng.standard_normal((2, 3, N)).astype(np.float32)).astype(dtype)
+    for x_shape in ((2, K), (2, 3, K)):
+        x = mx.array(rng.standard_normal(x_shape).astype(np.float32)).astype(dtype)
+        gs, bits = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4),
+                    "mxfp8": (32, 8)}[mode]  # mx.quantize's defaults
+        dx = run_and_check_dx(x, w, scales, biases, ids, g, gs, bits, kernel_backend, mode)
+        assert dx.dtype == dtype
+
+
+def qmv_rounding_case(dtype):
+    """Weight rows 3 (1 + 2^-p) and 3 + 2^-(p-2) (8-bit affine codes 3; p = 10 float16,
+    7 bfloat16): g = (1, -1) gives dx = -2^-p with the float32 weights expert_qmv
+    multiplies by, 0 had they been rounded to T (a tie rounded to even)."""
+    p = {mx.float16: 10, mx.bfloat16: 7}[dtype]
+    E, N, K = 1, 32, 32
+    w = mx.array(np.full((E, N, K // 4), 0x03030303, dtype=np.uint32))
+    scales, biases = np.ones((E, N, 1)), np.zeros((E, N, 1))
+    scales[0, 0, 0] = 1 + 2.0**-p
+    biases[0, 1, 0] = 2.0**-(p - 2)
+    gv = np.zeros((1, 1, N))
+    gv[0, 0, :2] = (1.0, -1.0)
+    s, b, g = (mx.array(a.astype(np.float32)).astype(dtype) for a in (scales, biases, gv))
+    x = mx.zeros((1, K), dtype=dtype)
+    return x, w, s, b, mx.array([[0]], dtype=mx.uint32), g
+
+
+@pytest.mark.parametrize("dtype", (mx.float16, mx.bfloat16), ids=("float16", "bfloat16"))
+def test_expert_qmv_vjp_float32_weights(kernel_backend, broken_kernel, rng, dtype):
+    """The dx kernel multiplies by expert_qmv's float32 weights: right as launched, and a
+    kernel that rounds them to T (moe_gather_qmm's weights) fails the harness."""
+    from mlx_metaltile.cases.expert_qmv import run_and_check_dx
+    from mlx_metaltile.ops.expert_qmv import DX_SPEC
+
+    x, w, s, b, ids, g = qmv_rounding_case(dtype)
+    dx = run_and_check_dx(x, w, s, b, ids, g, 32, 8, kernel_backend)
+    assert (_f64(dx) != 0).all()
+    broken_kernel(DX_SPEC, ("return ROUND ? float(T(v)) : v;", "return float(T(v));"))
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check_dx(x, w, s, b, ids, g, 32, 8, kernel_backend)
 
 
 # Decode: far fewer (token, expert) pairs than experts. The backward then gathers the
@@ -499,3 +551,23 @@ def test_compiled_function_keeps_the_backend_of_its_trace(rng):
         assert np.array_equal(np.array(got), np.array(want))
         with pytest.raises(ValueError, match="runs kernels eagerly"):
             mx.eval(mx.compile(lambda y: mt.gated_rms_norm(y, z, w))(y))
+
+
+def test_dx_instantiations_cover_the_expert_qmv_launches(launch_recorder, rng):
+    """Every expert_qmv dx launch (each dtype, mode, index dtype, x layout) is an
+    instantiation its spec declares (what the CUDA compile check builds); nothing runs."""
+    from mlx_metaltile.ops.expert_qmv import DX_SPEC
+
+    for dtype in DTYPES:
+        for mode in ("affine", "mxfp4", "nvfp4", "mxfp8"):
+            w, scales, biases, _ = _quantize(rng, (3, 32, 64), dtype, mode)
+            g = mx.zeros((2, 3, 32), dtype=dtype)
+            for index_dtype in (mx.uint32, mx.int32):
+                ids = mx.array([[0, 2, 1], [1, 0, 2]], dtype=index_dtype)
+                for x in (mx.zeros((2, 64), dtype), mx.zeros((2, 3, 64), dtype)):
+                    forward = functools.partial(mt.expert_qmv, w=w, scales=scales,
+                                                biases=biases, indices=ids, mode=mode)
+                    mx.vjp(forward, [x], [g])
+    names = [name for name, *_ in launch_recorder.seen]
+    assert names.count(DX_SPEC.name) == 3 * 4 * 2 * 2
+    launch_recorder.assert_declared()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 
@@ -528,3 +529,281 @@ def test_negative_control_sums_rounded_to_t(kernel_backend, broken_kernel, dtype
     broken_kernel(op_module.SIMDGROUP_SPEC, *SUM_BREAKS[where])
     with pytest.raises(AssertionError, match="out of tolerance|float sums"):
         check_float_sums(SUM_CASES[where], dtype, kernel_backend)
+
+
+# ---- the x-VJP kernel (moe_gather_qmm_dx) ------------------------------------------------
+
+from mlx_metaltile.cases.moe_gather_qmm import (  # noqa: E402
+    dx_oracle,
+    make_fp_weights,
+    make_weights,
+    run_and_check_dx,
+)
+
+# (mode, bits, group_size): every quantization the op accepts
+QUANTS = [("affine", b, gs) for b in (4, 8) for gs in (32, 64, 128)] + [
+    ("mxfp4", 4, 32), ("nvfp4", 4, 16), ("mxfp8", 8, 32)]
+QUANT_IDS = [f"{m}-b{b}-gs{gs}" if m == "affine" else m for m, b, gs in QUANTS]
+
+
+@pytest.fixture
+def dx_sort_from_32(monkeypatch):
+    """DX_SORT_MIN_ROWS = 32 inside the test, plans built with it forgotten after."""
+    from mlx_metaltile.ops._common import clear_plans
+
+    monkeypatch.setattr(op_module, "DX_SORT_MIN_ROWS", 32)
+    clear_plans()
+    yield
+    clear_plans()
+
+
+def dx_inputs(rng, E, M, N, K, mode, bits, gs, dtype):
+    """Random weights of ``mode`` (affine scales of both signs, nvfp4 scales of any sign) and
+    a cotangent g [M, N] in ``dtype``."""
+    if mode == "affine":
+        w, scales, biases = make_weights(rng, E, N, K, gs, bits, dtype)
+    else:
+        w, scales, biases = make_fp_weights(rng, E, N, K, mode)
+    g = mx.array(rng.standard_normal((M, N)).astype(np.float32)).astype(dtype)
+    return g, w, scales, biases
+
+
+def dx_shapes(gs):
+    """(what, E, M, N, K, ids, index dtype): M = 1, 5, 33; the smallest K (one group, at
+    least 32) and N (32); K ragged against the 32-word chunks (32 * 32 / bits values); N
+    with more 32-row blocks than the launch's SIMD-groups; first, last, duplicated and
+    unsorted ids, out of range (E, E + 3, negative int32)."""
+    k_min = max(32, gs)
+    k_ragged = 5 * 64 if gs <= 64 else 3 * 128  # 4-bit: 1.25 chunks; 8-bit: 2.5 / 3
+    ids33 = [5, 0, 3, 3, 6, 1, 0, 5, 2, 9, 4, 4, 4, 0, 1, 5, 2, 2, 3, 0, 5, 1, 6, 4, 3, 3,
+             0, 1, 2, 5, 5, 4, 0]
+    return [
+        ("M1 smallest", 4, 1, 32, k_min, [3], mx.uint32),
+        ("M5 unsorted, negative id", 4, 5, 32 * 9, k_min * 2, [2, 0, -1, 2, 3], mx.int32),
+        ("M33 ragged K", 6, 33, 96, k_ragged, ids33, mx.uint32),
+    ]
+
+
+@pytest.mark.parametrize("quant", QUANTS, ids=QUANT_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_dx_matches_oracle(dx_sort_from_32, backend, poisoned_outputs, rng, dtype, quant):
+    """dx = g @ W[ids] (the weights rounded to x's dtype) against the float64 oracle; on
+    the kernel backends the dx kernel runs once per VJP and writes every element once.
+    M = 33 rows are sorted by expert around the kernel, M = 5 are not."""
+    mode, bits, gs = quant
+    for what, E, M, N, K, ids, index_dtype in dx_shapes(gs):
+        g, w, scales, biases = dx_inputs(rng, E, M, N, K, mode, bits, gs, dtype)
+        indices = mx.array(np.array(ids, dtype=np.int64), dtype=index_dtype)
+        run_and_check_dx(g, w, scales, biases, indices, gs, bits, mode, dtype, backend,
+                         what=f" {what}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_dx_gather_qmm_form(backend, poisoned_outputs, rng, dtype):
+    """mx.gather_qmm's form: x [1, 3, K] broadcast against indices [4]: the kernel's rows
+    summed over the broadcast axis (float32, then x's dtype)."""
+    E, N, K, gs, bits = 5, 64, 128, 64, 4
+    g, w, scales, biases = dx_inputs(rng, E, 12, N, K, "affine", bits, gs, dtype)
+    g = g.reshape(4, 3, N)
+    ids = np.array([4, 0, 4, 2], dtype=np.uint32)
+    x = mx.zeros((1, 3, K), dtype=dtype)
+    before = backends.launch_count(op_module.DX_SPEC.name, backend)
+    _, (dx,) = mx.vjp(lambda x: mt.moe_gather_qmm(x, w, scales, biases, mx.array(ids),
+                                                  group_size=gs, bits=bits), [x], [g])
+    mx.eval(dx)
+    if backend != "reference":
+        assert backends.launch_count(op_module.DX_SPEC.name, backend) == before + 1
+    rows, mag = dx_oracle(g.reshape(12, N), w, scales, biases, np.repeat(ids, 3), gs, bits,
+                          "affine", dtype)
+    assert dx.dtype == dtype and dx.shape == (1, 3, K)
+    assert_close(dx, rows.reshape(4, 3, K).sum(0)[None], dtype,
+                 np.abs(mag).reshape(4, 3, K).sum(0)[None], what="dx (broadcast form)")
+
+
+def dx_rounding_case(dtype):
+    """Two weight rows whose float32 values differ but round to the same T: row 0 is
+    3 * (1 + 2^-p) (scale 1 + 2^-p, code 3, bias 0), a tie of T (p + 1 significant bits)
+    rounded to even, 3 + 2^-(p-2); row 1 is that value exactly (scale 1, code 3, bias
+    2^-(p-2)). With g = (1, -1, 0, ...) dx is 0 in T, and -2^-p with float32 weights. p = 10
+    (float16), 7 (bfloat16), 23 (float32, where the weights are the float32 values)."""
+    p = {mx.float16: 10, mx.bfloat16: 7, mx.float32: 23}[dtype]
+    E, N, K, gs, bits = 1, 32, 32, 32, 8
+    w = mx.array(np.full((E, N, K * bits // 32), 0x03030303, dtype=np.uint32))
+    scales = np.ones((E, N, 1))
+    biases = np.zeros((E, N, 1))
+    scales[0, 0, 0] = 1 + 2.0**-p
+    biases[0, 1, 0] = 2.0**-(p - 2)
+    gv = np.zeros((2, N))
+    gv[0, :2] = (1.0, -1.0)
+    gv[1, 0] = 1.0
+    as_t = [mx.array(a.astype(np.float32)).astype(dtype) for a in (scales, biases, gv)]
+    return as_t[2], w, as_t[0], as_t[1], mx.array([0, 0], dtype=mx.uint32), gs, bits
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_dx_weights_rounded_to_t(kernel_backend, poisoned_outputs, dtype):
+    g, w, scales, biases, ids, gs, bits = dx_rounding_case(dtype)
+    dx = run_and_check_dx(g, w, scales, biases, ids, gs, bits, "affine", dtype, kernel_backend)
+    if dtype != mx.float32:
+        assert (to_f64(dx)[0] == 0).all()
+
+
+@pytest.mark.parametrize("rows, sort_min", [(1, 2), (4, 2), (4, 64)],
+                         ids=("one_row", "sorted_tiles", "tiles_as_given"))
+def test_dx_reads_each_expert_once(monkeypatch, rng, rows, sort_min):
+    """Emulator counters: each run (the rows of one expert in a tile of DX_ROWS rows, after
+    the sort by expert from DX_SORT_MIN_ROWS rows) reads its expert's words, scales and
+    biases exactly once, each of its rows its g row once per 32-word chunk of K; an invalid row reads none of them;
+    every dx element is written once."""
+    require_backend("emulator")
+    from mlx_metaltile import emulator
+    from mlx_metaltile.ops._common import clear_plans
+
+    monkeypatch.setattr(op_module, "DX_ROWS", rows)
+    monkeypatch.setattr(op_module, "DX_SORT_MIN_ROWS", sort_min)
+    clear_plans()
+    E, N, K, gs, bits, dtype = 4, 96, 320, 32, 4, mx.bfloat16
+    ids = [1, 1, 7, 0, 3, 3, 3, 5, 2, 1]
+    g, w, scales, biases = dx_inputs(rng, E, len(ids), N, K, "affine", bits, gs, dtype)
+    indices = mx.array(ids, dtype=mx.uint32)
+    with backends.use_backend("emulator"):
+        run_and_check_dx(g, w, scales, biases, indices, gs, bits, "affine", dtype, "emulator")
+    clear_plans()
+    stats = emulator.last_launch_stats()
+    assert stats.kernel.startswith(f"mt_{op_module.DX_SPEC.name}")
+    in_order = sorted(ids) if rows > 1 and len(ids) >= sort_min else ids  # as launched
+    tiles = [in_order[i:i + rows] for i in range(0, len(ids), rows)]
+    runs = sum(len({e for e in tile if e < E}) for tile in tiles)
+    valid = sum(0 <= e < E for e in ids)
+    chunks = -(-(K * bits // 32) // 32)
+    assert stats.bytes_read["w"] == runs * N * K * bits // 8
+    for name in ("scales", "biases"):
+        assert stats.bytes_read[name] == runs * N * (K // gs) * dtype.size, name
+    assert stats.bytes_read["g"] == valid * chunks * N * dtype.size
+    # ids: each thread its slot's, and a valid slot's the tile's (the run)
+    per_thread = sum(1 + (len(tile) if e < E else 0) for tile in tiles for e in tile)
+    threads = 32 * op_module.DX_SIMDGROUPS
+    assert stats.bytes_read["indices"] == per_thread * chunks * threads * 4
+    assert stats.bytes_written["dx"] == len(ids) * K * 4
+    assert stats.threadgroups == len(tiles) * rows * chunks
+
+
+@pytest.mark.parametrize("seed", (1, 2))
+def test_dx_strict_shuffled_bitwise(rng, seed):
+    """Strict mode (no read of threadgroup memory before it is written), threads and
+    threadgroups in a permuted order: the fixed summation order gives the same bits."""
+    require_backend("emulator")
+    E, N, K, gs, bits, dtype = 3, 288, 256, 64, 8, mx.float16
+    ids = mx.array([2, 0, 2, 1, 0, 1, 1], dtype=mx.uint32)
+    g, w, scales, biases = dx_inputs(rng, E, 7, N, K, "affine", bits, gs, dtype)
+    with backends.use_backend("emulator"):
+        plain = run_and_check_dx(g, w, scales, biases, ids, gs, bits, "affine", dtype,
+                                 "emulator")
+        with strict_emulator(seed):
+            shuffled = run_and_check_dx(g, w, scales, biases, ids, gs, bits, "affine", dtype,
+                                        "emulator")
+    assert np.array_equal(to_f64(plain), to_f64(shuffled))
+
+
+def test_dx_geometry_constants(monkeypatch, rng):
+    """DX_SIMDGROUPS / DX_UNROLL / DX_ROWS are read once per plan: other values (after
+    clear_plans) launch that geometry and give the same bits (each row's sums keep their
+    order: here each SIMD-group holds one 32-row block, and a row's products are added in
+    the same order whichever tile or run it falls in)."""
+    require_backend("emulator")
+    from mlx_metaltile.ops._common import clear_plans
+
+    E, N, K, gs, bits, dtype = 3, 64, 128, 32, 4, mx.bfloat16
+    ids = mx.array([1, 2, 0, 1, 1, 2, 7], dtype=mx.uint32)
+    g, w, scales, biases = dx_inputs(rng, E, 7, N, K, "affine", bits, gs, dtype)
+    results = []
+    with backends.use_backend("emulator"):
+        for sg, unroll, rows, sort_min in ((8, 8, 4, 64), (2, 1, 1, 2), (2, 32, 2, 2),
+                                           (4, 4, 32, 2), (2, 8, 4, 64)):
+            monkeypatch.setattr(op_module, "DX_SIMDGROUPS", sg)
+            monkeypatch.setattr(op_module, "DX_UNROLL", unroll)
+            monkeypatch.setattr(op_module, "DX_ROWS", rows)
+            monkeypatch.setattr(op_module, "DX_SORT_MIN_ROWS", sort_min)
+            clear_plans()
+            results.append(to_f64(run_and_check_dx(g, w, scales, biases, ids, gs, bits,
+                                                   "affine", dtype, "emulator")))
+        monkeypatch.setattr(op_module, "DX_UNROLL", 3)
+        clear_plans()
+        with pytest.raises(ValueError, match=r"^\[moe_gather_qmm\] DX_SIMDGROUPS"):
+            run_and_check_dx(g, w, scales, biases, ids, gs, bits, "affine", dtype,
+                             "emulator")
+    clear_plans()
+    assert all(np.array_equal(results[0], r, equal_nan=True) for r in results[1:])
+
+
+# A deliberately broken dx kernel must fail the harness: (edit, case, what must be raised).
+DX_BREAKAGES = {
+    "weights_not_rounded_to_t": (
+        ("return ROUND ? float(T(v)) : v;", "return v;"), "rounding", None),
+    # the random case's ids [0, 3, 1, 3, 9]: the first tile of 4 holds 3 runs
+    "runs_share_one_expert": (
+        ("const bool same = uint(indices[row0 + r]) == e;", "const bool same = true;"),
+        "random", "out of tolerance"),
+    "run_rows_not_stored": (
+        ("  if (((run >> r) & 1u) == 0u) {\n    continue;",
+         "  if (r != slot) {\n    continue;"), "random", None),
+    "last_word_dropped": (
+        ("const bool live = word0 + lane < words_per_row;",
+         "const bool live = word0 + lane + 1 < words_per_row;"), "random", "out of tolerance"),
+    "wrong_group": (
+        ("const ushort src = ushort(lane / GROUP_WORDS);", "const ushort src = ushort(0);"),
+        "random", "out of tolerance"),
+    "last_simdgroup_partial_dropped": (
+        ("for (uint s = 1; s < SG; ++s) {", "for (uint s = 1; s + 1 < SG; ++s) {"),
+        "random", "out of tolerance"),
+    "nan_row_not_stored": (
+        ("dx_nan[o] = metal::numeric_limits<float>::quiet_NaN();", "continue;"),
+        "random", "bytes written to dx"),
+    "no_expert_id_guard": (("if (e >= n_experts) {", "if (false) {"), "random",
+                           "OutOfBounds"),
+}
+
+
+@pytest.mark.parametrize("breakage", list(DX_BREAKAGES))
+def test_dx_negative_control(broken_kernel, rng, breakage):
+    require_backend("emulator")
+    from mlx_metaltile import emulator
+
+    edit, case, expect = DX_BREAKAGES[breakage]
+    broken_kernel(op_module.DX_SPEC, edit)
+    dtypes = (mx.float16, mx.bfloat16) if case == "rounding" else (mx.float32,)
+    for dtype in dtypes:
+        if case == "rounding":
+            g, w, scales, biases, ids, gs, bits = dx_rounding_case(dtype)
+        else:
+            E, N, K, gs, bits = 4, 32 * 9, 320, 32, 4
+            ids = mx.array([0, 3, 1, 3, 9], dtype=mx.uint32)
+            g, w, scales, biases = dx_inputs(rng, E, 5, N, K, "affine", bits, gs, dtype)
+        errors = (AssertionError, emulator.KernelHazard)
+        with backends.use_backend("emulator"), pytest.raises(errors) as caught:
+            run_and_check_dx(g, w, scales, biases, ids, gs, bits, "affine", dtype, "emulator")
+        if expect == "OutOfBounds":
+            assert isinstance(caught.value, emulator.OutOfBoundsAccess), caught.value
+        elif expect is not None:
+            assert expect in str(caught.value), caught.value
+        else:  # wrong values or unwritten (NaN-poisoned) elements
+            assert "out of tolerance" in str(caught.value) or "NaN row" in str(
+                caught.value), caught.value
+
+
+def test_dx_instantiations_cover_the_launches(launch_recorder, rng):
+    """Every dx launch (each dtype, quantization and index dtype) is an instantiation
+    DX_SPEC declares (what the CUDA compile check builds); recorded, nothing runs."""
+    for dtype in DTYPES:
+        for mode, bits, gs in QUANTS:
+            g, w, scales, biases = dx_inputs(rng, 3, 9, 32, 128, mode, bits, gs, dtype)
+            x = mx.zeros((9, 128), dtype=dtype)
+            for index_dtype in (mx.uint32, mx.int32):
+                ids = mx.array([0, 2, 1, 1, 0, 2, 2, 1, 0], dtype=index_dtype)
+                forward = functools.partial(mt.moe_gather_qmm, w=w, scales=scales,
+                                            biases=biases, indices=ids, group_size=gs,
+                                            bits=bits, mode=mode)
+                mx.vjp(forward, [x], [g])
+    names = [name for name, *_ in launch_recorder.seen]
+    assert names.count(op_module.DX_SPEC.name) == 3 * len(QUANTS) * 2
+    launch_recorder.assert_declared()

@@ -1,0 +1,294 @@
+// moe_gather_qmm_dx.metal: the x-VJP of moe_gather_qmm, dx = g @ W[indices] (affine 4/8-bit,
+// mxfp4, nvfp4, mxfp8), with the weights the forward multiplies by.
+//
+// MATH (rows m in [0, M), k in [0, K), float32 products and sums):
+//   e        = indices[m]                                  (the expert of row m)
+//   W[n, k]  = T(scale[e, n, k / gs] * q[e, n, k] + bias[e, n, k / gs])   (MODE 0, affine:
+//              one float32 fma, rounded once to T, exactly as moe_gather_qmm_simdgroup's
+//              mt_moe_dequant16; q the BITS-bit code, low bits first)
+//              MODE 1 (mxfp4) / 2 (nvfp4): T(mt_fp4_scale<MODE>(scale) * e2m1(q)), BITS 4
+//              MODE 3 (mxfp8): T(mt_fp4_scale<1>(scale) * e4m3(q)), BITS 8 (0x7F / 0xFF read
+//              as +-480 like MLX's Metal decoder); the fp modes have no bias
+//   dx[m, k] = sum_n float(g[m, n]) * float(W[n, k])      if e < E, else NaN
+//   T = float: the rounding is the identity (the float32 weight itself).
+//   ROUND = false (expert_qmv's x-VJP): W[n, k] is the float32 value, not rounded to T.
+//   SUMMATION ORDER (fixed for given shapes and template: bitwise reproducible run to run):
+//   SIMD-group s of a threadgroup takes the 32-row blocks b = s, s + SG, s + 2 SG, ... of N
+//   (rows n = 32 b .. 32 b + 31), in increasing order, each row in increasing n; each lane
+//   accumulates, per k value of its word and per row m of its run (TILES),
+//   acc = fma(g[m, n], W[n, k], acc) over those n. The SG partials of one (m, k) are then
+//   added in SIMD-group order 0, 1, ..., SG - 1 (((p0 + p1) + p2) + ...), through
+//   threadgroup memory, and written as float32. A row's sum depends on SG only, not on
+//   which tile, run or slot it falls in (nor on UNROLL or ROWS).
+//   OUT-OF-RANGE IDS: the id is read as uint (a negative int32 id becomes >= 2^31); an id
+//   >= E makes dx[m, :] NaN, and no byte of w / scales / biases / g is read for row m.
+//
+// LAYOUTS (row-contiguous; mx.quantize of a stacked [E, N, K] weight):
+//   g [M, N] T (the cotangent of the forward's output); w [E, N, K * BITS / 32] uint32
+//   (PACK = 32 / BITS codes per word, low bits first); scales, biases [E, N, K / GROUP_SIZE]
+//   T (scales may be negative); fp modes: scales uint8 (E8M0, group 32 / E4M3, group 16),
+//   biases not read (the wrapper passes scales again); indices [M] uint32 or int32;
+//   dx [M, K] float32. n_rows (M), n_experts (E), n_cols (N), k_dim (K): 0-d uint runtime
+//   inputs (changing them never builds a new kernel). Template: T, BITS (4, 8), GROUP_SIZE
+//   (32, 64, 128; nvfp4 16), MODE (0 affine, 1 mxfp4, 2 nvfp4, 3 mxfp8), SIMDGROUPS (SG) and
+//   UNROLL, ROWS (the launch plan's geometry: ops/moe_gather_qmm.py's DX_SIMDGROUPS,
+//   DX_UNROLL, DX_ROWS), ROUND (the weights rounded to T: true for moe_gather_qmm).
+//   ADDRESS SPACES: indices of M < 8 rows arrive in the `constant` address space (a second
+//   instantiation, as the forward's); the body reads every input through `auto` pointers
+//   or direct indexing, so both forms compile. g, w, scales hold >= 32 elements.
+//
+// RANGE / ROUNDING: each weight is rounded to T once, from the float32 fma (the forward's
+//   own value, bit for bit); g is T, widened exactly; each product and sum is one float32
+//   fma. No intermediate is rounded to T or scaled, so the range is float32's.
+//
+// TILES: the rows are cut into tiles of ROWS consecutive rows (the wrapper sorts them by
+//   expert first when ROWS > 1, unless the caller promised sorted ids, and un-permutes dx).
+//   Inside a tile the rows sharing an expert form a run; threadgroup (tile, slot) computes
+//   the run whose first row in the tile is `slot` (its leader); the tile's other slots exit
+//   at once (uniformly, before any barrier), as moe_gather_qmm_simdgroup's slots. So each
+//   weight is read and decoded (rounded to T) once per run and multiplied into the g values
+//   of every row of the run: at prefill (a handful of rows per expert) the decode, most of
+//   the arithmetic of a one-row kernel, is shared; at decode (distinct experts) each run is
+//   one row and the kernel is the one-row kernel. Per-row work is behind uniform branches
+//   on the run mask (no shuffle or fma for rows outside the run).
+//
+// WORD MAPPING: threadgroup y = chunk c of 32 consecutive words of a weight row (K values
+//   [32 PACK c, 32 PACK (c + 1)) clipped to K): lane l owns word w0 + l (w0 = 32 c), i.e.
+//   the PACK consecutive k values 32 PACK c + PACK l + i, i < PACK, in every row n. So each
+//   word-load instruction of a SIMD-group reads 128 contiguous bytes of one weight row
+//   (one line, every sector used). The chunk's groups (32 / (GROUP_SIZE / PACK) <= 16 of
+//   them, a group never straddling a chunk: GROUP_SIZE / PACK divides 32) are loaded one per
+//   lane, scale and affine bias packed in one uint (expert_qdot.h's mt_group_bits; a float
+//   T's bias apart) and passed to the lanes of their words by simd_shuffle. The g values of
+//   a 32-row block are loaded one per lane for each row m of the run (one 64- or 128-byte
+//   load each) and broadcast to the lanes row n by row n by simd_shuffle.
+//
+// LOADS (memory-level parallelism): a decode-sized call is latency-bound, so each SIMD-group
+//   first issues the loads of UNROLL weight rows (UNROLL words per lane, UNROLL group uints),
+//   none waiting for another, then decodes and accumulates them; the g values of a block
+//   are loaded before its rows. Registers: ROWS * PACK accumulators + PACK decoded weights
+//   + 2-3 UNROLL loads + ROWS g values per lane; nvcc (CUDA translation, SG 8, UNROLL 8,
+//   ROWS 4): 80 registers for bf16 (affine 4-bit GS 64, mxfp4), 96 for float32, no spill.
+//
+// DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
+//   threadgroup = (32 * SG, 1, 1): SG SIMD-groups of 32, splitting N (SUMMATION ORDER)
+//   grid        = (32 * SG * ROWS * ceil(M / ROWS), ceil(K * BITS / 32 / 32), 1) threads:
+//                 threadgroup_position_in_grid is (ROWS * tile + slot, word chunk, 0) (rows
+//                 on x: CUDA caps grid y and z at 65535 blocks; consecutive threadgroups are
+//                 rows of one chunk, so the tiles of one expert find its chunk in cache);
+//                 slots past M exit; every (m, k) is written by exactly one thread of
+//                 exactly one threadgroup (its run's leader, or its own slot for a NaN row)
+//   N any: rows past N are neither loaded nor multiplied (moe_gather_qmm's N is a multiple
+//   of 32; expert_qmv's any). K % GROUP_SIZE == 0 and K % PACK == 0 (a group never
+//   straddles a row end; a chunk past the row end masks its words), UNROLL divides 32.
+//   The early returns (a slot past M, an out-of-range id, a slot that leads no run) are
+//   uniform over the threadgroup and come before any barrier; the per-row barriers are
+//   behind the run mask, uniform too; shuffles are executed by all 32 lanes (lanes whose
+//   word lies past the row end load nothing, shuffle along and skip the arithmetic).
+//   threadgroup memory: SG * 32 * (PACK + 1) floats (the partials; PACK + 1: an odd lane
+//   stride, no bank conflicts on the stores and at most 2-way on the reads).
+//
+// TRAFFIC per threadgroup (run, chunk c), valid id: the chunk's words of each of expert
+//   e's N rows once (32 words or fewer per row), the chunk's groups of each row once (scales,
+//   and biases in affine mode), the g row of each run row once (N values); dx written once
+//   (32 PACK values or fewer per run row). Per run over its chunks: the expert's
+//   N * K * BITS / 8 code bytes and N * K / GROUP_SIZE scales (and biases) exactly once
+//   (ROWS = 1: once per row); g read once per chunk (cache hits after the first). Each
+//   thread reads its slot's id and, for a valid id, the tile's <= ROWS ids (cache hits).
+//   Invalid id: only the ids, then NaN written.
+//
+// ONLY CHECKED ON A MAC: that Apple's compiler accepts this body (auto pointers into device
+//   and constant inputs, simd_shuffle of uint and float with a ushort lane, a kernel-scope
+//   threadgroup array sized by template parameters, expert_qdot.h's helpers), register use /
+//   occupancy and the speed. The emulator checks the arithmetic, every memory access (bounds
+//   and byte counts), the barrier and the SIMD-group functions; the CUDA translation
+//   compiles in CI.
+#include "common.h"
+#include "expert_qdot.h"
+
+// A weight as the products use it: rounded once to T (ROUND: moe_gather_qmm's weights), or
+// the float32 value itself (expert_qmv's).
+template <typename T, bool ROUND>
+inline float mt_dx_weight(float v) {
+  return ROUND ? float(T(v)) : v;
+}
+
+// ---- kernel body ----
+constexpr uint SG = SIMDGROUPS;
+constexpr uint PACK = 32 / BITS;                  // codes per word: 8 (4-bit), 4 (8-bit)
+constexpr uint GROUP_WORDS = GROUP_SIZE / PACK;   // words per group: 2..32, divides 32
+constexpr uint CHUNK_GROUPS = 32 / GROUP_WORDS;   // groups of a 32-word chunk: 1..16
+constexpr uint CHUNK_VALS = 32 * PACK;            // k values of a chunk
+constexpr uint LD = PACK + 1;                     // padded stride of a lane's partials
+constexpr uint THREADS = 32 * SG;
+constexpr int SCALE_FORMAT = MODE == 3 ? 1 : MODE;  // mt_fp4_scale's: mxfp8 scales are E8M0
+// Affine biases of a float T do not fit beside their scales in one shuffled uint.
+constexpr bool BIAS_APART = MODE == 0 && sizeof(T) == 4;
+constexpr uint MASK = (1u << BITS) - 1u;
+static_assert(32 % UNROLL == 0, "UNROLL divides a 32-row block");
+static_assert(ROWS >= 1 && ROWS <= 32, "a tile's run is a 32-bit mask");
+
+threadgroup float partials[SG * 32 * LD];  // per (SIMD-group, lane, value)
+
+const uint lane = thread_index_in_simdgroup;
+const uint sg = simdgroup_index_in_threadgroup;
+const uint tid = thread_position_in_threadgroup.x;
+const uint row0 = (threadgroup_position_in_grid.x / ROWS) * ROWS;  // the tile's first row
+const uint slot = threadgroup_position_in_grid.x % ROWS;
+const uint M = n_rows;
+const uint N = n_cols;
+const uint K = k_dim;
+const uint words_per_row = K / PACK;
+const uint groups_per_row = K / GROUP_SIZE;
+const uint word0 = threadgroup_position_in_grid.y * 32;
+const uint k0 = word0 * PACK;
+const uint vals = metal::min(CHUNK_VALS, K - k0);  // the chunk's k values inside K
+
+const uint rows_here = metal::min(ROWS, M - row0);
+if (slot >= rows_here) {
+  return;  // past M (uniform over the threadgroup)
+}
+const uint e = uint(indices[row0 + slot]);
+if (e >= n_experts) {
+  // Out-of-range id (uniform over the threadgroup): NaN for this row, nothing of the
+  // expert read.
+  device float* dx_nan = dx + size_t(row0 + slot) * K + k0;
+  for (uint o = tid; o < vals; o += THREADS) {
+    dx_nan[o] = metal::numeric_limits<float>::quiet_NaN();
+  }
+  return;
+}
+uint run = 0u;        // bit r: row row0 + r has expert e (this threadgroup's rows)
+bool leader = true;   // slot is the tile's first row with expert e
+for (uint r = 0; r < rows_here; ++r) {
+  const bool same = uint(indices[row0 + r]) == e;
+  run |= same ? (1u << r) : 0u;
+  leader = leader && !(same && r < slot);
+}
+if (!leader) {
+  return;  // the run's leader computes this row (uniform over the threadgroup)
+}
+
+const bool live = word0 + lane < words_per_row;  // this lane's word lies inside the row
+const uint group0 = word0 / GROUP_WORDS;         // the chunk's first group
+const bool loads_group = lane < CHUNK_GROUPS && group0 + lane < groups_per_row;
+const ushort src = ushort(lane / GROUP_WORDS);   // the lane that loads this word's group
+const size_t first_row = size_t(e) * N;
+// auto: an input of fewer than 8 elements arrives in the constant address space.
+const auto w_lane = w + first_row * words_per_row + word0 + lane;  // row n: + n * words_per_row
+const auto s_lane = scales + first_row * groups_per_row + group0 + lane;
+const auto b_lane = biases + first_row * groups_per_row + group0 + lane;
+const auto g_lane = g + size_t(row0) * N + lane;  // tile row r: + r * N
+
+float acc[ROWS][PACK];
+for (uint r = 0; r < ROWS; ++r) {
+  for (uint i = 0; i < PACK; ++i) {
+    acc[r][i] = 0.0f;
+  }
+}
+for (uint n0 = sg * 32; n0 < N; n0 += SG * 32) {  // this SIMD-group's 32-row blocks
+  float g_block[ROWS];  // g[row0 + r, n0 + lane] of the run's rows
+  for (uint r = 0; r < ROWS; ++r) {
+    const bool in_run = ((run >> r) & 1u) != 0u;
+    g_block[r] = in_run && n0 + lane < N ? float(g_lane[size_t(r) * N + n0]) : 0.0f;
+  }
+  for (uint r0 = 0; r0 < 32; r0 += UNROLL) {
+    if (n0 + r0 >= N) {
+      break;  // uniform over the SIMD-group: the block's rows past N (a ragged N)
+    }
+    // 1. Every load of UNROLL rows, none waiting for another.
+    uint words[UNROLL];
+    uint group[UNROLL];        // the lane's group of each row: mt_group_bits (raw bits)
+    float bias_apart[UNROLL];  // BIAS_APART only
+    for (uint u = 0; u < UNROLL; ++u) {
+      const size_t n = n0 + r0 + u;
+      const bool row_in = n < N;
+      words[u] = live && row_in ? w_lane[n * words_per_row] : 0u;
+      group[u] = 0u;
+      bias_apart[u] = 0.0f;
+      if (loads_group && row_in) {
+        const size_t at = n * groups_per_row;
+        if constexpr (MODE == 0) {
+          const T b = b_lane[at];
+          group[u] = mt_group_bits<MODE>(s_lane[at], b);
+          if constexpr (BIAS_APART) {
+            bias_apart[u] = float(b);
+          }
+        } else {
+          group[u] = mt_group_bits<MODE>(s_lane[at], s_lane[at]);
+        }
+      }
+    }
+    // 2. Per weight row: its group's scale (and bias) from the lane holding them (every
+    //    lane shuffles), the PACK weights rounded to T, then each run row's g value
+    //    (shuffled from the lane that loaded it) times them.
+    for (uint u = 0; u < UNROLL; ++u) {
+      if (n0 + r0 + u >= N) {
+        break;  // uniform over the SIMD-group
+      }
+      const uint gb = simd_shuffle(group[u], src);
+      float s;
+      float b = 0.0f;
+      if constexpr (MODE == 0) {
+        s = mt_group_scale<MODE, T>(gb);
+        if constexpr (BIAS_APART) {
+          b = simd_shuffle(bias_apart[u], src);
+        } else {
+          b = mt_group_bias<T>(gb);
+        }
+      } else {
+        s = mt_fp4_scale<SCALE_FORMAT>(gb);  // the E8M0 / E4M3 scale code
+      }
+      float wv[PACK];  // the lane's PACK weights of row n, each rounded to T
+      const uint word = words[u];
+      if constexpr (MODE == 0) {
+        for (uint i = 0; i < PACK; ++i) {
+          const float q = float((word >> (BITS * i)) & MASK);
+          wv[i] = mt_dx_weight<T, ROUND>(metal::fma(s, q, b));
+        }
+      } else if constexpr (MODE == 3) {
+        for (uint i = 0; i < 4; ++i) {
+          wv[i] = mt_dx_weight<T, ROUND>(s * mt_fp4_scale<2>(word >> (8 * i)));
+        }
+      } else {
+        for (uint i = 0; i < 4; ++i) {  // codes i and i + 4 of the word at once
+          const float2 v = float2(mt_e2m1x2(word >> (4 * i)));
+          wv[i] = mt_dx_weight<T, ROUND>(s * v.x);
+          wv[i + 4] = mt_dx_weight<T, ROUND>(s * v.y);
+        }
+      }
+      for (uint r = 0; r < ROWS; ++r) {
+        if (((run >> r) & 1u) != 0u) {  // uniform over the threadgroup
+          const float gn = simd_shuffle(g_block[r], ushort(r0 + u));
+          if (live) {
+            for (uint i = 0; i < PACK; ++i) {
+              acc[r][i] = metal::fma(gn, wv[i], acc[r][i]);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Per run row: the SG partials, added in SIMD-group order and written (consecutive threads,
+// consecutive k).
+for (uint r = 0; r < ROWS; ++r) {
+  if (((run >> r) & 1u) == 0u) {
+    continue;  // uniform over the threadgroup
+  }
+  for (uint i = 0; i < PACK; ++i) {
+    partials[(sg * 32 + lane) * LD + i] = acc[r][i];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  device float* dx_chunk = dx + size_t(row0 + r) * K + k0;
+  for (uint o = tid; o < vals; o += THREADS) {
+    const uint at = (o / PACK) * LD + o % PACK;  // lane o / PACK, value o % PACK
+    float v = partials[at];
+    for (uint s = 1; s < SG; ++s) {
+      v += partials[s * 32 * LD + at];
+    }
+    dx_chunk[o] = v;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // partials free for the next row
+}
