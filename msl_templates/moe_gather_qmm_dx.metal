@@ -68,7 +68,8 @@
 //   none waiting for another, then decodes and accumulates them; the g values of a block
 //   are loaded before its rows. Registers: ROWS * PACK accumulators + PACK decoded weights
 //   + 2-3 UNROLL loads + ROWS g values per lane; nvcc (CUDA translation, SG 8, UNROLL 8,
-//   ROWS 4): 80 registers for bf16 (affine 4-bit GS 64, mxfp4), 96 for float32, no spill.
+//   ROWS 4): 78-80 registers for bf16 (affine 4-bit GS 64, mxfp4; either ROUND), 85-88 for
+//   float32, no spill.
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
 //   threadgroup = (32 * SG, 1, 1): SG SIMD-groups of 32, splitting N (SUMMATION ORDER)
