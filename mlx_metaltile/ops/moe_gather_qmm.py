@@ -282,6 +282,12 @@ def _simdgroup_tg_memory(dtype) -> int:
     return staged * 2 + 4 * 8 * 36 * 4
 
 
+def _dims(M: int, E: int, N: int, K: int) -> dict:
+    """The shape inputs both kernels of this module take (0-d uint32, packed by the host)."""
+    return {"n_rows": scalar(M, mx.uint32), "n_experts": scalar(E, mx.uint32),
+            "n_cols": scalar(N, mx.uint32), "k_dim": scalar(K, mx.uint32)}
+
+
 def _launcher(spec: KernelSpec, M: int, N: int, K: int, E: int, group_size: int, bits: int,
               mode: str, dtype: mx.Dtype, backend: str) -> Callable:
     """The kernel call of M rows on ``backend``, prepared once: returns
@@ -295,8 +301,7 @@ def _launcher(spec: KernelSpec, M: int, N: int, K: int, E: int, group_size: int,
     prepared = backends.prepare(
         spec, backend,
         inputs={"x": None, "w": None, "scales": None, "biases": None, "indices": None,
-                "n_rows": scalar(M, mx.uint32), "n_experts": scalar(E, mx.uint32),
-                "n_cols": scalar(N, mx.uint32), "k_dim": scalar(K, mx.uint32)},
+                **_dims(M, E, N, K)},
         template={"T": dtype, "BITS": bits, "GROUP_SIZE": group_size,
                   "MODE": MODE_IDS[mode]},
         outputs={"out": ((M, N), dtype)},
@@ -333,8 +338,7 @@ def dx_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, mode
     prepared = backends.prepare(
         spec, backend,
         inputs={"g": None, "w": None, "scales": None, "biases": None, "indices": None,
-                "n_rows": scalar(M, mx.uint32), "n_experts": scalar(E, mx.uint32),
-                "n_cols": scalar(N, mx.uint32), "k_dim": scalar(K, mx.uint32)},
+                **_dims(M, E, N, K)},
         template={"T": dtype, "BITS": bits, "GROUP_SIZE": group_size,
                   "MODE": MODE_IDS[mode], "SIMDGROUPS": sg, "UNROLL": unroll,
                   "ROWS": rows, "ROUND": rounded},
