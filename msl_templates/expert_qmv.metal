@@ -25,6 +25,13 @@
 //   partials are combined by simd_sum (hardware order). S = 1: that is
 //   the output. S > 1: the S group sums are added in order g = 0, 1, ..., S - 1 (through
 //   threadgroup memory) by group 0.
+//   ROUND = true (moe_gather_qmm's rows on this GEMV, ops/moe_gather_qmm.py): each weight is
+//   moe_gather_qmm's, rounded once to T from its float32 value, W = T(fma(scale, q, bias))
+//   (fp modes: T(scale * v), exact in float32), and the word's term is
+//   sum_i float(W_i) * x_i in code order (mt_qmv_word_dot_rounded; activations not
+//   pre-scaled, no bias term apart); the reduction order is the same. About twice the
+//   arithmetic per code (a conversion to T and back per weight): the GEMV stays bound by
+//   its loads.
 //   OUT-OF-RANGE IDS: the id is read as uint (a negative int32 id becomes >= 2^31), and an id
 //   >= E makes the whole output row out[p, :] NaN; no byte of w/scales/biases is read for p.
 //
@@ -43,7 +50,7 @@
 //   changing any of them (or the broadcast pattern) never builds a new kernel.
 //   Template: T, BITS in {4, 8}, GS in {32, 64, 128}, MODE 0 (affine);
 //             MODE 1 (mxfp4): BITS 4, GS 32; MODE 2 (nvfp4): BITS 4, GS 16;
-//             MODE 3 (mxfp8): BITS 8, GS 32.
+//             MODE 3 (mxfp8): BITS 8, GS 32; ROUND (below).
 //
 // BROADCAST: the leading dimensions of x and indices broadcast against each other (NumPy
 //   rules; the wrapper merges them into at most BCAST_DIMS dimensions, or materialises
@@ -160,6 +167,31 @@ inline float mt_qmv_word_dot(uint word, thread const float* xv) {
     for (int i = 0; i < 4; ++i) {  // codes i and i + 4 of the word at once
       const float2 v = float2(mt_e2m1x2(word >> (4 * i)));
       dot += v.x * xv[i] + v.y * xv[i + 4];
+    }
+  }
+  return dot;
+}
+
+// ROUND (moe_gather_qmm's rows): the word's weights as moe_gather_qmm defines them, each
+// rounded once to T from its float32 value (affine: fma(s, q, b); fp modes: s * v, exact),
+// times the activations as given (not pre-scaled), summed in code order.
+template <typename T, int MODE, int BITS>
+inline float mt_qmv_word_dot_rounded(uint word, thread const float* xv, float s, float b) {
+  constexpr uint MASK = (1u << BITS) - 1u;
+  float dot = 0.0f;
+  if constexpr (MODE == 0) {
+    for (int i = 0; i < 32 / BITS; ++i) {
+      const float q = float((word >> (BITS * i)) & MASK);
+      dot += float(T(metal::fma(s, q, b))) * xv[i];
+    }
+  } else if constexpr (MODE == 3) {
+    for (int i = 0; i < 4; ++i) {
+      dot += float(T(s * mt_fp4_scale<2>(word >> (8 * i)))) * xv[i];
+    }
+  } else {
+    for (int i = 0; i < 4; ++i) {  // codes i and i + 4 of the word at once
+      const float2 v = float2(mt_e2m1x2(word >> (4 * i)));
+      dot += float(T(s * v.x)) * xv[i] + float(T(s * v.y)) * xv[i + 4];
     }
   }
   return dot;
@@ -287,7 +319,7 @@ for (uint step = k_group; step < n_steps; step += k_groups) {
   float x_sum[WORDS];
   for (int wi = 0; wi < WORDS; ++wi) {
     x_sum[wi] = 0.0f;
-    for (uint i = 0; i < PACK; ++i) {
+    for (uint i = 0; i < PACK && !ROUND; ++i) {
       x_sum[wi] += xv[wi * PACK + i];
       xv[wi * PACK + i] *= mt_expert_prescale<MODE, BITS>(i);
     }
@@ -312,7 +344,9 @@ for (uint step = k_group; step < n_steps; step += k_groups) {
       } else {
         s = mt_fp4_scale<SCALE_FORMAT>(g);  // the E8M0 / E4M3 scale code
       }
-      if (in_row[wi]) {
+      if (in_row[wi] && ROUND) {
+        acc[r] += mt_qmv_word_dot_rounded<T, MODE, BITS>(words[r][wi], xv + wi * PACK, s, b);
+      } else if (in_row[wi]) {
         const float dot = mt_qmv_word_dot<MODE, BITS>(words[r][wi], xv + wi * PACK);
         if constexpr (MODE == 0) {
           acc[r] += s * dot + b * x_sum[wi];

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import itertools
 from functools import partial
 
@@ -12,10 +14,13 @@ import numpy as np
 import mlx_metaltile as mt
 
 from .. import backends
-from ..ops.moe_gather_qmm import DX_SPEC, VARIANT_SPECS
+from ..ops._common import clear_plans
+from ..ops.moe_gather_qmm import DX_SPEC, GEMV_SPEC, VARIANT_SPECS, uses_gemv
 from . import _mxfp4
 from ._base import BenchCase, check_rows, grad_case, to_f64
 from .expert_glu import dequantize
+
+op_module = importlib.import_module("mlx_metaltile.ops.moe_gather_qmm")
 
 OP = "moe_gather_qmm"
 
@@ -189,7 +194,9 @@ def run_and_check_dx(g, w, scales, biases, indices, group_size, bits, mode, dtyp
 
 def run_and_check(case, group_size, bits, dtype, backend, variant=None, what=""):
     x, w, scales, biases, indices = case
-    name = VARIANT_SPECS[variant or "simdgroup"].name  # the kernel that must run
+    # the kernel that must run: the plan's GEMV for few rows per expert, else the variant's
+    gemv = uses_gemv(indices.size, w.shape[0], backend, variant)
+    name = GEMV_SPEC.name if gemv else VARIANT_SPECS[variant or "simdgroup"].name
     before = backends.launch_count(backend=backend)
     before_all = backends.launch_count()
     before_name = backends.launch_count(name, backend)
@@ -231,8 +238,32 @@ def _dx_call(backend, rng):
     run_and_check_dx(g, w, scales, biases, indices, 64, 4, "affine", mx.bfloat16, backend)
 
 
+@contextlib.contextmanager
+def gemv_plan(backend: str, rows_per_expert: float | None):
+    """The plan's GEMV_ROWS_PER_EXPERT for ``backend`` set to ``rows_per_expert`` (None: not
+    listed, the tiled kernels) inside the block, the plans rebuilt on entry and exit."""
+    saved = op_module.GEMV_ROWS_PER_EXPERT
+    plan = {b: v for b, v in saved.items() if b != backend}
+    if rows_per_expert is not None:
+        plan[backend] = rows_per_expert
+    op_module.GEMV_ROWS_PER_EXPERT = plan
+    clear_plans()
+    try:
+        yield
+    finally:
+        op_module.GEMV_ROWS_PER_EXPERT = saved
+        clear_plans()
+
+
+def _gemv_call(backend, rng):
+    with gemv_plan(backend, 4):
+        case = make_case(rng, 4, 13, 64, 128, 64, 4, mx.bfloat16)
+        run_and_check(case, 64, 4, mx.bfloat16, backend)
+
+
 VARIANT_CALLS = {v: functools.partial(_variant_call, v) for v in VARIANT_SPECS}
 VARIANT_CALLS[DX_SPEC.variant] = _dx_call  # the x-VJP kernel
+VARIANT_CALLS[GEMV_SPEC.variant] = _gemv_call  # few rows per expert (cuda's plan)
 
 
 # ---- benchmarks -------------------------------------------------------------------------

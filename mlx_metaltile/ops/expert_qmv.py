@@ -18,7 +18,6 @@ from .. import backends
 from .._registry import Arg, KernelSpec, register, scalars
 from ._common import (
     MODE_IDS,
-    MODES,
     QUANTIZED_INPUTS,
     QUANTIZED_PARAMS,
     check_quantized,
@@ -26,7 +25,6 @@ from ._common import (
     memo_check,
     memo_plan,
     on_stream,
-    quantized_bindings,
     run_on,
     scalar,
 )
@@ -37,7 +35,7 @@ from ._grad import (
     sum_to_shape,
     x_vjp_function,
 )
-from .moe_gather_qmm import DX_PARAMS, dx_bindings, dx_launcher
+from .moe_gather_qmm import DX_PARAMS, dx_bindings, dx_launcher, gemv_bindings
 
 OP = "expert_qmv"
 __all__ = ["expert_qmv", "expert_qmv_reference"]
@@ -50,8 +48,8 @@ ROWS_PER_THREADGROUP = SIMDGROUPS * ROWS
         op=OP, variant="simd_rows", template="expert_qmv.metal",
         inputs=(*QUANTIZED_INPUTS, Arg("bcast", "uint32", 1),
                 *scalars("n_experts", "n_out", "k_in", "n_sel", "x_slot")),
-        outputs=(Arg("out", "T", 2),), params=QUANTIZED_PARAMS,
-        bindings=quantized_bindings(MODES),
+        outputs=(Arg("out", "T", 2),), params=(*QUANTIZED_PARAMS, "ROUND"),
+        bindings=gemv_bindings(False),
         geometry="threadgroup (64 * S, 1, 1): 2 row blocks of 4 output rows x S K groups "
                  "(S = 1 on Metal; cuda: K split where the grid is small); "
                  "grid (64 * S, ceil(N / 8), tokens * k): one threadgroup per (pair, 8-row tile)",
@@ -307,7 +305,7 @@ def _launcher(info: dict, backend: str, dtype: mx.Dtype) -> Callable:
                 "n_sel": scalar(k, mx.uint32),
                 "x_slot": scalar(0 if info["shared"] else 1, mx.uint32)},
         template={"T": dtype, "BITS": info["bits"], "GROUP_SIZE": info["group_size"],
-                  "MODE": MODE_IDS[info["mode"]]},
+                  "MODE": MODE_IDS[info["mode"]], "ROUND": False},
         outputs={"out": ((pairs, n_out), dtype)},
         grid=(tg, -(-n_out // ROWS_PER_THREADGROUP), pairs), threadgroup=(tg, 1, 1),
     )

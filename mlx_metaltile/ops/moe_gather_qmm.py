@@ -10,7 +10,9 @@ step, so the op is fast from a handful of rows (decode, verification blocks) to 
 Two kernel paths, one op: ``simdgroup`` (8x8 ``simdgroup_matrix``, every Apple GPU) and
 ``mpp`` (MetalPerformancePrimitives ``matmul2d`` on the matrix units of Metal 4 GPUs,
 macOS >= 26.2 and GPU generation >= 17, the rule MLX uses for its NAX kernels; affine only:
-the fp modes run the simdgroup path).
+the fp modes run the simdgroup path). With few rows per expert a backend's plan may run the
+rows on expert_qmv's GEMV instead (``gemv``, the same rounded weights: cuda below
+GEMV_ROWS_PER_EXPERT rows per expert).
 """
 
 from __future__ import annotations
@@ -113,6 +115,46 @@ DX_PARAMS = (*QUANTIZED_PARAMS, "SIMDGROUPS", "UNROLL", "ROWS", "ROUND")
     notes="x-VJP dx = g @ W[ids] (weights rounded to T as the forward's), float32 out; "
           "affine, mxfp4, nvfp4, mxfp8",
 ))
+
+
+def gemv_bindings(rounded: bool):
+    """expert_qmv.metal's instantiations: every quantized binding with ROUND = ``rounded``
+    (true: this op's weights, rounded to T)."""
+    def bindings():
+        for binding in quantized_bindings(MODES)():
+            yield dict(binding, ROUND=rounded)
+    return bindings
+
+
+# Few rows per expert: the rows as expert_qmv's GEMV pairs (one id each), with this op's
+# rounded weights (ROUND), from cuda's plan (GEMV_ROWS_PER_EXPERT).
+(GEMV_SPEC,) = register(KernelSpec(
+    op=OP, variant="gemv", template="expert_qmv.metal",
+    inputs=(*QUANTIZED_INPUTS, Arg("bcast", "uint32", 1),
+            *scalars("n_experts", "n_out", "k_in", "n_sel", "x_slot")),
+    outputs=(Arg("out", "T", 2),), params=(*QUANTIZED_PARAMS, "ROUND"),
+    bindings=gemv_bindings(True),
+    geometry="as expert_qmv (pairs = the M rows, k = 1): threadgroup (64 * S, 1, 1), grid "
+             "(64 * S, ceil(N / 8), M); rows in any order (no sort)",
+    notes="the plan's choice below GEMV_ROWS_PER_EXPERT rows per expert; weights rounded "
+          "to T as the simdgroup kernel's",
+))
+# The plan's switch (read once per plan; clear_plans() after changing it): with variant
+# None, M rows run on the GEMV where M < GEMV_ROWS_PER_EXPERT[backend] * E, i.e. while an
+# expert has few rows on average; a backend not listed keeps the tiled kernels. The
+# tiled kernel's 8-row tiles hold one or two rows of an expert there, so its 128-thread
+# threadgroups stage a whole K walk of W for a row or two (H100: 54 GB/s at 8 rows of
+# Qwen3-30B-A3B's up projection); the GEMV streams each row's weights with every load in
+# flight. MLX's gather_qmm switches from per-row matvecs to its tiled kernel at 4 rows
+# per expert. Metal is not listed: whether the GEMV beats the simdgroup / mpp tile there
+# is for a Mac to measure.
+GEMV_ROWS_PER_EXPERT = {"cuda": 4}
+
+
+def uses_gemv(M: int, E: int, backend: str, variant) -> bool:
+    """Whether the plan runs M rows on the GEMV (GEMV_SPEC) rather than a tiled kernel."""
+    per_expert = GEMV_ROWS_PER_EXPERT.get(backend)
+    return variant is None and per_expert is not None and 0 < M < per_expert * E
 
 
 def _lead(x, indices) -> tuple[int, ...] | None:
@@ -318,6 +360,34 @@ def _launcher(spec: KernelSpec, M: int, N: int, K: int, E: int, group_size: int,
     return launch
 
 
+def _gemv_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, mode: str,
+                   dtype: mx.Dtype, backend: str) -> Callable:
+    """GEMV_SPEC's call of M rows on ``backend``, prepared once: returns
+    ``launch(x, w, scales, biases, indices)`` (x [M, K], indices [M], any order)."""
+    from .expert_qmv import ROWS_PER_THREADGROUP, _bcast_input, _k_groups  # imports this
+
+    tg = backends.SIMD_WIDTH * 2 * _k_groups(N, K, M, bits, group_size, 4, backend)
+    prepared = backends.prepare(
+        GEMV_SPEC, backend,
+        inputs={"x": None, "w": None, "scales": None, "biases": None, "indices": None,
+                "bcast": _bcast_input(((M, 1, 1),)), "n_experts": scalar(E, mx.uint32),
+                "n_out": scalar(N, mx.uint32), "k_in": scalar(K, mx.uint32),
+                "n_sel": scalar(1, mx.uint32), "x_slot": scalar(0, mx.uint32)},
+        template={"T": dtype, "BITS": bits, "GROUP_SIZE": group_size,
+                  "MODE": MODE_IDS[mode], "ROUND": True},
+        outputs={"out": ((M, N), dtype)},
+        grid=(tg, -(-N // ROWS_PER_THREADGROUP), M), threadgroup=(tg, 1, 1),
+    )
+
+    def launch(x, w, scales, biases, indices):
+        if biases is None:  # fp modes: the kernel never reads its biases input
+            biases = scales
+        (out,) = prepared(x, w, scales, biases, indices)
+        return out
+
+    return launch
+
+
 def dx_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, mode: str,
                 dtype: mx.Dtype, backend: str, spec: KernelSpec = DX_SPEC,
                 rounded: bool = True) -> Callable:
@@ -394,7 +464,8 @@ def moe_gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array 
         nvfp4: 16 and 4; mxfp8: 32 and 8.
       mode: "affine" (default), "mxfp4", "nvfp4" or "mxfp8"; a mode that contradicts the arrays
         (biases, scale dtype, group count) raises.
-      variant: None (choose from the device), ``"simdgroup"`` or ``"mpp"``: a kernel
+      variant: None (choose from the device and the rows: on cuda, fewer than
+        GEMV_ROWS_PER_EXPERT rows per expert run a GEMV), ``"simdgroup"`` or ``"mpp"``: a kernel
         backend's choice; a variant that cannot run on the current backend, or any variant
         on the reference backend, raises ValueError (as in ``fp4_qmm``). Both variants
         stage x and the weights in x's own dtype (exact), so the same inputs give the same
@@ -450,8 +521,12 @@ def _plan(x, w, scales, biases, indices, group_size, bits, mode, sorted_indices,
     on_stream(OP, stream)  # refuses what is not a stream
     dtype, x_shape, n_ids = x.dtype, tuple(x.shape), indices.size
     launch = dx_launch = None
-    if spec is not None and M > 0:
+    gemv = spec is not None and uses_gemv(M, E, backend, variant)
+    if gemv:
+        launch = _gemv_launcher(M, N, K, E, group_size, bits, mode, dtype, backend)
+    elif spec is not None and M > 0:
         launch = _launcher(spec, M, N, K, E, group_size, bits, mode, dtype, backend)
+    if spec is not None and M > 0:
         dx_launch = dx_launcher(M, N, K, E, group_size, bits, mode, dtype, backend)
 
     def forward(x, w, scales, biases, indices):
@@ -460,7 +535,7 @@ def _plan(x, w, scales, biases, indices, group_size, bits, mode, sorted_indices,
                               bits, mode)
         out_shape = (*lead, x.shape[-2], N)
         rows, ids = _rows(x, indices, lead)
-        if sorted_indices or M < 2:
+        if sorted_indices or gemv or M < 2:  # the GEMV takes the rows in any order
             return launch(rows, w, scales, biases, ids).reshape(out_shape)
         order = mx.argsort(ids)  # rows of one expert adjacent: each tile reads it once
         out = launch(rows[order], w, scales, biases, ids[order])

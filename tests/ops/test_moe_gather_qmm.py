@@ -20,7 +20,7 @@ from support import (
 import mlx_metaltile as mt
 from mlx_metaltile import _device, backends
 from mlx_metaltile.cases import assert_close, to_f64
-from mlx_metaltile.cases.moe_gather_qmm import make_case, oracle, run_and_check
+from mlx_metaltile.cases.moe_gather_qmm import gemv_plan, make_case, oracle, run_and_check
 
 op_module = importlib.import_module("mlx_metaltile.ops.moe_gather_qmm")
 
@@ -807,3 +807,91 @@ def test_dx_instantiations_cover_the_launches(launch_recorder, rng):
     names = [name for name, *_ in launch_recorder.seen]
     assert names.count(op_module.DX_SPEC.name) == 3 * len(QUANTS) * 2
     launch_recorder.assert_declared()
+
+
+# ---- the GEMV plan (few rows per expert: expert_qmv.metal with ROUND) ---------------------
+
+@pytest.fixture
+def gemv(kernel_backend):
+    """The GEMV for every row count on the kernel backend (GEMV_ROWS_PER_EXPERT)."""
+    with gemv_plan(kernel_backend, 1e9):
+        yield kernel_backend
+
+
+def test_gemv_plan_choice():
+    """cuda's default: below 4 rows per expert, with variant None only; other backends keep
+    the tiled kernels."""
+    assert op_module.GEMV_ROWS_PER_EXPERT == {"cuda": 4}
+    uses = op_module.uses_gemv
+    assert uses(8, 128, "cuda", None) and uses(511, 128, "cuda", None)
+    assert not uses(512, 128, "cuda", None) and not uses(0, 128, "cuda", None)
+    assert not uses(8, 128, "cuda", "simdgroup")
+    assert not any(uses(8, 128, b, None) for b in ("metal", "emulator", "reference"))
+
+
+@pytest.mark.parametrize("bits", (4, 8))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gemv_matches_oracle(gemv, poisoned_outputs, rng, dtype, bits):
+    """The GEMV against the float64 oracle on the shapes that break kernels (M = 1, ragged,
+    unsorted and repeated ids, first / last expert, out-of-range ids, int32 with negative
+    ids); the plan's kernel ran (run_and_check's launch counters)."""
+    for shape, (E, M, N, K, gs, ids) in SHAPES.items():
+        case = make_case(rng, E, M, N, K, gs, bits, dtype, ids)
+        run_and_check(case, gs, bits, dtype, gemv, None, what=f" gemv {shape}")
+    ids = np.array([-1, 0, 3, 1, 2, 0, 3, -5, 3], dtype=np.int32)
+    case = make_case(rng, 4, 9, 64, 64, 32, bits, dtype, ids, index_dtype=mx.int32)
+    run_and_check(case, 32, bits, dtype, gemv, None, what=" gemv int32 ids")
+
+
+def gemv_rounding_case(dtype):
+    """x = (1 at k = 0, -1 at k = 32) against one weight row whose two groups hold
+    3 * (1 + 2^-p) (scale 1 + 2^-p, code 3), a tie of T rounded to even to 3 + 2^-(p-2),
+    and 3 + 2^-(p-2) itself (scale 1, code 3, bias 2^-(p-2)): 0 with the weights rounded to
+    T, -2^-p with float32 weights (p as dx_rounding_case)."""
+    p = {mx.float16: 10, mx.bfloat16: 7, mx.float32: 23}[dtype]
+    E, N, K, gs, bits = 1, 32, 64, 32, 8
+    w = mx.array(np.full((E, N, K * bits // 32), 0x03030303, dtype=np.uint32))
+    scales, biases = np.ones((E, N, 2)), np.zeros((E, N, 2))
+    scales[0, :, 0] = 1 + 2.0**-p
+    biases[0, :, 1] = 2.0**-(p - 2)
+    xv = np.zeros((1, K))
+    xv[0, [0, 32]] = (1.0, -1.0)
+    x, scales, biases = (mx.array(a.astype(np.float32)).astype(dtype)
+                         for a in (xv, scales, biases))
+    return (x, w, scales, biases, mx.array([0], dtype=mx.uint32)), gs, bits
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gemv_weights_rounded_to_t(gemv, poisoned_outputs, dtype):
+    case, gs, bits = gemv_rounding_case(dtype)
+    out = run_and_check(case, gs, bits, dtype, gemv, None, what=" gemv rounding")
+    if dtype != mx.float32:
+        assert (to_f64(out) == 0).all(), to_f64(out)
+
+
+def test_gemv_negative_control_unrounded_weights(broken_kernel, poisoned_outputs):
+    """Weights left in float32 (expert_qmv's own contract) fail the rounding case."""
+    require_backend("emulator")
+    broken_kernel(op_module.GEMV_SPEC, ("dot += float(T(metal::fma(s, q, b))) * xv[i];",
+                                        "dot += metal::fma(s, q, b) * xv[i];"))
+    case, gs, bits = gemv_rounding_case(mx.bfloat16)
+    with backends.use_backend("emulator"), gemv_plan("emulator", 1e9), pytest.raises(
+            AssertionError, match="out of tolerance"):
+        run_and_check(case, gs, bits, mx.bfloat16, "emulator", None)
+
+
+def test_gemv_traffic(rng):
+    """Emulator counters: each valid row reads its expert's words, scales and biases once
+    (in any order: no sort), a row with an out-of-range id reads none, out written once."""
+    require_backend("emulator")
+    from mlx_metaltile import emulator
+
+    E, N, K, gs, bits, dtype = 4, 64, 128, 64, 4, mx.bfloat16
+    ids = [3, 0, 3, 9, 1, 0]
+    case = make_case(rng, E, len(ids), N, K, gs, bits, dtype, ids)
+    with backends.use_backend("emulator"), gemv_plan("emulator", 1e9):
+        run_and_check(case, gs, bits, dtype, "emulator", None)
+    stats = emulator.last_launch_stats()
+    valid = sum(i < E for i in ids)
+    assert stats.bytes_read["w"] == valid * N * K * bits // 8
+    assert stats.bytes_read["scales"] == stats.bytes_read["biases"] == valid * N * K // gs * 2

@@ -14,6 +14,7 @@ from support import require_backend
 import mlx_metaltile as mt
 from mlx_metaltile import backends
 from mlx_metaltile.cases import assert_close, check_rows, expect_launches, to_f64
+from mlx_metaltile.cases.moe_gather_qmm import gemv_plan
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 FP_MODES = ("mxfp4", "nvfp4", "mxfp8")
@@ -228,8 +229,11 @@ def gqmm_oracle(x, w, scales, indices, mode, dtype):
     return want, mag, valid
 
 
-def run_gqmm(x, w, scales, ids, mode, backend, kernel="moe_gather_qmm_simdgroup"):
-    with expect_launches(backend, 1, kernel):  # the simdgroup kernel ran
+def run_gqmm(x, w, scales, ids, mode, backend):
+    # the kernel the plan runs: the GEMV for few rows per expert (cuda), else simdgroup
+    gemv = gqmm_module.uses_gemv(ids.size, w.shape[0], backend, None)
+    kernel = (gqmm_module.GEMV_SPEC if gemv else gqmm_module.SIMDGROUP_SPEC).name
+    with expect_launches(backend, 1, kernel):
         out = mt.moe_gather_qmm(x, w, scales, None, ids, mode=mode)
         mx.eval(out)
     want, mag, valid = gqmm_oracle(x, w, scales, ids, mode, x.dtype)
@@ -255,6 +259,19 @@ def test_moe_gather_qmm_wide_scales(any_backend, poisoned_outputs, rng, dtype, m
     w, s = make_fp(rng, 3, 32, 64, mode, wide=True)
     ids = mx.array([2, 0, 1, 1, 0], dtype=mx.uint32)
     run_gqmm(make_x(rng, (5, 64), dtype), w, s, ids, mode, any_backend)
+
+
+@pytest.mark.parametrize("mode", FP_MODES)
+@pytest.mark.parametrize("dtype, wide", [(mx.float16, False), (mx.bfloat16, True)],
+                         ids=("float16", "bfloat16-wide-scales"))
+def test_moe_gather_qmm_fp_modes_gemv(kernel_backend, poisoned_outputs, rng, dtype, wide,
+                                      mode):
+    """The GEMV plan (cuda's for few rows per expert) in every fp mode: unsorted ids, an
+    out-of-range one, each weight rounded to x's dtype as the tiled kernel rounds it."""
+    w, s = make_fp(rng, 5, 64, 128, mode, wide=wide)
+    ids = mx.array([3, 3, 0, 4, -1, 1, 0, 2, 5], dtype=mx.int32)
+    with gemv_plan(kernel_backend, 1e9):
+        run_gqmm(make_x(rng, (9, 128), dtype), w, s, ids, mode, kernel_backend)
 
 
 @pytest.mark.slow
