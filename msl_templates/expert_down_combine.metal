@@ -8,17 +8,28 @@
 //   scale_g * sum_i q_i * h_i + bias_g * sum_i h_i (fp modes: scale_g * sum_i v_i * h_i), in
 //   float32 through mt_expert_word_dot (expert_qdot.h: shift- and conversion-free affine
 //   codes, each product bitwise that of q_i * h_i).
-//   REDUCTION ORDER (fixed for a given k and launch plan: bitwise reproducible run to run):
-//   the token's slots j are dealt to the S slot groups of a row block, slot group g taking
-//   j = g, g + S, g + 2S, ... (S = 1: every slot). For each of its slots in increasing j, lane
-//   l sums its words (WORD MAPPING) step after step, word 0, 1, ... of each step, into a
-//   partial (lane 0 then adds bias[e_j, d]) and adds score_j * partial to its accumulator;
-//   the 32 lane accumulators are combined by one simd_sum. S = 1: that is the output. S > 1: the S slot-group sums are added in order
-//   g = 0, 1, ..., S - 1 (through threadgroup memory) by slot group 0. float32 throughout,
-//   rounded once to T.
-//   No atomics.
+//   REDUCTION ORDER (fixed for given ids, k and launch plan: bitwise reproducible run to
+//   run). Per token (SHARE = 0): the token's slots j are dealt to the S slot groups of a row
+//   block, slot group g taking j = g, g + S, g + 2S, ... (S = 1: every slot). For each of its
+//   slots in increasing j, lane l sums its words (WORD MAPPING) step after step, word 0, 1,
+//   ... of each step, into a partial (lane 0 then adds bias[e_j, d]) and adds
+//   score_j * partial to its accumulator; the 32 lane accumulators are combined by one
+//   simd_sum. S = 1: that is the output. S > 1: the S slot-group sums are added in order
+//   g = 0, 1, ..., S - 1 (through threadgroup memory) by slot group 0.
+//   Token block (SHARE = 1, BLOCK PLAN): the block's distinct experts u = 0, 1, ... (pair
+//   order of first appearance) are dealt to the slot groups, g taking u = g, g + S, ...; for
+//   each of its experts in increasing u, the expert's pairs in increasing pair order, in
+//   passes of up to MAX_SHARED: lane l sums each pass pair's words as above into that pair's
+//   partial (lane 0 adds bias[e, d]); one simd_sum per (pair, row) gives the pair's
+//   projection, and score * projection is added to the (token, row) accumulator, which
+//   lane t * 4 + r holds. The S slot-group accumulators are added in order g = 0, 1, ...
+//   (S = 1: none). So a token's k terms are summed in an order fixed by the block's ids,
+//   not in slot order as per token: the two forms may differ in the last bits (each within
+//   the tolerance table against the float64 oracle). float32 throughout, rounded once to
+//   T. No atomics.
 //   OUT-OF-RANGE IDS: if any of the token's k ids is >= E (uint; negative int32 ids too) the
-//   token's whole output row is NaN and nothing of its experts is read.
+//   token's whole output row is NaN and nothing of its experts is read for it (SHARE: the
+//   block's other tokens are unaffected; an expert one of them names is read for that one).
 //
 // LAYOUT (row-contiguous):
 //   h       [T * k, N] T        the token's k expert inputs, token-major (expert_glu's output)
@@ -27,21 +38,40 @@
 //   indices [T * k] uint32/int32;  scores [T * k] float32, float16 or bfloat16
 //   bias    [E, D] T (read only if has_bias; else the wrapper passes h, never read)
 //   out     [T, D] T
-//   n_experts (E), n_out (D), k_in (N), n_sel (k), has_bias: 0-d uint runtime inputs.
-//   Template: T, BITS, GROUP_SIZE, MODE as expert_qmv.metal.
+//   n_experts (E), n_out (D), k_in (N), n_sel (k), has_bias, n_tokens (T, the call's
+//   tokens), block_tokens (TB, SHARE only): 0-d uint runtime inputs.
+//   Template: T, BITS, GROUP_SIZE, MODE as expert_qmv.metal; SHARE: 0 per token, 1 the
+//   token-block form (one threadgroup column per TB tokens, each distinct expert of the
+//   block read once per MAX_SHARED of its pairs).
+//
+// BLOCK PLAN (SHARE = 1): the block's n = TB' * k pairs (TB' = its tokens, the last block
+//   ragged) are one SIMD-group's lanes, lane q holding pair q's id; each SIMD-group forms
+//   the plan alone (no threadgroup memory, no barrier): a ballot of the out-of-range ids
+//   gives the invalid tokens; n shuffles give lane q the mask of the valid-token pairs
+//   naming its expert (its sharers); a ballot of the lanes with no earlier sharer gives each
+//   distinct expert's first pair, in pair order. A slot group walks its experts' rows once
+//   per pass of up to MAX_SHARED sharers: a step's words, scales and biases loaded once,
+//   then, word by word, each pass pair's activations of the word and the word's dot with
+//   each (the word decoded once for all of them). MAX_SHARED = 2: 4 would hold 4 pairs'
+//   partials of 4 rows and pushes float32 and mxfp4 instantiations past 128 registers (130
+//   to 133); with random routing at 4 tokens a distinct expert has 3 or more pairs rarely
+//   (gpt-oss-20b: 4%; 8 tokens 13%), and its second pass finds the rows just read in cache.
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes and the backend):
 //   threadgroup (64 * S, 1, 1): SIMD-group i is row block i % 2 of slot group i / 2, S in
 //   [1, MAX_SLOT_GROUPS] (the kernel reads S from simdgroups_per_threadgroup);
-//   grid (64 * S, ceil(D / 8), T): row block b of row-tile y owns rows [(2y + b) * 4, + 4) of
-//   token z clipped to D (a block past D owns none, reads nothing, and still meets the
-//   barrier); each output element is written by one lane, and each word/scale/bias of each
-//   selected expert's rows is read by exactly one lane, by the one SIMD-group holding that
-//   slot and row block: word w0 + 32 * wi + l of a step by lane l, group g0 + j by lane j
-//   (a step of 32 * WORDS words holds whole groups, at most 32: WORDS <= GS / PACK), h's
-//   row once per (slot, row block).
-//   Threadgroup memory: MAX_SLOT_GROUPS * 8 floats, written and read (after one barrier)
-//   only when S > 1. The only early return (an invalid id) is uniform over the threadgroup.
+//   grid (64 * S, ceil(D / 8), T) per token, (64 * S, ceil(D / 8), ceil(T / TB)) for SHARE,
+//   2 <= TB <= 8 and TB * k <= 32: row block b of row-tile y owns rows [(2y + b) * 4, + 4)
+//   of token z (SHARE: of tokens [z * TB, + TB) clipped to T) clipped to D (a block past D
+//   owns none, reads nothing, and still meets the barrier); each output element is written
+//   by one lane, and each word/scale/bias of each selected expert's rows is read by exactly
+//   one lane per pass, by the one SIMD-group holding that slot (SHARE: that distinct expert)
+//   and row block: word w0 + 32 * wi + l of a step by lane l, group g0 + j by lane j (a step
+//   of 32 * WORDS words holds whole groups, at most 32: WORDS <= GS / PACK), h's row once
+//   per (pair, row block).
+//   Threadgroup memory: MAX_SLOT_GROUPS * 8 floats (SHARE: * 64), written and read (after
+//   one barrier) only when S > 1. The only early return (per token, an invalid id) is
+//   uniform over the threadgroup.
 //   K % GS == 0 (a group never straddles the row end; a partial last step masks the words
 //   and groups past it). Every branch around a simd_shuffle / simd_sum is uniform over the
 //   SIMD-group.
@@ -52,6 +82,22 @@
 //   slots spread evenly over S = ceil(k / ceil(k / 8)) slot groups (k = 8: 8 groups of one
 //   slot): Qwen3-30B-A3B decode (D = 2048, one token) runs 256 threadgroups of 16 warps
 //   (4096 warps) instead of 512 warps that each walk 8 experts one after another.
+//   SHARE (ops/expert_down_combine.py SHARE_TOKENS, SHARE_MIN_TOKENS, _share_plan; one token
+//   stays per token): from 2 tokens, TB = min(SHARE_TOKENS, 32 // k, T) tokens per
+//   threadgroup. cuda: TB up to 8 (a call of up to 8 decode or verify tokens is one block
+//   where k <= 4: gpt-oss-20b at 4 tokens reads ~12.5 distinct experts instead of 16 pairs'
+//   rows, at 8 ~20.5 instead of 32; k = 8: blocks of 4, Qwen3-30B-A3B ~28.4 of 32), S =
+//   min(8, TB * k): 512-thread threadgroups, the most a threadgroup holds at up to 128
+//   registers, so the warps resident per SM stay those of the per-token plan (one
+//   threadgroup of 16 warps per H100 SM, against two of 8 for gpt-oss per token): the grid
+//   has TB times fewer threadgroups, each slot group walking ~distinct / S experts (gpt-oss
+//   4 tokens: 360 threadgroups of 16 warps, 1 or 2 experts each, against 1440 of 8 warps
+//   with one pair each). Metal: TB = 4, S = TB, the per-token plan's SIMD-groups per token
+//   (one) kept, each walking about as many experts as one per-token SIMD-group walks k
+//   pairs, with fewer bytes: Apple GPUs run MoE decode far below their bandwidth (issue
+//   text: 34% of M3 Ultra's roofline), so bytes are traded for nothing of the parallelism;
+//   TB = 4 rather than 8 keeps blocks at k = 8 within 32 pairs and threadgroups at 256
+//   threads. Unmeasured on a Mac: a constant to sweep there.
 //
 // WORD MAPPING and LOADS: as expert_glu.metal's (the reasons for both GPUs are stated
 //   there), one projection: in a step of 32 * WORDS words of a row, lane l holds words
@@ -64,15 +110,21 @@
 //   step, all of a slot's loads in flight at once, where 2 would take two dependent trips;
 //   the cuda plan's 512-thread threadgroups hold one per H100 SM at up to 128 registers
 //   either way.
-//   Registers (CUDA, ptxas for bf16 4-bit affine GS 64): 119 (128 before); 124 at most over
-//   every instantiation (a 512-thread threadgroup needs 128 or fewer).
+//   Registers (CUDA, ptxas for bf16 4-bit affine GS 64, the three kernels MLX builds): per
+//   token 120-123 (114-119 before SHARE; its loads as they were: CHUNK_WORDS), SHARE
+//   95-104; over every SHARE instantiation 87-127 (float32 8-bit the most), none spilling
+//   (a 512-thread threadgroup needs 128 or fewer).
 //
-// TRAFFIC PER CALL: each valid token's k experts' down rows once, h once per (slot, row
-//   block) (from cache after the first tile), ids and scores once per thread (broadcast loads),
-//   out [T, D] once; no [T, k, D] intermediate exists.
+// TRAFFIC PER CALL: per token: each valid token's k experts' down rows once; SHARE: each
+//   block's distinct experts of valid tokens' down rows once per pass (one, unless more
+//   than MAX_SHARED of the block's pairs name it): with every call's tokens one block, each
+//   distinct expert once per call. h once per (pair, row block) (from cache after the first
+//   tile), ids and scores once per thread (broadcast loads), out [T, D] once; no [T, k, D]
+//   intermediate exists.
 //
 // CHECKED ONLY ON A MAC: as expert_qmv.metal (same constructs), plus a kernel-scope
-//   threadgroup array and threadgroup_barrier; S > 1 runs on the emulator in the tests.
+//   threadgroup array and threadgroup_barrier, and (SHARE) simd_ballot read through
+//   simd_vote::vote_t, popcount and ctz; S > 1 and SHARE run on the emulator in the tests.
 #include "common.h"
 #include "expert_qdot.h"
 // ---- kernel body ----
