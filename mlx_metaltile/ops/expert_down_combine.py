@@ -4,7 +4,9 @@ the k experts, one dispatch.
 mlx-lm's MoE blocks run the down projection (``gather_qmm``, ``[..., k, D]`` written), then
 multiply by the scores and sum over k (more dispatches, the intermediate read back). This op
 writes ``[..., D]`` directly, summing the k experts in a fixed order (bitwise reproducible;
-no atomics).
+no atomics). From SHARE_MIN_TOKENS tokens (decode of several tokens, verify) it runs the
+token-block form: each distinct expert of a block of tokens read once for all the block's
+pairs naming it, rather than once per (token, expert) pair.
 """
 
 from __future__ import annotations
@@ -179,10 +181,12 @@ MAX_BLOCK_TOKENS = 8  # lane t * 4 + r holds the block's token t, row r (the tem
 # The token-block form (the template's SHARE = 1, its header says why): from
 # SHARE_MIN_TOKENS tokens a call's tokens run in blocks of up to SHARE_TOKENS (and
 # BLOCK_PAIRS // k) tokens per threadgroup, each distinct expert of a block read once.
-# Per backend; the emulator follows "metal"; a backend absent runs per token. Plans read
-# these once (clear_plans()).
+# SHARE_SLOT_GROUPS_PER_TOKEN: the block's distinct experts go to S = min(MAX_SLOT_GROUPS,
+# TB * this, TB * k) slot groups. Per backend; the emulator follows "metal"; a backend
+# absent runs per token. Plans read these once (clear_plans()).
 SHARE_TOKENS: dict[str, int] = {"metal": 4, "cuda": 8}
 SHARE_MIN_TOKENS: dict[str, int] = {"metal": 2, "cuda": 2}
+SHARE_SLOT_GROUPS_PER_TOKEN: dict[str, int] = {"metal": 1, "cuda": MAX_SLOT_GROUPS}
 
 
 def _slot_groups(k: int, backend: str) -> int:
@@ -201,16 +205,16 @@ def _share_plan(tokens: int, k: int, backend: str) -> tuple[int, int] | None:
     """(TB, S) of the token-block form for ``tokens`` tokens of k experts on ``backend``, or
     None (per token). TB: tokens per threadgroup, the fewest of SHARE_TOKENS, BLOCK_PAIRS //
     k and the call's tokens. S: slot groups per row block, dealt the block's distinct
-    experts: cuda min(8, TB * k), up to one SIMD-group per pair, as many warps in flight as
-    a 512-thread threadgroup holds; Metal min(8, TB), the SIMD-groups per token of its
-    per-token plan (one)."""
+    experts (SHARE_SLOT_GROUPS_PER_TOKEN): cuda min(8, TB * k), up to one SIMD-group per
+    pair, as many warps in flight as a 512-thread threadgroup holds; Metal min(8, TB), the
+    SIMD-groups per token of its per-token plan (one)."""
     key = "metal" if backend == "emulator" else backend
     if tokens < SHARE_MIN_TOKENS.get(key, math.inf):
         return None
     block = min(SHARE_TOKENS[key], BLOCK_PAIRS // k, MAX_BLOCK_TOKENS, tokens)
     if block < 2:
         return None
-    return block, min(MAX_SLOT_GROUPS, block * k if key == "cuda" else block)
+    return block, min(MAX_SLOT_GROUPS, block * SHARE_SLOT_GROUPS_PER_TOKEN[key], block * k)
 
 
 def _launcher(info: dict, backend: str, dtype: mx.Dtype) -> Callable:
@@ -280,9 +284,10 @@ def expert_down_combine(h: mx.array, w: mx.array, scales: mx.array, biases,
       stream: the MLX stream or device to run on (None: the default).
 
     Returns: ``[..., D]`` in h's dtype, accumulated in float32 and rounded once; the k
-    experts are summed in a fixed order (the template's REDUCTION ORDER), so results are
-    bitwise reproducible run to run. If any of a token's ids is outside ``[0, E)`` that token's whole row is NaN.
-    k = 0 gives zeros.
+    experts are summed in an order fixed by the call's ids and shape (the template's
+    REDUCTION ORDER), so results are bitwise reproducible run to run. If any of a token's
+    ids is outside ``[0, E)`` that token's whole row is NaN (the call's other tokens are
+    unaffected). k = 0 gives zeros.
 
     Reference backend: ``mx.compile(shapeless=True)`` and ``mx.vmap`` raise an
     ``[expert_down_combine]`` error: the composite is ``mx.gather_qmm``, which MLX 0.32

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import itertools
 
 import mlx.core as mx
 import numpy as np
@@ -267,14 +268,17 @@ def test_instantiations_match_the_launches(launch_recorder, rng):
     for dtype in DTYPES:
         for mode, gs, bits in (*QUANT, ("affine", 64, 4)):
             down = make_experts(rng, 3, 8, 128, dtype, mode, gs, bits, bias=True)
-            for ids in (mx.array([[0, 2]], dtype=mx.uint32), mx.array([[0, 2]], dtype=mx.int32)):
-                for sdt in (dtype, mx.float32):
-                    mt.expert_down_combine(make_x(rng, (1, 2, 128), dtype), *down[:3], ids,
-                                           make_scores(rng, (1, 2), sdt), bias=down[3],
-                                           mode=mode, group_size=gs, bits=bits)
-                    n += 1
+            for ids, sdt, tokens in itertools.product((mx.uint32, mx.int32),
+                                                      (dtype, mx.float32), (1, 2)):
+                # one token per token, two the token-block form (SHARE = 1)
+                mt.expert_down_combine(make_x(rng, (tokens, 2, 128), dtype), *down[:3],
+                                       mx.array([[0, 2]] * tokens, dtype=ids),
+                                       make_scores(rng, (tokens, 2), sdt), bias=down[3],
+                                       mode=mode, group_size=gs, bits=bits)
+                n += 1
     assert len(launch_recorder.seen) == n
     assert {name for name, *_ in launch_recorder.seen} == {op_module.SPEC.name}
+    assert {dict(t)["SHARE"] for _, t, *_ in launch_recorder.seen} == {0, 1}
     launch_recorder.assert_declared()
 
 
