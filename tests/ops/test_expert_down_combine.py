@@ -443,37 +443,38 @@ def _block_ids(rng, tokens, k, n_experts):
     if k > 1:
         ids[3, 1] = ids[3, 0]
     ids[2, -1] = n_experts
-    return ids.astype(np.int32)
+    return ids.astype(np.uint32)
 
 
-def _check_blocks(rng, backend, k, mode="affine", group_size=64, bits=4):
+def _check_blocks(rng, backend, k, score_dtype, mode="affine", group_size=64, bits=4):
     """Eleven tokens (a ragged last block under each plan), D = 13 (a ragged row block), only
-    token 2's row NaN, signed scores in float32 (k = 3: in h's dtype), biases."""
+    token 2's row NaN, signed scores, biases."""
     tokens, n_experts, d, n = 11, 9, 13, 2 * max(group_size, 32)
     down = make_experts(rng, n_experts, d, n, mx.bfloat16, mode, group_size, bits, bias=True)
     ids = _block_ids(rng, tokens, k, n_experts)
-    scores = mx.array(rng.standard_normal((tokens, k)).astype(np.float32))
+    scores = mx.array(rng.standard_normal((tokens, k)).astype(np.float32)).astype(score_dtype)
     out = run_and_check(make_x(rng, (tokens, k, n), mx.bfloat16), down, mx.array(ids),
-                        scores.astype(mx.bfloat16) if k == 3 else scores, backend,
-                        mode=mode, group_size=group_size, bits=bits)
+                        scores, backend, mode=mode, group_size=group_size, bits=bits)
     assert np.isnan(to_f64(out)).all(axis=-1).tolist() == [t == 2 for t in range(tokens)]
 
 
 @pytest.mark.parametrize("k", (1, 3, 10))
 @pytest.mark.parametrize("mode, group_size, bits", [
-    ("affine", 64, 4), ("affine", 32, 8), ("mxfp4", 32, 4), ("nvfp4", 16, 4)],
+    ("affine", 32, 4), ("affine", 64, 8), ("mxfp4", 32, 4), ("nvfp4", 16, 4)],
     ids=lambda v: str(v))
 def test_share_plan_matches_oracle(share_plan, poisoned_outputs, rng, mode, group_size, bits,
                                    k):
-    _check_blocks(rng, "emulator", k, mode, group_size, bits)
+    """Scores in h's dtype (float32 below)."""
+    _check_blocks(rng, "emulator", k, mx.bfloat16, mode, group_size, bits)
     _share_ran(share_plan, 11, k)
 
 
 @pytest.mark.parametrize("k", (1, 3, 10))
 def test_share_plan_of_the_backend(kernel_backend, poisoned_outputs, rng, k):
-    """The backend's own token-block plan (on cuda TB = 8 where 8 k <= 32, S = 8)."""
+    """The backend's own token-block plan (on cuda TB = 8 where 8 k <= 32, S = 8), float32
+    scores."""
     assert op_module._share_plan(11, k, kernel_backend) is not None
-    _check_blocks(rng, kernel_backend, k)
+    _check_blocks(rng, kernel_backend, k, mx.float32)
 
 
 @pytest.mark.parametrize("ids, pairs", [
