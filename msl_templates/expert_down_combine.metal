@@ -94,17 +94,18 @@
 //   4 tokens: 360 threadgroups of 16 warps, 1 or 2 experts each, against 1440 of 8 warps
 //   with one pair each). Metal: TB = 4, S = TB, the per-token plan's SIMD-groups per token
 //   (one) kept, each walking about as many experts as one per-token SIMD-group walks k
-//   pairs, with fewer bytes: Apple GPUs run MoE decode far below their bandwidth (issue
-//   text: 34% of M3 Ultra's roofline), so bytes are traded for nothing of the parallelism;
-//   TB = 4 rather than 8 keeps blocks at k = 8 within 32 pairs and threadgroups at 256
-//   threads. Unmeasured on a Mac: a constant to sweep there.
+//   pairs, with fewer bytes: Apple GPUs run MoE decode far below their bandwidth (an M3
+//   Ultra analysis puts a 35B-A3B MoE at 34% of its roofline), so bytes are saved without
+//   giving up SIMD-groups; TB = 4 rather than 8 keeps threadgroups at 256 threads (S = TB)
+//   and the blocks of k = 8 models whole. Unmeasured on a Mac: a constant to sweep there.
 //
 // WORD MAPPING and LOADS: as expert_glu.metal's (the reasons for both GPUs are stated
 //   there), one projection: in a step of 32 * WORDS words of a row, lane l holds words
 //   w0 + 32 * wi + l of each of the 4 rows (each word-load instruction reads 128 contiguous
 //   bytes) and their PACK activations of h each; the step's groups are loaded one per lane
 //   (scale and affine bias as one uint, mt_group_bits) and shuffled to the lanes of their
-//   words. All of a step's loads are issued before any is used: WORDS = 4 words of each
+//   words. All of a step's loads (SHARE: its words, scales and biases; the activations
+//   word by word, CHUNK_WORDS) are issued before any is used: WORDS = 4 words of each
 //   row (16 per lane; nvfp4 2 of each row), 4 group uints, WORDS * PACK activations. WORDS stays 4 (not
 //   expert_glu's 2 per projection): Qwen3-30B-A3B's down rows (N = 768: 96 words) are one
 //   step, all of a slot's loads in flight at once, where 2 would take two dependent trips;
@@ -139,8 +140,9 @@ constexpr uint PACK = 32 / BITS;
 // that a step holds at most 32 groups (one per lane).
 constexpr int WORDS = GROUP_SIZE / PACK < 4 ? GROUP_SIZE / PACK : 4;
 // Words of a step whose activations are loaded together: per token the whole step (all
-// of a step's loads in flight at once, LOADS); SHARE one, for each of the pass's pairs (the
-// registers of MAX_SHARED pairs' activations of a whole step would not fit).
+// of a step's loads in flight at once, LOADS); SHARE one word, for each of the pass's pairs,
+// the word decoded once and used for each (over whole steps ptxas decodes all of a step's
+// words once for all the pairs and holds the values: 160 registers in mxfp4).
 constexpr int CHUNK_WORDS = SHARE != 0 ? 1 : WORDS;
 constexpr uint STEP_WORDS = 32 * WORDS;                  // words of a row per 32-lane step
 constexpr uint GROUP_WORDS = GROUP_SIZE / PACK;          // words per group: 2..32, divides 32
