@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import mlx.core as mx
 import numpy as np
 
@@ -107,24 +109,30 @@ def _magnitude(h, down, indices, scores, mode):
 
 
 def bench_cases() -> list[BenchCase]:
+    """One decode token (per token), and 4 tokens (verify; the token-block form, each
+    distinct expert read once: its bytes count the expected distinct experts of 4 tokens'
+    random routing, E (1 - (1 - k / E)^4), against 4 k pairs)."""
     out = []
     dtype = mx.bfloat16
-    for label, E, k, D, N, mode, _act, bias in SHAPES:
-        def make(rng, E=E, k=k, D=D, N=N, mode=mode, bias=bias):
+    for (label, E, k, D, N, mode, _act, bias), tokens in itertools.product(SHAPES, (1, 4)):
+        def make(rng, E=E, k=k, D=D, N=N, mode=mode, bias=bias, tokens=tokens):
             experts, ids = bench_make(rng, E=E, k=k, n_in=N, n_out=D, mode=mode, bias=bias,
-                                      dtype=dtype)
-            h = mx.array(rng.standard_normal((1, k, N), dtype=np.float32)).astype(dtype)
+                                      dtype=dtype, tokens=tokens)
+            h = mx.array(rng.standard_normal((tokens, k, N), dtype=np.float32)).astype(dtype)
             return dict(h=h, down=experts(D, N), indices=ids,
-                        scores=make_scores(rng, (1, k), dtype), mode=mode)
+                        scores=make_scores(rng, (tokens, k), dtype), mode=mode)
 
         sb = 2 if mode == "affine" else 1
         per_expert = D * (N // 2 + (N // _gs(mode)) * sb * (2 if mode == "affine" else 1))
-        nbytes = (k * per_expert + k * N * dtype.size + D * dtype.size
-                  + (k * D * dtype.size if bias else 0))
-        out.append(BenchCase(op=OP, label=f"{label}-E{E}k{k}-{N}to{D}-{mode}", dtype=dtype,
-                             make=make, ours=_ours, native=_native, oracle=_oracle,
-                             magnitude=_magnitude, nbytes=nbytes, flops=2 * k * N * D,
-                             quick=label == "qwen3-30b-a3b"))
+        experts = k if tokens == 1 else E * (1 - (1 - k / E) ** tokens)
+        nbytes = int(experts * per_expert + tokens * (k * N + D) * dtype.size
+                     + (experts * D * dtype.size if bias else 0))
+        suffix = "" if tokens == 1 else f"-{tokens}tok"
+        out.append(BenchCase(op=OP, label=f"{label}-E{E}k{k}-{N}to{D}-{mode}{suffix}",
+                             dtype=dtype, make=make, ours=_ours, native=_native,
+                             oracle=_oracle, magnitude=_magnitude, nbytes=nbytes,
+                             flops=2 * tokens * k * N * D,
+                             quick=label == "qwen3-30b-a3b" and tokens == 1))
     return out + grad_bench_cases()
 
 

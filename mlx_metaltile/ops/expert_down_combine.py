@@ -4,7 +4,9 @@ the k experts, one dispatch.
 mlx-lm's MoE blocks run the down projection (``gather_qmm``, ``[..., k, D]`` written), then
 multiply by the scores and sum over k (more dispatches, the intermediate read back). This op
 writes ``[..., D]`` directly, summing the k experts in a fixed order (bitwise reproducible;
-no atomics).
+no atomics). From SHARE_MIN_TOKENS tokens (decode of several tokens, verify) it runs the
+token-block form: each distinct expert of a block of tokens read once for all the block's
+pairs naming it, rather than once per (token, expert) pair.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ __all__ = ["expert_down_combine", "expert_down_combine_reference"]
 def _bindings():
     for binding in quantized_bindings(MODES)():
         for r in dict.fromkeys((binding["T"], mx.float32)):  # scores in h's dtype or float32
-            yield dict(binding, R=r)
+            for share in (0, 1):  # per token, or the token-block form (_share_plan)
+                yield dict(binding, R=r, SHARE=share)
 
 
 (SPEC,) = register(
@@ -63,12 +66,17 @@ def _bindings():
         inputs=(Arg("h", "T", 2), Arg("w", "uint32", 3), Arg("scales", "S", 3),
                 Arg("biases", "S", 3), Arg("indices", "I", 1), Arg("scores", "R", 1),
                 Arg("bias", "T", 2),
-                *scalars("n_experts", "n_out", "k_in", "n_sel", "has_bias")),
-        outputs=(Arg("out", "T", 2),), params=QUANTIZED_PARAMS, bindings=_bindings,
+                *scalars("n_experts", "n_out", "k_in", "n_sel", "has_bias", "n_tokens",
+                         "block_tokens")),
+        outputs=(Arg("out", "T", 2),), params=(*QUANTIZED_PARAMS, "SHARE"),
+        bindings=_bindings,
         geometry="threadgroup (64 * S, 1, 1): 2 row blocks of 4 output rows x S slot "
                  "groups (S = 1 on Metal: each SIMD-group sums all k slots; cuda: the k "
                  "slots spread over up to 8); grid (64 * S, ceil(D / 8), tokens): one "
-                 "threadgroup per (token, 8-row tile), its k experts summed in a fixed order",
+                 "threadgroup per (token, 8-row tile), its k experts summed in a fixed "
+                 "order. SHARE = 1 (from SHARE_MIN_TOKENS tokens): one threadgroup per "
+                 "(block of TB tokens, 8-row tile), grid z = ceil(tokens / TB), each "
+                 "distinct expert of the block read once for all its pairs",
         notes="expert_qmv's modes; scores in h's dtype or float32; optional per-expert "
               "biases; any id >= E (or < 0) makes the token's row NaN",
     ),
@@ -167,6 +175,18 @@ def _backward(g, h, w, scales, biases, indices, scores, bias, info: dict) -> lis
 
 
 MAX_SLOT_GROUPS = 8  # matches the template
+MAX_SHARED = 2  # pairs walked together over one expert's rows (the template's)
+BLOCK_PAIRS = 32  # a token block's pairs are one SIMD-group's lanes (the template's)
+MAX_BLOCK_TOKENS = 8  # lane t * 4 + r holds the block's token t, row r (the template's)
+# The token-block form (the template's SHARE = 1, its header says why): from
+# SHARE_MIN_TOKENS tokens a call's tokens run in blocks of up to SHARE_TOKENS (and
+# BLOCK_PAIRS // k) tokens per threadgroup, each distinct expert of a block read once.
+# SHARE_SLOT_GROUPS_PER_TOKEN: the block's distinct experts go to S = min(MAX_SLOT_GROUPS,
+# TB * this, TB * k) slot groups. Per backend; the emulator follows "metal"; a backend
+# absent runs per token. Plans read these once (clear_plans()).
+SHARE_TOKENS: dict[str, int] = {"metal": 4, "cuda": 8}
+SHARE_MIN_TOKENS: dict[str, int] = {"metal": 2, "cuda": 2}
+SHARE_SLOT_GROUPS_PER_TOKEN: dict[str, int] = {"metal": 1, "cuda": MAX_SLOT_GROUPS}
 
 
 def _slot_groups(k: int, backend: str) -> int:
@@ -181,12 +201,30 @@ def _slot_groups(k: int, backend: str) -> int:
     return -(-k // per_group)
 
 
+def _share_plan(tokens: int, k: int, backend: str) -> tuple[int, int] | None:
+    """(TB, S) of the token-block form for ``tokens`` tokens of k experts on ``backend``, or
+    None (per token). TB: tokens per threadgroup, the fewest of SHARE_TOKENS, BLOCK_PAIRS //
+    k and the call's tokens. S: slot groups per row block, dealt the block's distinct
+    experts (SHARE_SLOT_GROUPS_PER_TOKEN): cuda min(8, TB * k), up to one SIMD-group per
+    pair, as many warps in flight as a 512-thread threadgroup holds; Metal min(8, TB), the
+    SIMD-groups per token of its per-token plan (one)."""
+    key = "metal" if backend == "emulator" else backend
+    if tokens < SHARE_MIN_TOKENS.get(key, math.inf):
+        return None
+    block = min(SHARE_TOKENS[key], BLOCK_PAIRS // k, MAX_BLOCK_TOKENS, tokens)
+    if block < 2:
+        return None
+    return block, min(MAX_SLOT_GROUPS, block * SHARE_SLOT_GROUPS_PER_TOKEN[key], block * k)
+
+
 def _launcher(info: dict, backend: str, dtype: mx.Dtype) -> Callable:
     """The kernel call of ``info``'s problem on ``backend``, prepared once: returns
     ``launch(h, w, scales, biases, indices, scores, bias)``."""
     n_out, n_in, k = info["n_out"], info["in_features"], info["k"]
     tokens = math.prod(info["lead"])
-    tg = backends.SIMD_WIDTH * SIMDGROUPS * _slot_groups(k, backend)
+    share = _share_plan(tokens, k, backend)
+    block, slot_groups = share or (1, _slot_groups(k, backend))
+    tg = backends.SIMD_WIDTH * SIMDGROUPS * slot_groups
     has_bias = info["has_bias"]
     prepared = backends.prepare(
         SPEC, backend,
@@ -194,11 +232,14 @@ def _launcher(info: dict, backend: str, dtype: mx.Dtype) -> Callable:
                 "scores": None, "bias": None,
                 "n_experts": scalar(info["n_experts"], mx.uint32),
                 "n_out": scalar(n_out, mx.uint32), "k_in": scalar(n_in, mx.uint32),
-                "n_sel": scalar(k, mx.uint32), "has_bias": scalar(int(has_bias), mx.uint32)},
+                "n_sel": scalar(k, mx.uint32), "has_bias": scalar(int(has_bias), mx.uint32),
+                "n_tokens": scalar(tokens, mx.uint32),
+                "block_tokens": scalar(block, mx.uint32)},
         template={"T": dtype, "BITS": info["bits"], "GROUP_SIZE": info["group_size"],
-                  "MODE": MODE_IDS[info["mode"]]},
+                  "MODE": MODE_IDS[info["mode"]], "SHARE": int(share is not None)},
         outputs={"out": ((tokens, n_out), dtype)},
-        grid=(tg, -(-n_out // ROWS_PER_THREADGROUP), tokens), threadgroup=(tg, 1, 1),
+        grid=(tg, -(-n_out // ROWS_PER_THREADGROUP), -(-tokens // block)),
+        threadgroup=(tg, 1, 1),
     )
     out_shape = _out_shape(info)
     flat = out_shape == (tokens, n_out)
@@ -243,9 +284,10 @@ def expert_down_combine(h: mx.array, w: mx.array, scales: mx.array, biases,
       stream: the MLX stream or device to run on (None: the default).
 
     Returns: ``[..., D]`` in h's dtype, accumulated in float32 and rounded once; the k
-    experts are summed in a fixed order (the template's REDUCTION ORDER), so results are
-    bitwise reproducible run to run. If any of a token's ids is outside ``[0, E)`` that token's whole row is NaN.
-    k = 0 gives zeros.
+    experts are summed in an order fixed by the call's ids and shape (the template's
+    REDUCTION ORDER), so results are bitwise reproducible run to run. If any of a token's
+    ids is outside ``[0, E)`` that token's whole row is NaN (the call's other tokens are
+    unaffected). k = 0 gives zeros.
 
     Reference backend: ``mx.compile(shapeless=True)`` and ``mx.vmap`` raise an
     ``[expert_down_combine]`` error: the composite is ``mx.gather_qmm``, which MLX 0.32

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import itertools
 
 import mlx.core as mx
 import numpy as np
@@ -117,10 +118,17 @@ def test_stream_argument(rng):
 
 # ---- what the kernel reads (emulator counters) ------------------------------------------
 
+@pytest.fixture
+def per_token(monkeypatch):
+    """Every call per token (the token-block form off)."""
+    monkeypatch.setattr(op_module, "_share_plan", lambda tokens, k, backend: None)
+
+
 @pytest.mark.parametrize("mode, group_size, bits", [("affine", 64, 4), ("mxfp4", 32, 4)])
-def test_reads_each_selected_expert_once(poisoned_outputs, rng, mode, group_size, bits):
-    """Per valid token and slot: the expert's down rows (words, scales, biases, bias) once;
-    h once per SIMD-group; ids and scores broadcast loads; only [tokens, D] written (no
+def test_reads_each_selected_expert_once(per_token, poisoned_outputs, rng, mode, group_size,
+                                         bits):
+    """Per token: per valid token and slot, the expert's down rows (words, scales, biases,
+    bias) once; h once per SIMD-group; ids and scores broadcast loads; only [tokens, D] written (no
     [tokens, k, D] intermediate). A token with an invalid id reads no expert byte."""
     if backends.unavailable_reason("emulator") is not None:
         pytest.skip("emulator unavailable")
@@ -160,9 +168,9 @@ def test_emulator_strict_shuffled(poisoned_outputs, rng, seed):
 # ---- cuda's launch plan (a row block's k slots over S SIMD-groups), run on the emulator ----
 
 @pytest.fixture
-def slot_plan(monkeypatch):
-    """The emulator launched with the cuda backend's plan: S = _slot_groups(k, "cuda") slot
-    groups per row block, combined through threadgroup memory after a barrier."""
+def slot_plan(monkeypatch, per_token):
+    """The emulator launched with the cuda backend's per-token plan: S = _slot_groups(k,
+    "cuda") slot groups per row block, combined through threadgroup memory after a barrier."""
     if backends.unavailable_reason("emulator") is not None:
         pytest.skip("emulator unavailable")
     real = op_module._slot_groups
@@ -226,7 +234,7 @@ def test_slot_plan_reads_each_selected_expert_once(slot_plan, poisoned_outputs, 
 
 @pytest.mark.parametrize("old, new", [
     ("for (uint g = 0; g < slot_groups; ++g) {", "for (uint g = 0; g < 1; ++g) {"),
-    ("if (j % slot_groups != slot_group) {", "if (j % slot_groups == slot_group) {"),
+    ("if (item % slot_groups != slot_group) {", "if (item % slot_groups == slot_group) {"),
 ], ids=("first_slot_group_only", "other_groups_slots"))
 def test_slot_plan_negative_control(slot_plan, poisoned_outputs, broken_kernel, rng, old, new):
     """The slot groups' combine and the dealing of slots must matter under cuda's plan."""
@@ -260,14 +268,17 @@ def test_instantiations_match_the_launches(launch_recorder, rng):
     for dtype in DTYPES:
         for mode, gs, bits in (*QUANT, ("affine", 64, 4)):
             down = make_experts(rng, 3, 8, 128, dtype, mode, gs, bits, bias=True)
-            for ids in (mx.array([[0, 2]], dtype=mx.uint32), mx.array([[0, 2]], dtype=mx.int32)):
-                for sdt in (dtype, mx.float32):
-                    mt.expert_down_combine(make_x(rng, (1, 2, 128), dtype), *down[:3], ids,
-                                           make_scores(rng, (1, 2), sdt), bias=down[3],
-                                           mode=mode, group_size=gs, bits=bits)
-                    n += 1
+            for ids, sdt, tokens in itertools.product((mx.uint32, mx.int32),
+                                                      (dtype, mx.float32), (1, 2)):
+                # one token per token, two the token-block form (SHARE = 1)
+                mt.expert_down_combine(make_x(rng, (tokens, 2, 128), dtype), *down[:3],
+                                       mx.array([[0, 2]] * tokens, dtype=ids),
+                                       make_scores(rng, (tokens, 2), sdt), bias=down[3],
+                                       mode=mode, group_size=gs, bits=bits)
+                n += 1
     assert len(launch_recorder.seen) == n
     assert {name for name, *_ in launch_recorder.seen} == {op_module.SPEC.name}
+    assert {dict(t)["SHARE"] for _, t, *_ in launch_recorder.seen} == {0, 1}
     launch_recorder.assert_declared()
 
 
@@ -290,9 +301,10 @@ def test_kernel_path_is_lazy(monkeypatch, no_host_sync, rng):
         scores = mx.softmax(mx.take_along_axis(logits, ids, axis=-1), axis=-1)
         out = mt.expert_down_combine(h, *down[:3], ids, scores, bias=down[3])
     assert out.shape == (2, 3, 40) and out.dtype == mx.bfloat16
-    assert seen["grid"] == (64, 5, 6) and seen["threadgroup"] == (64, 1, 1)
+    # six tokens: Metal's token-block plan, blocks of 4 tokens, S = 4
+    assert seen["grid"] == (256, 5, 2) and seen["threadgroup"] == (256, 1, 1)
     assert seen["template"] == [("T", mx.bfloat16), ("BITS", 4), ("GROUP_SIZE", 64),
-                                ("MODE", 0)]
+                                ("MODE", 0), ("SHARE", 1)]
 
 
 def test_empty_does_not_dispatch(kernel_backend, rng):
@@ -311,20 +323,21 @@ def test_empty_does_not_dispatch(kernel_backend, rng):
 
 # ---- negative controls --------------------------------------------------------------------
 
+@pytest.mark.parametrize("tokens", (1, 3), ids=("per_token", "token_block"))
 @pytest.mark.parametrize("old, new", [
-    ("acc[r] += score * part[r];", "acc[r] += part[r];"),  # scores ignored
-    ("for (uint j = 0; j < k; ++j) {  // fixed", "for (uint j = 0; j < 1; ++j) {  // fixed"),
-    ("part[r] += float(bias[size_t(expert) * n_rows_total + row0 + r]);", "part[r] += 0.0f;"),
-    ("const auto h_row = h + size_t(pair) * K;", "const auto h_row = h + size_t(token) * K;"),
+    ("const float score = float(scores[pair0 + pairs[i]]);", "const float score = 1.0f;"),
+    ("item < items; ++item) {  // fixed", "item < 1; ++item) {  // fixed"),
+    ("row_bias[r] = float(bias[first_row + r]);", "row_bias[r] = 0.0f;"),
+    ("h + size_t(pair0 + pairs[i]) * K", "h + size_t(pair0) * K"),
 ], ids=("no_scores", "first_expert_only", "no_bias", "wrong_h_row"))
 def test_negative_control_broken_kernel(kernel_backend, poisoned_outputs, broken_kernel, rng,
-                                        old, new):
+                                        old, new, tokens):
     broken_kernel(op_module.SPEC, (old, new))
     down = make_experts(rng, 4, 16, 256, mx.float32, group_size=32, bias=True)
-    ids = mx.array([[1, 3, 0]], dtype=mx.uint32)
+    ids = mx.array([[1, 3, 0], [2, 1, 1], [0, 3, 2]][:tokens], dtype=mx.uint32)
     with pytest.raises(AssertionError, match="out of tolerance"):
-        run_and_check(make_x(rng, (1, 3, 256), mx.float32), down, ids,
-                      make_scores(rng, (1, 3)), kernel_backend, group_size=32)
+        run_and_check(make_x(rng, (tokens, 3, 256), mx.float32), down, ids,
+                      make_scores(rng, (tokens, 3)), kernel_backend, group_size=32)
 
 
 def test_negative_control_unguarded_id_is_a_hazard(broken_kernel, rng):
@@ -380,3 +393,140 @@ def _ok():
 def test_bad_input(mutate, kwargs, exc, match):
     with pytest.raises(exc, match=r"^\[expert_down_combine\] " + match):
         mt.expert_down_combine(*mutate(_ok()), **kwargs)
+
+
+# ---- the token-block form: each distinct expert of a block read once for its pairs ---------
+
+@pytest.fixture(params=("metal", "cuda"))
+def share_plan(request, monkeypatch):
+    """The emulator launched with that backend's token-block plan (_share_plan): TB tokens
+    per threadgroup, their distinct experts dealt to S slot groups."""
+    if backends.unavailable_reason("emulator") is not None:
+        pytest.skip("emulator unavailable")
+    real, key = op_module._share_plan, request.param
+    monkeypatch.setattr(op_module, "_share_plan", lambda t, k, backend: real(t, k, key))
+    with backends.use_backend("emulator"):
+        yield key
+
+
+def _share_ran(key, tokens, k):
+    """The last launch was the token-block form of ``key``'s plan: threadgroup 64 * S, one
+    threadgroup column per block of TB tokens."""
+    from mlx_metaltile import emulator
+
+    block, slot_groups = op_module._share_plan(tokens, k, key)
+    stats = emulator.last_launch_stats()
+    assert stats.threadgroup == (64 * slot_groups, 1, 1)
+    assert stats.grid[2] == -(-tokens // block)
+    return stats
+
+
+def test_share_plan_of_each_backend():
+    """(TB, S): TB the fewest of SHARE_TOKENS, 32 // k and the tokens; S cuda min(8, TB * k),
+    Metal min(8, TB); one token (or TB < 2) per token."""
+    plan = op_module._share_plan
+    assert [plan(t, k, "cuda") for t, k in ((1, 8), (2, 4), (4, 8), (8, 4), (16, 4), (4, 10),
+                                            (9, 3), (4, 17), (4, 32))] == [
+        None, (2, 8), (4, 8), (8, 8), (8, 8), (3, 8), (8, 8), None, None]
+    assert [plan(t, k, "metal") for t, k in ((1, 8), (2, 1), (4, 8), (8, 4), (4, 10))] == [
+        None, (2, 2), (4, 4), (4, 4), (3, 3)]
+    assert plan(4, 8, "emulator") == plan(4, 8, "metal")
+    assert plan(4, 8, "reference") is None
+
+
+def _block_ids(rng, tokens, k, n_experts):
+    """Ids with tokens sharing experts, one token repeating an id, the first and last
+    experts, expert 1 named by more pairs than MAX_SHARED, and one invalid id (token 2)."""
+    ids = rng.integers(0, 4, (tokens, k))
+    ids[:, 0] = 1
+    ids[0, 0], ids[-1, -1] = 0, n_experts - 1
+    if k > 1:
+        ids[3, 1] = ids[3, 0]
+    ids[2, -1] = n_experts
+    return ids.astype(np.uint32)
+
+
+def _check_blocks(rng, backend, k, score_dtype, mode="affine", group_size=64, bits=4):
+    """Eleven tokens (a ragged last block under each plan), D = 13 (a ragged row block), only
+    token 2's row NaN, signed scores, biases."""
+    tokens, n_experts, d, n = 11, 9, 13, 2 * max(group_size, 32)
+    down = make_experts(rng, n_experts, d, n, mx.bfloat16, mode, group_size, bits, bias=True)
+    ids = _block_ids(rng, tokens, k, n_experts)
+    scores = mx.array(rng.standard_normal((tokens, k)).astype(np.float32)).astype(score_dtype)
+    out = run_and_check(make_x(rng, (tokens, k, n), mx.bfloat16), down, mx.array(ids),
+                        scores, backend, mode=mode, group_size=group_size, bits=bits)
+    assert np.isnan(to_f64(out)).all(axis=-1).tolist() == [t == 2 for t in range(tokens)]
+
+
+@pytest.mark.parametrize("k", (1, 3, 10))
+@pytest.mark.parametrize("mode, group_size, bits", [
+    ("affine", 32, 4), ("affine", 64, 8), ("mxfp4", 32, 4), ("nvfp4", 16, 4)],
+    ids=lambda v: str(v))
+def test_share_plan_matches_oracle(share_plan, poisoned_outputs, rng, mode, group_size, bits,
+                                   k):
+    """Scores in h's dtype (float32 below)."""
+    _check_blocks(rng, "emulator", k, mx.bfloat16, mode, group_size, bits)
+    _share_ran(share_plan, 11, k)
+
+
+@pytest.mark.parametrize("k", (1, 3, 10))
+def test_share_plan_of_the_backend(kernel_backend, poisoned_outputs, rng, k):
+    """The backend's own token-block plan (on cuda TB = 8 where 8 k <= 32, S = 8), float32
+    scores."""
+    assert op_module._share_plan(11, k, kernel_backend) is not None
+    _check_blocks(rng, kernel_backend, k, mx.float32)
+
+
+@pytest.mark.parametrize("ids, pairs", [
+    ([[3, 3], [0, 3], [15, 7], [3, 99]], {3: 3, 0: 1, 15: 1, 7: 1}),  # token 3 is NaN
+    ([[5, 5], [5, 5], [5, 5], [5, 5]], {5: 8}),  # more pairs than MAX_SHARED
+], ids=("shared", "one_expert"))
+def test_share_plan_reads_each_distinct_expert_once(share_plan, poisoned_outputs, rng, ids,
+                                                    pairs):
+    """One block of 4 tokens: each distinct expert of a valid token's down rows (words,
+    scales, biases, bias) read once per pass of up to MAX_SHARED of its pairs, whatever the
+    pairs naming it; h once per (valid pair, row block); only [tokens, D] written."""
+    n_experts, d, n = 16, 20, 256
+    down = make_experts(rng, n_experts, d, n, mx.float16, bias=True)
+    ids = mx.array(ids, dtype=mx.uint32)
+    run_and_check(make_x(rng, (4, 2, n), mx.float16), down, ids,
+                  make_scores(rng, (4, 2), mx.float16), "emulator")
+    stats = _share_ran(share_plan, 4, 2)
+    reads = sum(-(-n // op_module.MAX_SHARED) for n in pairs.values())  # expert passes
+    live = sum(pairs.values())
+    assert stats.bytes_read["w"] == reads * d * (n * 4 // 32) * 4
+    assert stats.bytes_read["scales"] == stats.bytes_read["biases"] == reads * d * (n // 64) * 2
+    assert stats.bytes_read["bias"] == reads * d * 2
+    assert stats.bytes_read["h"] == live * -(-d // 4) * n * 2
+    assert stats.bytes_written["out"] == 4 * d * 2 and stats.bytes_read["out"] == 0
+
+
+@pytest.mark.parametrize("old, new", [
+    ("if (lane == pairs[i] / k * ROWS + r) {", "if (lane == r) {"),
+    ("} while (sharers != 0u);", "} while (false);"),
+    ("total += partials[(g * SIMDGROUPS + row_block) * HELD + lane];",
+     "total += partials[row_block * HELD + lane];"),
+], ids=("one_token", "first_pass_only", "first_slot_group_only"))
+def test_share_plan_negative_control(share_plan, poisoned_outputs, broken_kernel, rng, old,
+                                     new):
+    """The pairs' tokens, the passes over an expert and the slot groups' combine matter."""
+    broken_kernel(op_module.SPEC, (old, new))
+    down = make_experts(rng, 6, 16, 128, mx.float32, bias=True)
+    ids = mx.array([[1, 3], [1, 5], [1, 1], [0, 1]], dtype=mx.uint32)  # 5 pairs name 1
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check(make_x(rng, (4, 2, 128), mx.float32), down, ids,
+                      make_scores(rng, (4, 2)), "emulator")
+
+
+def test_share_plan_strict_shuffled(share_plan, poisoned_outputs, rng):
+    """Strict mode, threads and threadgroups in a permuted order, bitwise equal results run
+    to run (the fixed order of the REDUCTION ORDER)."""
+    down = make_experts(rng, 5, 13, 96, mx.bfloat16, group_size=32, bias=True)
+    ids = mx.array([[4, 0, 3], [2, 2, 1], [0, 4, 4], [1, 0, 2], [3, 3, 3]], dtype=mx.int32)
+    h, s = make_x(rng, (5, 3, 96), mx.bfloat16), make_scores(rng, (5, 3))
+    with strict_emulator(1):
+        out = run_and_check(h, down, ids, s, "emulator", group_size=32)
+        _share_ran(share_plan, 5, 3)
+    with strict_emulator(2):
+        again = mt.expert_down_combine(h, *down[:3], ids, s, bias=down[3], group_size=32)
+    assert mx.array_equal(out, again).item()
