@@ -44,14 +44,15 @@
 //   Why MAX_SHARED = 4: gpt-oss-20b (k 4) at 4 tokens names an expert at most 4 times (top-k
 //   ids are distinct within a token), one pass; the pass's accumulators (2 x 4 rows per
 //   pair) and the activations it keeps in flight set the registers (below).
-//   When the wrapper takes it (SHARE_MIN_TOKENS in ops/expert_glu.py, default 2 on metal and
-//   cuda; the emulator runs it where a test sets it): one token's top-k ids are distinct, nothing to share, so 1-token decode keeps
-//   SHARE 0. From 2 tokens on the weight bytes can only fall (each distinct expert's rows
-//   once per MAX_SHARED of its pairs instead of once per pair), which is the case on Apple
-//   GPUs, where MoE decode runs far below the memory roofline and bytes set the time; the
-//   cost is a serial pass per group in one threadgroup (up to 4x a pair's arithmetic) and
-//   ceil(P / 32) + MAX_SHARED id chunks scanned per threadgroup (cache hits). The cuda
-//   value is the same pending a sweep on an NVIDIA GPU (set it and call clear_plans()).
+//   When the wrapper takes it (SHARE_MIN_TOKENS in ops/expert_glu.py, default 2 on metal
+//   and cuda; the emulator where a test sets it): one token's top-k ids are distinct,
+//   nothing to share, so 1-token decode keeps SHARE 0. From 2 tokens on the weight bytes
+//   can only fall (each distinct expert's rows once per MAX_SHARED of its pairs instead of
+//   once per pair): the Metal default is that bytes argument, Apple GPUs running MoE
+//   decode far below their memory roofline (bytes set the time); the cost is a serial pass
+//   per group in one threadgroup (up to 4x a pair's arithmetic) and ceil(P / 32) +
+//   MAX_SHARED id chunks scanned per threadgroup (cache hits). The cuda value is the same
+//   pending a sweep on an NVIDIA GPU (set it, then call clear_plans()).
 //
 // LAYOUT (row-contiguous): x, indices, bcast, the runtime sizes and the broadcast token grid
 //   exactly as expert_qmv.metal; w_gate / w_up [E, N, K / PACK] uint32, scales_* / biases_*
@@ -103,9 +104,13 @@
 //   Registers (CUDA, ptxas for bf16 4-bit affine GS 64): 72 (118 before the word mapping,
 //   the packed group uints and the shift-free dot): 7 threadgroups of 4 warps per H100 SM
 //   instead of 4, so Qwen3-30B-A3B's 768 threadgroups run in one wave.
-//   SHARE 1: REGS_SHARE (4 pairs' accumulators, 32 floats, and the compiler keeping the
-//   pass's activation loads in flight); no spills, no stack frame (the loops over the pass's
-//   pairs are unrolled: share[s] and acc_*[s][r] stay in registers).
+//   SHARE 0 unchanged (packed-scalar kernels: bf16 affine 4-bit 72, 8-bit 64, mxfp4
+//   swiglu_oai 72, float32 affine 4-bit 93). SHARE 1: 118 (bf16 affine 4-bit; 8-bit 118,
+//   mxfp4 swiglu_oai 123, float32 119): 4 pairs' accumulators (32 floats) and the pass's
+//   activation loads the compiler keeps in flight; 16 warps per H100 SM instead of 28 for
+//   the threadgroups that do work (MAX_SHARED = 2 would give about 93). No spills, no
+//   stack frame (the loops over a pass's pairs are unrolled: share[s] and acc_*[s][r] stay
+//   in registers).
 //
 // TRAFFIC PER CALL: the valid pairs' gate and up rows once each, x once per row block (from
 //   cache after the first tile: DRAM sees it once per token), out [P, N] once.
