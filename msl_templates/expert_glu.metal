@@ -24,12 +24,43 @@
 //   OUT-OF-RANGE IDS: an id >= E (uint; negative int32 ids too) gives a NaN row; nothing of
 //   the expert is read for that pair.
 //
+// SHARING (SHARE 1, the shared_rows variant): several tokens' pairs often name the same
+//   expert (decode of a few tokens, verification blocks). The threadgroup of pair p returns
+//   at once (before any barrier) if an earlier pair q < p names the same valid expert e;
+//   the first pair naming e (the leader) computes every pair naming e, in passes over e's
+//   rows of MAX_SHARED pairs each (ascending pair order; more pairs: another pass, whose
+//   weights are mostly L2 hits). A pass loads each step's gate and up words, scales and
+//   biases once and, for each of its pairs, that pair's activations, and adds that pair's
+//   own partials: every pair's sums are formed from the same words, lanes, K groups and
+//   combine in the same order as in SHARE 0, so the output is bitwise that of SHARE 0
+//   (checked on the emulator). An out-of-range id never leads or joins a group (its own
+//   threadgroup writes its NaN row); ids duplicated within a token share like any others.
+//   Finding the group: each SIMD-group of the threadgroup scans the ids in 32-lane chunks
+//   (simd_any: an earlier pair names e; simd_min: the next pair naming e), the same verdict
+//   in every SIMD-group (all read the same ids), so returns and trip counts are uniform
+//   over the threadgroup. The layout is restricted to what decode passes: ids [P], x one
+//   row per token (x_slot 0: pair q reads row q / n_sel) or per pair (x_slot 1: row q);
+//   bcast is not read (the wrapper takes SHARE 0 for other broadcasts).
+//   Why MAX_SHARED = 4: gpt-oss-20b (k 4) at 4 tokens names an expert at most 4 times (top-k
+//   ids are distinct within a token), one pass; the pass's accumulators (2 x 4 rows per
+//   pair) and the activations it keeps in flight set the registers (below).
+//   When the wrapper takes it (SHARE_MIN_TOKENS in ops/expert_glu.py, default 2 on metal
+//   and cuda; the emulator where a test sets it): one token's top-k ids are distinct,
+//   nothing to share, so 1-token decode keeps SHARE 0. From 2 tokens on the weight bytes
+//   can only fall (each distinct expert's rows once per MAX_SHARED of its pairs instead of
+//   once per pair): the Metal default is that bytes argument, Apple GPUs running MoE
+//   decode far below their memory roofline (bytes set the time); the cost is a serial pass
+//   per group in one threadgroup (up to 4x a pair's arithmetic) and ceil(P / 32) +
+//   MAX_SHARED id chunks scanned per threadgroup (cache hits). The cuda value is the same
+//   pending a sweep on an NVIDIA GPU (set it, then call clear_plans()).
+//
 // LAYOUT (row-contiguous): x, indices, bcast, the runtime sizes and the broadcast token grid
 //   exactly as expert_qmv.metal; w_gate / w_up [E, N, K / PACK] uint32, scales_* / biases_*
 //   [E, N, K / GS] (fp modes: uint8 scales, biases_* not read), bias_gate / bias_up [E, N] T
 //   (read only if has_bias; otherwise the wrapper passes x, never read), alpha / limit
 //   float32 scalars (ACT 1), out [P, N] T.
-//   Template: T, BITS, GROUP_SIZE, MODE as expert_qmv; ACT in {0, 1}.
+//   Template: T, BITS, GROUP_SIZE, MODE as expert_qmv; ACT in {0, 1}; SHARE in {0, 1}
+//   (SHARING).
 //
 // WORD MAPPING: in a step starting at word w0 of a row, lane l holds words w0 + l and
 //   w0 + 32 + l of each row of both projections and their PACK activations each
@@ -62,6 +93,10 @@
 //   once per row block for both projections. K % GS == 0 (a group never straddles the row
 //   end; a partial last step masks words and groups past it). Every early return and every
 //   branch around a simd_shuffle / simd_sum is uniform over the SIMD-group.
+//   SHARE 1: per pass instead of per pair (SHARING); the pairs of a pass go through the
+//   K groups' combine one after another (a barrier between two: `partials` stays sized for
+//   one pair, 512 bytes), and a pass after the first starts with a barrier (group 0 has read
+//   the last sums). Each (pair, row) is still written by one lane: the leader's.
 //
 // LOADS: each 32-lane step issues all of its loads first (2 words of each of the 4 rows of
 //   both projections: 16 words per lane, 8 group uints, 16 activations), then shuffles and
@@ -69,9 +104,20 @@
 //   Registers (CUDA, ptxas for bf16 4-bit affine GS 64): 72 (118 before the word mapping,
 //   the packed group uints and the shift-free dot): 7 threadgroups of 4 warps per H100 SM
 //   instead of 4, so Qwen3-30B-A3B's 768 threadgroups run in one wave.
+//   SHARE 0 unchanged (packed-scalar kernels: bf16 affine 4-bit 72, 8-bit 64, mxfp4
+//   swiglu_oai 72, float32 affine 4-bit 93). SHARE 1: 118 (bf16 affine 4-bit; 8-bit 118,
+//   mxfp4 swiglu_oai 123, float32 119): 4 pairs' accumulators (32 floats) and the pass's
+//   activation loads the compiler keeps in flight; 16 warps per H100 SM instead of 28 for
+//   the threadgroups that do work (MAX_SHARED = 2 would give about 93). No spills, no
+//   stack frame (the loops over a pass's pairs are unrolled: share[s] and acc_*[s][r] stay
+//   in registers).
 //
 // TRAFFIC PER CALL: the valid pairs' gate and up rows once each, x once per row block (from
 //   cache after the first tile: DRAM sees it once per token), out [P, N] once.
+//   SHARE 1: each distinct valid expert's gate and up rows (words, scales, biases) and bias
+//   rows once per pass, ceil(pairs naming it / MAX_SHARED) passes (once at decode); x, out
+//   as SHARE 0; ids: ceil(p / 32) 32-id chunks by pair p's threadgroup to find an earlier
+//   pair, and the leader up to ceil((P - p) / 32) + MAX_SHARED more (cache hits).
 //
 // CHECKED ONLY ON A MAC: as expert_qmv.metal (same constructs), plus metal::exp / metal::min
 //   / metal::clamp on float, simd_shuffle of a uint, and the register count / occupancy on
@@ -91,6 +137,9 @@ constexpr uint STEP_GROUPS = STEP_WORDS / GROUP_WORDS;   // groups per step: 2..
 // Affine biases of a float T do not fit beside their scales in one shuffled uint.
 constexpr bool BIAS_APART = MODE == 0 && sizeof(T) == 4;
 constexpr uint MAX_K_GROUPS = 8;
+// SHARE 1: pairs computed by one pass over an expert's weights (more: another pass).
+constexpr uint MAX_SHARED = 4;
+constexpr uint SHARERS = SHARE ? MAX_SHARED : 1;
 
 // Per (K group, row block, row): a K group's gate and up sums (S > 1 only).
 threadgroup float partials[MAX_K_GROUPS * SIMDGROUPS * ROWS * 2];
@@ -106,31 +155,49 @@ if (row0 >= n_rows_total) {
   return;  // uniform over the SIMD-group
 }
 const uint rows = metal::min(ROWS, n_rows_total - row0);
-device T* out_rows = out + size_t(pair) * n_rows_total + row0;
+const uint n_pairs = threadgroups_per_grid.z;
 
-constexpr int BCAST_DIMS = 4;
-const uint token = pair / n_sel;
-const uint slot = pair - token * n_sel;
-uint x_at = slot * x_slot;
-uint id_at = slot;
-uint rest = token;
-for (int d = BCAST_DIMS - 1; d >= 0; --d) {
-  const uint size = bcast[3 * d];
-  if (size == 1u) {
-    continue;  // a padding dimension (c = 0): skips two integer divisions
+// The pair's id and x row: SHARE 1 takes the contiguous layout (ids [P]; pair q's x row q
+// with x_slot 1, q / n_sel with x_slot 0: computed per pair of a pass below); SHARE 0
+// walks the broadcast token grid.
+uint x_at = 0;
+uint id_at = pair;
+if constexpr (!SHARE) {
+  constexpr int BCAST_DIMS = 4;
+  const uint token = pair / n_sel;
+  const uint slot = pair - token * n_sel;
+  x_at = slot * x_slot;
+  id_at = slot;
+  uint rest = token;
+  for (int d = BCAST_DIMS - 1; d >= 0; --d) {
+    const uint size = bcast[3 * d];
+    if (size == 1u) {
+      continue;  // a padding dimension (c = 0): skips two integer divisions
+    }
+    const uint c = rest % size;
+    rest /= size;
+    x_at += c * bcast[3 * d + 1];
+    id_at += c * bcast[3 * d + 2];
   }
-  const uint c = rest % size;
-  rest /= size;
-  x_at += c * bcast[3 * d + 1];
-  id_at += c * bcast[3 * d + 2];
 }
 
 const uint expert = uint(indices[id_at]);
 if (expert >= n_experts) {
   if (k_group == 0 && lane < rows) {
-    out_rows[lane] = T(metal::numeric_limits<float>::quiet_NaN());
+    out[size_t(pair) * n_rows_total + row0 + lane] =
+        T(metal::numeric_limits<float>::quiet_NaN());
   }
   return;
+}
+if constexpr (SHARE) {
+  // An earlier pair naming this expert leads its share group and computes this pair: return
+  // (uniform over the threadgroup: every SIMD-group sees the same ids; before any barrier).
+  for (uint q0 = 0; q0 < pair; q0 += 32) {
+    const uint q = q0 + lane;
+    if (simd_any(q < pair && uint(indices[q]) == expert)) {
+      return;
+    }
+  }
 }
 
 const uint K = k_in;
@@ -144,154 +211,226 @@ const auto bg_rows = biases_gate + first_row * groups_per_row;
 const auto wu_rows = w_up + first_row * words_per_row;
 const auto su_rows = scales_up + first_row * groups_per_row;
 const auto bu_rows = biases_up + first_row * groups_per_row;
-const auto x_row = x + size_t(x_at) * K;
 
-float acc_g[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
-float acc_u[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
-// K group g takes the steps g, g + S, ... (trip count uniform over the SIMD-group).
-for (uint step = k_group; step < n_steps; step += k_groups) {
-  const uint word0 = step * STEP_WORDS;
-  const uint group0 = step * STEP_GROUPS;
-  // Lane l's words of the step: word0 + 32 * wi + l (WORD MAPPING).
-  bool in_row[WORDS];
-  for (int wi = 0; wi < WORDS; ++wi) {
-    in_row[wi] = word0 + 32 * wi + lane < words_per_row;
+// Passes over the expert's rows, each computing the next SHARERS pairs naming it (SHARE 0:
+// one pass, this pair). cursor: the first pair a SHARE pass may still take.
+uint cursor = pair;
+for (uint pass = 0;; ++pass) {
+  uint share[SHARERS];  // the pass's pairs: share[0, n_share)
+  uint n_share = 0;
+  if constexpr (SHARE) {
+    #pragma clang loop unroll(full)  // share[s], acc_*[s] in registers
+    for (uint s = 0; s < SHARERS; ++s) {
+      uint at = n_pairs;  // the first pair >= cursor naming the expert (n_pairs: none)
+      for (uint q0 = cursor; q0 < n_pairs && at == n_pairs; q0 += 32) {
+        const uint q = q0 + lane;
+        at = simd_min(q < n_pairs && uint(indices[q]) == expert ? q : n_pairs);
+      }
+      share[s] = at;
+      n_share = at < n_pairs ? s + 1 : n_share;
+      cursor = at < n_pairs ? at + 1 : n_pairs;
+    }
+  } else {
+    share[0] = pair;
+    n_share = pass == 0u ? 1u : 0u;
   }
-  // 1. Every load of the step, none waiting for another (LOADS): the words of all rows of
-  //    both projections, the step's scales (and biases) one group per lane, x.
-  uint words_g[ROWS][WORDS];
-  uint words_u[ROWS][WORDS];
-  for (uint r = 0; r < ROWS; ++r) {
-    for (int wi = 0; wi < WORDS; ++wi) {
-      const bool here = in_row[wi] && r < rows;
-      const uint at = r * words_per_row + word0 + 32 * wi + lane;
-      words_g[r][wi] = here ? wg_rows[at] : 0u;
-      words_u[r][wi] = here ? wu_rows[at] : 0u;
+  if (n_share == 0u) {
+    break;  // uniform over the threadgroup
+  }
+  if (k_groups > 1u && pass > 0u) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the last pass's partials are read
+  }
+
+  float acc_g[SHARERS][ROWS];
+  float acc_u[SHARERS][ROWS];
+  #pragma clang loop unroll(full)  // share[s], acc_*[s] in registers
+  for (uint s = 0; s < SHARERS; ++s) {
+    for (uint r = 0; r < ROWS; ++r) {
+      acc_g[s][r] = acc_u[s][r] = 0.0f;
     }
   }
-  const bool loads_group = lane < STEP_GROUPS && group0 + lane < groups_per_row;
-  uint group_g[ROWS], group_u[ROWS];  // the lane's group of each row: mt_group_bits
-  float bias_g[ROWS], bias_u[ROWS];   // BIAS_APART only
-  for (uint r = 0; r < ROWS; ++r) {
-    group_g[r] = group_u[r] = 0u;
-    bias_g[r] = bias_u[r] = 0.0f;
-    if (loads_group && r < rows) {
-      const uint at = r * groups_per_row + group0 + lane;
-      if constexpr (MODE == 0) {
-        const T bg = bg_rows[at];
-        const T bu = bu_rows[at];
-        group_g[r] = mt_group_bits<MODE>(sg_rows[at], bg);
-        group_u[r] = mt_group_bits<MODE>(su_rows[at], bu);
-        if constexpr (BIAS_APART) {
-          bias_g[r] = float(bg);
-          bias_u[r] = float(bu);
+  // K group g takes the steps g, g + S, ... (trip count uniform over the SIMD-group).
+  for (uint step = k_group; step < n_steps; step += k_groups) {
+    const uint word0 = step * STEP_WORDS;
+    const uint group0 = step * STEP_GROUPS;
+    // Lane l's words of the step: word0 + 32 * wi + l (WORD MAPPING).
+    bool in_row[WORDS];
+    for (int wi = 0; wi < WORDS; ++wi) {
+      in_row[wi] = word0 + 32 * wi + lane < words_per_row;
+    }
+    // 1. Every load of the step, none waiting for another (LOADS): the words of all rows of
+    //    both projections, the step's scales (and biases) one group per lane, x.
+    uint words_g[ROWS][WORDS];
+    uint words_u[ROWS][WORDS];
+    for (uint r = 0; r < ROWS; ++r) {
+      for (int wi = 0; wi < WORDS; ++wi) {
+        const bool here = in_row[wi] && r < rows;
+        const uint at = r * words_per_row + word0 + 32 * wi + lane;
+        words_g[r][wi] = here ? wg_rows[at] : 0u;
+        words_u[r][wi] = here ? wu_rows[at] : 0u;
+      }
+    }
+    const bool loads_group = lane < STEP_GROUPS && group0 + lane < groups_per_row;
+    uint group_g[ROWS], group_u[ROWS];  // the lane's group of each row: mt_group_bits
+    float bias_g[ROWS], bias_u[ROWS];   // BIAS_APART only
+    for (uint r = 0; r < ROWS; ++r) {
+      group_g[r] = group_u[r] = 0u;
+      bias_g[r] = bias_u[r] = 0.0f;
+      if (loads_group && r < rows) {
+        const uint at = r * groups_per_row + group0 + lane;
+        if constexpr (MODE == 0) {
+          const T bg = bg_rows[at];
+          const T bu = bu_rows[at];
+          group_g[r] = mt_group_bits<MODE>(sg_rows[at], bg);
+          group_u[r] = mt_group_bits<MODE>(su_rows[at], bu);
+          if constexpr (BIAS_APART) {
+            bias_g[r] = float(bg);
+            bias_u[r] = float(bu);
+          }
+        } else {
+          group_g[r] = mt_group_bits<MODE>(sg_rows[at], sg_rows[at]);
+          group_u[r] = mt_group_bits<MODE>(su_rows[at], su_rows[at]);
         }
-      } else {
-        group_g[r] = mt_group_bits<MODE>(sg_rows[at], sg_rows[at]);
-        group_u[r] = mt_group_bits<MODE>(su_rows[at], su_rows[at]);
+      }
+    }
+    // Each pair of the pass: its activations against the step's words (SHARE 1: the words,
+    // scales and biases above loaded once for all of them).
+    #pragma clang loop unroll(full)  // share[s], acc_*[s] in registers
+    for (uint s = 0; s < SHARERS; ++s) {
+      if (s >= n_share) {
+        break;  // uniform over the threadgroup
+      }
+      const uint x_of = SHARE ? (x_slot != 0u ? share[s] : share[s] / n_sel) : x_at;
+      const auto x_row = x + size_t(x_of) * K;
+      float xv[VALS];
+      for (int wi = 0; wi < WORDS; ++wi) {
+        const auto x_word = x_row + (word0 + 32 * wi + lane) * PACK;  // the word's activations
+        for (uint i = 0; i < PACK; ++i) {
+          xv[wi * PACK + i] = in_row[wi] ? float(x_word[i]) : 0.0f;
+        }
+      }
+      // 2. Shuffles and arithmetic. x_sum[wi]: word wi's activations summed (the affine bias
+      //    term), before they are pre-scaled for mt_expert_word_dot.
+      float x_sum[WORDS];
+      for (int wi = 0; wi < WORDS; ++wi) {
+        x_sum[wi] = 0.0f;
+        for (uint i = 0; i < PACK; ++i) {
+          x_sum[wi] += xv[wi * PACK + i];
+          xv[wi * PACK + i] *= mt_expert_prescale<MODE, BITS>(i);
+        }
+      }
+      for (uint r = 0; r < ROWS; ++r) {
+        if (r >= rows) {
+          break;  // uniform over the SIMD-group
+        }
+        for (int wi = 0; wi < WORDS; ++wi) {
+          // The lane holding word wi's group: (32 * wi + l) / GROUP_WORDS.
+          const ushort src = ushort((32 * wi + lane) / GROUP_WORDS);
+          const uint gg = simd_shuffle(group_g[r], src);
+          const uint gu = simd_shuffle(group_u[r], src);
+          const float sg = mt_group_scale<MODE, T>(gg);
+          const float su = mt_group_scale<MODE, T>(gu);
+          float bg = 0.0f;
+          float bu = 0.0f;
+          if constexpr (BIAS_APART) {
+            bg = simd_shuffle(bias_g[r], src);
+            bu = simd_shuffle(bias_u[r], src);
+          } else if constexpr (MODE == 0) {
+            bg = mt_group_bias<T>(gg);
+            bu = mt_group_bias<T>(gu);
+          }
+          if (in_row[wi]) {
+            const float dg = mt_expert_word_dot<MODE, BITS>(words_g[r][wi], xv + wi * PACK);
+            const float du = mt_expert_word_dot<MODE, BITS>(words_u[r][wi], xv + wi * PACK);
+            if constexpr (MODE == 0) {
+              acc_g[s][r] += sg * dg + bg * x_sum[wi];
+              acc_u[s][r] += su * du + bu * x_sum[wi];
+            } else {
+              acc_g[s][r] += sg * dg;
+              acc_u[s][r] += su * du;
+            }
+          }
+        }
       }
     }
   }
-  float xv[VALS];
-  for (int wi = 0; wi < WORDS; ++wi) {
-    const auto x_word = x_row + (word0 + 32 * wi + lane) * PACK;  // the word's activations
-    for (uint i = 0; i < PACK; ++i) {
-      xv[wi * PACK + i] = in_row[wi] ? float(x_word[i]) : 0.0f;
+
+  if (k_groups > 1u) {  // uniform; every row block holds ROWS rows here (DISPATCH INVARIANTS)
+    // The pass's pairs one after another through `partials` (sized for one: threadgroup
+    // memory bounds Apple's occupancy).
+    #pragma clang loop unroll(full)  // share[s], acc_*[s] in registers
+    for (uint s = 0; s < SHARERS; ++s) {
+      if (s >= n_share) {
+        break;  // uniform over the threadgroup
+      }
+      if (s > 0u) {
+        threadgroup_barrier(mem_flags::mem_threadgroup);  // pair s - 1's sums are read
+      }
+      for (uint r = 0; r < ROWS; ++r) {
+        const float g_sum = simd_sum(acc_g[s][r]);
+        const float u_sum = simd_sum(acc_u[s][r]);
+        if (lane == 0) {
+          const uint at = ((k_group * SIMDGROUPS + row_block) * ROWS + r) * 2;
+          partials[at] = g_sum;
+          partials[at + 1] = u_sum;
+        }
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      if (k_group == 0) {  // uniform over the SIMD-group
+        for (uint r = 0; r < ROWS; ++r) {
+          float g_sum = 0.0f;
+          float u_sum = 0.0f;
+          for (uint g = 0; g < k_groups; ++g) {  // fixed order: K group 0, 1, ...
+            const uint at = ((g * SIMDGROUPS + row_block) * ROWS + r) * 2;
+            g_sum += partials[at];
+            u_sum += partials[at + 1];
+          }
+          // Lane 0 holds the totals, the other lanes 0: the simd_sums below return them
+          // exactly.
+          acc_g[s][r] = lane == 0 ? g_sum : 0.0f;
+          acc_u[s][r] = lane == 0 ? u_sum : 0.0f;
+        }
+      }
+    }
+    if (k_group != 0) {
+      continue;  // uniform over the SIMD-group: the next pass (its barrier comes first)
     }
   }
-  // 2. Shuffles and arithmetic. x_sum[wi]: word wi's activations summed (the affine bias
-  //    term), before they are pre-scaled for mt_expert_word_dot.
-  float x_sum[WORDS];
-  for (int wi = 0; wi < WORDS; ++wi) {
-    x_sum[wi] = 0.0f;
-    for (uint i = 0; i < PACK; ++i) {
-      x_sum[wi] += xv[wi * PACK + i];
-      xv[wi * PACK + i] *= mt_expert_prescale<MODE, BITS>(i);
-    }
-  }
+
+  #pragma clang loop unroll(full)  // acc_*[s][r] in registers
   for (uint r = 0; r < ROWS; ++r) {
     if (r >= rows) {
       break;  // uniform over the SIMD-group
     }
-    for (int wi = 0; wi < WORDS; ++wi) {
-      // The lane holding word wi's group: (32 * wi + l) / GROUP_WORDS.
-      const ushort src = ushort((32 * wi + lane) / GROUP_WORDS);
-      const uint gg = simd_shuffle(group_g[r], src);
-      const uint gu = simd_shuffle(group_u[r], src);
-      const float sg = mt_group_scale<MODE, T>(gg);
-      const float su = mt_group_scale<MODE, T>(gu);
-      float bg = 0.0f;
-      float bu = 0.0f;
-      if constexpr (BIAS_APART) {
-        bg = simd_shuffle(bias_g[r], src);
-        bu = simd_shuffle(bias_u[r], src);
-      } else if constexpr (MODE == 0) {
-        bg = mt_group_bias<T>(gg);
-        bu = mt_group_bias<T>(gu);
-      }
-      if (in_row[wi]) {
-        const float dg = mt_expert_word_dot<MODE, BITS>(words_g[r][wi], xv + wi * PACK);
-        const float du = mt_expert_word_dot<MODE, BITS>(words_u[r][wi], xv + wi * PACK);
-        if constexpr (MODE == 0) {
-          acc_g[r] += sg * dg + bg * x_sum[wi];
-          acc_u[r] += su * du + bu * x_sum[wi];
-        } else {
-          acc_g[r] += sg * dg;
-          acc_u[r] += su * du;
-        }
-      }
-    }
-  }
-}
-
-if (k_groups > 1u) {  // uniform; every row block holds ROWS rows here (DISPATCH INVARIANTS)
-  for (uint r = 0; r < ROWS; ++r) {
-    const float g_sum = simd_sum(acc_g[r]);
-    const float u_sum = simd_sum(acc_u[r]);
-    if (lane == 0) {
-      const uint at = ((k_group * SIMDGROUPS + row_block) * ROWS + r) * 2;
-      partials[at] = g_sum;
-      partials[at + 1] = u_sum;
-    }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (k_group != 0) {
-    return;  // uniform over the SIMD-group; no barrier follows
-  }
-  for (uint r = 0; r < ROWS; ++r) {
-    float g_sum = 0.0f;
-    float u_sum = 0.0f;
-    for (uint g = 0; g < k_groups; ++g) {  // fixed order: K group 0, 1, ...
-      const uint at = ((g * SIMDGROUPS + row_block) * ROWS + r) * 2;
-      g_sum += partials[at];
-      u_sum += partials[at + 1];
-    }
-    // Lane 0 holds the totals, the other lanes 0: the simd_sums below return them exactly.
-    acc_g[r] = lane == 0 ? g_sum : 0.0f;
-    acc_u[r] = lane == 0 ? u_sum : 0.0f;
-  }
-}
-
-for (uint r = 0; r < ROWS; ++r) {
-  if (r >= rows) {
-    break;  // uniform over the SIMD-group
-  }
-  float g = simd_sum(acc_g[r]);
-  float u = simd_sum(acc_u[r]);
-  if (lane == 0) {
-    if (has_bias != 0u) {
+    float bias_g = 0.0f;  // the expert's bias of row r: read once for the pass's pairs
+    float bias_u = 0.0f;
+    if (lane == 0 && has_bias != 0u) {
       const size_t at = size_t(expert) * n_rows_total + row0 + r;
-      g += float(bias_gate[at]);
-      u += float(bias_up[at]);
+      bias_g = float(bias_gate[at]);
+      bias_u = float(bias_up[at]);
     }
-    float y;
-    if constexpr (ACT == 0) {
-      y = g / (1.0f + metal::exp(-g)) * u;
-    } else {
-      const float gc = metal::min(g, limit);
-      const float uc = metal::clamp(u, -limit, limit);
-      y = (uc + 1.0f) * (gc / (1.0f + metal::exp(-alpha * gc)));
+    #pragma clang loop unroll(full)  // share[s], acc_*[s] in registers
+    for (uint s = 0; s < SHARERS; ++s) {
+      if (s >= n_share) {
+        break;  // uniform over the threadgroup
+      }
+      float g = simd_sum(acc_g[s][r]);
+      float u = simd_sum(acc_u[s][r]);
+      if (lane == 0) {
+        if (has_bias != 0u) {
+          g += bias_g;
+          u += bias_u;
+        }
+        float y;
+        if constexpr (ACT == 0) {
+          y = g / (1.0f + metal::exp(-g)) * u;
+        } else {
+          const float gc = metal::min(g, limit);
+          const float uc = metal::clamp(u, -limit, limit);
+          y = (uc + 1.0f) * (gc / (1.0f + metal::exp(-alpha * gc)));
+        }
+        out[size_t(share[s]) * n_rows_total + row0 + r] = T(y);
+      }
     }
-    out_rows[r] = T(y);
   }
-}
+}  // passes

@@ -3,6 +3,9 @@ checked calls."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+
 import mlx.core as mx
 import numpy as np
 
@@ -179,13 +182,14 @@ def oracle(x, gate, up, indices, activation, mode, group_size, bits):
 
 
 def run_and_check(x, gate, up, indices, backend, *, activation="silu", mode="affine",
-                  group_size=None, bits=None, launches=1):
-    """mt.expert_glu against the oracle; ``gate`` / ``up`` are (w, scales, biases, bias)."""
+                  group_size=None, bits=None, launches=1, kernel=None):
+    """mt.expert_glu against the oracle; ``gate`` / ``up`` are (w, scales, biases, bias);
+    ``kernel``: the kernel name that must have run (None: any)."""
     from mlx_metaltile.ops._common import DEFAULTS
 
     gs, nb = DEFAULTS[mode]
     group_size, bits = group_size or gs, bits or nb
-    with expect_launches(backend, launches):
+    with expect_launches(backend, launches, kernel):
         out = mt.expert_glu(x, *gate[:3], *up[:3], indices, bias_gate=gate[3], bias_up=up[3],
                             activation=activation, mode=mode, group_size=group_size,
                             bits=bits)
@@ -216,14 +220,50 @@ def make_x(rng, shape, dtype, scale=1.0):
     return mx.array((rng.standard_normal(shape) * scale).astype(np.float32)).astype(dtype)
 
 
+@contextlib.contextmanager
+def sharing(backend: str, min_tokens: int | None):
+    """Inside: the op's plans take the sharing form on ``backend`` from ``min_tokens`` tokens
+    (None: never); outside, SHARE_MIN_TOKENS as it was (plans rebuilt both times)."""
+    ops = importlib.import_module("mlx_metaltile.ops.expert_glu")
+    from mlx_metaltile.ops._common import clear_plans
+
+    table = ops.SHARE_MIN_TOKENS
+    had, old = backend in table, table.get(backend)
+    if min_tokens is None:
+        table.pop(backend, None)
+    else:
+        table[backend] = min_tokens
+    clear_plans()
+    try:
+        yield
+    finally:
+        if had:
+            table[backend] = old
+        else:
+            table.pop(backend, None)
+        clear_plans()
+
+
 def _variant_call(backend, rng):
+    """One token (duplicated ids in it): the broadcast walk, SHARE 0."""
     gate = make_experts(rng, 6, 13, 128, mx.bfloat16, bias=True)
     up = make_experts(rng, 6, 13, 128, mx.bfloat16, bias=True)
-    ids = mx.array([[0, 5], [2, 2]], dtype=mx.uint32)
-    run_and_check(make_x(rng, (2, 128), mx.bfloat16), gate, up, ids, backend)
+    ids = mx.array([[0, 5, 2, 2]], dtype=mx.uint32)
+    run_and_check(make_x(rng, (1, 128), mx.bfloat16), gate, up, ids, backend,
+                  kernel="expert_glu_simd_rows")
 
 
-VARIANT_CALLS = {"simd_rows": _variant_call}
+def _shared_variant_call(backend, rng):
+    """Three tokens naming experts 0 and 5 twice each, 2 twice in one token: SHARE 1."""
+    gate = make_experts(rng, 6, 13, 128, mx.bfloat16, bias=True)
+    up = make_experts(rng, 6, 13, 128, mx.bfloat16, bias=True)
+    ids = mx.array([[0, 5], [2, 2], [5, 0]], dtype=mx.uint32)
+    with sharing(backend, 2):
+        run_and_check(make_x(rng, (3, 128), mx.bfloat16), gate, up, ids, backend,
+                      kernel="expert_glu_shared_rows")
+
+
+VARIANT_CALLS = {"simd_rows": _variant_call, "shared_rows": _shared_variant_call}
 
 
 # ---- benchmarks (one decode token) vs mlx-lm's SwitchGLU composite -------------------------

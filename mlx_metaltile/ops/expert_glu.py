@@ -58,30 +58,48 @@ SWIGLU_OAI_ALPHA = 1.702  # mlx-lm's SwigluOAI defaults
 SWIGLU_OAI_LIMIT = 7.0
 
 
-def _bindings():
-    for binding in quantized_bindings(MODES)():
-        for act in ACTIVATIONS.values():
-            yield dict(binding, ACT=act)
+# The sharing form (the template's SHARE 1, SHARING: each distinct expert's gate and up rows
+# read once per call for every pair naming it) from this many tokens on, where the ids are
+# [P] and x one row per token or per pair (otherwise the broadcast walk, SHARE 0). One
+# token's top-k ids are distinct: nothing to share. A backend not named (the emulator)
+# keeps SHARE 0. Plans read it once (clear_plans()).
+SHARE_MIN_TOKENS: dict[str, int] = {"metal": 2, "cuda": 2}
 
 
-(SPEC,) = register(
+def _bindings(share: int):
+    def bindings():
+        for binding in quantized_bindings(MODES)():
+            for act in ACTIVATIONS.values():
+                yield dict(binding, ACT=act, SHARE=share)
+    return bindings
+
+
+_INPUTS = (Arg("x", "T", 2),
+           Arg("w_gate", "uint32", 3), Arg("scales_gate", "S", 3), Arg("biases_gate", "S", 3),
+           Arg("w_up", "uint32", 3), Arg("scales_up", "S", 3), Arg("biases_up", "S", 3),
+           Arg("bias_gate", "T", 2), Arg("bias_up", "T", 2),
+           Arg("indices", "I", 1), Arg("bcast", "uint32", 1),
+           *scalars("n_experts", "n_out", "k_in", "n_sel", "x_slot", "has_bias"),
+           *scalars("alpha", "limit", dtype="float32"))
+_GEOMETRY = ("threadgroup (64 * S, 1, 1): 2 row blocks of 4 rows of gate and up x S K groups "
+             "(S = 1 on Metal; cuda: K split where the grid is small); grid (64 * S, "
+             "ceil(N / 8), tokens * k): one threadgroup per (pair, 8-row tile)")
+_NOTES = ("expert_qmv's modes; silu or swiglu_oai; optional per-expert biases; ids >= E (or "
+          "< 0) give a NaN row")
+
+SPEC, SHARED_SPEC = register(
     KernelSpec(
-        op=OP, variant="simd_rows", template="expert_glu.metal",
-        inputs=(Arg("x", "T", 2),
-                Arg("w_gate", "uint32", 3), Arg("scales_gate", "S", 3),
-                Arg("biases_gate", "S", 3),
-                Arg("w_up", "uint32", 3), Arg("scales_up", "S", 3), Arg("biases_up", "S", 3),
-                Arg("bias_gate", "T", 2), Arg("bias_up", "T", 2),
-                Arg("indices", "I", 1), Arg("bcast", "uint32", 1),
-                *scalars("n_experts", "n_out", "k_in", "n_sel", "x_slot", "has_bias"),
-                *scalars("alpha", "limit", dtype="float32")),
-        outputs=(Arg("out", "T", 2),), params=(*QUANTIZED_PARAMS, "ACT"),
-        bindings=_bindings,
-        geometry="threadgroup (64 * S, 1, 1): 2 row blocks of 4 rows of gate and up x S K "
-                 "groups (S = 1 on Metal; cuda: K split where the grid is small); "
-                 "grid (64 * S, ceil(N / 8), tokens * k): one threadgroup per (pair, 8-row tile)",
-        notes="expert_qmv's modes; silu or swiglu_oai; optional per-expert biases; ids >= E "
-              "(or < 0) give a NaN row",
+        op=OP, variant="simd_rows", template="expert_glu.metal", inputs=_INPUTS,
+        outputs=(Arg("out", "T", 2),), params=(*QUANTIZED_PARAMS, "ACT", "SHARE"),
+        bindings=_bindings(0), geometry=_GEOMETRY, notes=_NOTES,
+    ),
+    KernelSpec(
+        op=OP, variant="shared_rows", template="expert_glu.metal", inputs=_INPUTS,
+        outputs=(Arg("out", "T", 2),), params=(*QUANTIZED_PARAMS, "ACT", "SHARE"),
+        bindings=_bindings(1),
+        geometry=_GEOMETRY + "; the first pair naming an expert computes every pair naming "
+                 "it (the others return at once), up to 4 per pass over its rows",
+        notes=_NOTES + "; ids [P], x one row per token or per pair (bcast not read)",
     ),
 )
 
@@ -152,8 +170,9 @@ def _launcher(info: dict, backend: str, dtype: mx.Dtype) -> Callable:
         dims = _bcast_dims({**info, "x_lead": lead, "idx_lead": lead})
     tg = backends.SIMD_WIDTH * SIMDGROUPS * _k_groups(
         n_out, n_in, pairs, info["bits"], info["group_size"], 2, backend)
+    share = _shares(info, dims, backend)
     prepared = backends.prepare(
-        SPEC, backend,
+        SHARED_SPEC if share else SPEC, backend,
         inputs={"x": None, "w_gate": None, "scales_gate": None, "biases_gate": None,
                 "w_up": None, "scales_up": None, "biases_up": None, "bias_gate": None,
                 "bias_up": None, "indices": None, "bcast": _bcast_input(tuple(dims)),
@@ -165,7 +184,8 @@ def _launcher(info: dict, backend: str, dtype: mx.Dtype) -> Callable:
                 "alpha": scalar(SWIGLU_OAI_ALPHA, mx.float32),
                 "limit": scalar(SWIGLU_OAI_LIMIT, mx.float32)},
         template={"T": dtype, "BITS": info["bits"], "GROUP_SIZE": info["group_size"],
-                  "MODE": MODE_IDS[info["mode"]], "ACT": ACTIVATIONS[info["activation"]]},
+                  "MODE": MODE_IDS[info["mode"]], "ACT": ACTIVATIONS[info["activation"]],
+                  "SHARE": int(share)},
         outputs={"out": ((pairs, n_out), dtype)},
         grid=(tg, -(-n_out // ROWS_PER_THREADGROUP), pairs), threadgroup=(tg, 1, 1),
     )
@@ -188,6 +208,15 @@ def _launcher(info: dict, backend: str, dtype: mx.Dtype) -> Callable:
         return out.reshape(out_shape)
 
     return launch
+
+
+def _shares(info: dict, dims: tuple[tuple[int, int, int], ...], backend: str) -> bool:
+    """Whether the launch takes the sharing form: SHARE_MIN_TOKENS tokens or more, the token
+    grid one contiguous dimension (ids [P]; x one row per token, or per pair)."""
+    tokens = info["tokens"]
+    contiguous = ((tokens, 1 if info["shared"] else info["k"], info["k"]),)
+    return (tokens >= SHARE_MIN_TOKENS.get(backend, tokens + 1)
+            and dims in ((), contiguous))
 
 
 def _valid(indices: mx.array, n_experts: int) -> mx.array:

@@ -12,7 +12,13 @@ from support import strict_emulator
 import mlx_metaltile as mt
 from mlx_metaltile import backends
 from mlx_metaltile.cases import to_f64
-from mlx_metaltile.cases.expert_glu import make_experts, make_x, project, run_and_check
+from mlx_metaltile.cases.expert_glu import (
+    make_experts,
+    make_x,
+    project,
+    run_and_check,
+    sharing,
+)
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 op_module = importlib.import_module("mlx_metaltile.ops.expert_glu")
@@ -29,6 +35,44 @@ def _pair(rng, n_experts, n_out, n_in, dtype, mode="affine", group_size=64, bits
           bias=False, scale=1.0):
     return tuple(make_experts(rng, n_experts, n_out, n_in, dtype, mode, group_size, bits,
                               bias=bias, scale=scale) for _ in range(2))
+
+
+SHARED = op_module.SHARED_SPEC.name
+UNSHARED = op_module.SPEC.name
+
+
+@pytest.fixture
+def emulated():
+    if backends.unavailable_reason("emulator") is not None:
+        pytest.skip("emulator unavailable")
+    with backends.use_backend("emulator"):
+        yield
+
+
+def _passes(ids, n_experts, max_shared=4):
+    """Per valid expert named by ``ids``, ceil(its pairs / MAX_SHARED): the passes the
+    sharing form makes over its rows (SHARING)."""
+    ids = np.array(ids).astype(np.int64).ravel()
+    counts = np.bincount(ids[(ids >= 0) & (ids < n_experts)], minlength=n_experts)
+    return -(-counts // max_shared)
+
+
+def _assert_reads(stats, *, expert_reads, valid_pairs, pairs, n_out, n_in, itemsize,
+                  mode="affine", group_size=64, bits=4, bias=True):
+    """Emulator counters: each projection's rows (words, scales, biases) and bias rows read
+    ``expert_reads`` times (of one expert), x once per 4-row block per valid pair, out
+    written once, [pairs, N]."""
+    scale_size = itemsize if mode == "affine" else 1
+    for proj in ("gate", "up"):
+        assert stats.bytes_read[f"w_{proj}"] == expert_reads * n_out * (n_in * bits // 32) * 4
+        scale_bytes = expert_reads * n_out * (n_in // group_size) * scale_size
+        assert stats.bytes_read[f"scales_{proj}"] == scale_bytes
+        assert stats.bytes_read[f"biases_{proj}"] == (scale_bytes if mode == "affine" else 0)
+        assert stats.bytes_read.get(f"bias_{proj}", 0) == (
+            expert_reads * n_out * itemsize if bias else 0)
+    assert stats.bytes_read["x"] == valid_pairs * -(-n_out // 4) * n_in * itemsize
+    assert stats.bytes_written["out"] == pairs * n_out * itemsize
+    assert stats.bytes_read["out"] == 0
 
 
 # ---- correctness ----------------------------------------------------------------------
@@ -131,34 +175,28 @@ def test_stream_argument(rng):
 
 # ---- what the kernel reads (emulator counters) ------------------------------------------
 
+@pytest.mark.parametrize("share", (False, True), ids=("per_pair", "shared"))
 @pytest.mark.parametrize("mode, group_size, bits", [("affine", 64, 4), ("mxfp4", 32, 4)])
-def test_reads_each_selected_expert_once(poisoned_outputs, rng, mode, group_size, bits):
-    """Per (token, valid expert): its gate rows, up rows (words, scales, biases) and bias
-    rows once each; x loaded once per SIMD-group for both projections (DRAM sees it once
-    per token, from cache after); out written once, [tokens, k, N]."""
-    if backends.unavailable_reason("emulator") is not None:
-        pytest.skip("emulator unavailable")
+def test_reads_each_selected_expert_once(emulated, poisoned_outputs, rng, mode, group_size,
+                                         bits, share):
+    """SHARE 0: per (token, valid expert) its gate rows, up rows (words, scales, biases) and
+    bias rows once each. The sharing form: per distinct valid expert, once per call (expert
+    3 named by 4 pairs, 0 by 2). Both: x loaded once per SIMD-group for both projections
+    (DRAM sees it once per token, from cache after); out written once, [tokens, k, N]."""
     from mlx_metaltile import emulator
 
     n_experts, n_out, n_in = 16, 20, 4 * group_size
     gate, up = _pair(rng, n_experts, n_out, n_in, mx.float16, mode, group_size, bits,
                      bias=True)
-    ids = mx.array([[3, 3, 0], [15, 7, 99]], dtype=mx.uint32)  # repeated, 0, E-1, invalid
-    x = make_x(rng, (2, n_in), mx.float16)
-    with backends.use_backend("emulator"):
+    # repeated within and across tokens, 0, E-1, invalid (reads nothing)
+    ids = mx.array([[3, 3, 0], [15, 7, 99], [0, 3, 3]], dtype=mx.uint32)
+    x = make_x(rng, (3, n_in), mx.float16)
+    with sharing("emulator", 2 if share else None):
         run_and_check(x, gate, up, ids, "emulator", mode=mode, group_size=group_size,
-                      bits=bits)
-    stats = emulator.last_launch_stats()
-    pairs = 5  # valid (token, expert) pairs; the out-of-range one reads nothing
-    words = pairs * n_out * (n_in * bits // 32) * 4
-    scale_bytes = pairs * n_out * (n_in // group_size) * (2 if mode == "affine" else 1)
-    for proj in ("gate", "up"):
-        assert stats.bytes_read[f"w_{proj}"] == words
-        assert stats.bytes_read[f"scales_{proj}"] == scale_bytes
-        assert stats.bytes_read[f"biases_{proj}"] == (scale_bytes if mode == "affine" else 0)
-        assert stats.bytes_read[f"bias_{proj}"] == pairs * n_out * 2
-    assert stats.bytes_read["x"] == pairs * -(-n_out // 4) * n_in * 2
-    assert stats.bytes_written["out"] == 6 * n_out * 2 and stats.bytes_read["out"] == 0
+                      bits=bits, kernel=SHARED if share else UNSHARED)
+    _assert_reads(emulator.last_launch_stats(), expert_reads=4 if share else 8,
+                  valid_pairs=8, pairs=9, n_out=n_out, n_in=n_in, itemsize=2, mode=mode,
+                  group_size=group_size, bits=bits)
 
 
 def test_no_bias_reads_no_bias(poisoned_outputs, rng):
@@ -174,20 +212,82 @@ def test_no_bias_reads_no_bias(poisoned_outputs, rng):
     assert stats.bytes_read.get("bias_gate", 0) == stats.bytes_read.get("bias_up", 0) == 0
 
 
-@pytest.mark.parametrize("seed", (1, 2))
-def test_emulator_strict_shuffled(poisoned_outputs, rng, seed):
-    """Strict mode (a shuffle may not read a lane that is not at it) with threads and
-    threadgroups run in a permuted order: ragged N, a partial 32-lane step, both layouts."""
-    if backends.unavailable_reason("emulator") is not None:
-        pytest.skip("emulator unavailable")
+# ids of 5 tokens x k 3 (E = 6): expert 2 named by 8 pairs (twice or three times within a
+# token too: 2 passes of MAX_SHARED), first and last experts by 2 each, and out-of-range
+# ids (-1, 6, 7) between the pairs of those groups.
+SHARE_IDS = ((2, 5, 0), (2, 2, -1), (0, 2, 6), (2, 7, 5), (2, 2, 2))
 
+
+@pytest.mark.parametrize("x_per_pair", (False, True), ids=("x_per_token", "x_per_pair"))
+@pytest.mark.parametrize("mode, group_size, bits, activation, bias", [
+    ("affine", 32, 4, "silu", False), ("affine", 64, 8, "swiglu_oai", True),
+    ("mxfp4", 32, 4, "swiglu_oai", True)], ids=lambda v: str(v))
+def test_shared_experts_match_oracle_and_unshared(emulated, poisoned_outputs, rng, mode,
+                                                   group_size, bits, activation, bias,
+                                                   x_per_pair):
+    """The sharing form against the oracle, each distinct expert's rows read once per pass
+    (ceil(pairs naming it / 4)), and bitwise equal to SHARE 0 on the same call."""
+    from mlx_metaltile import emulator
+
+    n_experts, n_out, n_in = 6, 13, 4 * max(group_size, 32)
+    gate, up = _pair(rng, n_experts, n_out, n_in, mx.bfloat16, mode, group_size, bits,
+                     bias=bias)
+    ids = mx.array(SHARE_IDS, dtype=mx.int32)
+    x = make_x(rng, (5, 3, n_in) if x_per_pair else (5, n_in), mx.bfloat16)
+    q = dict(activation=activation, mode=mode, group_size=group_size, bits=bits)
+    with sharing("emulator", 2):
+        shared = run_and_check(x, gate, up, ids, "emulator", kernel=SHARED, **q)
+    _assert_reads(emulator.last_launch_stats(), expert_reads=int(_passes(ids, 6).sum()),
+                  valid_pairs=12, pairs=15, n_out=n_out, n_in=n_in, itemsize=2, mode=mode,
+                  group_size=group_size, bits=bits, bias=bias)
+    assert _passes(ids, 6).tolist() == [1, 0, 2, 0, 0, 1]
+    unshared = run_and_check(x, gate, up, ids, "emulator", kernel=UNSHARED, **q)
+    assert mx.array_equal(shared, unshared, equal_nan=True).item()
+
+
+@pytest.mark.parametrize("old, new", [
+    ("n_share = at < n_pairs ? s + 1 : n_share;", "n_share = at < n_pairs ? 1u : n_share;"),
+], ids=("leader_skips_its_sharers",))
+def test_negative_control_shared(emulated, poisoned_outputs, broken_kernel, rng, old, new):
+    """A leader computing only the first pair of each pass leaves its sharers' rows
+    unwritten (NaN)."""
+    broken_kernel(op_module.SHARED_SPEC, (old, new))
+    gate, up = _pair(rng, 6, 13, 128, mx.bfloat16, group_size=32, bias=True)
+    with sharing("emulator", 2), pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check(make_x(rng, (5, 128), mx.bfloat16), gate, up,
+                      mx.array(SHARE_IDS, dtype=mx.int32), "emulator", group_size=32,
+                      kernel=SHARED)
+
+
+def test_negative_control_shared_without_leader_return(emulated, broken_kernel, rng):
+    """Every pair of a group computing the whole group gives the right rows but reads the
+    expert once per pair: the counters catch it."""
+    from mlx_metaltile import emulator
+
+    broken_kernel(op_module.SHARED_SPEC,
+                  ("if (simd_any(q < pair && uint(indices[q]) == expert)) {", "if (false) {"))
+    gate, up = _pair(rng, 6, 13, 128, mx.bfloat16, group_size=32)
+    with sharing("emulator", 2):
+        run_and_check(make_x(rng, (2, 128), mx.bfloat16), gate, up,
+                      mx.array([[1, 4], [4, 1]], dtype=mx.uint32), "emulator", group_size=32,
+                      kernel=SHARED)
+    with pytest.raises(AssertionError):
+        _assert_reads(emulator.last_launch_stats(), expert_reads=2, valid_pairs=4, pairs=4,
+                      n_out=13, n_in=128, itemsize=2, group_size=32, bias=False)
+
+
+@pytest.mark.parametrize("seed, share", [(1, False), (2, True)])
+def test_emulator_strict_shuffled(emulated, poisoned_outputs, rng, seed, share):
+    """Strict mode (a shuffle may not read a lane that is not at it) with threads and
+    threadgroups run in a permuted order: ragged N, a partial 32-lane step, both layouts;
+    SHARE 0 and the sharing form."""
     gate, up = _pair(rng, 5, 13, 96, mx.bfloat16, group_size=32, bias=True)
-    ids = mx.array([[4, 0, 7], [2, 2, 1]], dtype=mx.int32)
-    with strict_emulator(seed):
-        with backends.use_backend("emulator"):
-            for x_shape in ((2, 96), (2, 3, 96)):
-                run_and_check(make_x(rng, x_shape, mx.bfloat16), gate, up, ids, "emulator",
-                              activation="swiglu_oai", group_size=32)
+    ids = mx.array([[4, 0, 7], [2, 2, 1], [1, 4, 2]], dtype=mx.int32)
+    with strict_emulator(seed), sharing("emulator", 2 if share else None):
+        for x_shape in ((3, 96), (3, 3, 96)):
+            run_and_check(make_x(rng, x_shape, mx.bfloat16), gate, up, ids, "emulator",
+                          activation="swiglu_oai", group_size=32,
+                          kernel=SHARED if share else UNSHARED)
 
 
 # ---- cuda's launch plan (a row block's K steps over S SIMD-groups), run on the emulator ----
@@ -203,13 +303,16 @@ def k_plan(monkeypatch):
         yield
 
 
-def _k_plan_ran(groups, valid_pairs):
+def _k_plan_ran(groups, barriers):
+    """The last launch split K over ``groups`` SIMD-groups with ``barriers`` barriers per
+    8-row tile (SHARE 0: one per valid pair; the sharing form: per group of c pairs, one per
+    pass after the first and 2 n - 1 per pass of n pairs)."""
     from mlx_metaltile import emulator
 
     stats = emulator.last_launch_stats()
     assert stats.threadgroup == (64 * groups, 1, 1)
     tiles = stats.threadgroups // stats.grid[2]
-    assert stats.threadgroup_barriers == tiles * valid_pairs
+    assert stats.threadgroup_barriers == tiles * barriers
     return stats
 
 
@@ -225,7 +328,7 @@ def test_k_plan_matches_oracle(k_plan, poisoned_outputs, rng, mode, group_size, 
     ids = mx.array([[4, 0], [5, 2]], dtype=mx.int32)
     out = run_and_check(make_x(rng, (2, n_in), mx.bfloat16), gate, up, ids, "emulator",
                         activation=activation, mode=mode, group_size=group_size, bits=bits)
-    _k_plan_ran(4, valid_pairs=3)
+    _k_plan_ran(4, barriers=3)
     assert np.isnan(to_f64(out)).all(axis=-1).tolist() == [[False, False], [True, False]]
 
 
@@ -234,25 +337,36 @@ def test_k_plan_reads_each_selected_expert_once(k_plan, poisoned_outputs, rng):
     gate, up = _pair(rng, n_experts, n_out, n_in, mx.float16, bias=True)
     ids = mx.array([[3, 3, 0], [15, 7, 99]], dtype=mx.uint32)
     run_and_check(make_x(rng, (2, n_in), mx.float16), gate, up, ids, "emulator")
-    stats = _k_plan_ran(4, valid_pairs=5)
-    pairs = 5
-    for proj in ("gate", "up"):
-        assert stats.bytes_read[f"w_{proj}"] == pairs * n_out * (n_in * 4 // 32) * 4
-        assert stats.bytes_read[f"scales_{proj}"] == pairs * n_out * (n_in // 64) * 2
-        assert stats.bytes_read[f"bias_{proj}"] == pairs * n_out * 2
-    assert stats.bytes_read["x"] == pairs * -(-n_out // 4) * n_in * 2
-    assert stats.bytes_written["out"] == 6 * n_out * 2 and stats.bytes_read["out"] == 0
+    _assert_reads(_k_plan_ran(4, barriers=5), expert_reads=5, valid_pairs=5, pairs=6,
+                  n_out=n_out, n_in=n_in, itemsize=2)
 
 
-@pytest.mark.parametrize("seed", (1, 2))
-def test_k_plan_strict_shuffled(k_plan, poisoned_outputs, rng, seed):
+def test_k_plan_shared_passes(k_plan, poisoned_outputs, rng):
+    """The sharing form with K split: all 9 pairs name the last expert (passes of 4, 4 and 1
+    pairs, each pair through the combine in turn), against the oracle, the expert's rows
+    read 3 times, bitwise equal to SHARE 0."""
+    n_experts, n_out, n_in = 4, 16, 1024 + 128
+    gate, up = _pair(rng, n_experts, n_out, n_in, mx.float16, group_size=32, bias=True)
+    ids = mx.full((3, 3), n_experts - 1, dtype=mx.uint32)
+    x = make_x(rng, (3, n_in), mx.float16)
+    with sharing("emulator", 2):
+        shared = run_and_check(x, gate, up, ids, "emulator", group_size=32, kernel=SHARED)
+    _assert_reads(_k_plan_ran(3, barriers=(7 + 7 + 1) + 2), expert_reads=3, valid_pairs=9,
+                  pairs=9, n_out=n_out, n_in=n_in, itemsize=2, group_size=32)
+    unshared = run_and_check(x, gate, up, ids, "emulator", group_size=32, kernel=UNSHARED)
+    _k_plan_ran(3, barriers=9)
+    assert mx.array_equal(shared, unshared).item()
 
+
+@pytest.mark.parametrize("seed, share", [(1, False), (2, True)])
+def test_k_plan_strict_shuffled(k_plan, poisoned_outputs, rng, seed, share):
     gate, up = _pair(rng, 5, 8, 1024 + 128, mx.bfloat16, group_size=32, bias=True)
     ids = mx.array([[4, 0, 3], [2, 2, 1]], dtype=mx.int32)
     x = make_x(rng, (2, 1024 + 128), mx.bfloat16)
-    with strict_emulator(seed):
-        out = run_and_check(x, gate, up, ids, "emulator", group_size=32)
-        _k_plan_ran(3, valid_pairs=6)
+    with strict_emulator(seed), sharing("emulator", 2 if share else None):
+        out = run_and_check(x, gate, up, ids, "emulator", group_size=32,
+                            kernel=SHARED if share else UNSHARED)
+        _k_plan_ran(3, barriers=7 if share else 6)  # shared: expert 2's pair of pairs, 3
         again = mt.expert_glu(x, *gate[:3], *up[:3], ids, bias_gate=gate[3], bias_up=up[3],
                               group_size=32)
         assert mx.array_equal(out, again).item()
@@ -281,14 +395,16 @@ def test_instantiations_match_the_launches(launch_recorder, rng):
         for mode, gs, bits in (*QUANT, ("affine", 64, 4)):
             gate, up = _pair(rng, 3, 8, 128, dtype, mode, gs, bits, bias=True)
             for activation in ("silu", "swiglu_oai"):
-                for ids in (mx.array([[0, 2]], dtype=mx.uint32),
-                            mx.array([[0, 2]], dtype=mx.int32)):
-                    mt.expert_glu(make_x(rng, (1, 128), dtype), *gate[:3], *up[:3], ids,
-                                  bias_gate=gate[3], bias_up=up[3], activation=activation,
-                                  mode=mode, group_size=gs, bits=bits)
-                    n += 1
+                for tokens in (1, 2):  # SHARE 0, the sharing form (metal: from 2 tokens)
+                    for idx in (mx.uint32, mx.int32):
+                        mt.expert_glu(make_x(rng, (tokens, 128), dtype), *gate[:3], *up[:3],
+                                      mx.array([[0, 2]] * tokens, dtype=idx),
+                                      bias_gate=gate[3], bias_up=up[3],
+                                      activation=activation, mode=mode, group_size=gs,
+                                      bits=bits)
+                        n += 1
     assert len(launch_recorder.seen) == n
-    assert {name for name, *_ in launch_recorder.seen} == {op_module.SPEC.name}
+    assert {name for name, *_ in launch_recorder.seen} == {UNSHARED, SHARED}
     launch_recorder.assert_declared()
 
 
@@ -315,7 +431,44 @@ def test_kernel_path_is_lazy(monkeypatch, no_host_sync, rng):
     assert out.shape == (2, 3, 2, 40) and out.dtype == mx.bfloat16
     assert seen["grid"] == (64, 5, 12) and seen["threadgroup"] == (64, 1, 1)
     assert seen["template"] == [("T", mx.bfloat16), ("BITS", 4), ("GROUP_SIZE", 64),
-                                ("MODE", 0), ("ACT", 1)]
+                                ("MODE", 0), ("ACT", 1), ("SHARE", 1)]
+
+
+@pytest.mark.parametrize("backend", ("metal", "cuda"))
+def test_plan_shares_from_min_tokens(monkeypatch, rng, backend):
+    """The plan takes the sharing form from SHARE_MIN_TOKENS tokens on (2 by default: one
+    token's top-k ids are distinct), only where ids are [P] and x one row per token or per
+    pair; the kernels are stand-ins (nothing runs)."""
+    seen = []
+
+    def get_kernel(spec, name):
+        def kernel(*, inputs, output_shapes, output_dtypes, template, **_):
+            seen.append((spec.name, dict(template)["SHARE"]))
+            return [mx.zeros(shape, dtype=dtype) for shape, dtype
+                    in zip(output_shapes, output_dtypes, strict=True)]
+        return kernel
+
+    gate, up = _pair(rng, 4, 8, 64, mx.float16, group_size=32)
+
+    def form(x_shape, ids_shape):
+        mt.expert_glu(make_x(rng, x_shape, mx.float16), *gate[:3], *up[:3],
+                      mx.zeros(ids_shape, dtype=mx.uint32), group_size=32)
+        return seen.pop()
+
+    assert op_module.SHARE_MIN_TOKENS[backend] == 2
+    with monkeypatch.context() as m:
+        m.setattr(backends, "resolve_backend", lambda name=None: backend)
+        m.setattr(backends, "get_kernel", get_kernel)
+        with sharing(backend, 2):
+            assert form((1, 64), (1, 3)) == (UNSHARED, 0)
+            assert form((2, 64), (2, 3)) == (SHARED, 1)
+            assert form((2, 3, 64), (2, 3)) == (SHARED, 1)          # x per pair
+            assert form((2, 2, 1, 64), (2, 2, 3)) == (SHARED, 1)    # [..., 1, K]
+            assert form((2, 1, 64), (2, 3, 3)) == (UNSHARED, 0)     # x broadcast over 3
+            assert form((1, 64), (4, 3)) == (UNSHARED, 0)           # x broadcast over 4
+        with sharing(backend, 3):
+            assert form((2, 64), (2, 3)) == (UNSHARED, 0)
+            assert form((3, 64), (3, 3)) == (SHARED, 1)
 
 
 def test_empty_does_not_dispatch(kernel_backend, rng):
@@ -331,8 +484,8 @@ def test_empty_does_not_dispatch(kernel_backend, rng):
 
 @pytest.mark.parametrize("old, new, activation", [
     ("su = mt_group_scale<MODE, T>(gu);", "su = mt_group_scale<MODE, T>(gg);", "silu"),
-    ("acc_u[r] += su * du + bu * x_sum[wi];", "acc_u[r] += su * du;", "silu"),
-    ("u += float(bias_up[at]);", "u += 0.0f;", "silu"),
+    ("acc_u[s][r] += su * du + bu * x_sum[wi];", "acc_u[s][r] += su * du;", "silu"),
+    ("bias_u = float(bias_up[at]);", "bias_u = 0.0f;", "silu"),
     ("const float gc = metal::min(g, limit);", "const float gc = g;", "swiglu_oai"),
     ("y = g / (1.0f + metal::exp(-g)) * u;", "y = g * u;", "silu"),
 ], ids=("gate_scale_for_up", "no_up_affine_bias", "no_expert_bias", "no_clamp", "no_silu"))
