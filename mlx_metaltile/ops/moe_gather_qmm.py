@@ -98,7 +98,8 @@ def dx_bindings(rounded: bool):
     return bindings
 
 
-DX_PARAMS = (*QUANTIZED_PARAMS, "SIMDGROUPS", "UNROLL", "ROWS", "ROUND")
+# S: the scales' and biases' type (T, or 16-bit with a float32 g: expert_qmv's f32_dx)
+DX_PARAMS = (*QUANTIZED_PARAMS, "S", "SIMDGROUPS", "UNROLL", "ROWS", "ROUND")
 
 
 (DX_SPEC,) = register(KernelSpec(
@@ -320,8 +321,9 @@ def _launcher(spec: KernelSpec, M: int, N: int, K: int, E: int, group_size: int,
 
 def dx_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, mode: str,
                 dtype: mx.Dtype, backend: str, spec: KernelSpec = DX_SPEC,
-                rounded: bool = True) -> Callable:
-    """The x-VJP kernel (``spec``, this template; ``rounded``: the weights rounded to T) of
+                rounded: bool = True, scale_dtype: mx.Dtype | None = None) -> Callable:
+    """The x-VJP kernel (``spec``, this template; ``rounded``: the weights rounded to T;
+    ``scale_dtype``: the affine scales' dtype where it is not ``dtype``) of
     M rows on ``backend``, prepared once: returns
     ``launch(g, w, scales, biases, indices, sorted_indices)`` -> dx [M, K] float32 (NaN
     rows for out-of-range ids); with DX_ROWS > 1 and M >= DX_SORT_MIN_ROWS the rows are
@@ -340,7 +342,9 @@ def dx_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, mode
         inputs={"g": None, "w": None, "scales": None, "biases": None, "indices": None,
                 **_dims(M, E, N, K)},
         template={"T": dtype, "BITS": bits, "GROUP_SIZE": group_size,
-                  "MODE": MODE_IDS[mode], "SIMDGROUPS": sg, "UNROLL": unroll,
+                  "MODE": MODE_IDS[mode],
+                  "S": scale_dtype or (dtype if mode == "affine" else mx.uint8),
+                  "SIMDGROUPS": sg, "UNROLL": unroll,
                   "ROWS": rows, "ROUND": rounded},
         outputs={"dx": ((M, K), mx.float32)},
         grid=(32 * sg * rows * -(-M // rows), chunks, 1), threadgroup=(32 * sg, 1, 1),
