@@ -460,8 +460,9 @@ def _plan(x, w, scales, biases, indices, group_size, bits, mode, backend: str,
 
 
 def _f32_experts(w, scales, biases, indices, info: dict) -> tuple:
-    """The operands of float32 products over the selected experts, for the backward
-    passes: (w, scales, biases, ids, valid), ids in [0, len(w)) for mx.gather_qmm's
+    """The operands of float32 products over the selected experts, for the reference
+    backend's backward passes (the fused ops'; kernel backends: f32_product, pair_dx):
+    (w, scales, biases, ids, valid), ids in [0, len(w)) for mx.gather_qmm's
     rhs_indices, valid False for an id outside [0, E). MLX's gather_qmm widens float16 /
     bfloat16 scales and biases to x's float32 itself (an AsType of whole arrays): with
     fewer (token, expert) pairs than experts (decode) the pairs' experts are gathered first,
