@@ -40,17 +40,19 @@
 //                              its k experts (x_slot = 0), or one row per (token, slot)
 //                              (x_slot = 1); tokens may share rows (broadcast)
 //   w       [E, N, K / PACK]   uint32, element i of a word at bits [i*BITS, (i+1)*BITS)
-//   scales  [E, N, K / GS] T,  biases [E, N, K / GS] T   (scales may be negative)
-//           fp modes: scales uint8; biases is not read (the wrapper passes scales again)
+//   scales  [E, N, K / GS] S,  biases [E, N, K / GS] S   (scales may be negative); the
+//           template's S is T, or float16 / bfloat16 with T = float (a float32 x and out
+//           against 16-bit experts: the fused MoE ops' backward recomputes its products so)
+//           fp modes: S = uint8 scales; biases is not read (the wrapper passes scales again)
 //   indices [I_ROWS * k] uint32 or int32, k ids per row; tokens may share rows (broadcast)
 //   bcast   [3 * BCAST_DIMS] uint: (size, x row stride, indices stride) per dimension of the
 //           token grid, outermost first, unused outer ones (1, 0, 0)
 //   out     [P, N] T, P = tokens * k pairs, token-major (the broadcast token grid)
 //   n_experts (E), n_out (N), k_in (K), n_sel (k), x_slot: 0-d uint runtime inputs, so
 //   changing any of them (or the broadcast pattern) never builds a new kernel.
-//   Template: T, BITS in {4, 8}, GS in {32, 64, 128}, MODE 0 (affine);
+//   Template: T, S (above), BITS in {4, 8}, GS in {32, 64, 128}, MODE 0 (affine);
 //             MODE 1 (mxfp4): BITS 4, GS 32; MODE 2 (nvfp4): BITS 4, GS 16;
-//             MODE 3 (mxfp8): BITS 8, GS 32; ROUND (below).
+//             MODE 3 (mxfp8): BITS 8, GS 32; ROUND (MATH).
 //
 // BROADCAST: the leading dimensions of x and indices broadcast against each other (NumPy
 //   rules; the wrapper merges them into at most BCAST_DIMS dimensions, or materialises
@@ -109,12 +111,12 @@
 //   MAPPING makes the lanes' words of one load instruction contiguous instead.
 //   Registers: 16 words + VALS (<= 32) activations + 4 group uints per lane; ptxas (CUDA,
 //   bf16 4-bit affine GS 64): 92 (101 before the word mapping, the packed group uints and
-//   the shift-free dot).
+//   the shift-free dot); float32 x and out with bf16 scales (S): 93-100, no spill.
 //
 // WORD MAPPING: in a step starting at word w0 of a row, lane l holds words w0 + 32 * wi + l
 //   (wi < WORDS) of each row and their PACK activations each; the step's groups (32 * WORDS
 //   / (GS / PACK) <= 32) are loaded one per lane, scale and affine bias as one uint
-//   (expert_qdot.h's mt_group_bits: two 16-bit values; a float T's bias apart), shuffled
+//   (expert_qdot.h's mt_group_bits: two 16-bit values; a float S's bias apart), shuffled
 //   to the lanes of their words and decoded there. Why for both GPUs: each word-load
 //   instruction of a SIMD-group reads 128 contiguous bytes (one 128-byte line, every
 //   sector used, where the former 4 contiguous words per lane spread one instruction over
@@ -208,8 +210,8 @@ constexpr uint STEP_WORDS = 32 * WORDS;                  // words of a row per 3
 constexpr uint GROUP_WORDS = GROUP_SIZE / PACK;          // words per group: 2..32, divides 32
 constexpr uint STEP_GROUPS = STEP_WORDS / GROUP_WORDS;   // groups per step: 2..32
 constexpr int SCALE_FORMAT = MODE == 3 ? 1 : MODE;  // mt_fp4_scale's: mxfp8 scales are E8M0
-// Affine biases of a float T do not fit beside their scales in one shuffled uint.
-constexpr bool BIAS_APART = MODE == 0 && sizeof(T) == 4;
+// Affine biases of a float S do not fit beside their scales in one shuffled uint.
+constexpr bool BIAS_APART = MODE == 0 && sizeof(S) == 4;
 constexpr uint MAX_K_GROUPS = 8;       // SIMD-groups sharing one row block's K, at most
 
 // Per (K group, row block, row): a K group's sum, combined in K-group order (S > 1 only).
@@ -296,7 +298,7 @@ for (uint step = k_group; step < n_steps; step += k_groups) {
     if (loads_group && r < rows) {
       const uint at = r * groups_per_row;
       if constexpr (MODE == 0) {
-        const T b = b_step[at];
+        const S b = b_step[at];
         group[r] = mt_group_bits<MODE>(s_step[at], b);
         if constexpr (BIAS_APART) {
           bias_apart[r] = float(b);
@@ -335,11 +337,11 @@ for (uint step = k_group; step < n_steps; step += k_groups) {
       float s;
       float b = 0.0f;
       if constexpr (MODE == 0) {
-        s = mt_group_scale<MODE, T>(g);
+        s = mt_group_scale<MODE, S>(g);
         if constexpr (BIAS_APART) {
           b = simd_shuffle(bias_apart[r], src);
         } else {
-          b = mt_group_bias<T>(g);
+          b = mt_group_bias<S>(g);
         }
       } else {
         s = mt_fp4_scale<SCALE_FORMAT>(g);  // the E8M0 / E4M3 scale code

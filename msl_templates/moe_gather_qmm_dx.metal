@@ -26,10 +26,12 @@
 // LAYOUTS (row-contiguous; mx.quantize of a stacked [E, N, K] weight):
 //   g [M, N] T (the cotangent of the forward's output); w [E, N, K * BITS / 32] uint32
 //   (PACK = 32 / BITS codes per word, low bits first); scales, biases [E, N, K / GROUP_SIZE]
-//   T (scales may be negative); fp modes: scales uint8 (E8M0, group 32 / E4M3, group 16),
-//   biases not read (the wrapper passes scales again); indices [M] uint32 or int32;
+//   S (scales may be negative): S = T, or float16 / bfloat16 with T = float (a float32 g
+//   against 16-bit experts: the fused MoE ops' backward, ROUND false); fp modes: S = uint8
+//   scales (E8M0, group 32 / E4M3, group 16), biases not read (the wrapper passes scales
+//   again); indices [M] uint32 or int32;
 //   dx [M, K] float32. n_rows (M), n_experts (E), n_cols (N), k_dim (K): 0-d uint runtime
-//   inputs (changing them never builds a new kernel). Template: T, BITS (4, 8), GROUP_SIZE
+//   inputs (changing them never builds a new kernel). Template: T, S, BITS (4, 8), GROUP_SIZE
 //   (32, 64, 128; nvfp4 16), MODE (0 affine, 1 mxfp4, 2 nvfp4, 3 mxfp8), SIMDGROUPS (SG) and
 //   UNROLL, ROWS (the launch plan's geometry: ops/moe_gather_qmm.py's DX_SIMDGROUPS,
 //   DX_UNROLL, DX_ROWS), ROUND (the weights rounded to T: true for moe_gather_qmm).
@@ -69,7 +71,7 @@
 //   are loaded before its rows. Registers: ROWS * PACK accumulators + PACK decoded weights
 //   + 2-3 UNROLL loads + ROWS g values per lane; nvcc (CUDA translation, SG 8, UNROLL 8,
 //   ROWS 4): 78-80 registers for bf16 (affine 4-bit GS 64, mxfp4; either ROUND), 85-88 for
-//   float32, no spill.
+//   float32, 76-80 for a float32 g with bf16 scales (S), no spill.
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
 //   threadgroup = (32 * SG, 1, 1): SG SIMD-groups of 32, splitting N (SUMMATION ORDER)
@@ -123,8 +125,8 @@ constexpr uint CHUNK_VALS = 32 * PACK;            // k values of a chunk
 constexpr uint LD = PACK + 1;                     // padded stride of a lane's partials
 constexpr uint THREADS = 32 * SG;
 constexpr int SCALE_FORMAT = MODE == 3 ? 1 : MODE;  // mt_fp4_scale's: mxfp8 scales are E8M0
-// Affine biases of a float T do not fit beside their scales in one shuffled uint.
-constexpr bool BIAS_APART = MODE == 0 && sizeof(T) == 4;
+// Affine biases of a float S do not fit beside their scales in one shuffled uint.
+constexpr bool BIAS_APART = MODE == 0 && sizeof(S) == 4;
 constexpr uint MASK = (1u << BITS) - 1u;
 static_assert(32 % UNROLL == 0, "UNROLL divides a 32-row block");
 static_assert(ROWS >= 1 && ROWS <= 32, "a tile's run is a 32-bit mask");
@@ -210,7 +212,7 @@ for (uint n0 = sg * 32; n0 < N; n0 += SG * 32) {  // this SIMD-group's 32-row bl
       if (loads_group && row_in) {
         const size_t at = n * groups_per_row;
         if constexpr (MODE == 0) {
-          const T b = b_lane[at];
+          const S b = b_lane[at];
           group[u] = mt_group_bits<MODE>(s_lane[at], b);
           if constexpr (BIAS_APART) {
             bias_apart[u] = float(b);
@@ -231,11 +233,11 @@ for (uint n0 = sg * 32; n0 < N; n0 += SG * 32) {  // this SIMD-group's 32-row bl
       float s;
       float b = 0.0f;
       if constexpr (MODE == 0) {
-        s = mt_group_scale<MODE, T>(gb);
+        s = mt_group_scale<MODE, S>(gb);
         if constexpr (BIAS_APART) {
           b = simd_shuffle(bias_apart[u], src);
         } else {
-          b = mt_group_bias<T>(gb);
+          b = mt_group_bias<S>(gb);
         }
       } else {
         s = mt_fp4_scale<SCALE_FORMAT>(gb);  // the E8M0 / E4M3 scale code

@@ -31,7 +31,9 @@ LORA_KEYS = {
 }
 BATCH = mx.array([[1, 5, 9, 33, 2, 7, 100, 64, 3, 11], [4, 8, 15, 16, 23, 42, 0, 0, 0, 0]])
 LENGTHS = mx.array([[1, 9], [1, 5]])  # (first, last) scored target of each row
-DECODE_KERNELS = ("expert_glu_simd_rows", "expert_down_combine_simd_rows")
+# the two dispatches forward, then their backward's kernels (expert_qmv's, on kernel backends)
+DECODE_KERNELS = ("expert_glu_simd_rows", "expert_down_combine_simd_rows",
+                  "expert_qmv_simd_rows", "expert_qmv_dx")
 
 
 def _lora_model(arch: str):
@@ -110,7 +112,7 @@ def test_lora_step_at_decode_through_patched_moe(backend):
     finally:
         mt.unpatch(model)
     if backend != "reference":
-        assert all(ran.values()), ran  # the blocks' two-dispatch path ran
+        assert all(ran.values()), ran  # the blocks' two-dispatch path ran, and its backward
     slack = 2 * TOLERANCES["float32"].accum * replaced_modules(report)
     assert abs(loss.item() - want_loss.item()) <= slack * abs(want_loss.item())
     assert np.any(np.array(want_dx) != 0)

@@ -46,6 +46,7 @@ from .expert_qmv import (
     _f32_experts,
     _f32_product,
     _x_vjp,
+    pair_dx,
 )
 from .expert_qmv import _reference as _qmv_reference
 
@@ -153,19 +154,41 @@ def _pair_outputs(h, experts: tuple, indices, bias, info: dict) -> mx.array:
     return y
 
 
+def _pair_dx(g, w, scales, biases, indices, info: dict, backend: str) -> mx.array:
+    """u [..., k, N] float32: u_j = g W[e_j] per pair (g [..., D] broadcast over the k
+    slots), expert_qmv's x-VJP kernel; NaN rows for ids outside [0, E)."""
+    pairs = info["tokens"] * info["k"]
+    rows = mx.broadcast_to(g[..., None, :], (*info["lead"], info["k"], info["n_out"]))
+    u = pair_dx(rows.reshape(pairs, info["n_out"]), w, scales, biases, indices.reshape(-1),
+                info, backend)
+    return u.reshape(*info["lead"], info["k"], info["in_features"])
+
+
 def _backward(g, h, w, scales, biases, indices, scores, bias, info: dict) -> list[mx.array]:
     """[dh, dscores] (+ [dbias]) for the cotangent g [..., D], in float32: dh_j = s_j g W[e_j]
     (expert_qmv's dx), dscores_j = g . y_j (y recomputed), dbias[e] = sum of s_j g over the
     pairs naming e. A pair with an id outside [0, E) gives its h row and its score NaN, as
     its NaN term, and adds nothing to the bias' gradient. The experts are gathered and
     widened once (expert_qmv's _f32_experts: at decode only the selected ones) for both
-    products."""
+    products. On a kernel backend one launch instead: expert_qmv's x-VJP kernel (pair_dx)
+    gives each pair's u_j = g W[e_j] in float32, then dh_j = s_j u_j and dscores_j =
+    h_j . u_j + g . bias[e_j] (= g . y_j, the products reassociated: y is not recomputed)."""
     gf = g.astype(mx.float32)[..., None, :]
     sf = scores.astype(mx.float32)[..., None]
-    experts = _f32_experts(w, scales, biases, indices, info)
-    dh = _x_vjp(gf * sf, None, None, None, None, h.shape, h.dtype, info, experts)
-    y = _pair_outputs(h, experts, indices, bias, info)
-    grads = [dh, (gf * y).sum(axis=-1).astype(scores.dtype)]
+    backend = backends.resolve_backend()
+    if backend != "reference":
+        u = _pair_dx(g, w, scales, biases, indices, info, backend)
+        dh = (u * sf).astype(h.dtype)
+        ds = (u * h.astype(mx.float32)).sum(axis=-1)
+        if bias is not None:
+            valid = _valid(indices, info["n_experts"])
+            ds = ds + (gf * bias[mx.where(valid, indices, 0)].astype(mx.float32)).sum(axis=-1)
+        grads = [dh, ds.astype(scores.dtype)]
+    else:
+        experts = _f32_experts(w, scales, biases, indices, info)
+        dh = _x_vjp(gf * sf, None, None, None, None, h.shape, h.dtype, info, experts)
+        y = _pair_outputs(h, experts, indices, bias, info)
+        grads = [dh, (gf * y).sum(axis=-1).astype(scores.dtype)]
     if bias is not None:
         valid = _valid(indices, info["n_experts"]).reshape(-1)
         rows = mx.where(valid, indices.reshape(-1), 0)

@@ -33,6 +33,7 @@ from ._grad import (
     _frozen_fn,
     refuse_shapeless,
     shapeless_tracing,
+    sum_to_shape,
 )
 from .expert_qmv import (
     BCAST_DIMS,
@@ -46,6 +47,8 @@ from .expert_qmv import (
     _k_groups,
     _out_shape,
     _x_vjp,
+    f32_product,
+    pair_dx,
 )
 from .expert_qmv import _reference as _qmv_reference
 
@@ -240,6 +243,22 @@ def _projections(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up
     return gate, up
 
 
+def _kernel_dx(d_gate, d_up, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up,
+               indices, x_shape, info: dict, backend: str) -> mx.array:
+    """dx in float32 from d_gate and d_up [..., k, N] float32: each pair's d_gate Wg[e] +
+    d_up Wu[e] (two launches of expert_qmv's x-VJP kernel; NaN rows for ids outside
+    [0, E)), summed as expert_qmv's x-VJP sums them."""
+    lead, k, n_out = info["lead"], info["k"], info["n_out"]
+    ids = mx.broadcast_to(indices, (*lead, k)).reshape(-1)
+    d = (pair_dx(d_gate.reshape(-1, n_out), w_gate, scales_gate, biases_gate, ids, info,
+                 backend)
+         + pair_dx(d_up.reshape(-1, n_out), w_up, scales_up, biases_up, ids, info, backend))
+    d = d.reshape(*lead, k, info["in_features"])
+    if not info["x_k_axis"]:  # one activation shared by the token's k experts
+        d = mx.sum(d, axis=-2)
+    return sum_to_shape(d, tuple(x_shape))
+
+
 def _backward(g, x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
               bias_gate, bias_up, info: dict) -> list[mx.array]:
     """[dx] (+ [dbias_gate, dbias_up] with biases) for the cotangent g [..., k, N]: gate and
@@ -248,20 +267,32 @@ def _backward(g, x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up
     outside [0, E) gives its x NaN). The biases' gradients sum each expert's pairs; a pair
     with an out-of-range id reads no bias row and adds nothing to them. Each projection's
     experts are gathered and widened once (expert_qmv's _f32_experts: at decode only the
-    selected ones) for both its recomputation and its transposed product."""
-    gate_experts = _f32_experts(w_gate, scales_gate, biases_gate, indices, info)
-    up_experts = _f32_experts(w_up, scales_up, biases_up, indices, info)
-    xf = mx.expand_dims(x.astype(mx.float32), -2 if info["x_k_axis"] else (-3, -2))
-    gate = _f32_product(xf, gate_experts, info, transpose=True)
-    up = _f32_product(xf, up_experts, info, transpose=True)
+    selected ones) for both its recomputation and its transposed product. On a kernel
+    backend four launches instead, none widening an expert: gate and up by expert_qmv's
+    kernel at float32 x and out (f32_product), d_gate Wg[e] and d_up Wu[e] by its x-VJP
+    kernel at a float32 cotangent (pair_dx)."""
+    backend = backends.resolve_backend()
+    if backend != "reference":
+        gate = f32_product(x, w_gate, scales_gate, biases_gate, indices, info, backend)
+        up = f32_product(x, w_up, scales_up, biases_up, indices, info, backend)
+    else:
+        gate_experts = _f32_experts(w_gate, scales_gate, biases_gate, indices, info)
+        up_experts = _f32_experts(w_up, scales_up, biases_up, indices, info)
+        xf = mx.expand_dims(x.astype(mx.float32), -2 if info["x_k_axis"] else (-3, -2))
+        gate = _f32_product(xf, gate_experts, info, transpose=True)
+        up = _f32_product(xf, up_experts, info, transpose=True)
     if info["has_bias"]:
         safe = mx.where(_valid(indices, info["n_experts"]), indices, 0)
         gate = gate + bias_gate[safe].astype(mx.float32)
         up = up + bias_up[safe].astype(mx.float32)
     _, (d_gate, d_up) = mx.vjp(lambda a, b: _activate(a, b, info["activation"]), [gate, up],
                                [g.astype(mx.float32)])
-    dx = (_x_vjp(d_gate, None, None, None, None, x.shape, mx.float32, info, gate_experts)
-          + _x_vjp(d_up, None, None, None, None, x.shape, mx.float32, info, up_experts))
+    if backend != "reference":
+        dx = _kernel_dx(d_gate, d_up, w_gate, scales_gate, biases_gate, w_up, scales_up,
+                        biases_up, indices, x.shape, info, backend)
+    else:
+        dx = (_x_vjp(d_gate, None, None, None, None, x.shape, mx.float32, info, gate_experts)
+              + _x_vjp(d_up, None, None, None, None, x.shape, mx.float32, info, up_experts))
     grads = [dx.astype(x.dtype)]
     if info["has_bias"]:
         ids_shape = (*info["lead"], info["k"])

@@ -22,9 +22,11 @@ from ._common import (
     QUANTIZED_PARAMS,
     check_quantized,
     empty_call,
+    keep_plan,
     memo_check,
     memo_plan,
     on_stream,
+    plan_memory,
     run_on,
     scalar,
 )
@@ -43,13 +45,26 @@ SIMDGROUPS = 2  # SIMD-groups per threadgroup (matches the template)
 ROWS = 4  # output rows per SIMD-group (matches the template)
 ROWS_PER_THREADGROUP = SIMDGROUPS * ROWS
 
+
+def _with_f32(bindings):
+    """``bindings`` and, for each affine one of float16 / bfloat16, its float32 twin with
+    the 16-bit scales kept (S): the fused MoE ops' backward multiplies float32 activations
+    or cotangents by 16-bit experts without widening them (f32_product, f32_dx)."""
+    def more():
+        for binding in bindings():
+            yield binding
+            if binding["MODE"] == MODE_IDS["affine"] and binding["T"] != mx.float32:
+                yield dict(binding, T=mx.float32)
+    return more
+
+
 (SPEC,) = register(
     KernelSpec(
         op=OP, variant="simd_rows", template="expert_qmv.metal",
         inputs=(*QUANTIZED_INPUTS, Arg("bcast", "uint32", 1),
                 *scalars("n_experts", "n_out", "k_in", "n_sel", "x_slot")),
-        outputs=(Arg("out", "T", 2),), params=(*QUANTIZED_PARAMS, "ROUND"),
-        bindings=gemv_bindings(False),
+        outputs=(Arg("out", "T", 2),), params=(*QUANTIZED_PARAMS, "S", "ROUND"),
+        bindings=_with_f32(gemv_bindings(False)),
         geometry="threadgroup (64 * S, 1, 1): 2 row blocks of 4 output rows x S K groups "
                  "(S = 1 on Metal; cuda: K split where the grid is small); "
                  "grid (64 * S, ceil(N / 8), tokens * k): one threadgroup per (pair, 8-row tile)",
@@ -64,7 +79,8 @@ ROWS_PER_THREADGROUP = SIMDGROUPS * ROWS
         op=OP, variant="dx", template="moe_gather_qmm_dx.metal",
         inputs=(Arg("g", "T", 2), *QUANTIZED_INPUTS[1:],
                 *scalars("n_rows", "n_experts", "n_cols", "k_dim")),
-        outputs=(Arg("dx", "float32", 2),), params=DX_PARAMS, bindings=dx_bindings(False),
+        outputs=(Arg("dx", "float32", 2),), params=DX_PARAMS,
+        bindings=_with_f32(dx_bindings(False)),
         geometry="as moe_gather_qmm_dx (rows = the tokens * k pairs; N any)",
         notes="x-VJP per pair dx = g @ W[id] (float32 weights), summed over the k experts "
               "and the broadcast axes after it",
@@ -280,9 +296,11 @@ def _k_groups(n_out: int, n_in: int, pairs: int, bits: int, group_size: int, wor
     return -(-steps // per_group)
 
 
-def _launcher(info: dict, backend: str, dtype: mx.Dtype) -> Callable:
+def _launcher(info: dict, backend: str, dtype: mx.Dtype,
+              scale_dtype: mx.Dtype | None = None) -> Callable:
     """The kernel call of ``info``'s problem on ``backend``, prepared once: returns
-    ``launch(x, w, scales, biases, indices)``."""
+    ``launch(x, w, scales, biases, indices)``; ``scale_dtype``: the affine scales' dtype
+    where it is not ``dtype`` (f32_product)."""
     lead, k, n_out, n_in = info["lead"], info["k"], info["n_out"], info["in_features"]
     pairs = info["tokens"] * k
     squeeze = info["x_k_axis"] and info["shared"]  # [..., 1, K]: one activation per token
@@ -305,7 +323,9 @@ def _launcher(info: dict, backend: str, dtype: mx.Dtype) -> Callable:
                 "n_sel": scalar(k, mx.uint32),
                 "x_slot": scalar(0 if info["shared"] else 1, mx.uint32)},
         template={"T": dtype, "BITS": info["bits"], "GROUP_SIZE": info["group_size"],
-                  "MODE": MODE_IDS[info["mode"]], "ROUND": False},
+                  "MODE": MODE_IDS[info["mode"]],
+                  "S": scale_dtype or (dtype if info["mode"] == "affine" else mx.uint8),
+                  "ROUND": False},
         outputs={"out": ((pairs, n_out), dtype)},
         grid=(tg, -(-n_out // ROWS_PER_THREADGROUP), pairs), threadgroup=(tg, 1, 1),
     )
@@ -439,8 +459,9 @@ def _plan(x, w, scales, biases, indices, group_size, bits, mode, backend: str,
 
 
 def _f32_experts(w, scales, biases, indices, info: dict) -> tuple:
-    """The operands of float32 products over the selected experts, for the backward
-    passes: (w, scales, biases, ids, valid), ids in [0, len(w)) for mx.gather_qmm's
+    """The operands of float32 products over the selected experts, for the reference
+    backend's backward passes (the fused ops'; kernel backends: f32_product, pair_dx):
+    (w, scales, biases, ids, valid), ids in [0, len(w)) for mx.gather_qmm's
     rhs_indices, valid False for an id outside [0, E). MLX's gather_qmm widens float16 /
     bfloat16 scales and biases to x's float32 itself (an AsType of whole arrays): with
     fewer (token, expert) pairs than experts (decode) the pairs' experts are gathered first,
@@ -485,3 +506,42 @@ def _x_vjp(g, w, scales, biases, indices, x_shape, x_dtype, info: dict,
     if not info["x_k_axis"]:  # one activation shared by the token's k experts
         d = mx.sum(d, axis=-2)
     return sum_to_shape(d, tuple(x_shape)).astype(x_dtype)
+
+
+# ---- the fused MoE ops' backward on kernel backends -------------------------------------
+# expert_glu and expert_down_combine recompute their products and take their transposed
+# products here: this op's two kernels at float32 x / g, the experts read as stored (16-bit
+# affine scales and biases too: no gathered or widened copy), float32 out, NaN rows for ids
+# outside [0, E). The prepared launches are remembered per problem (clear_plans forgets them).
+_KERNEL_PLANS = plan_memory()
+_INFO_KEYS = ("n_experts", "n_out", "in_features", "k", "lead", "x_lead", "idx_lead",
+              "tokens", "shared", "x_k_axis", "group_size", "bits", "mode")
+
+
+def f32_product(x, w, scales, biases, indices, info: dict, backend: str) -> mx.array:
+    """y [..., k, N] = x @ W[e]^T per pair in float32 (this op's forward kernel at float32 x
+    and out, as the composite's float32 gather_qmm) for ``info``'s problem (this op's check
+    of x, w, scales, biases, indices, x of any float dtype)."""
+    scale_dtype = scales.dtype if info["mode"] == "affine" else None
+    key = ("product", tuple(info[n] for n in _INFO_KEYS), backend, scale_dtype)
+    launch = _KERNEL_PLANS.get(key) or keep_plan(
+        _KERNEL_PLANS, key, _launcher(info, backend, mx.float32, scale_dtype))
+    return launch(x.astype(mx.float32), w, scales, biases, indices)
+
+
+def pair_dx(g, w, scales, biases, ids, info: dict, backend: str) -> mx.array:
+    """dx [P, K] float32, row p = g[p] @ W[ids[p]] with the float32 weights (the x-VJP
+    kernel, DX_SPEC) for g [P, N] in the experts' dtype or float32 and ids [P]; NaN rows for
+    ids outside [0, E)."""
+    affine = info["mode"] == "affine"
+    if affine and g.dtype not in (scales.dtype, mx.float32):
+        g = g.astype(mx.float32)
+    scale_dtype = scales.dtype if affine else None
+    rows = g.shape[0]
+    key = ("dx", rows, info["n_out"], info["in_features"], info["n_experts"],
+           info["group_size"], info["bits"], info["mode"], g.dtype, scale_dtype, backend)
+    launch = _KERNEL_PLANS.get(key) or keep_plan(_KERNEL_PLANS, key, dx_launcher(
+        rows, info["n_out"], info["in_features"], info["n_experts"], info["group_size"],
+        info["bits"], info["mode"], g.dtype, backend, DX_SPEC, rounded=False,
+        scale_dtype=scale_dtype))
+    return launch(g, w, scales, biases, ids, False)

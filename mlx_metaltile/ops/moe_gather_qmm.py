@@ -100,7 +100,8 @@ def dx_bindings(rounded: bool):
     return bindings
 
 
-DX_PARAMS = (*QUANTIZED_PARAMS, "SIMDGROUPS", "UNROLL", "ROWS", "ROUND")
+# S: the scales' and biases' type (T, or 16-bit with a float32 g: expert_qmv's f32_dx)
+DX_PARAMS = (*QUANTIZED_PARAMS, "S", "SIMDGROUPS", "UNROLL", "ROWS", "ROUND")
 
 
 (DX_SPEC,) = register(KernelSpec(
@@ -132,7 +133,7 @@ def gemv_bindings(rounded: bool):
     op=OP, variant="gemv", template="expert_qmv.metal",
     inputs=(*QUANTIZED_INPUTS, Arg("bcast", "uint32", 1),
             *scalars("n_experts", "n_out", "k_in", "n_sel", "x_slot")),
-    outputs=(Arg("out", "T", 2),), params=(*QUANTIZED_PARAMS, "ROUND"),
+    outputs=(Arg("out", "T", 2),), params=(*QUANTIZED_PARAMS, "S", "ROUND"),
     bindings=gemv_bindings(True),
     geometry="as expert_qmv (pairs = the M rows, k = 1): threadgroup (64 * S, 1, 1), grid "
              "(64 * S, ceil(N / 8), M); rows in any order (no sort)",
@@ -374,7 +375,8 @@ def _gemv_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, m
                 "n_out": scalar(N, mx.uint32), "k_in": scalar(K, mx.uint32),
                 "n_sel": scalar(1, mx.uint32), "x_slot": scalar(0, mx.uint32)},
         template={"T": dtype, "BITS": bits, "GROUP_SIZE": group_size,
-                  "MODE": MODE_IDS[mode], "ROUND": True},
+                  "MODE": MODE_IDS[mode], "S": dtype if mode == "affine" else mx.uint8,
+                  "ROUND": True},
         outputs={"out": ((M, N), dtype)},
         grid=(tg, -(-N // ROWS_PER_THREADGROUP), M), threadgroup=(tg, 1, 1),
     )
@@ -390,8 +392,9 @@ def _gemv_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, m
 
 def dx_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, mode: str,
                 dtype: mx.Dtype, backend: str, spec: KernelSpec = DX_SPEC,
-                rounded: bool = True) -> Callable:
-    """The x-VJP kernel (``spec``, this template; ``rounded``: the weights rounded to T) of
+                rounded: bool = True, scale_dtype: mx.Dtype | None = None) -> Callable:
+    """The x-VJP kernel (``spec``, this template; ``rounded``: the weights rounded to T;
+    ``scale_dtype``: the affine scales' dtype where it is not ``dtype``) of
     M rows on ``backend``, prepared once: returns
     ``launch(g, w, scales, biases, indices, sorted_indices)`` -> dx [M, K] float32 (NaN
     rows for out-of-range ids); with DX_ROWS > 1 and M >= DX_SORT_MIN_ROWS the rows are
@@ -410,7 +413,9 @@ def dx_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, mode
         inputs={"g": None, "w": None, "scales": None, "biases": None, "indices": None,
                 **_dims(M, E, N, K)},
         template={"T": dtype, "BITS": bits, "GROUP_SIZE": group_size,
-                  "MODE": MODE_IDS[mode], "SIMDGROUPS": sg, "UNROLL": unroll,
+                  "MODE": MODE_IDS[mode],
+                  "S": scale_dtype or (dtype if mode == "affine" else mx.uint8),
+                  "SIMDGROUPS": sg, "UNROLL": unroll,
                   "ROWS": rows, "ROUND": rounded},
         outputs={"dx": ((M, K), mx.float32)},
         grid=(32 * sg * rows * -(-M // rows), chunks, 1), threadgroup=(32 * sg, 1, 1),

@@ -384,7 +384,8 @@ def test_sizes_do_not_rebuild(kernel_backend, monkeypatch, launches, rng):
             run_and_check(x, w, s, b, ids, 64, 4, kernel_backend)
     assert backends.built_kernels() == built
     assert {launch.template for launch in launches} == {
-        (("T", mx.float16), ("BITS", 4), ("GROUP_SIZE", 64), ("MODE", 0), ("ROUND", False))}
+        (("T", mx.float16), ("BITS", 4), ("GROUP_SIZE", 64), ("MODE", 0), ("S", mx.float16),
+         ("ROUND", False))}
     if sources is not None:
         new = set(sources) - warm
         assert not new, f"new instantiations: {[input_space(src, 'indices') for src in new]}"
@@ -452,7 +453,7 @@ def test_kernel_path_is_lazy(monkeypatch, no_host_sync, rng):
     assert out.shape == (2, 3, 2, 40) and out.dtype == mx.bfloat16
     assert seen["grid"] == (64, 5, 12) and seen["threadgroup"] == (64, 1, 1)
     assert seen["template"] == [("T", mx.bfloat16), ("BITS", 4), ("GROUP_SIZE", 64),
-                                ("MODE", 0), ("ROUND", False)]
+                                ("MODE", 0), ("S", mx.bfloat16), ("ROUND", False)]
 
 
 def test_empty_does_not_dispatch(kernel_backend, rng):

@@ -16,6 +16,7 @@ from mlx_metaltile.cases import assert_close, to_f64
 
 glu = importlib.import_module("mlx_metaltile.ops.expert_glu")
 down = importlib.import_module("mlx_metaltile.ops.expert_down_combine")
+qmv = importlib.import_module("mlx_metaltile.ops.expert_qmv")
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 DT_IDS = ("float32", "float16", "bfloat16")
 ALPHA, LIMIT = 1.702, 7.0  # gpt-oss's SwigluOAI
@@ -24,11 +25,20 @@ E, N, K = 4, 33, 64
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
 
-def _quantize(rng, shape, dtype):
-    """Affine 4-bit experts and the weights they hold, exactly (float64)."""
+# The experts' quantization: mx.quantize's arguments, also the ops' keywords.
+QUANTS = {"affine4": {}, "affine8": dict(bits=8), "mxfp4": dict(mode="mxfp4")}
+
+
+def _quantize(rng, shape, dtype, quant="affine4"):
+    """Experts (affine 4-bit unless ``quant`` says otherwise) and the weights they hold,
+    exactly (float64)."""
     wf = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
-    w, scales, biases = mx.quantize(wf)
-    wd = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32))
+    kw = QUANTS[quant]
+    if kw.get("mode") == "mxfp4":
+        w, scales = mx.quantize(wf, **kw)
+        return (w, scales, None), to_f64(mx.dequantize(w, scales, None, dtype=mx.float32, **kw))
+    w, scales, biases = mx.quantize(wf, **kw)
+    wd = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), **kw)
     return (w, scales, biases), to_f64(wd)
 
 
@@ -94,9 +104,9 @@ def _ids(k: int, n_experts: int) -> np.ndarray:
     return np.array([[0, 3, 0], [3, 2, 1]] if k == 3 else [[3], [0]], dtype=np.uint32)
 
 
-def _glu_inputs(rng, dtype, k, bias, per_expert=False, n_experts=E):
-    gate, wg = _quantize(rng, (n_experts, N, K), dtype)
-    up, wu = _quantize(rng, (n_experts, N, K), dtype)
+def _glu_inputs(rng, dtype, k, bias, per_expert=False, n_experts=E, quant="affine4"):
+    gate, wg = _quantize(rng, (n_experts, N, K), dtype, quant)
+    up, wu = _quantize(rng, (n_experts, N, K), dtype, quant)
     ids = _ids(k, n_experts)
     T = ids.shape[0]
     # gate, up ~ N(0, 8): swiglu_oai clamps some of them
@@ -107,12 +117,13 @@ def _glu_inputs(rng, dtype, k, bias, per_expert=False, n_experts=E):
     return gate, up, wg, wu, ids, x, biases, c
 
 
-def glu_check(rng, dtype, k, activation, bias, per_expert=False, n_experts=E):
+def glu_check(rng, dtype, k, activation, bias, per_expert=False, n_experts=E,
+              quant="affine4"):
     gate, up, wg, wu, ids, x, biases, c = _glu_inputs(rng, dtype, k, bias, per_expert,
-                                                      n_experts)
+                                                      n_experts, quant)
 
     def fn(x, *b):
-        kw = dict(bias_gate=b[0], bias_up=b[1]) if b else {}
+        kw = dict(QUANTS[quant], **(dict(bias_gate=b[0], bias_up=b[1]) if b else {}))
         return mt.expert_glu(x, *gate, *up, mx.array(ids), activation=activation, **kw)
 
     _, grads = mx.vjp(fn, [x, *biases], [c])
@@ -133,11 +144,14 @@ def glu_check(rng, dtype, k, activation, bias, per_expert=False, n_experts=E):
                          ids=("silu", "swiglu_oai_bias"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 def test_expert_glu_vjp(any_backend, rng, dtype, activation, bias, k):
-    before = backends.launch_count()
+    before, qmv_before = backends.launch_count(), _qmv_launches()
     dx = glu_check(rng, dtype, k, activation, bias)[0]
     assert np.any(to_f64(dx) != 0)  # no silent zero
     if any_backend != "reference":
         assert backends.launch_count() > before  # the kernel ran forward
+    # backward on a kernel backend: gate and up recomputed, then d_gate Wg and d_up Wu
+    want = [0, 0] if any_backend == "reference" else [2, 2]
+    assert [a - b for a, b in zip(_qmv_launches(), qmv_before, strict=True)] == want
 
 
 @pytest.mark.parametrize("activation", ("silu", "swiglu_oai"))
@@ -177,9 +191,9 @@ def down_grad_oracle(h, wd, b, ids, s, c):
     return (dh, dh_mag), (ds, ds_mag), (db, db_mag)
 
 
-def down_check(rng, dtype, k, bias, scores_f32, n_experts=E):
+def down_check(rng, dtype, k, bias, scores_f32, n_experts=E, quant="affine4"):
     D = N
-    q, wd = _quantize(rng, (n_experts, D, K), dtype)
+    q, wd = _quantize(rng, (n_experts, D, K), dtype, quant)
     ids = _ids(k, n_experts)
     T = ids.shape[0]
     h = _rand(rng, (T, k, K), dtype)
@@ -188,7 +202,7 @@ def down_check(rng, dtype, k, bias, scores_f32, n_experts=E):
     c = _rand(rng, (T, D), dtype)
     primals = [h, s] + ([b] if bias else [])
     _, grads = mx.vjp(lambda h, s, *b: mt.expert_down_combine(
-        h, *q, mx.array(ids), s, bias=b[0] if b else None), primals, [c])
+        h, *q, mx.array(ids), s, bias=b[0] if b else None, **QUANTS[quant]), primals, [c])
     want = down_grad_oracle(to_f64(h), wd, to_f64(b) if bias else np.zeros((n_experts, D)), ids,
                             to_f64(s), to_f64(c))
     assert len(grads) == len(primals)
@@ -205,11 +219,70 @@ def down_check(rng, dtype, k, bias, scores_f32, n_experts=E):
 @pytest.mark.parametrize("scores_f32", (False, True), ids=("scores_same", "scores_f32"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 def test_expert_down_combine_vjp(any_backend, rng, dtype, scores_f32, bias, k):
-    before = backends.launch_count()
+    before, qmv_before = backends.launch_count(), _qmv_launches()
     for g in down_check(rng, dtype, k, bias, scores_f32):
         assert np.any(to_f64(g) != 0)  # no silent zero
     if any_backend != "reference":
         assert backends.launch_count() > before
+    # backward on a kernel backend: one x-VJP launch (g W[e] per pair), nothing recomputed
+    want = [0, 0] if any_backend == "reference" else [0, 1]
+    assert [a - b for a, b in zip(_qmv_launches(), qmv_before, strict=True)] == want
+
+
+def _qmv_launches() -> list[int]:
+    """Launches of expert_qmv's forward and x-VJP kernels so far (the fused ops' backward
+    on a kernel backend)."""
+    return [backends.launch_count(name=spec.name) for spec in (qmv.SPEC, qmv.DX_SPEC)]
+
+
+@pytest.mark.parametrize("quant", ("affine8", "mxfp4"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_fused_vjp_quantizations(any_backend, rng, dtype, quant):
+    """Affine 8-bit and mxfp4 experts (4-bit: the tests above): both ops with biases and
+    duplicated ids (k = 3), without them at one token's 4 of 32 experts and at k = 1."""
+    glu_check(rng, dtype, 3, "swiglu_oai", True, quant=quant)
+    glu_check(rng, dtype, 4, "silu", False, n_experts=32, quant=quant)
+    down_check(rng, dtype, 3, True, True, quant=quant)
+    down_check(rng, dtype, 1, False, False, quant=quant)
+
+
+def test_fused_vjp_bitwise_reproducible(any_backend, rng):
+    """The same backward twice gives the same bits (fixed summation orders, no atomics)."""
+    gate, up, _, _, ids, x, biases, c = _glu_inputs(rng, mx.bfloat16, 4, True, n_experts=32)
+    h, s = _rand(rng, (1, 4, K), mx.bfloat16), _rand(rng, (1, 4), mx.float32)
+
+    def grads():
+        _, gx = mx.vjp(lambda x, bg, bu: mt.expert_glu(x, *gate, *up, mx.array(ids),
+                                                       bias_gate=bg, bias_up=bu,
+                                                       activation="swiglu_oai"),
+                       [x, *biases], [c])
+        _, gh = mx.vjp(lambda h, s: mt.expert_down_combine(h, *gate, mx.array(ids), s),
+                       [h, s], [c[:, 0]])
+        return [np.array(g.astype(mx.float32)) for g in (*gx, *gh)]
+
+    for a, b in zip(grads(), grads(), strict=True):
+        assert np.array_equal(a, b, equal_nan=True)
+
+
+def test_fused_vjp_instantiations_are_declared(launch_recorder, rng):
+    """Every kernel the fused ops' backward launches (each dtype, quantization, index
+    dtype, x layout, scores and cotangent dtype) is an instantiation its spec declares
+    (what the CUDA compile check builds); nothing runs."""
+    for dtype in DTYPES:
+        for quant, kw in QUANTS.items():
+            q, _ = _quantize(rng, (3, 32, 64), dtype, quant)
+            for index_dtype in (mx.uint32, mx.int32):
+                ids = mx.array([[0, 2, 1], [1, 0, 2]], dtype=index_dtype)
+                for x in (mx.zeros((2, 64), dtype), mx.zeros((2, 3, 64), dtype)):
+                    mx.vjp(lambda x, ids=ids, q=q, kw=kw: mt.expert_glu(x, *q, *q, ids, **kw),
+                           [x], [mx.zeros((2, 3, 32), dtype)])
+                for s, c in ((mx.ones((2, 3), dtype), mx.zeros((2, 32), dtype)),
+                             (mx.ones((2, 3)), mx.zeros((2, 32)))):
+                    mx.vjp(lambda h, s, ids=ids, q=q, kw=kw: mt.expert_down_combine(
+                        h, *q, ids, s, **kw), [mx.zeros((2, 3, 64), dtype), s], [c])
+    names = {name for name, *_ in launch_recorder.seen}
+    assert {qmv.SPEC.name, qmv.DX_SPEC.name} <= names
+    launch_recorder.assert_declared()
 
 
 @pytest.mark.parametrize("per_expert", (False, True), ids=("shared_x", "per_expert_x"))
@@ -318,13 +391,18 @@ def test_stream_must_be_a_stream_or_device(rng, op):
             down.expert_down_combine_reference(x, *q, ids, mx.ones((1, 2)), stream="cpu")
 
 
-def test_vjp_on_a_stream(rng):
+def test_vjp_on_a_stream(any_backend, rng):
     """stream=mx.cpu: forward and backward run there and give the default stream's values."""
     gate, up, _, _, ids, x, _, c = _glu_inputs(rng, mx.float32, 3, False)
     grads = [mx.vjp(lambda x, st=st: mt.expert_glu(x, *gate, *up, mx.array(ids), stream=st),
                     [x],
                     [c])[1][0] for st in (None, mx.cpu)]
     assert mx.array_equal(*grads).item()
+    h, s = _rand(rng, (2, 3, K), mx.float32), _rand(rng, (2, 3), mx.float32)
+    grads = [mx.vjp(lambda h, s, st=st: mt.expert_down_combine(h, *gate, mx.array(ids), s,
+                                                               stream=st),
+                    [h, s], [c[:, 0]])[1] for st in (None, mx.cpu)]
+    assert all(mx.array_equal(a, b).item() for a, b in zip(*grads, strict=True))
 
 
 # ---- negative controls ---------------------------------------------------------------------
@@ -339,10 +417,17 @@ def test_expert_glu_negative_control(kernel_backend, monkeypatch, rng):
         glu_check(rng, mx.float32, 3, "silu", False)
 
 
-def test_expert_down_combine_negative_control(kernel_backend, monkeypatch, rng):
-    """dscores without the bias' term (the kernel computes the forward) must fail."""
-    real = down._pair_outputs
-    monkeypatch.setattr(down, "_pair_outputs",
-                        lambda h, experts, i, bias, info: real(h, experts, i, None, info))
-    with pytest.raises(AssertionError, match="dscores .*out of tolerance"):
+def test_expert_glu_recompute_negative_control(kernel_backend, broken_kernel, rng):
+    """gate and up recomputed by expert_qmv's kernel without the affine bias term of its
+    weights must fail dx."""
+    broken_kernel(qmv.SPEC, ("acc[r] += s * dot + b * x_sum[wi];", "acc[r] += s * dot;"))
+    with pytest.raises(AssertionError, match="dx .*out of tolerance"):
+        glu_check(rng, mx.float32, 3, "silu", False)
+
+
+def test_expert_down_combine_negative_control(kernel_backend, broken_kernel, rng):
+    """The x-VJP kernel's weights without their affine bias (u = g W[e], behind dh and
+    dscores) must fail the harness."""
+    broken_kernel(qmv.DX_SPEC, ("metal::fma(s, q, b)", "s * q"))
+    with pytest.raises(AssertionError, match="dh .*out of tolerance"):
         down_check(rng, mx.float32, 3, True, True)
