@@ -97,7 +97,11 @@
 //   pairs, with fewer bytes: Apple GPUs run MoE decode far below their bandwidth (an M3
 //   Ultra analysis puts a 35B-A3B MoE at 34% of its roofline), so bytes are saved without
 //   giving up SIMD-groups; TB = 4 rather than 8 keeps threadgroups at 256 threads (S = TB)
-//   and the blocks of k = 8 models whole. Unmeasured on a Mac: a constant to sweep there.
+//   and the blocks of k = 8 models whole. Off by default on every backend (SHARE_MIN_TOKENS
+//   names none): on an H100 (CUPTI, the patched block's decode path) the form was slower,
+//   gpt-oss-20b at 4 tokens 62 -> 130 us, 8 tokens 118 -> 180, Qwen3-30B-A3B at 4 tokens
+//   48 -> 53: the kernel is latency-bound and the grid has TB times fewer threadgroups.
+//   Unmeasured on a Mac: SHARE_MIN_TOKENS = {"metal": 2} turns it on there.
 //
 // WORD MAPPING and LOADS: as expert_glu.metal's (the reasons for both GPUs are stated
 //   there), one projection: in a step of 32 * WORDS words of a row, lane l holds words

@@ -44,15 +44,17 @@
 //   Why MAX_SHARED = 4: gpt-oss-20b (k 4) at 4 tokens names an expert at most 4 times (top-k
 //   ids are distinct within a token), one pass; the pass's accumulators (2 x 4 rows per
 //   pair) and the activations it keeps in flight set the registers (below).
-//   When the wrapper takes it (SHARE_MIN_TOKENS in ops/expert_glu.py, default 2 on metal
-//   and cuda; the emulator where a test sets it): one token's top-k ids are distinct,
-//   nothing to share, so 1-token decode keeps SHARE 0. From 2 tokens on the weight bytes
-//   can only fall (each distinct expert's rows once per MAX_SHARED of its pairs instead of
-//   once per pair): the Metal default is that bytes argument, Apple GPUs running MoE
-//   decode far below their memory roofline (bytes set the time); the cost is a serial pass
-//   per group in one threadgroup (up to 4x a pair's arithmetic) and ceil(P / 32) +
-//   MAX_SHARED id chunks scanned per threadgroup (cache hits). The cuda value is the same
-//   pending a sweep on an NVIDIA GPU (set it, then call clear_plans()).
+//   When the wrapper takes it (SHARE_MIN_TOKENS in ops/expert_glu.py): one token's top-k
+//   ids are distinct, nothing to share, so 1-token decode keeps SHARE 0; from 2 tokens the
+//   weight bytes can only fall (each distinct expert's rows once per MAX_SHARED of its pairs
+//   instead of once per pair), at the cost of a serial pass per group in one threadgroup
+//   (up to 4x a pair's arithmetic), ceil(P / 32) + MAX_SHARED id chunks scanned per
+//   threadgroup (cache hits) and the registers below. Off by default on every backend:
+//   on an H100 (CUPTI, the patched block's decode path) it was slower, gpt-oss-20b at 4
+//   tokens 95 -> 118 us, 8 tokens 182 -> 221, Qwen3-30B-A3B at 4 tokens 44.5 -> 57.9: the
+//   kernel is latency-bound, and fewer, heavier threadgroups at 118 registers keep fewer
+//   loads in flight than the saved bytes are worth. Apple's decode GEMVs are latency-bound
+//   too, so Metal stays off until a Mac measures it (SHARE_MIN_TOKENS = {"metal": 2}).
 //
 // LAYOUT (row-contiguous): x, indices, bcast, the runtime sizes and the broadcast token grid
 //   exactly as expert_qmv.metal; w_gate / w_up [E, N, K / PACK] uint32, scales_* / biases_*

@@ -4,9 +4,10 @@ the k experts, one dispatch.
 mlx-lm's MoE blocks run the down projection (``gather_qmm``, ``[..., k, D]`` written), then
 multiply by the scores and sum over k (more dispatches, the intermediate read back). This op
 writes ``[..., D]`` directly, summing the k experts in a fixed order (bitwise reproducible;
-no atomics). From SHARE_MIN_TOKENS tokens (decode of several tokens, verify) it runs the
-token-block form: each distinct expert of a block of tokens read once for all the block's
-pairs naming it, rather than once per (token, expert) pair.
+no atomics). From SHARE_MIN_TOKENS tokens (decode of several tokens, verify; a backend
+listed there: none by default) it runs the token-block form: each distinct expert of a block
+of tokens read once for all the block's pairs naming it, rather than once per (token, expert)
+pair.
 """
 
 from __future__ import annotations
@@ -206,9 +207,12 @@ MAX_BLOCK_TOKENS = 8  # lane t * 4 + r holds the block's token t, row r (the tem
 # BLOCK_PAIRS // k) tokens per threadgroup, each distinct expert of a block read once.
 # SHARE_SLOT_GROUPS_PER_TOKEN: the block's distinct experts go to S = min(MAX_SLOT_GROUPS,
 # TB * this, TB * k) slot groups. Per backend; the emulator follows "metal"; a backend
-# absent runs per token. Plans read these once (clear_plans()).
+# absent runs per token. Plans read these once (clear_plans()). SHARE_MIN_TOKENS names no
+# backend: on an H100 the form was slower (CUPTI, gpt-oss-20b's block at 4 tokens 62 -> 130
+# us, 8 tokens 118 -> 180, Qwen3-30B-A3B at 4 tokens 48 -> 53): a latency-bound kernel with
+# TB times fewer threadgroups. {"metal": 2} turns it on for a Mac to measure.
 SHARE_TOKENS: dict[str, int] = {"metal": 4, "cuda": 8}
-SHARE_MIN_TOKENS: dict[str, int] = {"metal": 2, "cuda": 2}
+SHARE_MIN_TOKENS: dict[str, int] = {}
 SHARE_SLOT_GROUPS_PER_TOKEN: dict[str, int] = {"metal": 1, "cuda": MAX_SLOT_GROUPS}
 
 

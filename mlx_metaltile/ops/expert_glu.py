@@ -64,9 +64,13 @@ SWIGLU_OAI_LIMIT = 7.0
 # The sharing form (the template's SHARE 1, SHARING: each distinct expert's gate and up rows
 # read once per call for every pair naming it) from this many tokens on, where the ids are
 # [P] and x one row per token or per pair (otherwise the broadcast walk, SHARE 0). One
-# token's top-k ids are distinct: nothing to share. A backend not named (the emulator)
-# keeps SHARE 0. Plans read it once (clear_plans()).
-SHARE_MIN_TOKENS: dict[str, int] = {"metal": 2, "cuda": 2}
+# token's top-k ids are distinct: nothing to share. A backend not named keeps SHARE 0.
+# Plans read it once (clear_plans()). Named by none: on an H100 the sharing form was slower
+# (CUPTI, gpt-oss-20b's block at 4 tokens 95 -> 118 us, 8 tokens 182 -> 221, Qwen3-30B-A3B
+# at 4 tokens 44.5 -> 57.9): the kernel is latency-bound, and leaders walking their sharers
+# at 118 registers keep fewer warps in flight than the bytes saved are worth. Apple's decode
+# GEMVs are latency-bound too; {"metal": 2} turns it on there for a Mac to measure.
+SHARE_MIN_TOKENS: dict[str, int] = {}
 
 
 def _bindings(share: int):

@@ -263,7 +263,7 @@ def test_slot_plan_strict_shuffled(slot_plan, poisoned_outputs, rng, seed):
 
 # ---- build once ----------------------------------------------------------------------------
 
-def test_instantiations_match_the_launches(launch_recorder, rng):
+def test_instantiations_match_the_launches(share_on, launch_recorder, rng):
     n = 0
     for dtype in DTYPES:
         for mode, gs, bits in (*QUANT, ("affine", 64, 4)):
@@ -301,10 +301,10 @@ def test_kernel_path_is_lazy(monkeypatch, no_host_sync, rng):
         scores = mx.softmax(mx.take_along_axis(logits, ids, axis=-1), axis=-1)
         out = mt.expert_down_combine(h, *down[:3], ids, scores, bias=down[3])
     assert out.shape == (2, 3, 40) and out.dtype == mx.bfloat16
-    # six tokens: Metal's token-block plan, blocks of 4 tokens, S = 4
-    assert seen["grid"] == (256, 5, 2) and seen["threadgroup"] == (256, 1, 1)
+    # six tokens, Metal's plan by default: one threadgroup per (token, 8-row tile), S = 1
+    assert seen["grid"] == (64, 5, 6) and seen["threadgroup"] == (64, 1, 1)
     assert seen["template"] == [("T", mx.bfloat16), ("BITS", 4), ("GROUP_SIZE", 64),
-                                ("MODE", 0), ("SHARE", 1)]
+                                ("MODE", 0), ("SHARE", 0)]
 
 
 def test_empty_does_not_dispatch(kernel_backend, rng):
@@ -397,8 +397,26 @@ def test_bad_input(mutate, kwargs, exc, match):
 
 # ---- the token-block form: each distinct expert of a block read once for its pairs ---------
 
+@pytest.fixture
+def share_on(monkeypatch):
+    """The token-block form from 2 tokens on Metal (so the emulator) and cuda: it is off by
+    default (SHARE_MIN_TOKENS names no backend), plans rebuilt."""
+    from mlx_metaltile.ops._common import clear_plans
+
+    monkeypatch.setattr(op_module, "SHARE_MIN_TOKENS", {"metal": 2, "cuda": 2})
+    clear_plans()
+    yield
+    clear_plans()
+
+
+def test_share_plan_is_off_by_default():
+    assert op_module.SHARE_MIN_TOKENS == {}
+    assert all(op_module._share_plan(t, 4, b) is None
+               for t in (2, 4, 8) for b in ("metal", "emulator", "cuda"))
+
+
 @pytest.fixture(params=("metal", "cuda"))
-def share_plan(request, monkeypatch):
+def share_plan(request, monkeypatch, share_on):
     """The emulator launched with that backend's token-block plan (_share_plan): TB tokens
     per threadgroup, their distinct experts dealt to S slot groups."""
     if backends.unavailable_reason("emulator") is not None:
@@ -421,7 +439,7 @@ def _share_ran(key, tokens, k):
     return stats
 
 
-def test_share_plan_of_each_backend():
+def test_share_plan_of_each_backend(share_on):
     """(TB, S): TB the fewest of SHARE_TOKENS, 32 // k and the tokens; S cuda min(8, TB * k),
     Metal min(8, TB); one token (or TB < 2) per token."""
     plan = op_module._share_plan
@@ -470,7 +488,7 @@ def test_share_plan_matches_oracle(share_plan, poisoned_outputs, rng, mode, grou
 
 
 @pytest.mark.parametrize("k", (1, 3, 10))
-def test_share_plan_of_the_backend(kernel_backend, poisoned_outputs, rng, k):
+def test_share_plan_of_the_backend(share_on, kernel_backend, poisoned_outputs, rng, k):
     """The backend's own token-block plan (on cuda TB = 8 where 8 k <= 32, S = 8), float32
     scores."""
     assert op_module._share_plan(11, k, kernel_backend) is not None

@@ -389,13 +389,22 @@ def test_k_plan_negative_control(k_plan, poisoned_outputs, broken_kernel, rng, o
 
 def test_instantiations_match_the_launches(launch_recorder, rng):
     """The instantiations hook (CUDA compile check) describes what the launcher passes for
-    every dtype, mode, activation and index dtype (recorded, nothing runs)."""
+    every dtype, mode, activation and index dtype, both forms (recorded as on metal, nothing
+    runs)."""
+    with sharing("metal", 2):
+        n = _launch_every_form(rng)
+    assert len(launch_recorder.seen) == n
+    assert {name for name, *_ in launch_recorder.seen} == {UNSHARED, SHARED}
+    launch_recorder.assert_declared()
+
+
+def _launch_every_form(rng) -> int:
     n = 0
     for dtype in DTYPES:
         for mode, gs, bits in (*QUANT, ("affine", 64, 4)):
             gate, up = _pair(rng, 3, 8, 128, dtype, mode, gs, bits, bias=True)
             for activation in ("silu", "swiglu_oai"):
-                for tokens in (1, 2):  # SHARE 0, the sharing form (metal: from 2 tokens)
+                for tokens in (1, 2):  # SHARE 0, the sharing form (on: from 2 tokens)
                     for idx in (mx.uint32, mx.int32):
                         mt.expert_glu(make_x(rng, (tokens, 128), dtype), *gate[:3], *up[:3],
                                       mx.array([[0, 2]] * tokens, dtype=idx),
@@ -403,9 +412,7 @@ def test_instantiations_match_the_launches(launch_recorder, rng):
                                       activation=activation, mode=mode, group_size=gs,
                                       bits=bits)
                         n += 1
-    assert len(launch_recorder.seen) == n
-    assert {name for name, *_ in launch_recorder.seen} == {UNSHARED, SHARED}
-    launch_recorder.assert_declared()
+    return n
 
 
 def test_kernel_path_is_lazy(monkeypatch, no_host_sync, rng):
@@ -431,13 +438,13 @@ def test_kernel_path_is_lazy(monkeypatch, no_host_sync, rng):
     assert out.shape == (2, 3, 2, 40) and out.dtype == mx.bfloat16
     assert seen["grid"] == (64, 5, 12) and seen["threadgroup"] == (64, 1, 1)
     assert seen["template"] == [("T", mx.bfloat16), ("BITS", 4), ("GROUP_SIZE", 64),
-                                ("MODE", 0), ("ACT", 1), ("SHARE", 1)]
+                                ("MODE", 0), ("ACT", 1), ("SHARE", 0)]  # off by default
 
 
 @pytest.mark.parametrize("backend", ("metal", "cuda"))
 def test_plan_shares_from_min_tokens(monkeypatch, rng, backend):
-    """The plan takes the sharing form from SHARE_MIN_TOKENS tokens on (2 by default: one
-    token's top-k ids are distinct), only where ids are [P] and x one row per token or per
+    """The plan takes the sharing form from SHARE_MIN_TOKENS tokens on where a backend is
+    named there (none by default), only where ids are [P] and x one row per token or per
     pair; the kernels are stand-ins (nothing runs)."""
     seen = []
 
@@ -455,10 +462,11 @@ def test_plan_shares_from_min_tokens(monkeypatch, rng, backend):
                       mx.zeros(ids_shape, dtype=mx.uint32), group_size=32)
         return seen.pop()
 
-    assert op_module.SHARE_MIN_TOKENS[backend] == 2
+    assert backend not in op_module.SHARE_MIN_TOKENS
     with monkeypatch.context() as m:
         m.setattr(backends, "resolve_backend", lambda name=None: backend)
         m.setattr(backends, "get_kernel", get_kernel)
+        assert form((2, 64), (2, 3)) == (UNSHARED, 0)  # off by default
         with sharing(backend, 2):
             assert form((1, 64), (1, 3)) == (UNSHARED, 0)
             assert form((2, 64), (2, 3)) == (SHARED, 1)
