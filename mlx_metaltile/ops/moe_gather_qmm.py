@@ -351,23 +351,21 @@ def _launcher(spec: KernelSpec, M: int, N: int, K: int, E: int, group_size: int,
         grid=(threads * (N // BN), SLOTS, n_tiles), threadgroup=(threads, 1, 1),
         threadgroup_memory=tg_memory,
     )
-
-    def launch(x, w, scales, biases, indices):
-        if biases is None:  # fp modes: the kernel never reads its biases input
-            biases = scales
-        (out,) = prepared(x, w, scales, biases, indices)
-        return out
-
-    return launch
+    return _rows_launch(prepared)
 
 
 def _gemv_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, mode: str,
                    dtype: mx.Dtype, backend: str) -> Callable:
     """GEMV_SPEC's call of M rows on ``backend``, prepared once: returns
     ``launch(x, w, scales, biases, indices)`` (x [M, K], indices [M], any order)."""
-    from .expert_qmv import ROWS_PER_THREADGROUP, _bcast_input, _k_groups  # imports this
+    from .expert_qmv import (  # expert_qmv imports this module
+        ROWS_PER_THREADGROUP,
+        SIMDGROUPS,
+        _bcast_input,
+        _k_groups,
+    )
 
-    tg = backends.SIMD_WIDTH * 2 * _k_groups(N, K, M, bits, group_size, 4, backend)
+    tg = backends.SIMD_WIDTH * SIMDGROUPS * _k_groups(N, K, M, bits, group_size, 4, backend)
     prepared = backends.prepare(
         GEMV_SPEC, backend,
         inputs={"x": None, "w": None, "scales": None, "biases": None, "indices": None,
@@ -380,11 +378,14 @@ def _gemv_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, m
         outputs={"out": ((M, N), dtype)},
         grid=(tg, -(-N // ROWS_PER_THREADGROUP), M), threadgroup=(tg, 1, 1),
     )
+    return _rows_launch(prepared)
 
+
+def _rows_launch(prepared) -> Callable:
+    """``launch(x, w, scales, biases, indices)`` -> out of a prepared forward kernel (the fp
+    modes' kernels never read their biases input: scales stand in)."""
     def launch(x, w, scales, biases, indices):
-        if biases is None:  # fp modes: the kernel never reads its biases input
-            biases = scales
-        (out,) = prepared(x, w, scales, biases, indices)
+        (out,) = prepared(x, w, scales, scales if biases is None else biases, indices)
         return out
 
     return launch
