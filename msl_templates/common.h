@@ -26,6 +26,33 @@ inline void mt_store8(device T* p, const thread float* v) {
 }
 #endif
 
+// Elements row[col .. col + 8) as floats, zeros from column n on (a ragged row's last chunk
+// goes element by element; a whole chunk through mt_load8), and 8 floats stored there up to
+// column n (rounded to T).
+template <typename T>
+inline void mt_load8_bounded(const device T* row, uint col, uint n, thread float* v) {
+  if (col + 8 <= n) {
+    mt_load8(row + col, v);
+  } else {
+    for (uint j = 0; j < 8; ++j) {
+      v[j] = col + j < n ? float(row[col + j]) : 0.0f;
+    }
+  }
+}
+
+template <typename T>
+inline void mt_store8_bounded(device T* row, uint col, uint n, const thread float* v) {
+  if (col + 8 <= n) {
+    mt_store8(row + col, v);
+  } else {
+    for (uint j = 0; j < 8; ++j) {
+      if (col + j < n) {
+        row[col + j] = T(v[j]);
+      }
+    }
+  }
+}
+
 // Sum of one float per thread over the whole threadgroup.
 // Every thread of the threadgroup must call it (it contains a barrier), with
 // `scratch` a kernel-scope `threadgroup float[32]` array. All threads get the total.

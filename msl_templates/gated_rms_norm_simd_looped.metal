@@ -51,14 +51,7 @@ float s_l = 0.0f;
 for (uint start = 0; start < n; start += STEP) {
   float v[ITEMS];
   for (uint g = 0; g < CHUNKS; ++g) {  // all loads of the step first
-    const uint col = start + g * 256 + lane * 8;
-    if (col + 8 <= n) {
-      mt_load8(y + base + col, v + 8 * g);
-    } else {
-      for (uint j = 0; j < 8; ++j) {
-        v[8 * g + j] = col + j < n ? float(y[base + col + j]) : 0.0f;
-      }
-    }
+    mt_load8_bounded(y + base, start + g * 256 + lane * 8, n, v + 8 * g);
   }
   float a = 0.0f;
   for (uint i = 0; i < ITEMS; ++i) {
@@ -88,18 +81,9 @@ for (uint start = 0; start < n; start += STEP) {
   float wv[ITEMS];
   for (uint g = 0; g < CHUNKS; ++g) {
     const uint col = start + g * 256 + lane * 8;
-    if (col + 8 <= n) {
-      mt_load8(y + base + col, yv + 8 * g);
-      mt_load8(z + base + col, zv + 8 * g);
-      mt_load8(w + col, wv + 8 * g);
-    } else {
-      for (uint j = 0; j < 8; ++j) {
-        const bool inside = col + j < n;
-        yv[8 * g + j] = inside ? float(y[base + col + j]) : 0.0f;
-        zv[8 * g + j] = inside ? float(z[base + col + j]) : 0.0f;
-        wv[8 * g + j] = inside ? float(w[col + j]) : 0.0f;
-      }
-    }
+    mt_load8_bounded(y + base, col, n, yv + 8 * g);
+    mt_load8_bounded(z + base, col, n, zv + 8 * g);
+    mt_load8_bounded(w, col, n, wv + 8 * g);
   }
   float o[ITEMS];
   for (uint i = 0; i < ITEMS; ++i) {
@@ -107,14 +91,6 @@ for (uint start = 0; start < n; start += STEP) {
   }
   for (uint g = 0; g < CHUNKS; ++g) {
     const uint col = start + g * 256 + lane * 8;
-    if (col + 8 <= n) {
-      mt_store8(out + base + col, o + 8 * g);
-    } else {
-      for (uint j = 0; j < 8; ++j) {
-        if (col + j < n) {
-          out[base + col + j] = T(o[8 * g + j]);
-        }
-      }
-    }
+    mt_store8_bounded(out + base, col, n, o + 8 * g);
   }
 }

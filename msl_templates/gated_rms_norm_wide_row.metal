@@ -47,16 +47,8 @@ float yv[ITEMS];
 float zv[ITEMS];
 for (uint c = 0; c < CHUNKS; ++c) {
   const uint col = c * 8 * tg + lid * 8;
-  if (col + 8 <= n) {
-    mt_load8(y + base + col, yv + 8 * c);
-    mt_load8(z + base + col, zv + 8 * c);
-  } else {
-    for (uint j = 0; j < 8; ++j) {
-      const bool inside = col + j < n;
-      yv[8 * c + j] = inside ? float(y[base + col + j]) : 0.0f;
-      zv[8 * c + j] = inside ? float(z[base + col + j]) : 0.0f;
-    }
-  }
+  mt_load8_bounded(y + base, col, n, yv + 8 * c);
+  mt_load8_bounded(z + base, col, n, zv + 8 * c);
 }
 float abs_max = 0.0f;
 for (uint i = 0; i < ITEMS; ++i) {
@@ -83,23 +75,9 @@ for (uint c = 0; c < CHUNKS; ++c) {
   const uint col = c * 8 * tg + lid * 8;
   float wv[8];
   float o[8];
-  if (col + 8 <= n) {
-    mt_load8(w + col, wv);
-  } else {
-    for (uint j = 0; j < 8; ++j) {
-      wv[j] = col + j < n ? float(w[col + j]) : 0.0f;
-    }
-  }
+  mt_load8_bounded(w, col, n, wv);
   for (uint j = 0; j < 8; ++j) {
     o[j] = wv[j] * yv[8 * c + j] * k * mt_silu_fast(zv[8 * c + j]);
   }
-  if (col + 8 <= n) {
-    mt_store8(out + base + col, o);
-  } else {
-    for (uint j = 0; j < 8; ++j) {
-      if (col + j < n) {
-        out[base + col + j] = T(o[j]);
-      }
-    }
-  }
+  mt_store8_bounded(out + base, col, n, o);
 }
