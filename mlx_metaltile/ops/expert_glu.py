@@ -33,7 +33,6 @@ from ._grad import (
     _frozen_fn,
     refuse_shapeless,
     shapeless_tracing,
-    sum_to_shape,
 )
 from .expert_qmv import (
     BCAST_DIMS,
@@ -49,6 +48,8 @@ from .expert_qmv import (
     _x_vjp,
     f32_product,
     pair_dx,
+    pair_ids,
+    sum_pairs,
 )
 from .expert_qmv import _reference as _qmv_reference
 
@@ -252,15 +253,11 @@ def _kernel_dx(d_gate, d_up, w_gate, scales_gate, biases_gate, w_up, scales_up, 
     """dx in float32 from d_gate and d_up [..., k, N] float32: each pair's d_gate Wg[e] +
     d_up Wu[e] (two launches of expert_qmv's x-VJP kernel; NaN rows for ids outside
     [0, E)), summed as expert_qmv's x-VJP sums them."""
-    lead, k, n_out = info["lead"], info["k"], info["n_out"]
-    ids = mx.broadcast_to(indices, (*lead, k)).reshape(-1)
+    ids, n_out = pair_ids(indices, info), info["n_out"]
     d = (pair_dx(d_gate.reshape(-1, n_out), w_gate, scales_gate, biases_gate, ids, info,
                  backend)
          + pair_dx(d_up.reshape(-1, n_out), w_up, scales_up, biases_up, ids, info, backend))
-    d = d.reshape(*lead, k, info["in_features"])
-    if not info["x_k_axis"]:  # one activation shared by the token's k experts
-        d = mx.sum(d, axis=-2)
-    return sum_to_shape(d, tuple(x_shape))
+    return sum_pairs(d, x_shape, info)
 
 
 def _backward(g, x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,

@@ -422,7 +422,7 @@ def _plan(x, w, scales, biases, indices, group_size, bits, mode, backend: str,
         return empty_call(OP, stream, out_shape, dtype)
     reference = backend == "reference"
     launch = None if reference else _launcher(info, backend, dtype)
-    lead, k, n_out, n_in = info["lead"], info["k"], info["n_out"], info["in_features"]
+    k, n_out, n_in = info["k"], info["n_out"], info["in_features"]
     dx_launch = None if reference else dx_launcher(
         info["tokens"] * k, n_out, n_in, info["n_experts"], info["group_size"],
         info["bits"], info["mode"], dtype, backend, DX_SPEC, rounded=False)
@@ -435,12 +435,9 @@ def _plan(x, w, scales, biases, indices, group_size, bits, mode, backend: str,
             return _x_vjp(g, w, scales, biases, indices, x_shape, dtype, info)
         # kernel backends: each pair's dx (float32, NaN for an out-of-range id), then summed
         # as _x_vjp sums them
-        ids = mx.broadcast_to(indices, (*lead, k)).reshape(-1)
-        d = dx_launch(g.reshape(-1, n_out), w, scales, biases, ids, False)
-        d = d.reshape(*lead, k, n_in)
-        if not info["x_k_axis"]:  # one activation shared by the token's k experts
-            d = mx.sum(d, axis=-2)
-        return sum_to_shape(d, x_shape).astype(dtype)
+        d = dx_launch(g.reshape(-1, n_out), w, scales, biases, pair_ids(indices, info),
+                      False)
+        return sum_pairs(d, x_shape, info).astype(dtype)
 
     # The forward and the VJP run on the call's stream (MLX may trace them again later).
     # mx.vmap: the reference composite (mx.gather_qmm) is refused by the constants'
@@ -503,9 +500,23 @@ def _x_vjp(g, w, scales, biases, indices, x_shape, x_dtype, info: dict,
     if experts is None:
         experts = _f32_experts(w, scales, biases, indices, info)
     d = _f32_product(g.astype(mx.float32)[..., None, :], experts, info, transpose=False)
+    return sum_pairs(d, x_shape, info).astype(x_dtype)
+
+
+def pair_ids(indices: mx.array, info: dict) -> mx.array:
+    """The expert id of each (token, expert) pair, [tokens * k] (ids broadcast to the token
+    grid)."""
+    return mx.broadcast_to(indices, (*info["lead"], info["k"])).reshape(-1)
+
+
+def sum_pairs(d: mx.array, x_shape, info: dict) -> mx.array:
+    """Each pair's dx ([tokens * k, K] or [..., k, K]) summed onto x's shape: over the k
+    experts where the token's x is shared by them, then over the axes x was broadcast
+    along."""
+    d = d.reshape(*info["lead"], info["k"], info["in_features"])
     if not info["x_k_axis"]:  # one activation shared by the token's k experts
         d = mx.sum(d, axis=-2)
-    return sum_to_shape(d, tuple(x_shape)).astype(x_dtype)
+    return sum_to_shape(d, tuple(x_shape))
 
 
 # ---- the fused MoE ops' backward on kernel backends -------------------------------------
