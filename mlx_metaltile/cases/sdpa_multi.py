@@ -268,14 +268,25 @@ def run_and_check(q, k, v, *, scale, causal, kv_len, backend, what="", mask=None
 
 
 def backward_counts(backend) -> tuple[int, ...]:
+    """Launches of each of BACKWARD_SPECS (dq, dk/dv, statistics, split dq) on ``backend``."""
     return tuple(backends.launch_count(s.name, backend) for s in BACKWARD_SPECS)
+
+
+def expected_backward_launches(backend, q, k, kv_len) -> tuple[int, ...]:
+    """backward_counts' increase for one VJP, as backward_plan chooses the dq side: the dq
+    and dk/dv kernels once, or the statistics, split dq and dk/dv kernels once."""
+    B, Hq, L, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    covered = kv_len if isinstance(kv_len, int) else S  # a device-side kv_len: all S rows
+    split = _ops.backward_plan(backend, B, Hq, Hkv, L, D, covered, q.dtype)["split"]
+    return (0, 1, 1, 1) if split else (1, 1, 0, 0)
 
 
 def run_grad_and_check(q, k, v, *, scale, causal, kv_len, backend, rng, what="", mask=None,
                        sinks=None) -> dict:
     """One checked VJP with a random cotangent: gradients w.r.t. q, k, v and the sinks and
-    an additive mask where given, against grad_oracle; proves both backward kernels ran once
-    on a kernel backend. Where the oracle is NaN (a row that sees nothing) the gradient must
+    an additive mask where given, against grad_oracle; proves the backward kernels that
+    backward_plan chooses ran once each on a kernel backend. Where the oracle is NaN (a row that sees nothing) the gradient must
     be NaN too. Returns the gradients by name."""
     g = mx.array(rng.standard_normal(q.shape).astype(np.float32)).astype(q.dtype)
     names, primals = ["dq", "dk", "dv"], [q, k, v]
@@ -297,8 +308,10 @@ def run_grad_and_check(q, k, v, *, scale, causal, kv_len, backend, rng, what="",
     before = backward_counts(backend)
     _, grads = mx.vjp(fn, primals, [g])
     mx.eval(grads)
-    if backend != "reference":  # both backward kernels ran (never the composite's autodiff)
-        assert backward_counts(backend) == tuple(b + 1 for b in before), what
+    if backend != "reference":  # the plan's backward kernels ran (never the composite's
+        # autodiff, nor the other dq form)
+        ran = tuple(a - b for a, b in zip(backward_counts(backend), before, strict=True))
+        assert ran == expected_backward_launches(backend, q, k, kv_len), (what, ran)
     n = kv_len.item() if isinstance(kv_len, mx.array) else kv_len
     want = grad_oracle(q, k, v, g, scale, causal, k.shape[2] if n is None else n, mask, sinks)
     out = {}
@@ -377,6 +390,30 @@ def _backward_call(backend, rng):
 
 
 VARIANT_CALLS["backward_dq"] = VARIANT_CALLS["backward_dkv"] = _backward_call
+
+
+@contextlib.contextmanager
+def backward_split(chunk: int, backend: str | None = None):
+    """Inside: the VJP on ``backend`` (every kernel backend when None) takes the key-split
+    dq side (the statistics and split dq kernels) with slices of ``chunk`` keys (rounded up
+    to whole key blocks), whatever the slice count (BWD_SPLIT_FORCED)."""
+    saved = dict(_ops.BWD_SPLIT_FORCED)
+    names = backends.KERNEL_BACKENDS if backend is None else (backend,)
+    _ops.BWD_SPLIT_FORCED.update(dict.fromkeys(names, chunk))
+    try:
+        yield
+    finally:
+        _ops.BWD_SPLIT_FORCED.clear()
+        _ops.BWD_SPLIT_FORCED.update(saved)
+
+
+def _backward_split_call(backend, rng):
+    """The key-split VJP (statistics, split dq, dk/dv kernels): three slices of 32 keys."""
+    with backward_split(32, backend):
+        _backward_call(backend, rng)
+
+
+VARIANT_CALLS["backward_stats"] = VARIANT_CALLS["backward_dq_split"] = _backward_split_call
 
 
 # ---- benchmarks -------------------------------------------------------------------------

@@ -680,14 +680,77 @@ BWD_DQ_SPEC, BWD_DKV_SPEC = register(
               "atomics); an additive mask's dS written for the mask's columns",
     ),
 )
-BACKWARD_SPECS = (BWD_DQ_SPEC, BWD_DKV_SPEC)
+_BWD_SPLIT_INPUTS = (*_BWD_INPUTS, *scalars("chunk", "n_splits"))
+BWD_STATS_SPEC, BWD_DQ_SPLIT_SPEC = register(
+    KernelSpec(
+        op=OP, variant="backward_stats", template="sdpa_multi_backward_stats.metal",
+        inputs=_BWD_SPLIT_INPUTS, outputs=(Arg("stats_part", "float32", 4),),
+        params=("T", "D", "KB", "MASK_KIND"), bindings=_bwd_bindings(True),
+        geometry="the key-split VJP, pass 1a: 32 query rows of one KV head x one slice of "
+                 "chunk keys per TG (8 simdgroups x 4 rows); grid (256, ceil(G*L/32), "
+                 "B*Hkv*n_splits); each TG reads its slice's visible K/V once",
+        notes="template T, D, KB, MASK_KIND; writes each row's (m, l, sum P dO.v) per slice",
+    ),
+    KernelSpec(
+        op=OP, variant="backward_dq_split", template="sdpa_multi_backward_dq_split.metal",
+        inputs=(*_BWD_SPLIT_INPUTS, *scalars("has_sinks"), Arg("sinks", "float32", 1),
+                Arg("stats_part", "float32", 4)),
+        outputs=(Arg("dq_part", "float32", 4), Arg("stats", "float32", 2),
+                 Arg("dsink_part", "float32", 1)),
+        params=("T", "D", "KB", "MASK_KIND"), bindings=_bwd_bindings(True),
+        geometry="the key-split VJP, pass 1b: as backward_stats (grid (256, ceil(G*L/32), "
+                 "B*Hkv*n_splits)); each TG merges its rows' slice statistics, then reads "
+                 "its slice's visible K/V once",
+        notes="template T, D, KB, MASK_KIND; writes float32 dq partials per slice (summed "
+              "by the wrapper) and, from slice 0, the rows' (m, l, dO.O) and dsinks terms",
+    ),
+)
+BACKWARD_SPECS = (BWD_DQ_SPEC, BWD_DKV_SPEC, BWD_STATS_SPEC, BWD_DQ_SPLIT_SPEC)
+# The dq side split over the keys (two kernels: the slices' statistics, then the merge and
+# each slice's partial dq), so that a decode-shaped VJP (few row tiles per KV head) fills
+# the GPU. Chosen per backend: BWD_SPLIT_BACKENDS split where the plan finds more than one
+# slice (Metal and the emulator keep the one-kernel form: no measurement on a Mac argues for
+# the split there). Slices for about BWD_SPLIT_TGS_PER_CORE threadgroups per GPU core, each
+# at least BWD_SPLIT_MIN_KEYS keys (a multiple of KEY_BLOCK), at most BWD_SPLIT_MAX_SPLITS.
+# BWD_SPLIT_FORCED (backend -> slice length; tests) takes the split form whatever the
+# slice count. Tuning constants: they change speed and the last bits of dq, never results
+# beyond the tolerance table.
+BWD_SPLIT_BACKENDS = ("cuda",)
+BWD_SPLIT_TGS_PER_CORE = 4
+BWD_SPLIT_MIN_KEYS = 256
+BWD_SPLIT_MAX_SPLITS = 64
+BWD_SPLIT_FORCED: dict[str, int] = {}
+
+
+def backward_plan(backend: str, B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int,
+                  dtype: mx.Dtype, cores: int | None = None) -> dict:
+    """The dq side of the VJP on ``backend``: {"split": the two split kernels (else the one
+    dq kernel), "n_splits", "chunk" (keys per slice), "n_tiles" (32-row tiles per KV head),
+    "kb" (the kernels' staged key block)}. ``kv_len``: the keys the launch covers (S with a
+    device-side kv_len: slices past it see no key)."""
+    n_tiles = -(-(Hq // Hkv) * L // BWD_ROW_TILE)
+    forced = BWD_SPLIT_FORCED.get(backend)
+    if forced is not None:
+        chunk = forced
+    elif backend in BWD_SPLIT_BACKENDS:
+        cores = cores or _device.gpu_cores() or _device.DEFAULT_GPU_CORES
+        want = min(max(1, cores * BWD_SPLIT_TGS_PER_CORE // (B * Hkv * n_tiles)),
+                   BWD_SPLIT_MAX_SPLITS)
+        chunk = max(BWD_SPLIT_MIN_KEYS, -(-kv_len // want))
+    else:
+        chunk = kv_len
+    chunk = -(-chunk // KEY_BLOCK) * KEY_BLOCK  # whole key blocks (KB divides KEY_BLOCK)
+    n_splits = -(-kv_len // chunk)
+    return {"split": forced is not None or n_splits > 1, "n_splits": n_splits,
+            "chunk": chunk, "n_tiles": n_tiles, "kb": _bwd_key_block(D, dtype)}
 
 
 def _launch_backward(q, k, v, dout, p: _Problem, backend) -> tuple:
     """(dq, dk, dv, dsinks or None, dmask or None) for the cotangent ``dout``: the dq kernel
-    (softmax statistics recomputed, then dq), then the dk/dv kernel (one pass over the keys).
-    dsinks sums the rows' terms and an additive mask's dS is summed to the mask's shape here
-    (small MLX reductions)."""
+    (softmax statistics recomputed, then dq), or where backward_plan splits the keys the
+    statistics kernel then the split dq kernel (dq's slice partials summed here); then the
+    dk/dv kernel (one pass over the keys). dsinks sums the rows' terms and an additive
+    mask's dS is summed to the mask's shape here (small MLX reductions)."""
     B, Hq, Hkv, L, S, D = p.B, p.Hq, p.Hkv, p.L, p.S, p.D
     G = Hq // Hkv
     kv_len = scalar(p.kv_len, mx.uint32) if isinstance(p.kv_len, int) else p.kv_len
@@ -704,19 +767,44 @@ def _launch_backward(q, k, v, dout, p: _Problem, backend) -> tuple:
               "mask_sh": scalar(strides[1], mx.uint32),
               "mask_sl": scalar(strides[2], mx.uint32), "kv_heads": scalar(Hkv, mx.uint32),
               "mask_block": scalar(int(p.block), mx.uint32)}
-    kb = _bwd_key_block(D, q.dtype)
     pad = 4 // q.dtype.size
-    dq, stats, dsink_part = backends.launch(
-        BWD_DQ_SPEC, backend,
-        inputs={**common, "has_sinks": scalar(int(p.sinks is not None), mx.uint32),
-                "sinks": p.sinks if p.sinks is not None else _NO_SINKS[0]},
-        template={"T": q.dtype, "D": D, "KB": kb, "MASK_KIND": p.mask_kind},
-        outputs={"dq": (q.shape, q.dtype), "stats": ((n_out, 3), mx.float32),
-                 "dsink_part": ((n_out,), mx.float32)},
-        grid=(BWD_THREADS, -(-G * L // BWD_ROW_TILE), B * Hkv),
-        threadgroup=(BWD_THREADS, 1, 1),
-        threadgroup_memory=kb * (D + pad) * q.dtype.size + 32 * 32 * 4,
-    )
+    # A device-side kv_len: the slices cover the whole buffer; those past kv_len see no key.
+    bp = backward_plan(backend, B, Hq, Hkv, L, D, p.kv_len if isinstance(p.kv_len, int) else S,
+                       q.dtype)
+    kb = bp["kb"]
+    template = {"T": q.dtype, "D": D, "KB": kb, "MASK_KIND": p.mask_kind}
+    tile_memory = kb * (D + pad) * q.dtype.size
+    sink_inputs = {"has_sinks": scalar(int(p.sinks is not None), mx.uint32),
+                   "sinks": p.sinks if p.sinks is not None else _NO_SINKS[0]}
+    stats_outputs = {"stats": ((n_out, 3), mx.float32), "dsink_part": ((n_out,), mx.float32)}
+    if bp["split"]:
+        n_splits, rows = bp["n_splits"], G * L
+        split_inputs = {**common, "chunk": scalar(bp["chunk"], mx.uint32),
+                        "n_splits": scalar(n_splits, mx.uint32)}
+        grid = (BWD_THREADS, bp["n_tiles"], B * Hkv * n_splits)
+        (stats_part,) = backends.launch(
+            BWD_STATS_SPEC, backend, inputs=split_inputs, template=template,
+            outputs={"stats_part": ((B * Hkv, n_splits, rows, 3), mx.float32)},
+            grid=grid, threadgroup=(BWD_THREADS, 1, 1), threadgroup_memory=tile_memory,
+        )
+        dq_part, stats, dsink_part = backends.launch(
+            BWD_DQ_SPLIT_SPEC, backend,
+            inputs={**split_inputs, **sink_inputs, "stats_part": stats_part},
+            template=template,
+            outputs={"dq_part": ((B * Hkv, n_splits, rows, D), mx.float32), **stats_outputs},
+            grid=grid, threadgroup=(BWD_THREADS, 1, 1),
+            threadgroup_memory=tile_memory + 32 * 32 * 4,
+        )
+        # the slices' partials summed in one order (an MLX reduction: no atomics)
+        dq = mx.sum(dq_part, axis=1).reshape(q.shape).astype(q.dtype)
+    else:
+        dq, stats, dsink_part = backends.launch(
+            BWD_DQ_SPEC, backend, inputs={**common, **sink_inputs}, template=template,
+            outputs={"dq": (q.shape, q.dtype), **stats_outputs},
+            grid=(BWD_THREADS, bp["n_tiles"], B * Hkv),
+            threadgroup=(BWD_THREADS, 1, 1),
+            threadgroup_memory=tile_memory + 32 * 32 * 4,
+        )
     additive = p.mask_kind == MASK_ADDITIVE
     dk, dv, dmask = backends.launch(
         BWD_DKV_SPEC, backend,

@@ -1,0 +1,264 @@
+// sdpa_multi_backward_dq_split.metal: the key-split backward's second kernel (the VJP where
+// the plan splits the keys: ops/sdpa_multi.py, backward_plan). A tile of up to 32 query
+// rows merges its rows' slice statistics (sdpa_multi_backward_stats.metal), then walks one
+// slice of the visible keys once, forming dS and a float32 partial dq; the wrapper sums the
+// partials over the slices. The threadgroups of slice 0 write the rows' statistics (for
+// sdpa_multi_backward_dkv.metal) and dsinks terms, as sdpa_multi_backward_dq.metal does.
+//
+// MATH (per query row r, float32, base-2 exponentials; scores, masks, visibility, sinks and
+//   the rows that see nothing exactly as sdpa_multi_backward_dq.metal, see its MATH):
+//   merge: m = max_s m_s; w_s = 2^(b (m_s - m)) (0 where m_s = -inf: an empty slice);
+//     l = sum_s w_s l_s, U = sum_s w_s u_s; then the sink as the dq kernel's pass 0:
+//     m_f = max(m, sink'), l_f = l 2^(b (m - m_f)) + 2^(b (sink' - m_f)),
+//     Dr = U 2^(b (m - m_f)) / l_f (NaN where l_f = 0, as there).
+//   slice s: P_rj = 2^(b (d_j - m_f)) / l_f, dP_rj = dot(dO_r, v_j),
+//     dS_rj = P_rj (dP_rj - Dr), dq_part[s, r] = scale * sum_{j in s} dS_rj k_j (scaled);
+//     the wrapper sums dq_part over s (a slice with no visible key gives 0; a row with
+//     l_f = 0 gives NaN from every slice that holds a key j < kv_len, slice 0 included).
+//   stats[r] = (m_f, l_f, Dr), dsink_part[r] = -2^(b (sink' - m_f)) / l_f * Dr (slice 0).
+//
+// LAYOUT (row-contiguous): q, dout [B, Hq, L, D] T; k, v [B, Hkv, S, D] T (rows >= kv_len
+//   never read); stats_part [B * Hkv, n_splits, G * L, 3] float32 (the stats kernel's);
+//   dq_part [B * Hkv, n_splits, G * L, D] float32; stats [B*Hq*L, 3] float32 (m, l, Dr);
+//   dsink_part [B*Hq*L] float32. 0-d runtime inputs as in sdpa_multi_backward_dq.metal,
+//   plus chunk and n_splits (as the stats kernel). Template: T, D, KB, MASK_KIND.
+//
+// DISPATCH INVARIANTS (the wrapper derives them from validated shapes): as
+//   sdpa_multi_backward_stats.metal, with the same chunk and n_splits: threadgroup =
+//   (256, 1, 1) (8 simdgroups of RS = 4 rows); grid = (256, ceil(G*L / 32),
+//   B * Hkv * n_splits), threadgroup_position_in_grid = (0, tile, (b*Hkv + kvh) * n_splits
+//   + s). threadgroup memory: kv_tile KB * (D + 4 / sizeof(T)) elements of T and p_tile
+//   32 x 32 floats. Every thread reaches every barrier (uniform loop bounds).
+//
+// TRAFFIC per call: each visible K and V row is read once per row tile; q and dO once per
+//   slice; stats_part once per slice (n_splits * 3 floats per row); dq_part written once;
+//   stats and dsink_part once. Per (row, key): two simd_sum dot products.
+//
+// REDUCTION ORDER: the merge: lane i takes the slices i, i + 32, .. in increasing order,
+//   then simd_max / simd_sum, the same in every threadgroup of the row, so all slices see
+//   the same (m_f, l_f, Dr) bits. Keys in increasing order within the slice; scores as the
+//   other backward kernels (the same expression, the same bits: a recomputed probability
+//   never exceeds 1).
+//
+// Metal and the emulator keep the one-kernel form by default (BWD_SPLIT_BACKENDS): no
+//   measurement on a Mac argues for the split there. Checked only on a Mac: that Apple's
+//   compiler accepts the body, and the speed. The emulator checks the semantics, barriers,
+//   threadgroup races and the device traffic.
+#include "common.h"
+// ---- kernel body ----
+constexpr int DPL = D / 32;                       // columns per lane
+constexpr int RS = 4;                             // rows per simdgroup
+constexpr int TSTRIDE = D + 4 / int(sizeof(T));   // odd word stride: lane-per-row reads
+static_assert(D % 32 == 0 && DPL >= 2, "head dim tiling");
+static_assert(KB == 16 || KB == 32, "key block");
+threadgroup T kv_tile[KB * TSTRIDE];
+threadgroup float p_tile[32 * 32];
+
+const uint tile_idx = threadgroup_position_in_grid.y;
+const uint part_idx = threadgroup_position_in_grid.z;  // (b*Hkv + kvh) * n_splits + s
+const uint n_parts = n_splits;
+const uint bh = part_idx / n_parts;
+const uint slice = part_idx - bh * n_parts;
+const uint tid = thread_position_in_threadgroup.x;
+const uint n_threads = threads_per_threadgroup.x;
+const uint lane = thread_index_in_simdgroup;
+const uint sg = simdgroup_index_in_threadgroup;
+
+const uint L = n_q;
+const uint n_rows = group * L;
+// Scalars read once into registers (each read of a 0-d input is a device load).
+const uint S_rows = kv_rows;
+const uint n_kv_heads = kv_heads;
+const bool with_sinks = has_sinks != 0u;
+const float g_scale = grad_scale;
+const uint kvn = max(min(kv_len, S_rows), L);
+const bool is_causal = causal != 0u;
+const float2 score_unit = mt_score_unit(scale);
+const float q_scale = score_unit.x;
+const float unit = score_unit.y;
+const uint key0 = mask_block != 0u ? kvn - L : 0u;
+const float mask_unit = 1.4426950408889634f / unit;
+
+const uint tile_row0 = tile_idx * 32u;
+const uint row0 = tile_row0 + sg * uint(RS);
+const uint nr = row0 < n_rows ? min(uint(RS), n_rows - row0) : 0u;
+threadgroup float* p_rows = p_tile + sg * uint(RS) * 32u;
+
+uint k_end = kvn;
+if (is_causal) {  // the last key any row of the tile sees
+  const uint last_row = min(tile_row0 + 32u, n_rows) - 1u;
+  const uint span = last_row - tile_row0 + 1u;
+  const uint l_first = tile_row0 % L;
+  const uint l_last = last_row % L;
+  const uint l_max = (span >= L || l_last < l_first) ? L - 1u : l_last;
+  k_end = min(k_end, kvn - L + l_max + 1u);
+}
+const uint slice_keys = chunk;
+const uint k_begin = min(slice * slice_keys, k_end);
+const uint k_stop = min(k_begin + slice_keys, k_end);
+
+const size_t q_row0 = size_t(bh) * n_rows;
+const device float* head_parts = stats_part + size_t(bh) * n_parts * n_rows * 3u;
+float qc[RS][DPL];   // a * q, columns lane + 32c
+float gc[RS][DPL];   // dO, same columns
+float acc[RS][DPL];  // sum dS k (same columns)
+uint lim[RS];
+size_t mask_row[RS];
+float m[RS];         // m_f
+float l_sum[RS];     // l_f
+float dd[RS];        // Dr
+for (int rr = 0; rr < RS; ++rr) {
+  const uint r = row0 + uint(rr);
+  const bool valid = uint(rr) < nr;
+  const uint head = (bh % n_kv_heads) * group + r / L;
+  mask_row[rr] = size_t(bh / n_kv_heads) * mask_sb + size_t(head) * mask_sh
+                 + size_t(r % L) * mask_sl;
+  lim[rr] = !valid ? 0u : (is_causal ? kvn - L + r % L + 1u : kvn);
+  m[rr] = -INFINITY;
+  l_sum[rr] = 0.0f;
+  dd[rr] = 0.0f;
+  for (int c = 0; c < DPL; ++c) {
+    const size_t at = (q_row0 + r) * D + lane + 32u * uint(c);
+    qc[rr][c] = valid ? q_scale * float(q[at]) : 0.0f;
+    gc[rr][c] = valid ? float(dout[at]) : 0.0f;
+    acc[rr][c] = 0.0f;
+  }
+  if (valid) {  // merge the slices' (m_s, l_s, u_s); then the sink joins
+    float m_lane = -INFINITY;
+    for (uint sl = lane; sl < n_parts; sl += 32u) {
+      m_lane = max(m_lane, head_parts[(size_t(sl) * n_rows + r) * 3u]);
+    }
+    const float m_keys = simd_max(m_lane);
+    float l_lane = 0.0f;
+    float u_lane = 0.0f;
+    for (uint sl = lane; sl < n_parts; sl += 32u) {
+      const size_t at = (size_t(sl) * n_rows + r) * 3u;
+      const float m_s = head_parts[at];
+      const float w = m_s == -INFINITY ? 0.0f
+                      : (m_s == m_keys ? 1.0f : exp2(unit * (m_s - m_keys)));
+      l_lane += w * head_parts[at + 1u];
+      u_lane += w * head_parts[at + 2u];
+    }
+    const float l_keys_m = simd_sum(l_lane);  // relative to m_keys
+    const float u_keys_m = simd_sum(u_lane);
+    const float sink_s = with_sinks ? sinks[head] * mask_unit : -INFINITY;
+    const float m_f = max(m_keys, sink_s);
+    const float key_w = m_keys == m_f ? 1.0f : exp2(unit * (m_keys - m_f));
+    const float p_sink = !with_sinks ? 0.0f
+                         : (sink_s == m_f ? 1.0f : exp2(unit * (sink_s - m_f)));
+    const float l_f = l_keys_m * key_w + p_sink;
+    m[rr] = m_f;
+    l_sum[rr] = l_f;
+    dd[rr] = l_f > 0.0f ? u_keys_m * key_w / l_f : NAN;
+    if (slice == 0u && lane == 0u) {
+      stats[(q_row0 + r) * 3u] = m_f;
+      stats[(q_row0 + r) * 3u + 1u] = l_f;
+      stats[(q_row0 + r) * 3u + 2u] = dd[rr];
+      dsink_part[q_row0 + r] = !with_sinks ? 0.0f : -(p_sink / l_f) * dd[rr];
+    }
+  }
+}
+
+const size_t head_off = size_t(bh) * S_rows * D;
+const device T* k_head = k + head_off;
+const device T* v_head = v + head_off;
+
+for (uint kb = k_begin; kb < k_stop; kb += uint(KB)) {
+  const uint nk = min(uint(KB), k_stop - kb);
+  const uint j = kb + lane;  // this lane's key
+
+  // dP = dO . v_j for this lane's key (V staged first, K after it for dq).
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint e = tid; e < uint(KB * D); e += n_threads) {
+    const uint jj = e / uint(D);
+    const uint d = e - jj * uint(D);
+    kv_tile[jj * TSTRIDE + d] = jj < nk ? v_head[size_t(kb + jj) * D + d] : T(0);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float dp[RS];
+  for (int rr = 0; rr < RS; ++rr) {
+    dp[rr] = 0.0f;
+    if (uint(rr) < nr) {
+      for (uint jj = 0; jj < nk; ++jj) {
+        float part = 0.0f;
+        for (int c = 0; c < DPL; ++c) {
+          part += gc[rr][c] * float(kv_tile[jj * TSTRIDE + uint(c) * 32u + lane]);
+        }
+        const float total = simd_sum(part);
+        dp[rr] = lane == jj ? total : dp[rr];
+      }
+    }
+  }
+
+  // Scores of this lane's key (the other backward kernels' expression: the same bits).
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint e = tid; e < uint(KB * D); e += n_threads) {
+    const uint jj = e / uint(D);
+    const uint d = e - jj * uint(D);
+    kv_tile[jj * TSTRIDE + d] = jj < nk ? k_head[size_t(kb + jj) * D + d] : T(0);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float s[RS];
+  for (int rr = 0; rr < RS; ++rr) {
+    s[rr] = 0.0f;
+    if (uint(rr) < nr) {
+      for (uint jj = 0; jj < nk; ++jj) {
+        float part = 0.0f;
+        for (int c = 0; c < DPL; ++c) {
+          part += qc[rr][c] * float(kv_tile[jj * TSTRIDE + uint(c) * 32u + lane]);
+        }
+        const float total = simd_sum(part);
+        s[rr] = lane == jj ? total : s[rr];
+      }
+    }
+  }
+
+  for (int rr = 0; rr < RS; ++rr) {
+    if (uint(rr) < nr) {
+      bool ok = lane < nk && j < lim[rr];
+      bool live = ok;  // the score depends on q and k
+      float sc = s[rr];
+      if (MASK_KIND != 0 && ok && j >= key0) {
+        const auto mv = mask[mask_row[rr] + (j - key0)];
+        if (MASK_KIND == 1) {
+          live = bool(mv);
+          sc = live ? sc : -FLT_MAX;
+        } else {
+          sc += float(mv) * mask_unit;
+          ok = sc != -INFINITY;
+          live = ok;
+        }
+      }
+      const bool nan_row = !(l_sum[rr] > 0.0f);
+      const float p = ok ? exp2(unit * (sc - m[rr])) / l_sum[rr] : 0.0f;
+      p_rows[uint(rr) * 32u + lane] = nan_row ? NAN : (live ? p * (dp[rr] - dd[rr]) : 0.0f);
+    }
+  }
+
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // p_rows published
+  if (nr > 0u) {  // acc += dS_j k_j (K still staged)
+    for (uint jj = 0; jj < nk; ++jj) {
+      float w[RS];
+      for (int rr = 0; rr < RS; ++rr) {
+        w[rr] = uint(rr) < nr ? p_rows[uint(rr) * 32u + jj] : 0.0f;
+      }
+      for (int c = 0; c < DPL; ++c) {
+        const float x = float(kv_tile[jj * TSTRIDE + uint(c) * 32u + lane]);
+        for (int rr = 0; rr < RS; ++rr) {
+          if (uint(rr) < nr) {
+            acc[rr][c] += w[rr] * x;
+          }
+        }
+      }
+    }
+  }
+}
+
+for (int rr = 0; rr < RS; ++rr) {
+  if (uint(rr) < nr) {
+    for (int c = 0; c < DPL; ++c) {
+      dq_part[(size_t(part_idx) * n_rows + row0 + uint(rr)) * D + lane + 32u * uint(c)] =
+          g_scale * acc[rr][c];
+    }
+  }
+}
