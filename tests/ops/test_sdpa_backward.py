@@ -1,10 +1,12 @@
 """sdpa_multi's backward kernels (the VJP on a kernel backend): gradients w.r.t. q, k, v,
 the sinks and an additive mask against float64 gradients written from the math
-(mlx_metaltile.cases.sdpa_multi.grad_oracle), the emulator's traffic counters, determinism
-and a negative control per backward kernel."""
+(mlx_metaltile.cases.sdpa_multi.grad_oracle), in the backend's planned form and in the
+key-split form forced (slices of SPLIT_CHUNK keys), the emulator's traffic counters,
+determinism, the plan's rule and a negative control per backward kernel."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import mlx.core as mx
@@ -13,7 +15,7 @@ import pytest
 from support import require_backend
 
 from mlx_metaltile import _templates, backends
-from mlx_metaltile.cases.sdpa_multi import make_inputs, run_grad_and_check
+from mlx_metaltile.cases.sdpa_multi import backward_split, make_inputs, run_grad_and_check
 
 sdpa = importlib.import_module("mlx_metaltile.ops.sdpa_multi")
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -23,11 +25,30 @@ DT_IDS = ("float32", "float16", "bfloat16")
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
 
+# The dq side's forms: the backend's plan, or the key split forced with slices of
+# SPLIT_CHUNK keys (slices that do not divide kv_len, empty ones past kv_len or past a
+# causal tile's last key). The reference backend has no kernels to split.
+SPLIT_CHUNK = 32
+FORMS = (None, SPLIT_CHUNK)
+FORM_IDS = ("plan", "split")
+
+
+def split_form(backend, chunk):
+    """The context of a test's form: ``backward_split(chunk)`` on a kernel backend."""
+    if chunk is None:
+        return contextlib.nullcontext()
+    if backend == "reference":
+        pytest.skip("the reference backend has no backward kernels to split")
+    return backward_split(chunk, backend)
+
+
 def check(backend, rng, B, Hq, Hkv, L, S, D, dtype, kv_len, causal=False, mask=None,
-          sinks=None, what=""):
+          sinks=None, what="", chunk=None):
     q, k, v = make_inputs(rng, B, Hq, Hkv, L, S, D, dtype)
-    return run_grad_and_check(q, k, v, scale=D ** -0.5, causal=causal, kv_len=kv_len,
-                              backend=backend, rng=rng, mask=mask, sinks=sinks, what=what)
+    with split_form(backend, chunk):
+        return run_grad_and_check(q, k, v, scale=D ** -0.5, causal=causal, kv_len=kv_len,
+                                  backend=backend, rng=rng, mask=mask, sinks=sinks,
+                                  what=what)
 
 
 # (Hq, Hkv, L, kv_len, S): kv_len 1, 31, 32, 33 and ragged tails with slack past kv_len,
@@ -43,32 +64,58 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("chunk", FORMS, ids=FORM_IDS)
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[0]}x{s[1]}-L{s[2]}-kv{s[3]}")
 @pytest.mark.parametrize("D", (64, 128))
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-def test_sdpa_vjp_shapes(any_backend, rng, dtype, D, shape, causal):
+def test_sdpa_vjp_shapes(any_backend, rng, dtype, D, shape, causal, chunk):
     Hq, Hkv, L, kv_len, S = shape
-    check(any_backend, rng, 1, Hq, Hkv, L, S, D, dtype, kv_len, causal)
+    check(any_backend, rng, 1, Hq, Hkv, L, S, D, dtype, kv_len, causal, chunk=chunk)
 
 
+@pytest.mark.parametrize("chunk", FORMS, ids=FORM_IDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-def test_sdpa_vjp_head_dim_256(any_backend, rng, dtype):
-    """D = 256 (float32 stages 16 keys at a time in the dq kernel), batch 2, GQA 4."""
-    check(any_backend, rng, 2, 8, 2, 5, 80, 256, dtype, 70, causal=True)
+def test_sdpa_vjp_head_dim_256(any_backend, rng, dtype, chunk):
+    """D = 256 (float32 stages 16 keys at a time in the dq kernels), batch 2, GQA 4."""
+    check(any_backend, rng, 2, 8, 2, 5, 80, 256, dtype, 70, causal=True, chunk=chunk)
 
 
+# (Hq, Hkv, L, kv_len, S, chunk) for the split form: causal blocks of L > 32 queries (a row
+# tile ends before the last key: its late slices see nothing), slices of 64 and 96 keys
+# that do not divide kv_len.
+SPLIT_SHAPES = [
+    (1, 1, 64, 70, 80, 32),
+    (2, 1, 40, 45, 64, 32),
+    (4, 2, 48, 130, 140, 64),
+    (8, 2, 3, 200, 210, 96),
+]
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("shape", SPLIT_SHAPES,
+                         ids=lambda s: f"h{s[0]}x{s[1]}-L{s[2]}-kv{s[3]}-c{s[5]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_sdpa_vjp_split_slices(kernel_backend, rng, dtype, shape, causal):
+    """The key-split form where slices end early or hold nothing: each slice's partial dq is
+    written (outputs start as NaN) and the partials sum to the float64 gradient."""
+    Hq, Hkv, L, kv_len, S, chunk = shape
+    check(kernel_backend, rng, 1, Hq, Hkv, L, S, 64, dtype, kv_len, causal, chunk=chunk)
+
+
+@pytest.mark.parametrize("chunk", FORMS, ids=FORM_IDS)
 @pytest.mark.parametrize("scale", (3.0, -2.0, 1e30))
 @pytest.mark.parametrize("dtype", (mx.float32, mx.bfloat16), ids=("float32", "bfloat16"))
-def test_sdpa_vjp_scale_range(any_backend, rng, dtype, scale):
+def test_sdpa_vjp_scale_range(any_backend, rng, dtype, scale, chunk):
     """Scales past 1 (scores held in units of a power of two b > 1) and far past float32's
-    score range: the two kernels' scores agree bit for bit, so no probability recomputed
-    from the statistics overflows (no NaN)."""
+    score range: the kernels' scores agree bit for bit, so no probability recomputed from
+    the statistics (merged from slices in the split form) overflows (no NaN)."""
     q, k, v = make_inputs(rng, 1, 4, 2, 3, 40, 64, dtype)
     mask = mx.array(rng.standard_normal((3, 37)).astype(np.float32)).astype(dtype)
     sinks = mx.array([0.5, 1.0, 2.0, 3.0]).astype(dtype)
-    run_grad_and_check(q, k, v, scale=scale, causal=False, kv_len=37, backend=any_backend,
-                       rng=rng, mask=mask, sinks=sinks)
+    with split_form(any_backend, chunk):
+        run_grad_and_check(q, k, v, scale=scale, causal=False, kv_len=37,
+                           backend=any_backend, rng=rng, mask=mask, sinks=sinks)
 
 
 def _bool(rng, shape, p=0.6):
@@ -90,47 +137,52 @@ MASK_SHAPES = {
 }
 
 
+@pytest.mark.parametrize("chunk", FORMS, ids=FORM_IDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("kind", ("bool", "additive"))
 @pytest.mark.parametrize("form", MASK_SHAPES)
-def test_sdpa_vjp_masks(any_backend, rng, form, kind, dtype):
+def test_sdpa_vjp_masks(any_backend, rng, form, kind, dtype, chunk):
     """Every mask form; an additive mask (with -inf entries) gets its gradient dS summed
     over its broadcast axes."""
     B, Hq, Hkv, L, kv_len, S, D = 2, 8, 2, 4, 45, 64, 64
     shape = MASK_SHAPES[form](B, Hq, L, kv_len)
     mask = _bool(rng, shape) if kind == "bool" else _additive(rng, shape, dtype)
-    check(any_backend, rng, B, Hq, Hkv, L, S, D, dtype, kv_len, mask=mask)
+    check(any_backend, rng, B, Hq, Hkv, L, S, D, dtype, kv_len, mask=mask, chunk=chunk)
 
 
+@pytest.mark.parametrize("chunk", FORMS, ids=FORM_IDS)
 @pytest.mark.parametrize("with_mask", (False, True), ids=("sinks", "sinks+additive"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-def test_sdpa_vjp_sinks(any_backend, rng, dtype, with_mask):
+def test_sdpa_vjp_sinks(any_backend, rng, dtype, with_mask, chunk):
     B, Hq, Hkv, L, kv_len, S, D = 2, 8, 1, 3, 40, 48, 64
     sinks = mx.array(rng.uniform(-1, 3, size=(Hq,)).astype(np.float32)).astype(dtype)
     mask = _additive(rng, (Hq, L, kv_len), dtype) if with_mask else None
     check(any_backend, rng, B, Hq, Hkv, L, S, D, dtype, kv_len, causal=not with_mask,
-          mask=mask, sinks=sinks)
+          mask=mask, sinks=sinks, chunk=chunk)
 
 
+@pytest.mark.parametrize("chunk", FORMS, ids=FORM_IDS)
 @pytest.mark.parametrize("mask_kind", ("causal", "block-bool", "block-additive"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-def test_sdpa_vjp_device_kv_len(any_backend, rng, dtype, mask_kind):
+def test_sdpa_vjp_device_kv_len(any_backend, rng, dtype, mask_kind, chunk):
     """A 0-d kv_len read on device (any array mask is then the block form): cache rows
-    past it get zero gradient."""
+    past it get zero gradient. Split, the slices cover all S = 90 rows: the third
+    ([64, 90)) lies past kv_len and sees no key."""
     B, Hq, Hkv, L, S, D = 1, 8, 2, 4, 90, 64
     kv_len = mx.array(57, dtype=mx.int32)
     mask = (None if mask_kind == "causal" else _bool(rng, (L, L)) if mask_kind == "block-bool"
             else _additive(rng, (1, Hq, L, L), dtype))
     grads = check(any_backend, rng, B, Hq, Hkv, L, S, D, dtype, kv_len,
-                  causal=mask_kind == "causal", mask=mask)
+                  causal=mask_kind == "causal", mask=mask, chunk=chunk)
     for name in ("dk", "dv"):
         assert not np.any(np.array(grads[name].astype(mx.float32))[:, :, 57:]), name
 
 
+@pytest.mark.parametrize("chunk", FORMS, ids=FORM_IDS)
 @pytest.mark.parametrize("sink", (False, True), ids=("no_sink", "sink"))
 @pytest.mark.parametrize("kind", ("bool", "additive"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-def test_sdpa_vjp_fully_masked_rows(any_backend, rng, dtype, kind, sink):
+def test_sdpa_vjp_fully_masked_rows(any_backend, rng, dtype, kind, sink, chunk):
     """Rows whose keys a mask hides all, as the forward gives them (MLX's rules): bool, a
     uniform average (dv finite, no dq/dk term); additive -inf, NaN without a sink (NaN
     gradients, as the float64 definition) and 0 with one (finite gradients)."""
@@ -151,12 +203,49 @@ def test_sdpa_vjp_fully_masked_rows(any_backend, rng, dtype, kind, sink):
         # (documented in the README); the kernels' VJP gives them 0.
         with pytest.raises(AssertionError, match=r"dk .*got np.float64\(nan\), want "
                                                  r"np.float64\(0.0\)"):
-            check(any_backend, rng, B, Hq, Hkv, L, S, D, dtype, kv_len, mask=mask)
+            check(any_backend, rng, B, Hq, Hkv, L, S, D, dtype, kv_len, mask=mask,
+                  chunk=chunk)
         return
     grads = check(any_backend, rng, B, Hq, Hkv, L, S, D, dtype, kv_len, mask=mask,
-                  sinks=sinks)
+                  sinks=sinks, chunk=chunk)
     nan_row = np.isnan(np.array(grads["dq"].astype(mx.float32))[0, 1, 2])
     assert nan_row.all() == (kind == "additive" and not sink)
+
+
+@pytest.mark.parametrize("L", (1, 3))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_sdpa_vjp_split_more_slices_than_keys(kernel_backend, rng, dtype, L):
+    """A device-side kv_len of 3 in a cache of 200 rows: the split form's slices cover all
+    200 (seven of 32 keys), six of them past kv_len with no key to see."""
+    check(kernel_backend, rng, 1, 8, 2, L, 200, 64, dtype, mx.array(3, dtype=mx.int32),
+          causal=L > 1, chunk=SPLIT_CHUNK)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_sdpa_vjp_split_empty_slices_write_zeros(kernel_backend, monkeypatch, rng, dtype):
+    """The split dq kernel's partials themselves: a causal block of 64 queries over 70 keys
+    in slices of 32 (the first row tile sees keys < 38: its third slice nothing), and a
+    device-side kv_len of 40 in a cache of 96 (the third slice lies past kv_len): those
+    slices write exact zeros (outputs start as NaN), the others finite values."""
+    parts = []
+    real_call = backends.Prepared.__call__
+
+    def spy(prepared, *arrays):
+        outs = real_call(prepared, *arrays)
+        if prepared.spec == sdpa.BWD_DQ_SPLIT_SPEC:
+            parts.append(outs[0])
+        return outs
+
+    monkeypatch.setattr(backends.Prepared, "__call__", spy)
+    check(kernel_backend, rng, 1, 1, 1, 64, 80, 64, dtype, 70, causal=True,
+          chunk=SPLIT_CHUNK)
+    check(kernel_backend, rng, 1, 4, 2, 2, 96, 64, dtype, mx.array(40, dtype=mx.int32),
+          causal=True, chunk=SPLIT_CHUNK)
+    causal, past = (np.array(p) for p in parts)
+    assert causal.shape == (1, 3, 64, 64) and past.shape == (2, 3, 4, 64)
+    assert not causal[0, 2, :32].any() and causal[0, 2, 32:].any()
+    assert not past[:, 2].any()
+    assert np.isfinite(causal).all() and np.isfinite(past).all()
 
 
 def test_sdpa_backward_traffic(launches, rng):
@@ -189,14 +278,65 @@ def test_sdpa_backward_traffic(launches, rng):
         assert dkv.bytes_written[name] == B * Hkv * S * row, name
 
 
-def test_sdpa_backward_deterministic(kernel_backend, rng):
-    """The same bits on a second run (dk/dv summed in a fixed order, no atomics)."""
+def test_sdpa_backward_split_traffic(launches, rng):
+    """The split form's counters (test_sdpa_backward_traffic's problem, slices of 32 keys:
+    three, the last one 6 keys long): the statistics kernel and the split dq kernel each
+    read every K and V row below kv_len once per row tile, nothing at or past kv_len; q and
+    dO once per slice; the one-kernel dq kernel does not run."""
+    require_backend("emulator")
+    B, Hq, Hkv, L, kv_len, S, D, dtype = 1, 16, 2, 5, 70, 100, 64, mx.bfloat16
+    q, k, v = make_inputs(rng, B, Hq, Hkv, L, S, D, dtype)
+    with backends.use_backend("emulator"), backward_split(SPLIT_CHUNK, "emulator"):
+        run_grad_and_check(q, k, v, scale=0.125, causal=False, kv_len=kv_len,
+                           backend="emulator", rng=rng)
+    stats = {rec.name: rec.stats for rec in launches}
+    assert "sdpa_multi_backward_dq" not in stats
+    parts = (stats["sdpa_multi_backward_stats"], stats["sdpa_multi_backward_dq_split"])
+    row = D * 2
+    visible = B * Hkv * kv_len * row
+    tiles, n_splits = 2, 3
+    q_bytes = B * Hq * L * row
+    for kernel in parts:
+        for name in ("k", "v"):
+            assert kernel.bytes_read[name] == tiles * visible, name
+        assert kernel.bytes_read["q"] == n_splits * q_bytes
+        assert kernel.bytes_read["dout"] == n_splits * q_bytes
+    assert parts[1].bytes_written["dq_part"] == n_splits * B * Hq * L * D * 4
+    assert stats["sdpa_multi_backward_dkv"].bytes_read["k"] == visible
+
+
+@pytest.mark.parametrize("chunk", FORMS, ids=FORM_IDS)
+def test_sdpa_backward_deterministic(kernel_backend, rng, chunk):
+    """The same bits on a second run (dk/dv summed in a fixed order, no atomics; split, the
+    slices' statistics merged and their dq partials summed in a fixed order)."""
     q, k, v = make_inputs(rng, 1, 8, 1, 8, 70, 64, mx.float32)
     g = mx.array(rng.standard_normal(q.shape).astype(np.float32))
     fn = lambda q, k, v: sdpa.sdpa_multi(q, k, v, scale=0.125, causal=True)  # noqa: E731
-    runs = [mx.vjp(fn, [q, k, v], [g])[1] for _ in range(2)]
+    with split_form(kernel_backend, chunk):
+        runs = [mx.vjp(fn, [q, k, v], [g])[1] for _ in range(2)]
+        mx.eval(runs)
     for a, b in zip(*runs, strict=True):
         assert np.array_equal(np.array(a), np.array(b))
+
+
+def test_sdpa_backward_plan():
+    """The split is CUDA's (BWD_SPLIT_BACKENDS): a decode step there (B 1, h32/8, L 1, 4096
+    keys, D 128: 8 row tiles in all) gets several slices of whole key blocks; Metal and the
+    emulator keep the one-kernel form; a problem of many row tiles, or few keys, none."""
+    decode = (1, 32, 8, 1, 128, 4096, mx.float16)
+    cuda = sdpa.backward_plan("cuda", *decode, cores=132)
+    assert cuda["split"] and cuda["n_splits"] > 1
+    assert cuda["chunk"] % sdpa.KEY_BLOCK == 0 and cuda["chunk"] >= sdpa.BWD_SPLIT_MIN_KEYS
+    assert cuda["n_splits"] * cuda["chunk"] >= 4096 > (cuda["n_splits"] - 1) * cuda["chunk"]
+    for backend in ("metal", "emulator"):
+        plan = sdpa.backward_plan(backend, *decode)
+        assert not plan["split"] and plan["n_splits"] == 1, backend
+    assert not sdpa.backward_plan("cuda", 1, 32, 8, 1, 128, 200, mx.float16)["split"]
+    assert not sdpa.backward_plan("cuda", 64, 32, 8, 32, 128, 4096, mx.float16,
+                                  cores=132)["split"]
+    with backward_split(100, "emulator"):  # forced: whole key blocks, even one slice
+        assert sdpa.backward_plan("emulator", 1, 4, 4, 1, 64, 50, mx.float32) == {
+            "split": True, "n_splits": 1, "chunk": 128, "n_tiles": 1, "kb": 32}
 
 
 @pytest.mark.parametrize("spec, old, new", [
@@ -205,13 +345,21 @@ def test_sdpa_backward_deterministic(kernel_backend, rng):
     (sdpa.BWD_DKV_SPEC, "dvr[kk][c] += p * gv[c];", "dvr[kk][c] += gv[c];"),  # dv without P
     (sdpa.BWD_DKV_SPEC, "dkr[kk][c] += ds * qv[c];", "dkr[kk][c] += p * qv[c];"),  # dk of P
     (sdpa.BWD_DKV_SPEC, "? p * (dp - d_r)", "? p * dp"),  # dS (the mask's gradient) w/o Dr
-], ids=("dq_ds", "dq_dsinks", "dkv_dv", "dkv_dk", "dkv_dmask"))
+    # the split form (slices of 32 keys: two here)
+    (sdpa.BWD_STATS_SPEC, "simd_sum(p * dp[rr])", "simd_sum(dp[rr])"),  # u_s without P
+    (sdpa.BWD_DQ_SPLIT_SPEC, "l_lane += w * head_parts", "l_lane += head_parts"),  # l merged
+    # without the 2^(b (m_s - m)) rescale
+    (sdpa.BWD_DQ_SPLIT_SPEC, "u_lane += w * head_parts", "u_lane += head_parts"),  # U too
+    (sdpa.BWD_DQ_SPLIT_SPEC, "p * (dp[rr] - dd[rr])", "p * dp[rr]"),  # dS without Dr
+], ids=("dq_ds", "dq_dsinks", "dkv_dv", "dkv_dk", "dkv_dmask", "stats_u", "split_l",
+        "split_u", "split_ds"))
 def test_sdpa_backward_negative_control(kernel_backend, broken_kernel, rng, spec, old, new):
     """One broken term per kernel must fail the harness (the edit must apply)."""
     assert old in _templates.read_text(spec.template)
     broken_kernel(spec, (old, new))
     sinks = mx.array(rng.uniform(-1, 2, size=(4,)).astype(np.float32))
     mask = _additive(rng, (4, 3, 40), mx.float32, p_inf=0.1)
+    split = spec in (sdpa.BWD_STATS_SPEC, sdpa.BWD_DQ_SPLIT_SPEC)
     with pytest.raises(AssertionError, match="out of tolerance"):
         check(kernel_backend, rng, 1, 4, 2, 3, 48, 64, mx.float32, 40, mask=mask,
-              sinks=sinks)
+              sinks=sinks, chunk=SPLIT_CHUNK if split else None)
