@@ -49,8 +49,9 @@
 //   once, dO once; dq, stats, dsink_part written once. Per (row, key) and pass: one
 //   simd_sum dot product (two in pass 1).
 //   The KV range is not split across threadgroups (the forward splits it): B * Hkv *
-//   ceil(G*L / 32) threadgroups in all, few for decode-sized L; a split would need the
-//   statistics merged before pass 1 (another kernel). Not measured.
+//   ceil(G*L / 32) threadgroups in all, few for decode-sized L. Where backward_plan
+//   (ops/sdpa_multi.py) splits it, sdpa_multi_backward_stats.metal and
+//   sdpa_multi_backward_dq_split.metal run instead of this kernel (by default on cuda only).
 //
 // REDUCTION ORDER: keys in increasing order in both passes. A score is the per-lane sum
 //   over c of (a * q[i + 32c]) * k[i + 32c], then simd_sum: exactly as the dk/dv kernel

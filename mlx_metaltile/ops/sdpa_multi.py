@@ -886,7 +886,10 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
     On a kernel backend the VJP is two backward kernels that recompute the softmax from
     per-row statistics (logsumexp), FlashAttention-2 style, and never hold an ``[L, S]``
     probability matrix: dq (with the statistics), then dk and dv (each key's sum over the
-    query rows of its head group in a fixed order: the same bits every run). The sinks'
+    query rows of its head group in a fixed order: the same bits every run). Where
+    ``backward_plan`` splits the keys (by default on cuda, for problems of few 32-row tiles
+    such as a decode step) the dq side is two kernels over key slices: the slices'
+    statistics, then their merge and a partial dq per slice, summed in a fixed order. The sinks'
     gradient is the sum of per-row terms; an additive mask's is dS itself, written by the
     dk/dv kernel as ``[B, Hq, L, mask columns]`` and summed to the mask's shape. On the
     reference backend: MLX's autodiff of the composite. The cache rows at and beyond
