@@ -397,6 +397,9 @@ def backward_split(chunk: int, backend: str | None = None):
     """Inside: the VJP on ``backend`` (every kernel backend when None) takes the key-split
     dq side (the statistics and split dq kernels) with slices of ``chunk`` keys (rounded up
     to whole key blocks), whatever the slice count (BWD_SPLIT_FORCED)."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"[{OP}] the forced slice length must be a positive int, got "
+                         f"{chunk!r}")
     saved = dict(_ops.BWD_SPLIT_FORCED)
     names = backends.KERNEL_BACKENDS if backend is None else (backend,)
     _ops.BWD_SPLIT_FORCED.update(dict.fromkeys(names, chunk))
