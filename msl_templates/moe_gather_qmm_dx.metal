@@ -147,15 +147,25 @@ const uint word0 = threadgroup_position_in_grid.y * 32;
 const uint k0 = word0 * PACK;
 const uint vals = metal::min(CHUNK_VALS, K - k0);  // the chunk's k values inside K
 
+// This threadgroup's slice: the 32-row blocks [block_begin, block_end) of N, the first
+// n_blocks % n_slices slices one block more than the others; its partial at dx_slice.
+const uint slice = threadgroup_position_in_grid.z;
+const uint n_blocks = (N + 31) / 32;
+const uint slice_blocks = n_blocks / n_slices;
+const uint longer_slices = n_blocks % n_slices;
+const uint block_begin = slice * slice_blocks + metal::min(slice, longer_slices);
+const uint block_end = block_begin + slice_blocks + (slice < longer_slices ? 1u : 0u);
+device float* dx_slice = dx + size_t(slice) * M * K;
+
 const uint rows_here = metal::min(ROWS, M - row0);
 if (slot >= rows_here) {
   return;  // past M (uniform over the threadgroup)
 }
 const uint e = uint(indices[row0 + slot]);
 if (e >= n_experts) {
-  // Out-of-range id (uniform over the threadgroup): NaN for this row, nothing of the
-  // expert read.
-  device float* dx_nan = dx + size_t(row0 + slot) * K + k0;
+  // Out-of-range id (uniform over the threadgroup): NaN for this row in every slice's
+  // partial, nothing of the expert read.
+  device float* dx_nan = dx_slice + size_t(row0 + slot) * K + k0;
   for (uint o = tid; o < vals; o += THREADS) {
     dx_nan[o] = metal::numeric_limits<float>::quiet_NaN();
   }
@@ -189,7 +199,8 @@ for (uint r = 0; r < ROWS; ++r) {
     acc[r][i] = 0.0f;
   }
 }
-for (uint n0 = sg * 32; n0 < N; n0 += SG * 32) {  // this SIMD-group's 32-row blocks
+for (uint b = block_begin + sg; b < block_end; b += SG) {  // this SIMD-group's blocks
+  const uint n0 = b * 32;
   float g_block[ROWS];  // g[row0 + r, n0 + lane] of the run's rows
   for (uint r = 0; r < ROWS; ++r) {
     const bool in_run = ((run >> r) & 1u) != 0u;
@@ -284,7 +295,7 @@ for (uint r = 0; r < ROWS; ++r) {
     partials[(sg * 32 + lane) * LD + i] = acc[r][i];
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  device float* dx_chunk = dx + size_t(row0 + r) * K + k0;
+  device float* dx_chunk = dx_slice + size_t(row0 + r) * K + k0;
   for (uint o = tid; o < vals; o += THREADS) {
     const uint at = (o / PACK) * LD + o % PACK;  // lane o / PACK, value o % PACK
     float v = partials[at];

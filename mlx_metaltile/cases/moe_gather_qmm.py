@@ -186,9 +186,10 @@ def run_and_check_dx(g, w, scales, biases, indices, group_size, bits, mode, dtyp
 
         stats = emulator.last_launch_stats()
         assert stats.kernel.startswith(f"mt_{DX_SPEC.name}"), stats.kernel
-        assert stats.bytes_written["dx"] == M * K * 4, (
+        partials = op_module.dx_slices(M, g.shape[1], K, bits, backend) * M * K
+        assert stats.bytes_written["dx"] == partials * 4, (
             f"{what}: {stats.bytes_written['dx']} bytes written to dx, expected each of the "
-            f"{M * K} float32 elements once")
+            f"{partials} float32 elements (every slice's partial of each) once")
     return dx
 
 
