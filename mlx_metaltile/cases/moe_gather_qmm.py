@@ -256,6 +256,24 @@ def gemv_plan(backend: str, rows_per_expert: float | None):
         clear_plans()
 
 
+@contextlib.contextmanager
+def dx_slicing(min_blocks: int | None):
+    """The dx kernel's split of N forced on every kernel backend inside the block: as many
+    slices as leave each DX_MIN_SLICE_BLOCKS = ``min_blocks`` 32-row blocks (a target of
+    2^30 working threadgroups; 1 block: one block per slice); None: the plan as it is. The
+    plans rebuilt on entry and exit."""
+    saved = op_module.DX_SLICE_TARGET_TGS, op_module.DX_MIN_SLICE_BLOCKS
+    if min_blocks is not None:
+        op_module.DX_SLICE_TARGET_TGS = dict.fromkeys(("emulator", "metal", "cuda"), 2**30)
+        op_module.DX_MIN_SLICE_BLOCKS = min_blocks
+    clear_plans()
+    try:
+        yield
+    finally:
+        op_module.DX_SLICE_TARGET_TGS, op_module.DX_MIN_SLICE_BLOCKS = saved
+        clear_plans()
+
+
 def _gemv_call(backend, rng):
     with gemv_plan(backend, 4):
         case = make_case(rng, 4, 13, 64, 128, 64, 4, mx.bfloat16)
