@@ -79,8 +79,9 @@
 //   none waiting for another, then decodes and accumulates them; the g values of a block
 //   are loaded before its rows. Registers: ROWS * PACK accumulators + PACK decoded weights
 //   + 2-3 UNROLL loads + ROWS g values per lane; nvcc (CUDA translation, SG 8, UNROLL 8,
-//   ROWS 4): 78-80 registers for bf16 (affine 4-bit GS 64, mxfp4; either ROUND), 85-88 for
-//   float32, 76-80 for a float32 g with bf16 scales (S), no spill.
+//   ROWS 4): 79-80 registers for bf16 (affine 4-bit GS 64, mxfp4; either ROUND), 95 for
+//   float32, 80 for a float32 g with 16-bit scales (S), no spill (the slice's block range
+//   added 0-2 to bf16's, 7-10 to float32's: 3 and 2 threadgroups of 256 per SM as before).
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
 //   threadgroup = (32 * SG, 1, 1): SG SIMD-groups of 32, splitting a slice of N (SUMMATION
@@ -171,15 +172,14 @@ const uint word0 = threadgroup_position_in_grid.y * 32;
 const uint k0 = word0 * PACK;
 const uint vals = metal::min(CHUNK_VALS, K - k0);  // the chunk's k values inside K
 
-// This threadgroup's slice: the 32-row blocks [block_begin, block_end) of N, the first
-// n_blocks % n_slices slices one block more than the others; its partial at dx_slice.
+// This threadgroup's slice of N: the 32-row blocks [block_begin, block_end) (SUMMATION
+// ORDER); its partial's row m at dx + (slice M + m) K.
 const uint slice = threadgroup_position_in_grid.z;
 const uint n_blocks = (N + 31) / 32;
 const uint slice_blocks = n_blocks / n_slices;
 const uint longer_slices = n_blocks % n_slices;
 const uint block_begin = slice * slice_blocks + metal::min(slice, longer_slices);
 const uint block_end = block_begin + slice_blocks + (slice < longer_slices ? 1u : 0u);
-device float* dx_slice = dx + size_t(slice) * M * K;
 
 const uint rows_here = metal::min(ROWS, M - row0);
 if (slot >= rows_here) {
@@ -189,7 +189,7 @@ const uint e = uint(indices[row0 + slot]);
 if (e >= n_experts) {
   // Out-of-range id (uniform over the threadgroup): NaN for this row in every slice's
   // partial, nothing of the expert read.
-  device float* dx_nan = dx_slice + size_t(row0 + slot) * K + k0;
+  device float* dx_nan = dx + (size_t(slice) * M + row0 + slot) * K + k0;
   for (uint o = tid; o < vals; o += THREADS) {
     dx_nan[o] = metal::numeric_limits<float>::quiet_NaN();
   }
@@ -223,8 +223,8 @@ for (uint r = 0; r < ROWS; ++r) {
     acc[r][i] = 0.0f;
   }
 }
-for (uint b = block_begin + sg; b < block_end; b += SG) {  // this SIMD-group's blocks
-  const uint n0 = b * 32;
+// This SIMD-group's blocks block_begin + sg, + SG, ... < block_end (first rows n0).
+for (uint n0 = (block_begin + sg) * 32; n0 < block_end * 32; n0 += SG * 32) {
   float g_block[ROWS];  // g[row0 + r, n0 + lane] of the run's rows
   for (uint r = 0; r < ROWS; ++r) {
     const bool in_run = ((run >> r) & 1u) != 0u;
@@ -319,7 +319,7 @@ for (uint r = 0; r < ROWS; ++r) {
     partials[(sg * 32 + lane) * LD + i] = acc[r][i];
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  device float* dx_chunk = dx_slice + size_t(row0 + r) * K + k0;
+  device float* dx_chunk = dx + (size_t(slice) * M + row0 + r) * K + k0;
   for (uint o = tid; o < vals; o += THREADS) {
     const uint at = (o / PACK) * LD + o % PACK;  // lane o / PACK, value o % PACK
     float v = partials[at];

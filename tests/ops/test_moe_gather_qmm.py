@@ -879,10 +879,10 @@ def test_dx_sliced_matches_oracle(dx_sort_from_32, dx_sliced, kernel_backend,
 
 # The kernel's block loop and output as they were before slices (one walk over all of N).
 DX_UNSPLIT = (
-    ("for (uint b = block_begin + sg; b < block_end; b += SG) {  // this SIMD-group's blocks\n"
-     "  const uint n0 = b * 32;\n",
-     "for (uint n0 = sg * 32; n0 < N; n0 += SG * 32) {\n"),
-    ("device float* dx_slice = dx + size_t(slice) * M * K;", "device float* dx_slice = dx;"),
+    ("for (uint n0 = (block_begin + sg) * 32; n0 < block_end * 32; n0 += SG * 32) {",
+     "for (uint n0 = sg * 32; n0 < N; n0 += SG * 32) {"),
+    ("dx + (size_t(slice) * M + row0 + slot) * K + k0", "dx + size_t(row0 + slot) * K + k0"),
+    ("dx + (size_t(slice) * M + row0 + r) * K + k0", "dx + size_t(row0 + r) * K + k0"),
 )
 
 
@@ -919,10 +919,9 @@ def test_dx_sliced_is_reproducible(kernel_backend, rng):
 # A broken split of N must fail the harness (the random case: 9 blocks in 4 slices).
 DX_SLICE_BREAKAGES = {
     "slices_share_slice_0s_place": (
-        "device float* dx_slice = dx + size_t(slice) * M * K;", "device float* dx_slice = dx;"),
+        "dx + (size_t(slice) * M + row0 + r) * K + k0", "dx + size_t(row0 + r) * K + k0"),
     "every_slice_walks_all_blocks": (
-        "for (uint b = block_begin + sg; b < block_end; b += SG) {",
-        "for (uint b = sg; b < n_blocks; b += SG) {"),
+        "n0 = (block_begin + sg) * 32; n0 < block_end * 32;", "n0 = sg * 32; n0 < N;"),
     "longer_slices_lose_their_extra_block": (
         "block_begin + slice_blocks + (slice < longer_slices ? 1u : 0u);",
         "block_begin + slice_blocks;"),
