@@ -93,8 +93,8 @@
 //                 chunk in cache); slots past M exit; every (slice, m, k) is written by
 //                 exactly one thread of exactly one threadgroup (its run's leader, or its own
 //                 slot for a NaN row)
-//   1 <= n_slices <= max(1, ceil(N / 32)): the plan gives every slice a block (N = 0: one
-//   empty slice). An empty slice would still be safe and right: its SIMD-groups walk no
+//   1 <= n_slices <= max(1, ceil(N / 32)) and <= 65535 (CUDA's grid z): the plan gives
+//   every slice a block (N = 0: one empty slice). An empty slice would still be safe and right: its SIMD-groups walk no
 //   block, reach every barrier and write zero partials.
 //   N any: rows past N are neither loaded nor multiplied (moe_gather_qmm's N is a multiple
 //   of 32; expert_qmv's any). K % GROUP_SIZE == 0 and K % PACK == 0 (a group never

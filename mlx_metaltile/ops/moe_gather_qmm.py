@@ -405,7 +405,8 @@ def dx_slices(M: int, N: int, K: int, bits: int, backend: str) -> int:
     """How many slices of N's 32-row blocks the dx kernel of M rows splits N into on
     ``backend``: the fewest whose working threadgroups (M, each row its own run at worst,
     times K's 32-word chunks, times the slices) reach DX_SLICE_TARGET_TGS[backend], but
-    no more than leaves each slice DX_MIN_SLICE_BLOCKS blocks; 1 for a backend not listed."""
+    no more than leaves each slice DX_MIN_SLICE_BLOCKS blocks (nor than CUDA's grid z
+    allows); 1 for a backend not listed."""
     targets, min_blocks = DX_SLICE_TARGET_TGS, DX_MIN_SLICE_BLOCKS
     if not (isinstance(targets, dict) and all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 1
@@ -421,7 +422,7 @@ def dx_slices(M: int, N: int, K: int, bits: int, backend: str) -> int:
     chunks = -(-(K * bits // 32) // 32)
     working = max(1, M * chunks)
     n_blocks = -(-N // 32)
-    return max(1, min(-(-target // working), n_blocks // min_blocks))
+    return max(1, min(-(-target // working), n_blocks // min_blocks, 65535))
 
 
 def dx_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, mode: str,

@@ -949,7 +949,8 @@ def test_dx_slice_plan():
     """cuda splits N at the decode shapes that leave its SMs idle (Qwen3-30B-A3B's down
     projection: 8 pairs, N 2048, K 768, 4-bit; gpt-oss-20b: 16 pairs, N = K = 2880,
     mxfp4), each slice DX_MIN_SLICE_BLOCKS blocks or more; Metal, the emulator and the
-    reference take one slice; so does a grid already at the target (prefill)."""
+    reference take one slice; so does a grid already at the target (prefill). Never more
+    slices than CUDA's grid z takes."""
     slices = op_module.dx_slices
     min_blocks = op_module.DX_MIN_SLICE_BLOCKS
     for M, N, K in ((8, 2048, 768), (16, 2880, 2880)):
@@ -966,6 +967,8 @@ def test_dx_slice_plan():
                 assert n >= 1 and (n == 1 or n * min_blocks <= blocks), (M, N, K, n)
                 assert (n - 1) * working < target, (M, N, K, n)  # the fewest that reach it
                 assert n * working >= target or (n + 1) * min_blocks > blocks, (M, N, K, n)
+    with dx_slicing(1):
+        assert slices(1, 2**31 - 1, 64, 4, "cuda") == 65535
 
 
 # ---- the GEMV plan (few rows per expert: expert_qmv.metal with ROUND) ---------------------
