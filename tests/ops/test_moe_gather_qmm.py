@@ -916,6 +916,20 @@ def test_dx_sliced_is_reproducible(kernel_backend, rng):
     assert np.array_equal(first, second, equal_nan=True)
 
 
+@pytest.mark.parametrize("seed", (None, 3))
+def test_dx_empty_slices_are_safe(monkeypatch, rng, seed):
+    """More slices than N's blocks (the plan never makes one: 2 blocks, 5 slices): the empty
+    slices walk no block, reach every barrier and write zero partials, so dx is still right
+    (strict mode, threads shuffled or not)."""
+    require_backend("emulator")
+    E, N, K, gs, bits, dtype = 3, 64, 128, 64, 4, mx.float32
+    ids = mx.array([2, 5, 0, 2], dtype=mx.int32)
+    g, w, scales, biases = dx_inputs(rng, E, 4, N, K, "affine", bits, gs, dtype)
+    with dx_slicing(None), backends.use_backend("emulator"), strict_emulator(seed):
+        monkeypatch.setattr(op_module, "dx_slices", lambda *shape: 5)
+        run_and_check_dx(g, w, scales, biases, ids, gs, bits, "affine", dtype, "emulator")
+
+
 # A broken split of N must fail the harness (the random case: 9 blocks in 4 slices).
 DX_SLICE_BREAKAGES = {
     "slices_share_slice_0s_place": (
