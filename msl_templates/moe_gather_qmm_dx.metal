@@ -12,16 +12,24 @@
 //   dx[m, k] = sum_n float(g[m, n]) * float(W[n, k])      if e < E, else NaN
 //   T = float: the rounding is the identity (the float32 weight itself).
 //   ROUND = false (expert_qmv's x-VJP): W[n, k] is the float32 value, not rounded to T.
-//   SUMMATION ORDER (fixed for given shapes and template: bitwise reproducible run to run):
-//   SIMD-group s of a threadgroup takes the 32-row blocks b = s, s + SG, s + 2 SG, ... of N
-//   (rows n = 32 b .. 32 b + 31), in increasing order, each row in increasing n; each lane
-//   accumulates, per k value of its word and per row m of its run (TILES),
+//   SUMMATION ORDER (fixed for given shapes, template and n_slices: bitwise reproducible
+//   run to run): N's B = ceil(N / 32) 32-row blocks (rows n = 32 b .. 32 b + 31) are cut
+//   into n_slices contiguous slices, slice z taking blocks [begin_z, end_z): q = B / n_slices
+//   blocks each and one more for the first B % n_slices slices (begin_z = z q + min(z,
+//   B % n_slices)). In the threadgroups of slice z, SIMD-group s takes the blocks
+//   begin_z + s, begin_z + s + SG, ... < end_z, in increasing order, each row in increasing
+//   n; each lane accumulates, per k value of its word and per row m of its run (TILES),
 //   acc = fma(g[m, n], W[n, k], acc) over those n. The SG partials of one (m, k) are then
 //   added in SIMD-group order 0, 1, ..., SG - 1 (((p0 + p1) + p2) + ...), through
-//   threadgroup memory, and written as float32. A row's sum depends on SG only, not on
+//   threadgroup memory, and written as float32: slice z's partial P_z[m, k]. The wrapper
+//   then adds the n_slices partials with mx.sum over the slice axis (MLX's column
+//   reduction: an order fixed for given shapes and device, no atomics; exact for 2 slices).
+//   With n_slices = 1 the partial is dx itself, nothing added after: slice 0 walks the
+//   blocks s, s + SG, ... of all N. A row's sum depends on SG and n_slices only, not on
 //   which tile, run or slot it falls in (nor on UNROLL or ROWS).
 //   OUT-OF-RANGE IDS: the id is read as uint (a negative int32 id becomes >= 2^31); an id
-//   >= E makes dx[m, :] NaN, and no byte of w / scales / biases / g is read for row m.
+//   >= E makes row m of every slice's partial NaN (so dx[m, :] is NaN), and no byte of w /
+//   scales / biases / g is read for row m.
 //
 // LAYOUTS (row-contiguous; mx.quantize of a stacked [E, N, K] weight):
 //   g [M, N] T (the cotangent of the forward's output); w [E, N, K * BITS / 32] uint32
@@ -30,7 +38,8 @@
 //   against 16-bit experts: the fused MoE ops' backward, ROUND false); fp modes: S = uint8
 //   scales (E8M0, group 32 / E4M3, group 16), biases not read (the wrapper passes scales
 //   again); indices [M] uint32 or int32;
-//   dx [M, K] float32. n_rows (M), n_experts (E), n_cols (N), k_dim (K): 0-d uint runtime
+//   dx [n_slices, M, K] float32: slice z's partial at dx + z M K (n_slices = 1: dx [M, K]
+//   itself). n_rows (M), n_experts (E), n_cols (N), k_dim (K), n_slices: 0-d uint runtime
 //   inputs (changing them never builds a new kernel). Template: T, S, BITS (4, 8), GROUP_SIZE
 //   (32, 64, 128; nvfp4 16), MODE (0 affine, 1 mxfp4, 2 nvfp4, 3 mxfp8), SIMDGROUPS (SG) and
 //   UNROLL, ROWS (the launch plan's geometry: ops/moe_gather_qmm.py's DX_SIMDGROUPS,
@@ -70,17 +79,23 @@
 //   none waiting for another, then decodes and accumulates them; the g values of a block
 //   are loaded before its rows. Registers: ROWS * PACK accumulators + PACK decoded weights
 //   + 2-3 UNROLL loads + ROWS g values per lane; nvcc (CUDA translation, SG 8, UNROLL 8,
-//   ROWS 4): 78-80 registers for bf16 (affine 4-bit GS 64, mxfp4; either ROUND), 85-88 for
-//   float32, 76-80 for a float32 g with bf16 scales (S), no spill.
+//   ROWS 4): 79-80 registers for bf16 (affine 4-bit GS 64, mxfp4; either ROUND), 95 for
+//   float32, 80 for a float32 g with 16-bit scales (S), no spill (the slice's block range
+//   added 0-2 to bf16's, 7-10 to float32's: 3 and 2 threadgroups of 256 per SM as before).
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
-//   threadgroup = (32 * SG, 1, 1): SG SIMD-groups of 32, splitting N (SUMMATION ORDER)
-//   grid        = (32 * SG * ROWS * ceil(M / ROWS), ceil(K * BITS / 32 / 32), 1) threads:
-//                 threadgroup_position_in_grid is (ROWS * tile + slot, word chunk, 0) (rows
-//                 on x: CUDA caps grid y and z at 65535 blocks; consecutive threadgroups are
-//                 rows of one chunk, so the tiles of one expert find its chunk in cache);
-//                 slots past M exit; every (m, k) is written by exactly one thread of
-//                 exactly one threadgroup (its run's leader, or its own slot for a NaN row)
+//   threadgroup = (32 * SG, 1, 1): SG SIMD-groups of 32, splitting a slice of N (SUMMATION
+//                 ORDER)
+//   grid        = (32 * SG * ROWS * ceil(M / ROWS), ceil(K * BITS / 32 / 32), n_slices)
+//                 threads: threadgroup_position_in_grid is (ROWS * tile + slot, word chunk,
+//                 slice) (rows on x: CUDA caps grid y and z at 65535 blocks; consecutive
+//                 threadgroups are rows of one chunk, so the tiles of one expert find its
+//                 chunk in cache); slots past M exit; every (slice, m, k) is written by
+//                 exactly one thread of exactly one threadgroup (its run's leader, or its own
+//                 slot for a NaN row)
+//   1 <= n_slices <= max(1, ceil(N / 32)) and <= 65535 (CUDA's grid z): the plan gives
+//   every slice a block (N = 0: one empty slice). An empty slice would still be safe and right: its SIMD-groups walk no
+//   block, reach every barrier and write zero partials.
 //   N any: rows past N are neither loaded nor multiplied (moe_gather_qmm's N is a multiple
 //   of 32; expert_qmv's any). K % GROUP_SIZE == 0 and K % PACK == 0 (a group never
 //   straddles a row end; a chunk past the row end masks its words), UNROLL divides 32.
@@ -91,14 +106,24 @@
 //   threadgroup memory: SG * 32 * (PACK + 1) floats (the partials; PACK + 1: an odd lane
 //   stride, no bank conflicts on the stores and at most 2-way on the reads).
 //
-// TRAFFIC per threadgroup (run, chunk c), valid id: the chunk's words of each of expert
-//   e's N rows once (32 words or fewer per row), the chunk's groups of each row once (scales,
-//   and biases in affine mode), the g row of each run row once (N values); dx written once
-//   (32 PACK values or fewer per run row). Per run over its chunks: the expert's
-//   N * K * BITS / 8 code bytes and N * K / GROUP_SIZE scales (and biases) exactly once
-//   (ROWS = 1: once per row); g read once per chunk (cache hits after the first). Each
-//   thread reads its slot's id and, for a valid id, the tile's <= ROWS ids (cache hits).
-//   Invalid id: only the ids, then NaN written.
+// TRAFFIC per threadgroup (run, chunk c, slice z), valid id: the chunk's words of each of
+//   expert e's rows in slice z once (32 words or fewer per row), the chunk's groups of each
+//   of those rows once (scales, and biases in affine mode), the slice's part of the g row of
+//   each run row once; its partial written once (32 PACK values or fewer per run row). Per
+//   run over its chunks and slices: the expert's N * K * BITS / 8 code bytes and
+//   N * K / GROUP_SIZE scales (and biases) exactly once (ROWS = 1: once per row); g read
+//   once per chunk (cache hits after the first); n_slices M K partials written (and read
+//   once by the sum after, for n_slices > 1). Each thread reads its slot's id and, for a
+//   valid id, the tile's <= ROWS ids (cache hits), in every slice. Invalid id: only the
+//   ids, then NaN written in every slice.
+//
+// LAUNCH PLAN (ops/moe_gather_qmm.py's dx_slices): n_slices is the fewest slices whose
+//   working threadgroups (M, each row its own run at worst, times the chunks, times
+//   n_slices) reach DX_SLICE_TARGET_TGS[backend], capped so that each slice keeps
+//   DX_MIN_SLICE_BLOCKS blocks; a decode-sized grid on a large GPU otherwise leaves most
+//   cores idle while each SIMD-group walks N / 32 / SG blocks in turn. cuda only: Metal and
+//   the emulator take one slice (no Apple-side measurement argues for more, and one slice
+//   writes dx directly, with no sum after).
 //
 // ONLY CHECKED ON A MAC: that Apple's compiler accepts this body (auto pointers into device
 //   and constant inputs, simd_shuffle of uint and float with a ushort lane, a kernel-scope
@@ -147,15 +172,24 @@ const uint word0 = threadgroup_position_in_grid.y * 32;
 const uint k0 = word0 * PACK;
 const uint vals = metal::min(CHUNK_VALS, K - k0);  // the chunk's k values inside K
 
+// This threadgroup's slice of N: the 32-row blocks [block_begin, block_end) (SUMMATION
+// ORDER); its partial's row m at dx + (slice M + m) K.
+const uint slice = threadgroup_position_in_grid.z;
+const uint n_blocks = (N + 31) / 32;
+const uint slice_blocks = n_blocks / n_slices;
+const uint longer_slices = n_blocks % n_slices;
+const uint block_begin = slice * slice_blocks + metal::min(slice, longer_slices);
+const uint block_end = block_begin + slice_blocks + (slice < longer_slices ? 1u : 0u);
+
 const uint rows_here = metal::min(ROWS, M - row0);
 if (slot >= rows_here) {
   return;  // past M (uniform over the threadgroup)
 }
 const uint e = uint(indices[row0 + slot]);
 if (e >= n_experts) {
-  // Out-of-range id (uniform over the threadgroup): NaN for this row, nothing of the
-  // expert read.
-  device float* dx_nan = dx + size_t(row0 + slot) * K + k0;
+  // Out-of-range id (uniform over the threadgroup): NaN for this row in every slice's
+  // partial, nothing of the expert read.
+  device float* dx_nan = dx + (size_t(slice) * M + row0 + slot) * K + k0;
   for (uint o = tid; o < vals; o += THREADS) {
     dx_nan[o] = metal::numeric_limits<float>::quiet_NaN();
   }
@@ -189,7 +223,8 @@ for (uint r = 0; r < ROWS; ++r) {
     acc[r][i] = 0.0f;
   }
 }
-for (uint n0 = sg * 32; n0 < N; n0 += SG * 32) {  // this SIMD-group's 32-row blocks
+// This SIMD-group's blocks block_begin + sg, + SG, ... < block_end (first rows n0).
+for (uint n0 = (block_begin + sg) * 32; n0 < block_end * 32; n0 += SG * 32) {
   float g_block[ROWS];  // g[row0 + r, n0 + lane] of the run's rows
   for (uint r = 0; r < ROWS; ++r) {
     const bool in_run = ((run >> r) & 1u) != 0u;
@@ -284,7 +319,7 @@ for (uint r = 0; r < ROWS; ++r) {
     partials[(sg * 32 + lane) * LD + i] = acc[r][i];
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  device float* dx_chunk = dx + size_t(row0 + r) * K + k0;
+  device float* dx_chunk = dx + (size_t(slice) * M + row0 + r) * K + k0;
   for (uint o = tid; o < vals; o += THREADS) {
     const uint at = (o / PACK) * LD + o % PACK;  // lane o / PACK, value o % PACK
     float v = partials[at];

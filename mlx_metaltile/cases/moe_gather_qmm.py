@@ -186,9 +186,10 @@ def run_and_check_dx(g, w, scales, biases, indices, group_size, bits, mode, dtyp
 
         stats = emulator.last_launch_stats()
         assert stats.kernel.startswith(f"mt_{DX_SPEC.name}"), stats.kernel
-        assert stats.bytes_written["dx"] == M * K * 4, (
+        partials = op_module.dx_slices(M, g.shape[1], K, bits, backend) * M * K
+        assert stats.bytes_written["dx"] == partials * 4, (
             f"{what}: {stats.bytes_written['dx']} bytes written to dx, expected each of the "
-            f"{M * K} float32 elements once")
+            f"{partials} float32 elements (every slice's partial of each) once")
     return dx
 
 
@@ -252,6 +253,24 @@ def gemv_plan(backend: str, rows_per_expert: float | None):
         yield
     finally:
         op_module.GEMV_ROWS_PER_EXPERT = saved
+        clear_plans()
+
+
+@contextlib.contextmanager
+def dx_slicing(min_blocks: int | None):
+    """The dx kernel's split of N forced on every kernel backend inside the block: as many
+    slices as leave each DX_MIN_SLICE_BLOCKS = ``min_blocks`` 32-row blocks (a target of
+    2^30 working threadgroups; 1 block: one block per slice); None: the plan as it is. The
+    plans rebuilt on entry and exit."""
+    saved = op_module.DX_SLICE_TARGET_TGS, op_module.DX_MIN_SLICE_BLOCKS
+    if min_blocks is not None:
+        op_module.DX_SLICE_TARGET_TGS = dict.fromkeys(("emulator", "metal", "cuda"), 2**30)
+        op_module.DX_MIN_SLICE_BLOCKS = min_blocks
+    clear_plans()
+    try:
+        yield
+    finally:
+        op_module.DX_SLICE_TARGET_TGS, op_module.DX_MIN_SLICE_BLOCKS = saved
         clear_plans()
 
 

@@ -37,7 +37,14 @@ from ._grad import (
     sum_to_shape,
     x_vjp_function,
 )
-from .moe_gather_qmm import DX_PARAMS, dx_bindings, dx_launcher, gemv_bindings
+from .moe_gather_qmm import (
+    DX_INPUTS,
+    DX_OUTPUTS,
+    DX_PARAMS,
+    dx_bindings,
+    dx_launcher,
+    gemv_bindings,
+)
 
 OP = "expert_qmv"
 __all__ = ["expert_qmv", "expert_qmv_reference"]
@@ -77,9 +84,7 @@ def _with_f32(bindings):
 (DX_SPEC,) = register(
     KernelSpec(
         op=OP, variant="dx", template="moe_gather_qmm_dx.metal",
-        inputs=(Arg("g", "T", 2), *QUANTIZED_INPUTS[1:],
-                *scalars("n_rows", "n_experts", "n_cols", "k_dim")),
-        outputs=(Arg("dx", "float32", 2),), params=DX_PARAMS,
+        inputs=DX_INPUTS, outputs=DX_OUTPUTS, params=DX_PARAMS,
         bindings=_with_f32(dx_bindings(False)),
         geometry="as moe_gather_qmm_dx (rows = the tokens * k pairs; N any)",
         notes="x-VJP per pair dx = g @ W[id] (float32 weights), summed over the k experts "

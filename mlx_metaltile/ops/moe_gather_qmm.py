@@ -88,6 +88,12 @@ DX_SIMDGROUPS = 8
 DX_UNROLL = 8
 DX_ROWS = 4
 DX_SORT_MIN_ROWS = 64
+# Splitting N across threadgroups (grid z, one float32 partial per slice, summed after): per
+# backend, about how many working threadgroups to aim for (absent: one slice), and the
+# fewest 32-row blocks of N a slice takes. cuda: a small grid (decode) leaves most of the
+# GPU's 132 SMs idle while each SIMD-group walks its blocks serially; 528 = 4 per SM.
+DX_SLICE_TARGET_TGS = {"cuda": 528}
+DX_MIN_SLICE_BLOCKS = 8
 
 
 def dx_bindings(rounded: bool):
@@ -102,17 +108,21 @@ def dx_bindings(rounded: bool):
 
 # S: the scales' and biases' type (T, or 16-bit with a float32 g: expert_qmv's f32_dx)
 DX_PARAMS = (*QUANTIZED_PARAMS, "S", "SIMDGROUPS", "UNROLL", "ROWS", "ROUND")
+# The dx template's signature (this op's and expert_qmv's x-VJP): dx holds one [M, K]
+# partial per slice of N.
+DX_INPUTS = (Arg("g", "T", 2), *QUANTIZED_INPUTS[1:],
+             *scalars("n_rows", "n_experts", "n_cols", "k_dim", "n_slices"))
+DX_OUTPUTS = (Arg("dx", "float32", 3),)
 
 
 (DX_SPEC,) = register(KernelSpec(
     op=OP, variant="dx", template="moe_gather_qmm_dx.metal",
-    inputs=(Arg("g", "T", 2), *QUANTIZED_INPUTS[1:],
-            *scalars("n_rows", "n_experts", "n_cols", "k_dim")),
-    outputs=(Arg("dx", "float32", 2),), params=DX_PARAMS, bindings=dx_bindings(True),
-    geometry="threadgroup (32*SG,1,1) = SG simdgroups splitting N; grid (32*SG*R*ceil(M/R), "
-             "ceil(K*BITS/32/32), 1): (row slot of an R-row tile, 32-word chunk of K); one "
-             "run of equal ids per threadgroup, other slots exit; SG = DX_SIMDGROUPS, "
-             "R = DX_ROWS",
+    inputs=DX_INPUTS, outputs=DX_OUTPUTS, params=DX_PARAMS, bindings=dx_bindings(True),
+    geometry="threadgroup (32*SG,1,1) = SG simdgroups splitting a slice of N; grid "
+             "(32*SG*R*ceil(M/R), ceil(K*BITS/32/32), S): (row slot of an R-row tile, "
+             "32-word chunk of K, slice of N's 32-row blocks); one run of equal ids per "
+             "threadgroup, other slots exit; the S partials [S, M, K] summed after; "
+             "SG = DX_SIMDGROUPS, R = DX_ROWS, S = dx_slices (DX_SLICE_TARGET_TGS)",
     notes="x-VJP dx = g @ W[ids] (weights rounded to T as the forward's), float32 out; "
           "affine, mxfp4, nvfp4, mxfp8",
 ))
@@ -391,6 +401,30 @@ def _rows_launch(prepared) -> Callable:
     return launch
 
 
+def dx_slices(M: int, N: int, K: int, bits: int, backend: str) -> int:
+    """How many slices of N's 32-row blocks the dx kernel of M rows splits N into on
+    ``backend``: the fewest whose working threadgroups (M, each row its own run at worst,
+    times K's 32-word chunks, times the slices) reach DX_SLICE_TARGET_TGS[backend], but
+    no more than leaves each slice DX_MIN_SLICE_BLOCKS blocks (nor than CUDA's grid z
+    allows); 1 for a backend not listed."""
+    targets, min_blocks = DX_SLICE_TARGET_TGS, DX_MIN_SLICE_BLOCKS
+    if not (isinstance(targets, dict) and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 1
+            for t in targets.values())
+            and isinstance(min_blocks, int) and not isinstance(min_blocks, bool)
+            and min_blocks >= 1):
+        raise ValueError(f"[{OP}] DX_SLICE_TARGET_TGS must be a dict of backend -> int >= 1 "
+                         f"and DX_MIN_SLICE_BLOCKS an int >= 1, got {targets!r} and "
+                         f"{min_blocks!r}")
+    target = targets.get(backend)
+    if target is None:
+        return 1
+    chunks = -(-(K * bits // 32) // 32)
+    working = max(1, M * chunks)
+    n_blocks = -(-N // 32)
+    return max(1, min(-(-target // working), n_blocks // min_blocks, 65535))
+
+
 def dx_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, mode: str,
                 dtype: mx.Dtype, backend: str, spec: KernelSpec = DX_SPEC,
                 rounded: bool = True, scale_dtype: mx.Dtype | None = None) -> Callable:
@@ -398,8 +432,9 @@ def dx_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, mode
     ``scale_dtype``: the affine scales' dtype where it is not ``dtype``) of
     M rows on ``backend``, prepared once: returns
     ``launch(g, w, scales, biases, indices, sorted_indices)`` -> dx [M, K] float32 (NaN
-    rows for out-of-range ids); with DX_ROWS > 1 and M >= DX_SORT_MIN_ROWS the rows are
-    sorted by expert around the kernel unless ``sorted_indices``."""
+    rows for out-of-range ids): the kernel's partials over ``dx_slices`` slices of N,
+    summed; with DX_ROWS > 1 and M >= DX_SORT_MIN_ROWS the rows are sorted by expert
+    around the kernel unless ``sorted_indices``."""
     sg, unroll, rows, sort_min = DX_SIMDGROUPS, DX_UNROLL, DX_ROWS, DX_SORT_MIN_ROWS
     if not (isinstance(sg, int) and 1 <= sg <= 32 and isinstance(unroll, int)
             and unroll >= 1 and 32 % unroll == 0 and isinstance(rows, int)
@@ -409,28 +444,34 @@ def dx_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, mode
                          f"{unroll!r} and {rows!r}")
     pack = 32 // bits
     chunks = -(-(K // pack) // 32)  # 32-word chunks of a weight row
+    n_slices = dx_slices(M, N, K, bits, backend)  # each slice >= 1 block of N (N > 0)
     prepared = backends.prepare(
         spec, backend,
         inputs={"g": None, "w": None, "scales": None, "biases": None, "indices": None,
-                **_dims(M, E, N, K)},
+                **_dims(M, E, N, K), "n_slices": scalar(n_slices, mx.uint32)},
         template={"T": dtype, "BITS": bits, "GROUP_SIZE": group_size,
                   "MODE": MODE_IDS[mode],
                   "S": scale_dtype or (dtype if mode == "affine" else mx.uint8),
                   "SIMDGROUPS": sg, "UNROLL": unroll,
                   "ROWS": rows, "ROUND": rounded},
-        outputs={"dx": ((M, K), mx.float32)},
-        grid=(32 * sg * rows * -(-M // rows), chunks, 1), threadgroup=(32 * sg, 1, 1),
-        threadgroup_memory=sg * 32 * (pack + 1) * 4,
+        outputs={"dx": ((n_slices, M, K), mx.float32)},
+        grid=(32 * sg * rows * -(-M // rows), chunks, n_slices),
+        threadgroup=(32 * sg, 1, 1), threadgroup_memory=sg * 32 * (pack + 1) * 4,
     )
+
+    def dx_of(g, w, scales, biases, indices):
+        (partials,) = prepared(g, w, scales, biases, indices)
+        if n_slices == 1:
+            return partials.reshape(M, K)
+        return mx.sum(partials, axis=0)  # MLX's reduction: a fixed order, no atomics
 
     def launch(g, w, scales, biases, indices, sorted_indices):
         if biases is None:  # fp modes: the kernel never reads its biases input
             biases = scales
         if sorted_indices or rows == 1 or M < max(2, sort_min):
-            (dx,) = prepared(g, w, scales, biases, indices)
-            return dx
+            return dx_of(g, w, scales, biases, indices)
         order = mx.argsort(indices)  # the rows of one expert adjacent: one run per tile
-        (dx,) = prepared(g[order], w, scales, biases, indices[order])
+        dx = dx_of(g[order], w, scales, biases, indices[order])
         return dx[mx.argsort(order)]
 
     return launch

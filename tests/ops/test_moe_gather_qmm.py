@@ -535,6 +535,7 @@ def test_negative_control_sums_rounded_to_t(kernel_backend, broken_kernel, dtype
 
 from mlx_metaltile.cases.moe_gather_qmm import (  # noqa: E402
     dx_oracle,
+    dx_slicing,
     make_fp_weights,
     make_weights,
     run_and_check_dx,
@@ -598,19 +599,24 @@ def test_dx_matches_oracle(dx_sort_from_32, backend, poisoned_outputs, rng, dtyp
                          what=f" {what}")
 
 
+@pytest.mark.parametrize("min_blocks", (None, 1), ids=("plan", "one_block_per_slice"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_dx_gather_qmm_form(backend, poisoned_outputs, rng, dtype):
+def test_dx_gather_qmm_form(backend, poisoned_outputs, rng, dtype, min_blocks):
     """mx.gather_qmm's form: x [1, 3, K] broadcast against indices [4]: the kernel's rows
-    summed over the broadcast axis (float32, then x's dtype)."""
+    summed over the broadcast axis (float32, then x's dtype); N split in 2 slices too."""
+    if backend == "reference" and min_blocks is not None:
+        pytest.skip("the reference backend has no slices")
     E, N, K, gs, bits = 5, 64, 128, 64, 4
     g, w, scales, biases = dx_inputs(rng, E, 12, N, K, "affine", bits, gs, dtype)
     g = g.reshape(4, 3, N)
     ids = np.array([4, 0, 4, 2], dtype=np.uint32)
     x = mx.zeros((1, 3, K), dtype=dtype)
     before = backends.launch_count(op_module.DX_SPEC.name, backend)
-    _, (dx,) = mx.vjp(lambda x: mt.moe_gather_qmm(x, w, scales, biases, mx.array(ids),
-                                                  group_size=gs, bits=bits), [x], [g])
-    mx.eval(dx)
+    with dx_slicing(min_blocks):
+        assert op_module.dx_slices(12, N, K, bits, backend) == (1 if min_blocks is None else 2)
+        _, (dx,) = mx.vjp(lambda x: mt.moe_gather_qmm(x, w, scales, biases, mx.array(ids),
+                                                      group_size=gs, bits=bits), [x], [g])
+        mx.eval(dx)
     if backend != "reference":
         assert backends.launch_count(op_module.DX_SPEC.name, backend) == before + 1
     rows, mag = dx_oracle(g.reshape(12, N), w, scales, biases, np.repeat(ids, 3), gs, bits,
@@ -648,13 +654,17 @@ def test_dx_weights_rounded_to_t(kernel_backend, poisoned_outputs, dtype):
         assert (to_f64(dx)[0] == 0).all()
 
 
-@pytest.mark.parametrize("rows, sort_min", [(1, 2), (4, 2), (4, 64)],
-                         ids=("one_row", "sorted_tiles", "tiles_as_given"))
-def test_dx_reads_each_expert_once(monkeypatch, rng, rows, sort_min):
+@pytest.mark.parametrize("rows, sort_min, min_blocks",
+                         [(1, 2, None), (4, 2, None), (4, 64, None), (1, 2, 1), (4, 2, 1),
+                          (4, 64, 1)],
+                         ids=("one_row", "sorted_tiles", "tiles_as_given", "one_row_sliced",
+                              "sorted_tiles_sliced", "tiles_as_given_sliced"))
+def test_dx_reads_each_expert_once(monkeypatch, rng, rows, sort_min, min_blocks):
     """Emulator counters: each run (the rows of one expert in a tile of DX_ROWS rows, after
     the sort by expert from DX_SORT_MIN_ROWS rows) reads its expert's words, scales and
-    biases exactly once, each of its rows its g row once per 32-word chunk of K; an invalid row reads none of them;
-    every dx element is written once."""
+    biases exactly once, each of its rows its g row once per 32-word chunk of K, in all
+    (N split in slices: each slice its own rows of W and columns of g); an invalid row
+    reads none of them; every element of every slice's partial is written once."""
     require_backend("emulator")
     from mlx_metaltile import emulator
     from mlx_metaltile.ops._common import clear_plans
@@ -666,9 +676,11 @@ def test_dx_reads_each_expert_once(monkeypatch, rng, rows, sort_min):
     ids = [1, 1, 7, 0, 3, 3, 3, 5, 2, 1]
     g, w, scales, biases = dx_inputs(rng, E, len(ids), N, K, "affine", bits, gs, dtype)
     indices = mx.array(ids, dtype=mx.uint32)
-    with backends.use_backend("emulator"):
+    with backends.use_backend("emulator"), dx_slicing(min_blocks):
+        slices = op_module.dx_slices(len(ids), N, K, bits, "emulator")
         run_and_check_dx(g, w, scales, biases, indices, gs, bits, "affine", dtype, "emulator")
     clear_plans()
+    assert slices == (1 if min_blocks is None else N // 32)
     stats = emulator.last_launch_stats()
     assert stats.kernel.startswith(f"mt_{op_module.DX_SPEC.name}")
     in_order = sorted(ids) if rows > 1 and len(ids) >= sort_min else ids  # as launched
@@ -683,20 +695,22 @@ def test_dx_reads_each_expert_once(monkeypatch, rng, rows, sort_min):
     # ids: each thread its slot's, and a valid slot's the tile's (the run)
     per_thread = sum(1 + (len(tile) if e < E else 0) for tile in tiles for e in tile)
     threads = 32 * op_module.DX_SIMDGROUPS
-    assert stats.bytes_read["indices"] == per_thread * chunks * threads * 4
-    assert stats.bytes_written["dx"] == len(ids) * K * 4
-    assert stats.threadgroups == len(tiles) * rows * chunks
+    assert stats.bytes_read["indices"] == per_thread * chunks * slices * threads * 4
+    assert stats.bytes_written["dx"] == slices * len(ids) * K * 4
+    assert stats.threadgroups == len(tiles) * rows * chunks * slices
 
 
+@pytest.mark.parametrize("min_blocks", (None, 2), ids=("plan", "sliced"))
 @pytest.mark.parametrize("seed", (1, 2))
-def test_dx_strict_shuffled_bitwise(rng, seed):
+def test_dx_strict_shuffled_bitwise(rng, seed, min_blocks):
     """Strict mode (no read of threadgroup memory before it is written), threads and
-    threadgroups in a permuted order: the fixed summation order gives the same bits."""
+    threadgroups in a permuted order: the fixed summation order gives the same bits (N's
+    9 blocks in one slice, or in 4 slices of 3, 2, 2, 2 blocks)."""
     require_backend("emulator")
     E, N, K, gs, bits, dtype = 3, 288, 256, 64, 8, mx.float16
     ids = mx.array([2, 0, 2, 1, 0, 1, 1], dtype=mx.uint32)
     g, w, scales, biases = dx_inputs(rng, E, 7, N, K, "affine", bits, gs, dtype)
-    with backends.use_backend("emulator"):
+    with backends.use_backend("emulator"), dx_slicing(min_blocks):
         plain = run_and_check_dx(g, w, scales, biases, ids, gs, bits, "affine", dtype,
                                  "emulator")
         with strict_emulator(seed):
@@ -706,10 +720,12 @@ def test_dx_strict_shuffled_bitwise(rng, seed):
 
 
 def test_dx_geometry_constants(monkeypatch, rng):
-    """DX_SIMDGROUPS / DX_UNROLL / DX_ROWS are read once per plan: other values (after
-    clear_plans) launch that geometry and give the same bits (each row's sums keep their
-    order: here each SIMD-group holds one 32-row block, and a row's products are added in
-    the same order whichever tile or run it falls in)."""
+    """DX_SIMDGROUPS / DX_UNROLL / DX_ROWS / DX_SLICE_TARGET_TGS / DX_MIN_SLICE_BLOCKS are
+    read once per plan: other values (after clear_plans) launch that geometry and give the
+    same bits (each row's sums keep their order: here each SIMD-group holds one 32-row
+    block, so the SG partials are p0 + p1 + 0 ... whether the two blocks share a slice or
+    not, and a row's products are added in the same order whichever tile or run it falls
+    in); values out of range are refused."""
     require_backend("emulator")
     from mlx_metaltile.ops._common import clear_plans
 
@@ -718,13 +734,18 @@ def test_dx_geometry_constants(monkeypatch, rng):
     g, w, scales, biases = dx_inputs(rng, E, 7, N, K, "affine", bits, gs, dtype)
     results = []
     with backends.use_backend("emulator"):
-        for sg, unroll, rows, sort_min in ((8, 8, 4, 64), (2, 1, 1, 2), (2, 32, 2, 2),
-                                           (4, 4, 32, 2), (2, 8, 4, 64)):
+        for sg, unroll, rows, sort_min, slices in (
+                (8, 8, 4, 64, 1), (2, 1, 1, 2, 1), (2, 32, 2, 2, 1), (4, 4, 32, 2, 1),
+                (2, 8, 4, 64, 1), (8, 8, 4, 64, 2), (2, 1, 1, 2, 2), (4, 4, 32, 2, 2)):
             monkeypatch.setattr(op_module, "DX_SIMDGROUPS", sg)
             monkeypatch.setattr(op_module, "DX_UNROLL", unroll)
             monkeypatch.setattr(op_module, "DX_ROWS", rows)
             monkeypatch.setattr(op_module, "DX_SORT_MIN_ROWS", sort_min)
+            # 7 rows x 1 chunk: `slices` working threadgroups per (row, chunk)
+            monkeypatch.setattr(op_module, "DX_SLICE_TARGET_TGS", {"emulator": slices * 7})
+            monkeypatch.setattr(op_module, "DX_MIN_SLICE_BLOCKS", 1)
             clear_plans()
+            assert op_module.dx_slices(7, N, K, bits, "emulator") == slices
             results.append(to_f64(run_and_check_dx(g, w, scales, biases, ids, gs, bits,
                                                    "affine", dtype, "emulator")))
         monkeypatch.setattr(op_module, "DX_UNROLL", 3)
@@ -732,6 +753,16 @@ def test_dx_geometry_constants(monkeypatch, rng):
         with pytest.raises(ValueError, match=r"^\[moe_gather_qmm\] DX_SIMDGROUPS"):
             run_and_check_dx(g, w, scales, biases, ids, gs, bits, "affine", dtype,
                              "emulator")
+        monkeypatch.setattr(op_module, "DX_UNROLL", 8)
+        for targets, min_blocks in (({"emulator": 0}, 1), ({"emulator": 8}, 0),
+                                    ({"emulator": 8.0}, 1), ([("emulator", 8)], 1),
+                                    ({"emulator": True}, 1)):
+            monkeypatch.setattr(op_module, "DX_SLICE_TARGET_TGS", targets)
+            monkeypatch.setattr(op_module, "DX_MIN_SLICE_BLOCKS", min_blocks)
+            clear_plans()
+            with pytest.raises(ValueError, match=r"^\[moe_gather_qmm\] DX_SLICE_TARGET_TGS"):
+                run_and_check_dx(g, w, scales, biases, ids, gs, bits, "affine", dtype,
+                                 "emulator")
     clear_plans()
     assert all(np.array_equal(results[0], r, equal_nan=True) for r in results[1:])
 
@@ -807,6 +838,151 @@ def test_dx_instantiations_cover_the_launches(launch_recorder, rng):
     names = [name for name, *_ in launch_recorder.seen]
     assert names.count(op_module.DX_SPEC.name) == 3 * len(QUANTS) * 2
     launch_recorder.assert_declared()
+
+
+# ---- the dx kernel's N split in slices (grid z, partials summed after) --------------------
+
+# The fewest 32-row blocks per slice forced on the kernel backends (a huge target): one
+# block per slice, or 2 or more (N's blocks shared unevenly: 9 blocks in 4 slices of 3, 2, 2,
+# 2; 7 in 3 of 3, 2, 2).
+DX_SLICINGS = {"one_block_per_slice": 1, "two_blocks_or_more": 2}
+SLICED_QUANTS = [("affine", 4, 64), ("affine", 8, 32), ("mxfp4", 4, 32)]
+
+
+@pytest.fixture(params=list(DX_SLICINGS))
+def dx_sliced(request):
+    """N split in slices on every kernel backend inside the test: the fewest blocks a slice
+    takes."""
+    with dx_slicing(DX_SLICINGS[request.param]):
+        yield DX_SLICINGS[request.param]
+
+
+@pytest.mark.parametrize("quant", SLICED_QUANTS, ids=[f"{m}-b{b}-gs{gs}" for m, b, gs in
+                                                      SLICED_QUANTS])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_dx_sliced_matches_oracle(dx_sort_from_32, dx_sliced, kernel_backend,
+                                  poisoned_outputs, rng, dtype, quant):
+    """dx_shapes (M = 1, 5, 33; out-of-range and negative ids; M = 33 sorted by expert) and
+    ragged M = 7 with duplicated unsorted ids in tiles of DX_ROWS (runs), N split in slices;
+    the partials' NaN poison proves each slice wrote its own place."""
+    mode, bits, gs = quant
+    ids7 = [2, 0, 2, 2, 5, 1, 1]
+    shapes = dx_shapes(gs) + [("M7 runs", 4, 7, 32 * 7, max(64, gs), ids7, mx.int32)]
+    for what, E, M, N, K, ids, index_dtype in shapes:
+        slices = op_module.dx_slices(M, N, K, bits, kernel_backend)
+        assert slices == max(1, N // 32 // dx_sliced)
+        g, w, scales, biases = dx_inputs(rng, E, M, N, K, mode, bits, gs, dtype)
+        indices = mx.array(np.array(ids, dtype=np.int64), dtype=index_dtype)
+        run_and_check_dx(g, w, scales, biases, indices, gs, bits, mode, dtype,
+                         kernel_backend, what=f" {what}, {slices} slices")
+
+
+# The kernel's block loop and output as they were before slices (one walk over all of N).
+DX_UNSPLIT = (
+    ("for (uint n0 = (block_begin + sg) * 32; n0 < block_end * 32; n0 += SG * 32) {",
+     "for (uint n0 = sg * 32; n0 < N; n0 += SG * 32) {"),
+    ("dx + (size_t(slice) * M + row0 + slot) * K + k0", "dx + size_t(row0 + slot) * K + k0"),
+    ("dx + (size_t(slice) * M + row0 + r) * K + k0", "dx + size_t(row0 + r) * K + k0"),
+)
+
+
+def test_dx_one_slice_is_the_unsplit_kernel(kernel_backend, rng):
+    """One slice (the plan off cuda) gives the bits of the kernel without slices: the same
+    blocks per SIMD-group in the same order (19 blocks: 2 or 3 per SIMD-group)."""
+    E, N, K, gs, bits, dtype = 3, 32 * 19, 256, 64, 4, mx.bfloat16
+    ids = mx.array([2, 0, 7, 2, 1, 1], dtype=mx.uint32)
+    g, w, scales, biases = dx_inputs(rng, E, 6, N, K, "affine", bits, gs, dtype)
+    with dx_slicing(None):
+        op_module.DX_SLICE_TARGET_TGS = {}  # one slice on every backend (restored on exit)
+        assert op_module.dx_slices(6, N, K, bits, kernel_backend) == 1
+        split = run_and_check_dx(g, w, scales, biases, ids, gs, bits, "affine", dtype,
+                                 kernel_backend)
+        with backends.template_override(op_module.DX_SPEC, *DX_UNSPLIT):
+            unsplit = run_and_check_dx(g, w, scales, biases, ids, gs, bits, "affine", dtype,
+                                       kernel_backend)
+    assert np.array_equal(to_f64(split), to_f64(unsplit), equal_nan=True)
+
+
+def test_dx_sliced_is_reproducible(kernel_backend, rng):
+    """A sliced dx (19 blocks in 9 slices of 3, 2, ... blocks), run twice: the same bits."""
+    E, N, K, gs, bits, dtype = 3, 32 * 19, 256, 64, 4, mx.float16
+    ids = mx.array([2, 0, 7, 2, 1, 1], dtype=mx.uint32)
+    g, w, scales, biases = dx_inputs(rng, E, 6, N, K, "affine", bits, gs, dtype)
+    with dx_slicing(2):
+        assert op_module.dx_slices(6, N, K, bits, kernel_backend) == 9
+        first, second = (to_f64(run_and_check_dx(g, w, scales, biases, ids, gs, bits,
+                                                 "affine", dtype, kernel_backend))
+                         for _ in range(2))
+    assert np.array_equal(first, second, equal_nan=True)
+
+
+@pytest.mark.parametrize("seed", (None, 3))
+def test_dx_empty_slices_are_safe(monkeypatch, rng, seed):
+    """More slices than N's blocks (the plan never makes one: 2 blocks, 5 slices): the empty
+    slices walk no block, reach every barrier and write zero partials, so dx is still right
+    (strict mode, threads shuffled or not)."""
+    require_backend("emulator")
+    E, N, K, gs, bits, dtype = 3, 64, 128, 64, 4, mx.float32
+    ids = mx.array([2, 5, 0, 2], dtype=mx.int32)
+    g, w, scales, biases = dx_inputs(rng, E, 4, N, K, "affine", bits, gs, dtype)
+    with dx_slicing(None), backends.use_backend("emulator"), strict_emulator(seed):
+        monkeypatch.setattr(op_module, "dx_slices", lambda *shape: 5)
+        run_and_check_dx(g, w, scales, biases, ids, gs, bits, "affine", dtype, "emulator")
+
+
+# A broken split of N must fail the harness (the random case: 9 blocks in 4 slices).
+DX_SLICE_BREAKAGES = {
+    "slices_share_slice_0s_place": (
+        "dx + (size_t(slice) * M + row0 + r) * K + k0", "dx + size_t(row0 + r) * K + k0"),
+    "every_slice_walks_all_blocks": (
+        "n0 = (block_begin + sg) * 32; n0 < block_end * 32;", "n0 = sg * 32; n0 < N;"),
+    "longer_slices_lose_their_extra_block": (
+        "block_begin + slice_blocks + (slice < longer_slices ? 1u : 0u);",
+        "block_begin + slice_blocks;"),
+}
+
+
+@pytest.mark.parametrize("breakage", list(DX_SLICE_BREAKAGES))
+def test_dx_slice_negative_control(broken_kernel, rng, breakage):
+    require_backend("emulator")
+    from mlx_metaltile import emulator
+
+    broken_kernel(op_module.DX_SPEC, DX_SLICE_BREAKAGES[breakage])
+    E, N, K, gs, bits, dtype = 4, 32 * 9, 320, 32, 4, mx.float32
+    ids = mx.array([0, 3, 1, 3, 9], dtype=mx.uint32)
+    g, w, scales, biases = dx_inputs(rng, E, 5, N, K, "affine", bits, gs, dtype)
+    with backends.use_backend("emulator"), dx_slicing(2), \
+            pytest.raises((AssertionError, emulator.KernelHazard)) as caught:
+        assert op_module.dx_slices(5, N, K, bits, "emulator") == 4
+        run_and_check_dx(g, w, scales, biases, ids, gs, bits, "affine", dtype, "emulator")
+    assert "out of tolerance" in str(caught.value) or "NaN row" in str(caught.value) or \
+        isinstance(caught.value, emulator.KernelHazard), caught.value
+
+
+def test_dx_slice_plan():
+    """cuda splits N at the decode shapes that leave its SMs idle (Qwen3-30B-A3B's down
+    projection: 8 pairs, N 2048, K 768, 4-bit; gpt-oss-20b: 16 pairs, N = K = 2880,
+    mxfp4), each slice DX_MIN_SLICE_BLOCKS blocks or more; Metal, the emulator and the
+    reference take one slice; so does a grid already at the target (prefill). Never more
+    slices than CUDA's grid z takes."""
+    slices = op_module.dx_slices
+    min_blocks = op_module.DX_MIN_SLICE_BLOCKS
+    for M, N, K in ((8, 2048, 768), (16, 2880, 2880)):
+        assert slices(M, N, K, 4, "cuda") > 1
+        assert all(slices(M, N, K, 4, b) == 1 for b in ("metal", "emulator", "reference"))
+    assert slices(4096, 2048, 768, 4, "cuda") == 1
+    target = op_module.DX_SLICE_TARGET_TGS["cuda"]
+    for M in (1, 2, 8, 33, 512):
+        for N in (1, 31, 32, 33, 96, 2048, 2880, 10**5):
+            for K, bits in ((64, 4), (768, 4), (2880, 8)):
+                n = slices(M, N, K, bits, "cuda")
+                blocks = -(-N // 32)
+                working = M * -(-(K * bits // 32) // 32)
+                assert n >= 1 and (n == 1 or n * min_blocks <= blocks), (M, N, K, n)
+                assert (n - 1) * working < target, (M, N, K, n)  # the fewest that reach it
+                assert n * working >= target or (n + 1) * min_blocks > blocks, (M, N, K, n)
+    with dx_slicing(1):
+        assert slices(1, 2**31 - 1, 64, 4, "cuda") == 65535
 
 
 # ---- the GEMV plan (few rows per expert: expert_qmv.metal with ROUND) ---------------------
