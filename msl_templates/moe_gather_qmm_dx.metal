@@ -50,7 +50,12 @@
 //
 // RANGE / ROUNDING: each weight is rounded to T once, from the float32 fma (the forward's
 //   own value, bit for bit); g is T, widened exactly; each product and sum is one float32
-//   fma. No intermediate is rounded to T or scaled, so the range is float32's.
+//   fma. No intermediate is rounded to T, so the range is float32's. fp modes with ROUND
+//   false (float32 weights: expert_qmv's and fp4_qmm's x-VJPs) scale each weight by 2^-3
+//   and the written partial by 2^3 (FP_DOWN / FP_UP), exact steps: a weight of an E8M0
+//   scale up to 2^127 stays finite (6 * 2^127 would not), as in fp4_qmm's forward kernels;
+//   the bits equal the unscaled sums' except where a term falls below float32's normal
+//   range (scales under 2^-123).
 //
 // TILES: the rows are cut into tiles of ROWS consecutive rows (the wrapper sorts them by
 //   expert first when ROWS > 1, unless the caller promised sorted ids, and un-permutes dx).
@@ -153,6 +158,12 @@ constexpr int SCALE_FORMAT = MODE == 3 ? 1 : MODE;  // mt_fp4_scale's: mxfp8 sca
 // Affine biases of a float S do not fit beside their scales in one shuffled uint.
 constexpr bool BIAS_APART = MODE == 0 && sizeof(S) == 4;
 constexpr uint MASK = (1u << BITS) - 1u;
+// fp modes with float32 weights (ROUND false): each scale times FP_DOWN (2^-3, exact) so that
+// code * scale stays finite for E8M0 scales up to 2^127 (6 * 2^127 overflows float32); the
+// partials are multiplied by FP_UP = 8 when written. Power-of-two steps: the same bits as
+// the unscaled sums wherever those are finite and normal (RANGE / ROUNDING).
+constexpr float FP_DOWN = (MODE != 0 && !ROUND) ? 0.125f : 1.0f;
+constexpr float FP_UP = (MODE != 0 && !ROUND) ? 8.0f : 1.0f;
 static_assert(32 % UNROLL == 0, "UNROLL divides a 32-row block");
 static_assert(ROWS >= 1 && ROWS <= 32, "a tile's run is a 32-bit mask");
 
@@ -275,7 +286,7 @@ for (uint n0 = (block_begin + sg) * 32; n0 < block_end * 32; n0 += SG * 32) {
           b = mt_group_bias<S>(gb);
         }
       } else {
-        s = mt_fp4_scale<SCALE_FORMAT>(gb);  // the E8M0 / E4M3 scale code
+        s = mt_fp4_scale<SCALE_FORMAT>(gb) * FP_DOWN;  // the E8M0 / E4M3 scale code
       }
       float wv[PACK];  // the lane's PACK weights of row n, each rounded to T
       const uint word = words[u];
@@ -326,7 +337,7 @@ for (uint r = 0; r < ROWS; ++r) {
     for (uint s = 1; s < SG; ++s) {
       v += partials[s * 32 * LD + at];
     }
-    dx_chunk[o] = v;
+    dx_chunk[o] = v * FP_UP;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);  // partials free for the next row
 }

@@ -131,6 +131,24 @@ def run_and_check(x, w, scales, kind, group_size, backend, variant=None, expect=
     return out
 
 
+def run_and_check_dx(x, w, scales, g, kind, group_size, backend):
+    """The VJP of fp4_qmm w.r.t. x with cotangent ``g``: proves the dx kernel ran once on a
+    kernel backend for MLX's modes (uint8 scales; float scales: the composite), compares
+    with the float64 gradient. Returns dx."""
+    dtype = x.dtype
+    name = "fp4_qmm_dx"
+    kernel = backend != "reference" and scales.dtype == mx.uint8
+    before = backends.launch_count(name, backend)
+    _, (dx,) = mx.vjp(lambda x: mt.fp4_qmm(x, w, scales, group_size=group_size), [x], [g])
+    mx.eval(dx)
+    assert backends.launch_count(name, backend) == before + int(kernel), name
+    assert dx.dtype == dtype and dx.shape == x.shape
+    ((want, mag),) = grad_oracle(x, w, scales, g, kind, group_size)
+    assert_close(dx, want, dtype, magnitude=mag,
+                 what=f"fp4_qmm[{backend}] dx {kind}/{group_size}")
+    return dx
+
+
 # One checked call per registered kernel variant (tests/test_registry.py runs them for
 # every registered variant on each kernel backend where it can run, so a variant added to
 # the registry fails there until it has one here).
@@ -158,7 +176,15 @@ def _wfirst_call(backend, rng):
         clear_plans()
 
 
+def _dx_call(backend, rng):
+    """The x-VJP kernel (dx = g @ W) at M = 5, mxfp4, against the float64 gradient."""
+    x, w, scales = make_case(rng, 5, 64, 128, mx.bfloat16)
+    g = make_x(rng, (5,), 64, mx.bfloat16)
+    run_and_check_dx(x, w, scales, g, "e8m0", 32, backend)
+
+
 VARIANT_CALLS = {
+    "dx": _dx_call,
     "qmv": functools.partial(_variant_call, "qmv"),
     "qmv_wfirst": _wfirst_call,
     "simdgroup": functools.partial(_variant_call, "simdgroup"),

@@ -27,6 +27,7 @@ from .._registry import Arg, KernelSpec, register, scalars
 from ._common import (
     DEFAULTS,
     FLOAT_TYPES,
+    MODE_IDS,
     as_int,
     check_mode,
     check_mode_arrays,
@@ -43,6 +44,8 @@ from ._common import (
     scalar,
 )
 from ._grad import shapeless_tracing, x_vjp_function
+from .moe_gather_qmm import DX_PARAMS, dx_bindings, dx_launcher
+from .moe_gather_qmm import DX_SPEC as _GATHER_DX_SPEC
 
 OP = "fp4_qmm"
 __all__ = ["fp4_dequantize_reference", "fp4_qmm", "fp4_qmm_reference"]
@@ -155,6 +158,26 @@ QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC = register(
     ),
 )
 VARIANT_SPECS = {spec.variant: spec for spec in (QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC)}
+# The x-VJP dx = g @ W for MLX's modes (uint8 E8M0 / E4M3 scales): moe_gather_qmm's dx
+# kernel with one expert, every row's id 0, and the float32 weights (ROUND false: the
+# forward's products use them unrounded). Float scales keep the composite.
+_DX_MODES = {SCALE_E8M0: "mxfp4", SCALE_E4M3: "nvfp4"}
+
+
+def _dx_bindings():
+    fp_modes = {MODE_IDS[mode] for mode in _DX_MODES.values()}
+    return (b for b in dx_bindings(False)() if b["MODE"] in fp_modes)
+
+
+(DX_SPEC,) = register(
+    KernelSpec(
+        op=OP, variant="dx", template="moe_gather_qmm_dx.metal",
+        inputs=_GATHER_DX_SPEC.inputs, outputs=_GATHER_DX_SPEC.outputs, params=DX_PARAMS,
+        bindings=_dx_bindings,
+        geometry="as moe_gather_qmm_dx with E = 1 (rows = M, every id 0)",
+        notes="x-VJP dx = g @ W (float32 weights), mxfp4 / nvfp4 scales",
+    ),
+)
 
 
 # ---- checks ---------------------------------------------------------------------------
@@ -465,8 +488,10 @@ def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | Non
 
     Returns: ``[..., N]`` in x's dtype. N and K must be multiples of 32.
 
-    Differentiable with respect to x (``g @ W`` on the decoded weights, float32); asking for
-    the gradient of w or scales raises.
+    Differentiable with respect to x (``g @ W`` on the decoded weights, float32: on a kernel
+    backend with uint8 scales one launch of the ``fp4_qmm_dx`` kernel, moe_gather_qmm's dx
+    template with one expert; float scales and the reference backend: the composite);
+    asking for the gradient of w or scales raises.
 
     Reference backend: ``mx.compile(shapeless=True)`` (any leading dims of x) and
     ``mx.vmap`` over x work (mapping w or scales raises on every backend). On metal / cuda
@@ -487,7 +512,7 @@ def _plan(x, w, scales, group_size, mode, variant, backend: str, stream) -> Call
     out_shape = (*x.shape[:-1], n)
     spec = _choose(backend, m, variant)
     on_stream(OP, stream)  # refuses what is not a stream
-    dtype = x.dtype
+    dtype, x_shape = x.dtype, tuple(x.shape)
     launch = None if spec is None or m == 0 else _launcher(
         spec, m, n, k, scale_mode, group_size, dtype, scales.dtype, backend)
 
@@ -502,8 +527,17 @@ def _plan(x, w, scales, group_size, mode, variant, backend: str, stream) -> Call
             return launch(x, w, scales)
         return launch(x.reshape(m, k), w, scales).reshape(out_shape)
 
+    dx_launch = None
+    if spec is not None and m > 0 and scale_mode in _DX_MODES:
+        dx_launch = dx_launcher(m, n, k, 1, group_size, 4, _DX_MODES[scale_mode], dtype,
+                                backend, DX_SPEC, rounded=False)
+        expert_ids = mx.array(np.zeros(m, np.uint32))  # every row's expert: the one w
+
     def x_vjp(g, w, scales):  # run at backward time: the stream again
         # dx = g @ W: the transposed product on the forward's decoded weights, float32.
+        if dx_launch is not None:
+            dx = dx_launch(g.reshape(m, n), w[None], scales[None], None, expert_ids, True)
+            return dx.reshape(x_shape).astype(dtype)
         wdq = _dequantize(w, scales, group_size, scale_mode, WEIGHT_FACTOR)
         dx = mx.matmul(g.astype(mx.float32), wdq) * (1.0 / WEIGHT_FACTOR)
         return dx.astype(dtype)

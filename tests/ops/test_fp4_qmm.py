@@ -20,6 +20,7 @@ from mlx_metaltile.cases.fp4_qmm import (
     make_x,
     oracle,
     run_and_check,
+    run_and_check_dx,
 )
 from mlx_metaltile.ops._common import clear_plans, variant_reason
 
@@ -1055,3 +1056,49 @@ def test_negative_control_weights_staged_in_t(kernel_backend, broken_kernel, mon
     monkeypatch.setattr(op_module, "SPLITK_TARGET_TGS", 1)
     with pytest.raises(AssertionError):
         check_staging(name, kernel_backend)
+
+
+# ---- the x-VJP (dx = g @ W) -------------------------------------------------------------
+
+@pytest.mark.parametrize("lead", ((1,), (5,), (33,), (2, 3)), ids=("M1", "M5", "M33", "2x3"))
+@pytest.mark.parametrize("kind, group_size", SCALE_KINDS[:3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_dx_matches_oracle(any_backend, poisoned_outputs, rng, dtype, kind, group_size, lead):
+    """MLX's modes run the dx kernel (one expert, every id 0; float32 weights), float scales
+    the composite; both against the float64 gradient, leading dimensions kept."""
+    x = make_x(rng, lead, 128, dtype)
+    w, s = make_w(rng, 96, 128), make_scales(rng, 96, 128, kind, group_size)
+    g = make_x(rng, lead, 96, dtype)
+    run_and_check_dx(x, w, s, g, kind, group_size, any_backend)
+
+
+@pytest.mark.parametrize("dtype", (mx.float32, mx.bfloat16), ids=dtype_id)
+def test_dx_scales_over_ninety_binades(kernel_backend, poisoned_outputs, rng, dtype):
+    x, w = make_x(rng, (3,), 128, dtype), make_w(rng, 64, 128)
+    s = make_scales(rng, 64, 128, "e8m0", 32, spread=60)
+    run_and_check_dx(x, w, s, make_x(rng, (3,), 64, dtype), "e8m0", 32, kernel_backend)
+
+
+def test_dx_negative_control(kernel_backend, broken_kernel, rng):
+    """The dx kernel without its E2M1 scale must fail the gradient check."""
+    old = "wv[i] = mt_dx_weight<T, ROUND>(s * v.x);"
+    broken_kernel(op_module.DX_SPEC, (old, "wv[i] = mt_dx_weight<T, ROUND>(v.x);"))
+    x, w, s = make_case(rng, 2, 64, 128, mx.float32)
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check_dx(x, w, s, make_x(rng, (2,), 64, mx.float32), "e8m0", 32,
+                         kernel_backend)
+
+
+def test_dx_instantiations_match_the_launches(launch_recorder, rng):
+    """The dx kernel's declared instantiations cover its launches (every dtype, both
+    uint8 scale formats, M below and above the 8 ids passed as constants)."""
+    for dtype in DTYPES:
+        for kind, gs in SCALE_KINDS[:2]:
+            x, w, s = make_case(rng, 9, 64, 128, dtype, kind, gs)
+            for m in (1, 9):
+                g = make_x(rng, (m,), 64, dtype)
+                mx.vjp(lambda x, w=w, s=s, gs=gs: mt.fp4_qmm(x, w, s, group_size=gs),
+                       [x[:m]], [g])
+    names = {name for name, *_ in launch_recorder.seen}
+    assert "fp4_qmm_dx" in names
+    launch_recorder.assert_declared()
