@@ -1,9 +1,10 @@
 // sdpa_multi_backward_dq_split.metal: the key-split backward's second kernel (the VJP where
-// the plan splits the keys: ops/sdpa_multi.py, backward_plan). A tile of up to 32 query
-// rows merges its rows' slice statistics (sdpa_multi_backward_stats.metal), then walks one
-// slice of the visible keys once, forming dS and a float32 partial dq; the wrapper sums the
-// partials over the slices. The threadgroups of slice 0 write the rows' statistics (for
-// sdpa_multi_backward_dkv.metal) and dsinks terms, as sdpa_multi_backward_dq.metal does.
+// the plan splits the keys: ops/sdpa_multi.py, backward_plan). A tile of up to 4 * n_sg
+// query rows merges its rows' slice statistics (sdpa_multi_backward_stats.metal), then
+// walks one slice of the visible keys once, forming dS and a float32 partial dq; the
+// wrapper sums the partials over the slices. The threadgroups of slice 0 write the rows'
+// statistics (for sdpa_multi_backward_dkv.metal) and dsinks terms, as
+// sdpa_multi_backward_dq.metal does.
 //
 // MATH (per query row r, float32, base-2 exponentials; scores, masks, visibility, sinks and
 //   the rows that see nothing exactly as sdpa_multi_backward_dq.metal, see its MATH):
@@ -24,21 +25,25 @@
 //   plus chunk and n_splits (as the stats kernel). Template: T, D, KB, MASK_KIND.
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes): as
-//   sdpa_multi_backward_stats.metal, with the same chunk and n_splits: threadgroup =
-//   (256, 1, 1) (8 simdgroups of RS = 4 rows); grid = (256, ceil(G*L / 32),
-//   B * Hkv * n_splits), threadgroup_position_in_grid = (0, tile, (b*Hkv + kvh) * n_splits
-//   + s). threadgroup memory: kv_tile KB * (D + 4 / sizeof(T)) elements of T and p_tile
-//   32 x 32 floats. Every thread reaches every barrier (uniform loop bounds).
+//   sdpa_multi_backward_stats.metal, with the same chunk, n_splits and n_sg: threadgroup =
+//   (32 * n_sg, 1, 1) (n_sg = 1, 2, 4 or 8 simdgroups of RS = 4 rows, from
+//   threads_per_threadgroup); grid = (32 * n_sg, ceil(G*L / (4 * n_sg)), B * Hkv *
+//   n_splits), threadgroup_position_in_grid = (0, tile, (b*Hkv + kvh) * n_splits + s).
+//   threadgroup memory, declared for n_sg = 8: kv_tile KB * (D + 4 / sizeof(T)) elements
+//   of T and p_tile 32 x 32 floats (simdgroup sg uses rows 4 sg .. 4 sg + 3). Every
+//   thread reaches every barrier (uniform loop bounds).
 //
-// TRAFFIC per call: each visible K and V row is read once per row tile; q and dO once per
-//   slice; stats_part once per slice (n_splits * 3 floats per row); dq_part written once;
-//   stats and dsink_part once. Per (row, key): two simd_sum dot products.
+// TRAFFIC per call: each visible K and V row is read once per row tile (ceil(G*L / (4 *
+//   n_sg)) per KV head); q and dO once per slice; stats_part once per slice (n_splits * 3
+//   floats per row); dq_part written once; stats and dsink_part once. Per (row, key): two
+//   simd_sum dot products.
 //
 // REDUCTION ORDER: the merge: lane i takes the slices i, i + 32, .. in increasing order,
 //   then simd_max / simd_sum, the same in every threadgroup of the row, so all slices see
-//   the same (m_f, l_f, Dr) bits. Keys in increasing order within the slice; scores as the
-//   other backward kernels (the same expression, the same bits: a recomputed probability
-//   never exceeds 1).
+//   the same (m_f, l_f, Dr) bits. Keys in increasing order within the slice, whatever n_sg
+//   (keys a tile walks past a row's last weigh 0: a row's results do not depend on n_sg);
+//   scores as the other backward kernels (the same expression, the same bits: a
+//   recomputed probability never exceeds 1).
 //
 // Metal and the emulator keep the one-kernel form by default (BWD_SPLIT_BACKENDS): no
 //   measurement on a Mac argues for the split there. Checked only on a Mac: that Apple's
@@ -79,14 +84,17 @@ const float unit = score_unit.y;
 const uint key0 = mask_block != 0u ? kvn - L : 0u;
 const float mask_unit = 1.4426950408889634f / unit;
 
-const uint tile_row0 = tile_idx * 32u;
+// a tile of n_sg simdgroups (DISPATCH INVARIANTS)
+const uint n_sg = n_threads / 32u;
+const uint tile_rows = uint(RS) * n_sg;
+const uint tile_row0 = tile_idx * tile_rows;
 const uint row0 = tile_row0 + sg * uint(RS);
 const uint nr = row0 < n_rows ? min(uint(RS), n_rows - row0) : 0u;
 threadgroup float* p_rows = p_tile + sg * uint(RS) * 32u;
 
 uint k_end = kvn;
 if (is_causal) {  // the last key any row of the tile sees
-  const uint last_row = min(tile_row0 + 32u, n_rows) - 1u;
+  const uint last_row = min(tile_row0 + tile_rows, n_rows) - 1u;
   const uint span = last_row - tile_row0 + 1u;
   const uint l_first = tile_row0 % L;
   const uint l_last = last_row % L;

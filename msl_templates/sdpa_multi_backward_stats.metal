@@ -1,7 +1,7 @@
 // sdpa_multi_backward_stats.metal: the key-split backward's first kernel (sdpa_multi's VJP
-// where the plan splits the keys: ops/sdpa_multi.py, backward_plan). A tile of up to 32
-// query rows walks one slice of the visible keys once and writes, per row, the slice's
-// softmax statistics and its share of Dr = dO . O, as partials that
+// where the plan splits the keys: ops/sdpa_multi.py, backward_plan). A tile of up to
+// 4 * n_sg query rows walks one slice of the visible keys once and writes, per row, the
+// slice's softmax statistics and its share of Dr = dO . O, as partials that
 // sdpa_multi_backward_dq_split.metal merges. Nothing [L, S] is stored, and no O vector:
 // Dr needs only the partials' dot products.
 //
@@ -21,23 +21,27 @@
 //   multiple of KB) and n_splits. Template: T, D, KB, MASK_KIND (as the dq kernel).
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
-//   threadgroup = (256, 1, 1): 8 simdgroups of RS = 4 rows (a 32-row tile);
-//   grid = (256, ceil(G*L / 32), B * Hkv * n_splits): threadgroup_position_in_grid =
-//   (0, tile, (b*Hkv + kvh) * n_splits + s), n_splits * chunk >= the keys the launch
-//   covers (kv_len, or S with a device-side kv_len). Lane i owns the q / dO columns i + 32c
-//   and key kb + i of each staged block. threadgroup memory: kv_tile KB * (D + 4 /
-//   sizeof(T)) elements of T (<= 16.5 KiB). A slice past the tile's last visible key (or
-//   past kv_len) writes (-inf, 0, 0). Every thread reaches every barrier (uniform loop
-//   bounds).
+//   threadgroup = (32 * n_sg, 1, 1), n_sg = 1, 2, 4 or 8 simdgroups of RS = 4 rows (a
+//   tile of 4 * n_sg rows; n_sg is read from threads_per_threadgroup, not a template
+//   parameter); grid = (32 * n_sg, ceil(G*L / (4 * n_sg)), B * Hkv * n_splits),
+//   threadgroup_position_in_grid = (0, tile, (b*Hkv + kvh) * n_splits + s), n_splits *
+//   chunk >= the keys the launch covers (kv_len, or S with a device-side kv_len). Lane i
+//   owns the q / dO columns i + 32c and key kb + i of each staged block. threadgroup
+//   memory: kv_tile KB * (D + 4 / sizeof(T)) elements of T (<= 16.5 KiB, whatever n_sg).
+//   A slice past the tile's last visible key (or past kv_len) writes (-inf, 0, 0). Every
+//   thread reaches every barrier (uniform loop bounds).
 //
-// TRAFFIC per call: each visible K and V row is read once per row tile (causal tiles stop
-//   at their last visible key); q and dO once per slice; stats_part written once. Per
-//   (row, key): two simd_sum dot products (the score and dP).
+// TRAFFIC per call: each visible K and V row is read once per row tile (ceil(G*L / (4 *
+//   n_sg)) tiles per KV head; causal tiles stop at their last visible key); q and dO once
+//   per slice; stats_part written once. Per (row, key): two simd_sum dot products (the
+//   score and dP).
 //
-// REDUCTION ORDER: keys in increasing order within the slice. A score is the per-lane sum
-//   over c of (a * q[i + 32c]) * k[i + 32c], then simd_sum: the expression of the dq and
-//   dk/dv kernels, so every kernel sees the same bits and a probability recomputed from
-//   (m, l) never exceeds 1 (sdpa_multi_backward_dq.metal, REDUCTION ORDER).
+// REDUCTION ORDER: keys in increasing order within the slice, whatever n_sg (a row's
+//   results do not depend on n_sg: keys a tile walks past a row's last weigh 0). A score
+//   is the per-lane sum over c of (a * q[i + 32c]) * k[i + 32c], then simd_sum: the
+//   expression of the dq and dk/dv kernels, so every kernel sees the same bits and a
+//   probability recomputed from (m, l) never exceeds 1 (sdpa_multi_backward_dq.metal,
+//   REDUCTION ORDER).
 //
 // Metal and the emulator keep the one-kernel form by default (BWD_SPLIT_BACKENDS): no
 //   measurement on a Mac argues for the split there. Checked only on a Mac: that Apple's
@@ -75,13 +79,16 @@ const float unit = score_unit.y;
 const uint key0 = mask_block != 0u ? kvn - L : 0u;
 const float mask_unit = 1.4426950408889634f / unit;
 
-const uint tile_row0 = tile_idx * 32u;
+// a tile of n_sg simdgroups (DISPATCH INVARIANTS)
+const uint n_sg = n_threads / 32u;
+const uint tile_rows = uint(RS) * n_sg;
+const uint tile_row0 = tile_idx * tile_rows;
 const uint row0 = tile_row0 + sg * uint(RS);
 const uint nr = row0 < n_rows ? min(uint(RS), n_rows - row0) : 0u;
 
 uint k_end = kvn;
 if (is_causal) {  // the last key any row of the tile sees
-  const uint last_row = min(tile_row0 + 32u, n_rows) - 1u;
+  const uint last_row = min(tile_row0 + tile_rows, n_rows) - 1u;
   const uint span = last_row - tile_row0 + 1u;
   const uint l_first = tile_row0 % L;
   const uint l_last = last_row % L;

@@ -393,21 +393,29 @@ VARIANT_CALLS["backward_dq"] = VARIANT_CALLS["backward_dkv"] = _backward_call
 
 
 @contextlib.contextmanager
-def backward_split(chunk: int, backend: str | None = None):
+def backward_split(chunk: int, backend: str | None = None, n_sg: int | None = None):
     """Inside: the VJP on ``backend`` (every kernel backend when None) takes the key-split
     dq side (the statistics and split dq kernels) with slices of ``chunk`` keys (rounded up
-    to whole key blocks), whatever the slice count (BWD_SPLIT_FORCED)."""
+    to whole key blocks), whatever the slice count (BWD_SPLIT_FORCED); ``n_sg`` (1, 2, 4 or
+    8) forces the split threadgroups' simdgroups on every backend (BWD_SPLIT_SIMDGROUPS),
+    else the plan picks them from G*L."""
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"[{OP}] the forced slice length must be a positive int, got "
                          f"{chunk!r}")
-    saved = dict(_ops.BWD_SPLIT_FORCED)
+    if n_sg is not None and n_sg not in _ops.SPLIT_SIMDGROUPS:
+        raise ValueError(f"[{OP}] the forced n_sg must be one of {_ops.SPLIT_SIMDGROUPS}, "
+                         f"got {n_sg!r}")
+    saved = dict(_ops.BWD_SPLIT_FORCED), _ops.BWD_SPLIT_SIMDGROUPS
     names = backends.KERNEL_BACKENDS if backend is None else (backend,)
     _ops.BWD_SPLIT_FORCED.update(dict.fromkeys(names, chunk))
+    if n_sg is not None:
+        _ops.BWD_SPLIT_SIMDGROUPS = n_sg
     try:
         yield
     finally:
         _ops.BWD_SPLIT_FORCED.clear()
-        _ops.BWD_SPLIT_FORCED.update(saved)
+        _ops.BWD_SPLIT_FORCED.update(saved[0])
+        _ops.BWD_SPLIT_SIMDGROUPS = saved[1]
 
 
 def _backward_split_call(backend, rng):

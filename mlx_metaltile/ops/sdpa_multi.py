@@ -686,9 +686,10 @@ BWD_STATS_SPEC, BWD_DQ_SPLIT_SPEC = register(
         op=OP, variant="backward_stats", template="sdpa_multi_backward_stats.metal",
         inputs=_BWD_SPLIT_INPUTS, outputs=(Arg("stats_part", "float32", 4),),
         params=("T", "D", "KB", "MASK_KIND"), bindings=_bwd_bindings(True),
-        geometry="the key-split VJP, pass 1a: 32 query rows of one KV head x one slice of "
-                 "chunk keys per TG (8 simdgroups x 4 rows); grid (256, ceil(G*L/32), "
-                 "B*Hkv*n_splits); each TG reads its slice's visible K/V once",
+        geometry="the key-split VJP, pass 1a: 4*n_sg query rows of one KV head x one slice "
+                 "of chunk keys per TG (n_sg = 1, 2, 4 or 8 simdgroups x 4 rows, a runtime "
+                 "choice); grid (32*n_sg, ceil(G*L/(4*n_sg)), B*Hkv*n_splits); each TG reads "
+                 "its slice's visible K/V once",
         notes="template T, D, KB, MASK_KIND; writes each row's (m, l, sum P dO.v) per slice",
     ),
     KernelSpec(
@@ -698,9 +699,9 @@ BWD_STATS_SPEC, BWD_DQ_SPLIT_SPEC = register(
         outputs=(Arg("dq_part", "float32", 4), Arg("stats", "float32", 2),
                  Arg("dsink_part", "float32", 1)),
         params=("T", "D", "KB", "MASK_KIND"), bindings=_bwd_bindings(True),
-        geometry="the key-split VJP, pass 1b: as backward_stats (grid (256, ceil(G*L/32), "
-                 "B*Hkv*n_splits)); each TG merges its rows' slice statistics, then reads "
-                 "its slice's visible K/V once",
+        geometry="the key-split VJP, pass 1b: as backward_stats (TG 32*n_sg threads, grid "
+                 "(32*n_sg, ceil(G*L/(4*n_sg)), B*Hkv*n_splits)); each TG merges its rows' "
+                 "slice statistics, then reads its slice's visible K/V once",
         notes="template T, D, KB, MASK_KIND; writes float32 dq partials per slice (summed "
               "by the wrapper) and, from slice 0, the rows' (m, l, dO.O) and dsinks terms",
     ),
@@ -710,39 +711,72 @@ BACKWARD_SPECS = (BWD_DQ_SPEC, BWD_DKV_SPEC, BWD_STATS_SPEC, BWD_DQ_SPLIT_SPEC)
 # each slice's partial dq), so that a decode-shaped VJP (few row tiles per KV head) fills
 # the GPU. Chosen per backend: BWD_SPLIT_BACKENDS split where the plan finds more than one
 # slice (Metal and the emulator keep the one-kernel form: no measurement on a Mac argues for
-# the split there). Slices for about BWD_SPLIT_TGS_PER_CORE threadgroups per GPU core, each
-# at least BWD_SPLIT_MIN_KEYS keys (a multiple of KEY_BLOCK), at most BWD_SPLIT_MAX_SPLITS.
-# BWD_SPLIT_FORCED (backend -> slice length; tests) takes the split form whatever the
-# slice count. Tuning constants: they change speed and the last bits of dq, never results
-# beyond the tolerance table.
+# the split there). A split threadgroup holds n_sg simdgroups of 4 rows: the fewest (a power
+# of two, at most BWD_SPLIT_MAX_SIMDGROUPS) that hold the G*L rows, so a decode step's rows
+# do not leave simdgroups idle; BWD_SPLIT_SIMDGROUPS forces n_sg. Slices for about
+# BWD_SPLIT_WARPS_PER_CORE warps (threadgroups x n_sg) per GPU core, each at least
+# BWD_SPLIT_MIN_KEYS keys (a multiple of KEY_BLOCK), at most BWD_SPLIT_MAX_SPLITS, and
+# B * Hkv * n_splits within the grid's z limit (CUDA's 65535). BWD_SPLIT_FORCED (backend ->
+# slice length; tests) takes the split form whatever the slice count. Tuning constants: they
+# change speed and the last bits of dq (n_sg changes none), never results beyond the
+# tolerance table.
 BWD_SPLIT_BACKENDS = ("cuda",)
-BWD_SPLIT_TGS_PER_CORE = 4
-BWD_SPLIT_MIN_KEYS = 256
-BWD_SPLIT_MAX_SPLITS = 64
+BWD_SPLIT_WARPS_PER_CORE = 32
+BWD_SPLIT_MIN_KEYS = 64
+BWD_SPLIT_MAX_SPLITS = 256
+BWD_SPLIT_MAX_SIMDGROUPS = 8
+BWD_SPLIT_SIMDGROUPS: int | None = None
 BWD_SPLIT_FORCED: dict[str, int] = {}
+GRID_Z_MAX = 65535
+SPLIT_SIMDGROUPS = (1, 2, 4, 8)  # the split kernels' tiles: 4 to 32 rows (p_tile's size)
+
+
+def _bwd_split_simdgroups(rows: int) -> int:
+    """n_sg of the split kernels' threadgroups for G*L = ``rows``."""
+    if BWD_SPLIT_SIMDGROUPS is not None:
+        if BWD_SPLIT_SIMDGROUPS not in SPLIT_SIMDGROUPS:
+            raise ValueError(f"[{OP}] BWD_SPLIT_SIMDGROUPS must be one of {SPLIT_SIMDGROUPS}, "
+                             f"got {BWD_SPLIT_SIMDGROUPS!r}")
+        return BWD_SPLIT_SIMDGROUPS
+    if BWD_SPLIT_MAX_SIMDGROUPS not in SPLIT_SIMDGROUPS:
+        raise ValueError(f"[{OP}] BWD_SPLIT_MAX_SIMDGROUPS must be one of {SPLIT_SIMDGROUPS}, "
+                         f"got {BWD_SPLIT_MAX_SIMDGROUPS!r}")
+    n_sg = 1
+    while n_sg < BWD_SPLIT_MAX_SIMDGROUPS and 4 * n_sg < rows:
+        n_sg *= 2
+    return n_sg
 
 
 def backward_plan(backend: str, B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int,
                   dtype: mx.Dtype, cores: int | None = None) -> dict:
     """The dq side of the VJP on ``backend``: {"split": the two split kernels (else the one
-    dq kernel), "n_splits", "chunk" (keys per slice), "n_tiles" (32-row tiles per KV head),
-    "kb" (the kernels' staged key block)}. ``kv_len``: the keys the launch covers (S with a
+    dq kernel), "n_splits", "chunk" (keys per slice), "n_sg" (simdgroups per threadgroup:
+    8 for the one dq kernel), "n_tiles" (row tiles of 4 * n_sg rows per KV head), "kb" (the
+    kernels' staged key block)}. ``kv_len``: the keys the launch covers (S with a
     device-side kv_len: slices past it see no key)."""
-    n_tiles = -(-(Hq // Hkv) * L // BWD_ROW_TILE)
+    rows = (Hq // Hkv) * L
+    n_sg = _bwd_split_simdgroups(rows)
+    n_tiles = -(-rows // (4 * n_sg))
     forced = BWD_SPLIT_FORCED.get(backend)
     if forced is not None:
         chunk = forced
     elif backend in BWD_SPLIT_BACKENDS:
         cores = cores or _device.gpu_cores() or _device.DEFAULT_GPU_CORES
-        want = min(max(1, cores * BWD_SPLIT_TGS_PER_CORE // (B * Hkv * n_tiles)),
-                   BWD_SPLIT_MAX_SPLITS)
+        want = min(max(1, cores * BWD_SPLIT_WARPS_PER_CORE // (B * Hkv * n_tiles * n_sg)),
+                   BWD_SPLIT_MAX_SPLITS, max(1, GRID_Z_MAX // (B * Hkv)))
         chunk = max(BWD_SPLIT_MIN_KEYS, -(-kv_len // want))
     else:
         chunk = kv_len
     chunk = -(-chunk // KEY_BLOCK) * KEY_BLOCK  # whole key blocks (KB divides KEY_BLOCK)
     n_splits = -(-kv_len // chunk)
-    return {"split": forced is not None or n_splits > 1, "n_splits": n_splits,
-            "chunk": chunk, "n_tiles": n_tiles, "kb": _bwd_key_block(D, dtype)}
+    split = forced is not None or n_splits > 1
+    if not split:  # the one dq kernel: 32-row tiles
+        n_sg, n_tiles = BWD_THREADS // 32, -(-rows // BWD_ROW_TILE)
+    elif B * Hkv * n_splits > GRID_Z_MAX:
+        raise ValueError(f"[{OP}] the key-split VJP's grid needs B * Hkv * n_splits <= "
+                         f"{GRID_Z_MAX}, got {B} * {Hkv} * {n_splits}")
+    return {"split": split, "n_splits": n_splits, "chunk": chunk, "n_sg": n_sg,
+            "n_tiles": n_tiles, "kb": _bwd_key_block(D, dtype)}
 
 
 def _launch_backward(q, k, v, dout, p: _Problem, backend) -> tuple:
@@ -781,19 +815,20 @@ def _launch_backward(q, k, v, dout, p: _Problem, backend) -> tuple:
         n_splits, rows = bp["n_splits"], G * L
         split_inputs = {**common, "chunk": scalar(bp["chunk"], mx.uint32),
                         "n_splits": scalar(n_splits, mx.uint32)}
-        grid = (BWD_THREADS, bp["n_tiles"], B * Hkv * n_splits)
+        tg = 32 * bp["n_sg"]
+        grid = (tg, bp["n_tiles"], B * Hkv * n_splits)
         (stats_part,) = backends.launch(
             BWD_STATS_SPEC, backend, inputs=split_inputs, template=template,
             outputs={"stats_part": ((B * Hkv, n_splits, rows, 3), mx.float32)},
-            grid=grid, threadgroup=(BWD_THREADS, 1, 1), threadgroup_memory=tile_memory,
+            grid=grid, threadgroup=(tg, 1, 1), threadgroup_memory=tile_memory,
         )
         dq_part, stats, dsink_part = backends.launch(
             BWD_DQ_SPLIT_SPEC, backend,
             inputs={**split_inputs, **sink_inputs, "stats_part": stats_part},
             template=template,
             outputs={"dq_part": ((B * Hkv, n_splits, rows, D), mx.float32), **stats_outputs},
-            grid=grid, threadgroup=(BWD_THREADS, 1, 1),
-            threadgroup_memory=tile_memory + 32 * 32 * 4,
+            grid=grid, threadgroup=(tg, 1, 1),
+            threadgroup_memory=tile_memory + 32 * 32 * 4,  # p_tile as declared (n_sg 8)
         )
         # the slices' partials summed in one order (an MLX reduction: no atomics)
         dq = mx.sum(dq_part, axis=1).reshape(q.shape).astype(q.dtype)

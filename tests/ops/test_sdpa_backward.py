@@ -1,8 +1,10 @@
 """sdpa_multi's backward kernels (the VJP on a kernel backend): gradients w.r.t. q, k, v,
 the sinks and an additive mask against float64 gradients written from the math
 (mlx_metaltile.cases.sdpa_multi.grad_oracle), in the backend's planned form and in the
-key-split form forced (slices of SPLIT_CHUNK keys), the emulator's traffic counters,
-determinism, the plan's rule and a negative control per backward kernel."""
+key-split form forced (slices of SPLIT_CHUNK keys; tiles of 1, 2, 4 and 8 simdgroups as
+the plan picks them from G*L), the emulator's traffic counters, determinism, results that do
+not depend on the split tiles' simdgroups, the plan's rule and a negative control per
+backward kernel."""
 
 from __future__ import annotations
 
@@ -52,7 +54,8 @@ def check(backend, rng, B, Hq, Hkv, L, S, D, dtype, kv_len, causal=False, mask=N
 
 
 # (Hq, Hkv, L, kv_len, S): kv_len 1, 31, 32, 33 and ragged tails with slack past kv_len,
-# GQA ratios 1, 4 and 8, row tiles of 1, 3, 8, 16 queries (G*L up to 128: four row tiles).
+# GQA ratios 1, 4 and 8, row tiles of 1, 3, 8, 16 queries (G*L up to 128: four row tiles;
+# split, tiles of 1, 4 and 8 simdgroups).
 SHAPES = [
     (2, 2, 1, 1, 4),
     (4, 1, 1, 31, 40),
@@ -83,12 +86,13 @@ def test_sdpa_vjp_head_dim_256(any_backend, rng, dtype, chunk):
 
 # (Hq, Hkv, L, kv_len, S, chunk) for the split form: causal blocks of L > 32 queries (a row
 # tile ends before the last key: its late slices see nothing), slices of 64 and 96 keys
-# that do not divide kv_len.
+# that do not divide kv_len, G*L = 6 and 12 (tiles of 2 and 4 simdgroups).
 SPLIT_SHAPES = [
     (1, 1, 64, 70, 80, 32),
     (2, 1, 40, 45, 64, 32),
     (4, 2, 48, 130, 140, 64),
     (8, 2, 3, 200, 210, 96),
+    (8, 4, 3, 45, 60, 32),
 ]
 
 
@@ -278,15 +282,18 @@ def test_sdpa_backward_traffic(launches, rng):
         assert dkv.bytes_written[name] == B * Hkv * S * row, name
 
 
-def test_sdpa_backward_split_traffic(launches, rng):
+@pytest.mark.parametrize("n_sg, tiles", [(None, 2), (1, 10)], ids=("plan", "n_sg1"))
+def test_sdpa_backward_split_traffic(launches, rng, n_sg, tiles):
     """The split form's counters (test_sdpa_backward_traffic's problem, slices of 32 keys:
-    three, the last one 6 keys long): the statistics kernel and the split dq kernel each
-    read every K and V row below kv_len once per row tile, nothing at or past kv_len; q and
-    dO once per slice; the one-kernel dq kernel does not run."""
+    three, the last one 6 keys long; G*L = 40 rows in tiles of 32 (the plan's 8 simdgroups)
+    or of 4 (1 simdgroup forced)): the statistics kernel and the split dq kernel each read
+    every K and V row below kv_len once per row tile, nothing at or past kv_len; q and dO
+    once per slice; the one-kernel dq kernel does not run."""
     require_backend("emulator")
     B, Hq, Hkv, L, kv_len, S, D, dtype = 1, 16, 2, 5, 70, 100, 64, mx.bfloat16
     q, k, v = make_inputs(rng, B, Hq, Hkv, L, S, D, dtype)
-    with backends.use_backend("emulator"), backward_split(SPLIT_CHUNK, "emulator"):
+    with backends.use_backend("emulator"), backward_split(SPLIT_CHUNK, "emulator", n_sg):
+        plan = sdpa.backward_plan("emulator", B, Hq, Hkv, L, D, kv_len, dtype)
         run_grad_and_check(q, k, v, scale=0.125, causal=False, kv_len=kv_len,
                            backend="emulator", rng=rng)
     stats = {rec.name: rec.stats for rec in launches}
@@ -294,7 +301,8 @@ def test_sdpa_backward_split_traffic(launches, rng):
     parts = (stats["sdpa_multi_backward_stats"], stats["sdpa_multi_backward_dq_split"])
     row = D * 2
     visible = B * Hkv * kv_len * row
-    tiles, n_splits = 2, 3
+    n_splits = 3
+    assert plan["n_tiles"] == tiles and plan["n_splits"] == n_splits
     q_bytes = B * Hq * L * row
     for kernel in parts:
         for name in ("k", "v"):
@@ -319,24 +327,73 @@ def test_sdpa_backward_deterministic(kernel_backend, rng, chunk):
         assert np.array_equal(np.array(a), np.array(b))
 
 
+@pytest.mark.parametrize("form", ("causal+sinks", "additive+sinks", "device-kv_len"))
+def test_sdpa_backward_split_simdgroups_same_bits(kernel_backend, rng, form):
+    """The split kernels' tiles of 1, 2, 4 and 8 simdgroups (forced; the same slices of 32
+    keys) give the same dq, dk, dv and dsinks bits: a row's statistics and dq partials do
+    not depend on its tile (G*L = 32 rows: 8 tiles of 4 rows down to one of 32)."""
+    B, Hq, Hkv, L, S, D, dtype = 1, 8, 1, 4, 80, 64, mx.float16
+    q, k, v = make_inputs(rng, B, Hq, Hkv, L, S, D, dtype)
+    g = mx.array(rng.standard_normal(q.shape).astype(np.float32)).astype(dtype)
+    sinks = mx.array(rng.uniform(-1, 2, size=(Hq,)).astype(np.float32)).astype(dtype)
+    kw = {"scale": 0.125, "causal": form == "causal+sinks", "kv_len": 70}
+    if form == "additive+sinks":
+        kw["mask"] = _additive(rng, (Hq, L, 70), dtype)
+    if form == "device-kv_len":
+        kw = {"scale": 0.125, "causal": True, "kv_len": mx.array(45, dtype=mx.int32)}
+    fn = lambda q, k, v, s: sdpa.sdpa_multi(q, k, v, sinks=s, **kw)  # noqa: E731
+    runs = []
+    for n_sg in sdpa.SPLIT_SIMDGROUPS:
+        with backward_split(SPLIT_CHUNK, kernel_backend, n_sg):
+            grads = mx.vjp(fn, [q, k, v, sinks], [g])[1]
+            mx.eval(grads)
+        runs.append([np.array(a.astype(mx.float32)) for a in grads])
+    for n_sg, run in zip(sdpa.SPLIT_SIMDGROUPS, runs, strict=True):
+        for name, a, b in zip(("dq", "dk", "dv", "dsinks"), run, runs[-1], strict=True):
+            assert np.array_equal(a, b, equal_nan=True), (n_sg, name)
+
+
+def test_sdpa_backward_split_simdgroups_covered():
+    """The gradient tests' split shapes reach tiles of 1, 2, 4 and 8 simdgroups (the plan's
+    rule: the fewest that hold G*L rows, 4 per simdgroup)."""
+    rows = [Hq // Hkv * L for Hq, Hkv, L, *_ in (*SHAPES, *SPLIT_SHAPES)]
+    picked = {r: sdpa.backward_plan("cuda", 1, r, 1, 1, 64, 4096, mx.float16,
+                                    cores=132)["n_sg"] for r in rows}
+    assert set(picked.values()) == set(sdpa.SPLIT_SIMDGROUPS)
+    for r, n_sg in picked.items():
+        assert 4 * n_sg >= r or n_sg == 8, r
+        assert n_sg == 1 or 2 * n_sg < r, r
+
+
 def test_sdpa_backward_plan():
     """The split is CUDA's (BWD_SPLIT_BACKENDS): a decode step there (B 1, h32/8, L 1, 4096
-    keys, D 128: 8 row tiles in all) gets several slices of whole key blocks; Metal and the
-    emulator keep the one-kernel form; a problem of many row tiles, or few keys, none."""
+    keys, D 128: G*L = 4 rows per KV head) gets threadgroups of one simdgroup and many
+    slices of whole key blocks; G*L = 32 rows get 8 simdgroups; Metal and the emulator keep
+    the one-kernel form; a problem of many row tiles, or few keys, none. The slices keep
+    the grid's z within CUDA's limit."""
     decode = (1, 32, 8, 1, 128, 4096, mx.float16)
     cuda = sdpa.backward_plan("cuda", *decode, cores=132)
-    assert cuda["split"] and cuda["n_splits"] > 1
+    assert cuda["split"] and cuda["n_sg"] == 1 and cuda["n_tiles"] == 1
+    assert cuda["n_splits"] >= 64  # 16 with the 32-row tiles' rule
+    block = sdpa.backward_plan("cuda", 1, 32, 8, 8, 128, 4096, mx.float16, cores=132)
+    assert block["split"] and block["n_sg"] == 8 and block["n_tiles"] == 1
     assert cuda["chunk"] % sdpa.KEY_BLOCK == 0 and cuda["chunk"] >= sdpa.BWD_SPLIT_MIN_KEYS
     assert cuda["n_splits"] * cuda["chunk"] >= 4096 > (cuda["n_splits"] - 1) * cuda["chunk"]
     for backend in ("metal", "emulator"):
         plan = sdpa.backward_plan(backend, *decode)
-        assert not plan["split"] and plan["n_splits"] == 1, backend
-    assert not sdpa.backward_plan("cuda", 1, 32, 8, 1, 128, 200, mx.float16)["split"]
+        assert not plan["split"] and plan["n_splits"] == 1 and plan["n_sg"] == 8, backend
+    assert not sdpa.backward_plan("cuda", 1, 32, 8, 1, 128, sdpa.BWD_SPLIT_MIN_KEYS,
+                                  mx.float16)["split"]
     assert not sdpa.backward_plan("cuda", 64, 32, 8, 32, 128, 4096, mx.float16,
                                   cores=132)["split"]
     with backward_split(100, "emulator"):  # forced: whole key blocks, even one slice
         assert sdpa.backward_plan("emulator", 1, 4, 4, 1, 64, 50, mx.float32) == {
-            "split": True, "n_splits": 1, "chunk": 128, "n_tiles": 1, "kb": 32}
+            "split": True, "n_splits": 1, "chunk": 128, "n_sg": 1, "n_tiles": 1, "kb": 32}
+    wide = sdpa.backward_plan("cuda", 1024, 8, 8, 1, 64, 10 ** 6, mx.float16, cores=10 ** 5)
+    assert wide["split"] and 1024 * 8 * wide["n_splits"] <= sdpa.GRID_Z_MAX
+    with backward_split(32, "cuda"), pytest.raises(ValueError, match=r"\[sdpa_multi\] the "
+                                                   r"key-split VJP's grid needs"):
+        sdpa.backward_plan("cuda", 1, 8, 8, 1, 64, 10 ** 6, mx.float16)
 
 
 @pytest.mark.parametrize("spec, old, new", [
