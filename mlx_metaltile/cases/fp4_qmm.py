@@ -133,11 +133,12 @@ def run_and_check(x, w, scales, kind, group_size, backend, variant=None, expect=
 
 def run_and_check_dx(x, w, scales, g, kind, group_size, backend):
     """The VJP of fp4_qmm w.r.t. x with cotangent ``g``: proves the dx kernel ran once on a
-    kernel backend for MLX's modes (uint8 scales; float scales: the composite), compares
+    kernel backend for MLX's modes and at most DX_MAX_M rows (else the composite), compares
     with the float64 gradient. Returns dx."""
     dtype = x.dtype
     name = "fp4_qmm_dx"
-    kernel = backend != "reference" and scales.dtype == mx.uint8
+    kernel = (backend != "reference" and scales.dtype == mx.uint8
+              and x.size // x.shape[-1] <= fp4_module.DX_MAX_M)
     before = backends.launch_count(name, backend)
     _, (dx,) = mx.vjp(lambda x: mt.fp4_qmm(x, w, scales, group_size=group_size), [x], [g])
     mx.eval(dx)

@@ -389,9 +389,6 @@ def _backward_call(backend, rng):
     run_grad_and_check(q, k, v, scale=0.125, causal=True, kv_len=80, backend=backend, rng=rng)
 
 
-VARIANT_CALLS["backward_dq"] = VARIANT_CALLS["backward_dkv"] = _backward_call
-
-
 @contextlib.contextmanager
 def backward_split(chunk: int, backend: str | None = None, n_sg: int | None = None):
     """Inside: the VJP on ``backend`` (every kernel backend when None) takes the key-split
@@ -416,6 +413,30 @@ def backward_split(chunk: int, backend: str | None = None, n_sg: int | None = No
         _ops.BWD_SPLIT_FORCED.clear()
         _ops.BWD_SPLIT_FORCED.update(saved[0])
         _ops.BWD_SPLIT_SIMDGROUPS = saved[1]
+
+
+@contextlib.contextmanager
+def backward_one_kernel():
+    """Inside: the VJP takes the one-kernel dq side on every backend (no backend splits,
+    nothing forced), as Metal's plan does."""
+    saved = _ops.BWD_SPLIT_BACKENDS, dict(_ops.BWD_SPLIT_FORCED)
+    _ops.BWD_SPLIT_BACKENDS = ()
+    _ops.BWD_SPLIT_FORCED.clear()
+    try:
+        yield
+    finally:
+        _ops.BWD_SPLIT_BACKENDS = saved[0]
+        _ops.BWD_SPLIT_FORCED.update(saved[1])
+
+
+def _backward_one_kernel_call(backend, rng):
+    """The VJP's one-kernel dq side (the dq kernel, then the dk/dv kernel), on every
+    backend (cuda's plan splits this shape)."""
+    with backward_one_kernel():
+        _backward_call(backend, rng)
+
+
+VARIANT_CALLS["backward_dq"] = VARIANT_CALLS["backward_dkv"] = _backward_one_kernel_call
 
 
 def _backward_split_call(backend, rng):

@@ -162,6 +162,10 @@ VARIANT_SPECS = {spec.variant: spec for spec in (QMV_SPEC, SIMDGROUP_SPEC, MPP_S
 # kernel with one expert, every row's id 0, and the float32 weights (ROUND false: the
 # forward's products use them unrounded). Float scales keep the composite.
 _DX_MODES = {SCALE_E8M0: "mxfp4", SCALE_E4M3: "nvfp4"}
+# Up to DX_MAX_M rows of x (decode, as the forward's GEMV: QMV_MAX_M): each run of rows
+# walks all of W, so more rows read it again and again (H100, 512 rows of 4096 x 4096:
+# 1650 us against native's 160); from there on the composite (W decoded once, a matmul).
+DX_MAX_M = QMV_MAX_M
 
 
 def _dx_bindings():
@@ -489,8 +493,9 @@ def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | Non
     Returns: ``[..., N]`` in x's dtype. N and K must be multiples of 32.
 
     Differentiable with respect to x (``g @ W`` on the decoded weights, float32: on a kernel
-    backend with uint8 scales one launch of the ``fp4_qmm_dx`` kernel, moe_gather_qmm's dx
-    template with one expert; float scales and the reference backend: the composite);
+    backend with uint8 scales and at most DX_MAX_M (8) rows one launch of the
+    ``fp4_qmm_dx`` kernel, moe_gather_qmm's dx template with one expert; more rows, float
+    scales and the reference backend: the composite);
     asking for the gradient of w or scales raises.
 
     Reference backend: ``mx.compile(shapeless=True)`` (any leading dims of x) and
@@ -528,7 +533,7 @@ def _plan(x, w, scales, group_size, mode, variant, backend: str, stream) -> Call
         return launch(x.reshape(m, k), w, scales).reshape(out_shape)
 
     dx_launch = None
-    if spec is not None and m > 0 and scale_mode in _DX_MODES:
+    if spec is not None and 0 < m <= DX_MAX_M and scale_mode in _DX_MODES:
         dx_launch = dx_launcher(m, n, k, 1, group_size, 4, _DX_MODES[scale_mode], dtype,
                                 backend, DX_SPEC, rounded=False)
         expert_ids = mx.array(np.zeros(m, np.uint32))  # every row's expert: the one w

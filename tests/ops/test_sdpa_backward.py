@@ -8,7 +8,6 @@ backward kernel."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 
 import mlx.core as mx
@@ -17,7 +16,12 @@ import pytest
 from support import require_backend
 
 from mlx_metaltile import _templates, backends
-from mlx_metaltile.cases.sdpa_multi import backward_split, make_inputs, run_grad_and_check
+from mlx_metaltile.cases.sdpa_multi import (
+    backward_one_kernel,
+    backward_split,
+    make_inputs,
+    run_grad_and_check,
+)
 
 sdpa = importlib.import_module("mlx_metaltile.ops.sdpa_multi")
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -27,18 +31,20 @@ DT_IDS = ("float32", "float16", "bfloat16")
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
 
-# The dq side's forms: the backend's plan, or the key split forced with slices of
-# SPLIT_CHUNK keys (slices that do not divide kv_len, empty ones past kv_len or past a
-# causal tile's last key). The reference backend has no kernels to split.
+# The dq side's forms: the one-kernel form forced on every backend (cuda's plan splits
+# most of these shapes), or the key split forced with slices of SPLIT_CHUNK keys (slices
+# that do not divide kv_len, empty ones past kv_len or past a causal tile's last key). The
+# reference backend has no kernels to split.
 SPLIT_CHUNK = 32
 FORMS = (None, SPLIT_CHUNK)
-FORM_IDS = ("plan", "split")
+FORM_IDS = ("one_kernel", "split")
 
 
 def split_form(backend, chunk):
-    """The context of a test's form: ``backward_split(chunk)`` on a kernel backend."""
+    """The context of a test's form: ``backward_one_kernel()`` (chunk None), or
+    ``backward_split(chunk)`` on a kernel backend."""
     if chunk is None:
-        return contextlib.nullcontext()
+        return backward_one_kernel()
     if backend == "reference":
         pytest.skip("the reference backend has no backward kernels to split")
     return backward_split(chunk, backend)

@@ -452,7 +452,9 @@ def test_common_call_matches_the_general_path(kernel_backend, launches, rng, fie
     mx.eval(general)
     assert len(op_module._COMMON_PLANS) == 1  # the general path: _plan alone
     names = [launch.name.rsplit("_", 1)[-1] for launch in launches]
-    assert names[:n] == names[n:] and {"split", "combine", "dq", "dkv"} <= set(names)
+    # the forward's split and combine kernels, the dq side (cuda's plan: its key split), dk/dv
+    assert names[:n] == names[n:] and {"combine", "dkv"} <= set(names)
+    assert "dq" in names or {"stats", "split"} <= set(names)
     for got, want in zip([common[0], *common[1]], [general[0], *general[1]], strict=True):
         assert mx.array_equal(got, want, equal_nan=True).item()
 
