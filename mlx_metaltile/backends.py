@@ -34,6 +34,9 @@ GPU_BACKENDS = ("metal", "cuda")
 MAX_THREADS_PER_THREADGROUP = 1024
 MAX_THREADGROUP_MEMORY = 32 * 1024
 SIMD_WIDTH = 32
+# Threadgroups along a grid's z axis, at most (CUDA's gridDim.z; Metal allows more): ops that
+# split work over z keep within it.
+MAX_GRID_Z = 65535
 
 _default = "auto"
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar(

@@ -44,8 +44,7 @@ from ._common import (
     scalar,
 )
 from ._grad import shapeless_tracing, x_vjp_function
-from .moe_gather_qmm import DX_PARAMS, dx_bindings, dx_launcher
-from .moe_gather_qmm import DX_SPEC as _GATHER_DX_SPEC
+from .moe_gather_qmm import DX_INPUTS, DX_OUTPUTS, DX_PARAMS, dx_bindings, dx_launcher
 
 OP = "fp4_qmm"
 __all__ = ["fp4_dequantize_reference", "fp4_qmm", "fp4_qmm_reference"]
@@ -176,7 +175,7 @@ def _dx_bindings():
 (DX_SPEC,) = register(
     KernelSpec(
         op=OP, variant="dx", template="moe_gather_qmm_dx.metal",
-        inputs=_GATHER_DX_SPEC.inputs, outputs=_GATHER_DX_SPEC.outputs, params=DX_PARAMS,
+        inputs=DX_INPUTS, outputs=DX_OUTPUTS, params=DX_PARAMS,
         bindings=_dx_bindings,
         geometry="as moe_gather_qmm_dx with E = 1 (rows = M, every id 0)",
         notes="x-VJP dx = g @ W (float32 weights), mxfp4 / nvfp4 scales",

@@ -425,7 +425,8 @@ def dx_slices(M: int, N: int, K: int, bits: int, backend: str) -> int:
     chunks = -(-(K * bits // 32) // 32)
     working = max(1, M * chunks)
     n_blocks = -(-N // 32)
-    return max(1, min(-(-target // working), n_blocks // min_blocks, 65535))
+    return max(1, min(-(-target // working), n_blocks // min_blocks,
+                      backends.MAX_GRID_Z))
 
 
 def dx_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, mode: str,

@@ -730,7 +730,6 @@ BWD_SPLIT_MAX_SPLITS = 256
 BWD_SPLIT_MAX_SIMDGROUPS = 8
 BWD_SPLIT_SIMDGROUPS: int | None = None
 BWD_SPLIT_FORCED: dict[str, int] = {}
-GRID_Z_MAX = 65535
 SPLIT_SIMDGROUPS = (1, 2, 4, 8)  # the split kernels' tiles: 4 to 32 rows (p_tile's size)
 
 
@@ -766,7 +765,7 @@ def backward_plan(backend: str, B: int, Hq: int, Hkv: int, L: int, D: int, kv_le
     elif backend in BWD_SPLIT_BACKENDS:
         cores = cores or _device.gpu_cores() or _device.DEFAULT_GPU_CORES
         want = min(max(1, cores * BWD_SPLIT_WARPS_PER_CORE // (B * Hkv * n_tiles * n_sg)),
-                   BWD_SPLIT_MAX_SPLITS, max(1, GRID_Z_MAX // (B * Hkv)))
+                   BWD_SPLIT_MAX_SPLITS, max(1, backends.MAX_GRID_Z // (B * Hkv)))
         chunk = max(BWD_SPLIT_MIN_KEYS, -(-kv_len // want))
     else:
         chunk = kv_len
@@ -775,9 +774,9 @@ def backward_plan(backend: str, B: int, Hq: int, Hkv: int, L: int, D: int, kv_le
     split = forced is not None or n_splits > 1
     if not split:  # the one dq kernel: 32-row tiles
         n_sg, n_tiles = BWD_THREADS // 32, -(-rows // BWD_ROW_TILE)
-    elif B * Hkv * n_splits > GRID_Z_MAX:
+    elif B * Hkv * n_splits > backends.MAX_GRID_Z:
         raise ValueError(f"[{OP}] the key-split VJP's grid needs B * Hkv * n_splits <= "
-                         f"{GRID_Z_MAX}, got {B} * {Hkv} * {n_splits}")
+                         f"{backends.MAX_GRID_Z}, got {B} * {Hkv} * {n_splits}")
     return {"split": split, "n_splits": n_splits, "chunk": chunk, "n_sg": n_sg,
             "n_tiles": n_tiles, "kb": _bwd_key_block(D, dtype)}
 

@@ -396,7 +396,7 @@ def test_sdpa_backward_plan():
         assert sdpa.backward_plan("emulator", 1, 4, 4, 1, 64, 50, mx.float32) == {
             "split": True, "n_splits": 1, "chunk": 128, "n_sg": 1, "n_tiles": 1, "kb": 32}
     wide = sdpa.backward_plan("cuda", 1024, 8, 8, 1, 64, 10 ** 6, mx.float16, cores=10 ** 5)
-    assert wide["split"] and 1024 * 8 * wide["n_splits"] <= sdpa.GRID_Z_MAX
+    assert wide["split"] and 1024 * 8 * wide["n_splits"] <= backends.MAX_GRID_Z
     with backward_split(32, "cuda"), pytest.raises(ValueError, match=r"\[sdpa_multi\] the "
                                                    r"key-split VJP's grid needs"):
         sdpa.backward_plan("cuda", 1, 8, 8, 1, 64, 10 ** 6, mx.float16)
