@@ -404,6 +404,11 @@ def _rows_launch(prepared) -> Callable:
     return launch
 
 
+def _dx_chunks(K: int, bits: int) -> int:
+    """The dx kernel's grid y: 32-word chunks of a packed weight row."""
+    return -(-(K * bits // 32) // 32)
+
+
 def dx_slices(M: int, N: int, K: int, bits: int, backend: str) -> int:
     """How many slices of N's 32-row blocks the dx kernel of M rows splits N into on
     ``backend``: the fewest whose working threadgroups (M, each row its own run at worst,
@@ -422,8 +427,7 @@ def dx_slices(M: int, N: int, K: int, bits: int, backend: str) -> int:
     target = targets.get(backend)
     if target is None:
         return 1
-    chunks = -(-(K * bits // 32) // 32)
-    working = max(1, M * chunks)
+    working = max(1, M * _dx_chunks(K, bits))
     n_blocks = -(-N // 32)
     return max(1, min(-(-target // working), n_blocks // min_blocks,
                       backends.MAX_GRID_Z))
@@ -447,7 +451,7 @@ def dx_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, mode
                          f"int dividing 32 and DX_ROWS an int in [1, 32], got {sg!r}, "
                          f"{unroll!r} and {rows!r}")
     pack = 32 // bits
-    chunks = -(-(K // pack) // 32)  # 32-word chunks of a weight row
+    chunks = _dx_chunks(K, bits)
     n_slices = dx_slices(M, N, K, bits, backend)  # each slice >= 1 block of N (N > 0)
     prepared = backends.prepare(
         spec, backend,
