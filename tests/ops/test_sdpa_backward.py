@@ -16,6 +16,8 @@ import pytest
 from support import require_backend
 
 from mlx_metaltile import _templates, backends
+from mlx_metaltile._registry import instantiations
+from mlx_metaltile.ops._common import clear_plans
 from mlx_metaltile.cases.sdpa_multi import (
     backward_one_kernel,
     backward_split,
@@ -319,6 +321,70 @@ def test_sdpa_backward_split_traffic(launches, rng, n_sg, tiles):
     assert stats["sdpa_multi_backward_dkv"].bytes_read["k"] == visible
 
 
+# (B, Hq, Hkv, L, S, D, kv_len, kind) for the dk/dv kernel's column splits: every head dim
+# (NSG = D / CPS from 2 to 16 simdgroups), S not a multiple of 32 with ragged kv_len (the
+# last key block part past kv_len, part past S), G*L not a multiple of the rows staged at a
+# time (RB 16 at D 64, 8 at D 96 and 128, 4 at D 256) and G*L = 1; causal, bool and additive
+# masks (full and block forms), sinks, a device-side kv_len.
+DKV_COLUMN_CASES = [
+    (1, 4, 1, 5, 45, 64, 37, "causal"),  # G*L = 20: a block of 16 rows, then 4
+    (1, 2, 2, 1, 40, 96, 33, "additive"),  # G*L = 1
+    (2, 6, 2, 3, 70, 128, 66, "bool+sinks"),  # G*L = 9
+    (1, 8, 2, 3, 50, 256, 41, "block-additive+sinks"),  # G*L = 12, kv_len on device
+    (1, 1, 1, 1, 33, 256, 33, "causal"),  # G*L = 1, one key in the second block
+]
+
+
+@pytest.mark.parametrize("cps", sdpa.BWD_DKV_COLS_CHOICES)
+@pytest.mark.parametrize("case", DKV_COLUMN_CASES,
+                         ids=lambda c: f"d{c[5]}-h{c[1]}x{c[2]}-L{c[3]}-kv{c[6]}-{c[7]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_sdpa_vjp_dkv_columns(kernel_backend, monkeypatch, launches, rng, dtype, case, cps):
+    """The dk/dv kernel at each declared CPS (BWD_DKV_COLS forced, new plans): its column
+    split over NSG = D / CPS simdgroups against the float64 gradients, and the launch's
+    geometry (32 * NSG threads) a declared instantiation."""
+    B, Hq, Hkv, L, S, D, kv_len, kind = case
+    monkeypatch.setattr(sdpa, "BWD_DKV_COLS", cps)
+    clear_plans()  # the constant takes effect in new plans
+    mask, causal, sinks = None, kind == "causal", None
+    cols = L if kind.startswith("block") else kv_len
+    if "additive" in kind:
+        mask = _additive(rng, (1, Hq, L, cols), dtype)
+    elif "bool" in kind:
+        mask = _bool(rng, (L, cols))
+    if "sinks" in kind:
+        sinks = mx.array(rng.uniform(-1, 2, size=(Hq,)).astype(np.float32)).astype(dtype)
+    if kind.startswith("block"):
+        kv_len = mx.array(kv_len, dtype=mx.int32)
+    try:
+        check(kernel_backend, rng, B, Hq, Hkv, L, S, D, dtype, kv_len, causal=causal,
+              mask=mask, sinks=sinks)
+    finally:
+        clear_plans()
+    (dkv,) = [rec for rec in launches if rec.name == sdpa.BWD_DKV_SPEC.name]
+    assert dict(dkv.template)["CPS"] == cps
+    declared = {inst.template for inst in instantiations(sdpa.BWD_DKV_SPEC)}
+    assert dkv.template in declared
+
+
+def test_sdpa_backward_dkv_geometry():
+    """The dk/dv kernel's threadgroup (32 * D / CPS threads) and threadgroup memory (RB
+    rows of q and dO in T, stats, the [NSG][RB][32] partials x 2) within the backends'
+    limits for every head dim, dtype and declared CPS."""
+    for cps in sdpa.BWD_DKV_COLS_CHOICES:
+        for D in sdpa.HEAD_DIMS:
+            for dtype in DTYPES:
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(sdpa, "BWD_DKV_COLS", cps)
+                    threads, memory = sdpa._bwd_dkv_geometry(D, dtype)
+                assert threads == 32 * (D // cps) and threads % 32 == 0 and threads <= 1024
+                assert memory <= backends.MAX_THREADGROUP_MEMORY, (cps, D, dtype, memory)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sdpa, "BWD_DKV_COLS", 8)
+        with pytest.raises(ValueError, match=r"\[sdpa_multi\] BWD_DKV_COLS must be one of"):
+            sdpa._bwd_dkv_geometry(64, mx.float32)
+
+
 @pytest.mark.parametrize("chunk", FORMS, ids=FORM_IDS)
 def test_sdpa_backward_deterministic(kernel_backend, rng, chunk):
     """The same bits on a second run (dk/dv summed in a fixed order, no atomics; split, the
@@ -405,8 +471,8 @@ def test_sdpa_backward_plan():
 @pytest.mark.parametrize("spec, old, new", [
     (sdpa.BWD_DQ_SPEC, "p * (dp[rr] - dd[rr])", "p * dp[rr]"),  # dS without Dr
     (sdpa.BWD_DQ_SPEC, "-(p_sink / l_f) * dd[rr]", "-p_sink * dd[rr]"),  # dsinks unnormalised
-    (sdpa.BWD_DKV_SPEC, "dvr[kk][c] += p * gv[c];", "dvr[kk][c] += gv[c];"),  # dv without P
-    (sdpa.BWD_DKV_SPEC, "dkr[kk][c] += ds * qv[c];", "dkr[kk][c] += p * qv[c];"),  # dk of P
+    (sdpa.BWD_DKV_SPEC, "dvr[c] += p * float(", "dvr[c] += float("),  # dv without P
+    (sdpa.BWD_DKV_SPEC, "dkr[c] += ds * float(", "dkr[c] += p * float("),  # dk of P
     (sdpa.BWD_DKV_SPEC, "? p * (dp - d_r)", "? p * dp"),  # dS (the mask's gradient) w/o Dr
     # the split form (slices of 32 keys: two here)
     (sdpa.BWD_STATS_SPEC, "simd_sum(p * dp[rr])", "simd_sum(dp[rr])"),  # u_s without P
