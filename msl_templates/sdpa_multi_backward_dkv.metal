@@ -17,11 +17,13 @@
 //   sdpa_multi_backward_dq.metal: a bool-masked key keeps its P (uniform rows) with dS = 0;
 //   an additive -inf key has P = 0; a row with l = 0 (the forward's NaN row) gives NaN for
 //   every key j < kv_len. Keys j >= kv_len (up to S) get dk = dv = 0 and are never read.
-//   The scores are summed in another order than the dq kernel's (REDUCTION ORDER), so d_rj
-//   may differ from the d that (m, l) were made from by rounding, which b multiplies: P may
-//   exceed its exact value by that (1 + 1 ulp where l == 1 and b == 1, i.e. |scale| <
-//   1 / log2(e)); where b is huge (scale 1e30) one ulp of d is no longer small and the
-//   recomputed P is not the dq kernel's (see the wrapper's notes).
+//   The scores are not the dq kernels' bits (REDUCTION ORDER): d_rj may differ by rounding
+//   from the d that (m, l) were made from, so P may exceed its exact value by that (e.g.
+//   1 + 1 ulp where l == 1), and b (> 1 where |scale| >= 1 / log2(e)) multiplies the
+//   difference in the exponent. Where the scores' rounding is no longer small next to 1 in
+//   units of ln 2 (|scale * q.k| beyond about 1e7: scale 1e8 and 1e30 fail the float64
+//   check on the emulator, 1e6 passes), P of a row's top key is no longer ~1 / l but 0 or
+//   inf, and dk, dv and dmask are wrong (inf/NaN at scale 1e30).
 //
 // LAYOUT (row-contiguous): q, dout [B, Hq, L, D] T; k, v [B, Hkv, S, D] T; stats
 //   [B*Hq*L, 3] float32 (m, l, Dr); dk, dv [B, Hkv, S, D] T; dmask [B*Hq*L, mask_cols]
