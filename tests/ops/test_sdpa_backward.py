@@ -3,27 +3,28 @@ the sinks and an additive mask against float64 gradients written from the math
 (mlx_metaltile.cases.sdpa_multi.grad_oracle), in the backend's planned form and in the
 key-split form forced (slices of SPLIT_CHUNK keys; tiles of 1, 2, 4 and 8 simdgroups as
 the plan picks them from G*L), the emulator's traffic counters, determinism, results that do
-not depend on the split tiles' simdgroups, the plan's rule and a negative control per
-backward kernel."""
+not depend on the split tiles' simdgroups, the plan's rule, the dk/dv kernel at each of its
+column splits (CPS) and in strict mode, and a negative control per backward kernel."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from support import require_backend
+from support import require_backend, strict_emulator
 
 from mlx_metaltile import _templates, backends
 from mlx_metaltile._registry import instantiations
-from mlx_metaltile.ops._common import clear_plans
 from mlx_metaltile.cases.sdpa_multi import (
     backward_one_kernel,
     backward_split,
     make_inputs,
     run_grad_and_check,
 )
+from mlx_metaltile.ops._common import clear_plans
 
 sdpa = importlib.import_module("mlx_metaltile.ops.sdpa_multi")
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -365,6 +366,63 @@ def test_sdpa_vjp_dkv_columns(kernel_backend, monkeypatch, launches, rng, dtype,
     assert dict(dkv.template)["CPS"] == cps
     declared = {inst.template for inst in instantiations(sdpa.BWD_DKV_SPEC)}
     assert dkv.template in declared
+
+
+@pytest.mark.parametrize("cps", sdpa.BWD_DKV_COLS_CHOICES)
+@pytest.mark.parametrize("seed", (1, 2))
+def test_sdpa_backward_dkv_strict_shuffled(monkeypatch, rng, seed, cps):
+    """The dk/dv kernel in strict mode (no read of threadgroup memory before it is written,
+    no race on it: the staged rows and the partial dot products) with threads and
+    threadgroups in a permuted order, at each CPS: D 64 (16 rows staged, G*L = 20) and D 256
+    (4 rows staged, G*L = 6) with an additive block mask and sinks; the bits do not change
+    with the order."""
+    require_backend("emulator")
+    monkeypatch.setattr(sdpa, "BWD_DKV_COLS", cps)
+    clear_plans()
+    runs = []
+    try:
+        for D, Hq, L in ((64, 4, 5), (256, 6, 1)):
+            q, k, v = make_inputs(rng, 1, Hq, 1, L, 70, D, mx.bfloat16)
+            g = mx.array(rng.standard_normal(q.shape).astype(np.float32)).astype(q.dtype)
+            mask = _additive(rng, (1, Hq, L, L), mx.bfloat16)
+            sinks = mx.array(rng.uniform(-1, 2, size=(Hq,)).astype(np.float32)).astype(
+                mx.bfloat16)
+            kw = {"scale": D ** -0.5, "kv_len": mx.array(61, dtype=mx.int32)}
+
+            def fn(q, k, v, m, s, kw=kw):
+                return sdpa.sdpa_multi(q, k, v, mask=m, sinks=s, **kw)
+
+            for strict in (False, True):
+                with backends.use_backend("emulator"), backward_one_kernel(), (
+                        strict_emulator(seed) if strict else contextlib.nullcontext()):
+                    grads = mx.vjp(fn, [q, k, v, mask, sinks], [g])[1]
+                    mx.eval(grads)
+                runs.append([np.array(a.astype(mx.float32)) for a in grads])
+            with backends.use_backend("emulator"), backward_one_kernel(), strict_emulator(seed):
+                run_grad_and_check(q, k, v, backend="emulator", rng=rng, mask=mask,
+                                   sinks=sinks, causal=False, **kw)
+    finally:
+        clear_plans()
+    for plain, strict in zip(runs[::2], runs[1::2], strict=True):
+        for a, b in zip(plain, strict, strict=True):
+            assert np.array_equal(a, b, equal_nan=True)
+
+
+def test_sdpa_backward_dkv_negative_control_barrier(broken_kernel, rng):
+    """Reading the partial dot products without the barrier after they are written must be
+    caught by strict mode."""
+    require_backend("emulator")
+    from mlx_metaltile import emulator
+
+    barrier = "threadgroup_barrier(mem_flags::mem_threadgroup);"
+    written = f"= gp;\n  }}\n  {barrier}\n"
+    assert written in _templates.read_text(sdpa.BWD_DKV_SPEC.template)
+    broken_kernel(sdpa.BWD_DKV_SPEC, (written, written.replace(barrier, "", 1)))
+    q, k, v = make_inputs(rng, 1, 4, 1, 5, 70, 64, mx.float32)
+    with strict_emulator(1), backends.use_backend("emulator"), backward_one_kernel(), \
+            pytest.raises((emulator.ThreadgroupRace, emulator.UninitializedThreadgroupRead)):
+        run_grad_and_check(q, k, v, scale=0.125, causal=True, kv_len=61, backend="emulator",
+                           rng=rng)
 
 
 def test_sdpa_backward_dkv_geometry():
