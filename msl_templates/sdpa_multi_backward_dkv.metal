@@ -18,12 +18,16 @@
 //   an additive -inf key has P = 0; a row with l = 0 (the forward's NaN row) gives NaN for
 //   every key j < kv_len. Keys j >= kv_len (up to S) get dk = dv = 0 and are never read.
 //   The scores are not the dq kernels' bits (REDUCTION ORDER): d_rj may differ by rounding
-//   from the d that (m, l) were made from, so P may exceed its exact value by that (e.g.
-//   1 + 1 ulp where l == 1), and b (> 1 where |scale| >= 1 / log2(e)) multiplies the
-//   difference in the exponent. Where the scores' rounding is no longer small next to 1 in
-//   units of ln 2 (|scale * q.k| beyond about 1e7: scale 1e8 and 1e30 fail the float64
-//   check on the emulator, 1e6 passes), P of a row's top key is no longer ~1 / l but 0 or
-//   inf, and dk, dv and dmask are wrong (inf/NaN at scale 1e30).
+//   from the d that (m, l) were made from, and b (> 1 where |scale| >= 1 / log2(e))
+//   multiplies the difference in the exponent. An exact score never exceeds m, so the
+//   exponent b (d_rj - m) is clamped at 0: P <= 1 / l <= 1 at any scale (unclamped, P
+//   could exceed its exact value by that rounding, e.g. 1 + 1 ulp where l == 1, and
+//   overflow to inf at scale 1e30). The difference grows with |scale * q.k| (emulator, D 64:
+//   dv off by 1-3% of its largest value at scale 1e4, scores ~1e5); where it is not small
+//   next to 1 in units of ln 2 (past about 1e6), P of a row's top key may be far below
+//   1 / l (0 at scale 1e8 or 1e30, where the dq kernels' P is one-hot): dk, dv and dmask
+//   stay finite, within the float64 check's allowance for score rounding, which at such
+//   scales admits errors of the gradients' own size.
 //
 // LAYOUT (row-contiguous): q, dout [B, Hq, L, D] T; k, v [B, Hkv, S, D] T; stats
 //   [B*Hq*L, 3] float32 (m, l, Dr); dk, dv [B, Hkv, S, D] T; dmask [B*Hq*L, mask_cols]
@@ -160,8 +164,9 @@ for (uint rb = 0; rb < (n_keys > 0u ? n_rows : 0u); rb += uint(RB)) {
         live = ok;
       }
     }
+    // an exact score never exceeds m: the exponent clamped at 0 (MATH)
     const float p = !key_in ? 0.0f
-                    : (nan_row ? NAN : (ok ? exp2(unit * (sc - m_r)) / l_r : 0.0f));
+                    : (nan_row ? NAN : (ok ? exp2(min(unit * (sc - m_r), 0.0f)) / l_r : 0.0f));
     const float ds = !key_in ? 0.0f : (nan_row ? NAN : (live ? p * (dp - d_r) : 0.0f));
     for (int c = 0; c < CPS; ++c) {
       dvr[c] += p * float(g_tile[i * D + col0 + c]);

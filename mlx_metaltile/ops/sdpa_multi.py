@@ -710,8 +710,9 @@ BWD_DQ_SPEC, BWD_DKV_SPEC = register(
         notes="template T, D, CPS (columns per simdgroup, 16 or 32: BWD_DKV_COLS), "
               "MASK_KIND; each dot product as per-simdgroup partials summed through "
               "threadgroup memory (no shuffles), so the scores are not the dq kernels' bits "
-              "(wrong P where |scale*q.k| passes ~1e7); dk/dv summed per key in a fixed row "
-              "order (no atomics); an additive mask's dS written for the mask's columns",
+              "(P clamped at 1/l; rough where |scale*q.k| passes ~1e6); dk/dv summed per key "
+              "in a fixed row order (no atomics); an additive mask's dS written for the "
+              "mask's columns",
     ),
 )
 _BWD_SPLIT_INPUTS = (*_BWD_INPUTS, *scalars("chunk", "n_splits"))
@@ -966,9 +967,10 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
     ``kv_len`` get a zero gradient (and are never read); a row that sees no key and no sink
     (NaN output) gives NaN gradients, as the float64 definition does. The dk/dv kernel sums
     each score in its own order (not the dq kernels'), so on a kernel backend the gradients
-    of k, v and an additive mask are wrong where scores reach about 1e7 in magnitude
-    (``|scale * q.k|``; e.g. scale 1e30): there a rounding of the score is no longer small
-    in the exponent of the probability recomputed from the statistics.
+    of k, v and an additive mask are only as good as that rounding allows where scores
+    reach about 1e6 in magnitude (``|scale * q.k|``; e.g. scale 1e30): a rounding of the
+    score is no longer small in the exponent of the probability recomputed from the
+    statistics (kept <= 1, finite; a row's top key may get 0 where the exact one is ~1).
 
     Pass the whole preallocated cache with ``kv_len`` rather than a slice of it: the
     kernels take row-contiguous inputs, so a non-contiguous view (``cache[:, :, :n]`` of a

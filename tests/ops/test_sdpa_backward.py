@@ -121,8 +121,9 @@ def test_sdpa_vjp_split_slices(kernel_backend, rng, dtype, shape, causal):
 @pytest.mark.parametrize("dtype", (mx.float32, mx.bfloat16), ids=("float32", "bfloat16"))
 def test_sdpa_vjp_scale_range(any_backend, rng, dtype, scale, chunk):
     """Scales past 1 (scores held in units of a power of two b > 1) and far past float32's
-    score range: the kernels' scores agree bit for bit, so no probability recomputed from
-    the statistics (merged from slices in the split form) overflows (no NaN)."""
+    score range: no probability recomputed from the statistics (merged from slices in the
+    split form) overflows (no NaN): the dq kernels' scores agree bit for bit, and the dk/dv
+    kernel, which sums its scores in another order, clamps its P at 1 / l."""
     q, k, v = make_inputs(rng, 1, 4, 2, 3, 40, 64, dtype)
     mask = mx.array(rng.standard_normal((3, 37)).astype(np.float32)).astype(dtype)
     sinks = mx.array([0.5, 1.0, 2.0, 3.0]).astype(dtype)
