@@ -1,13 +1,13 @@
 // sdpa_multi_backward_dkv.metal: backward pass 2 of sdpa_multi (FlashAttention-2 style). A
-// threadgroup owns a block of 32 keys of one KV head and loops over every query row of
-// the heads that share it (G = Hq/Hkv heads x L queries), recomputing each probability from
-// the row's statistics (sdpa_multi_backward_dq.metal's stats): dK and dV of its keys are
-// summed in registers, in one fixed order (no atomics: the same bits every run), and
-// written once. With an additive mask it also writes dS, the mask's gradient.
+// threadgroup owns a block of 32 keys of one KV head, one key per lane, and loops over every
+// query row of the heads that share it (G = Hq/Hkv heads x L queries), recomputing each
+// probability from the row's statistics (sdpa_multi_backward_dq.metal's stats): dK and dV
+// of its keys are summed in registers, in one fixed order (no atomics: the same bits every
+// run), and written once. With an additive mask it also writes dS, the mask's gradient.
 //
 // MATH (per key j < kv_len of KV head (b, kvh), float32, base-2 exponentials):
 //   for each row r of the head group (query l = r % L of head kvh * G + r / L), with
-//   (m, l, Dr) = stats[r]: d_rj = a * dot(q_r, k_j) (+ mask), (a, b) = mt_score_unit(scale *
+//   (m, l, Dr) = stats[r]: d_rj = dot(q_r, a * k_j) (+ mask), (a, b) = mt_score_unit(scale *
 //   log2(e)); P_rj = 2^(b (d_rj - m)) / l on visible keys (j <= kv_len - L + l when causal),
 //   else 0; dS_rj = P_rj (dot(dO_r, v_j) - Dr)
 //   dv_j = sum_r P_rj dO_r;  dk_j = scale * sum_r dS_rj q_r
@@ -17,42 +17,59 @@
 //   sdpa_multi_backward_dq.metal: a bool-masked key keeps its P (uniform rows) with dS = 0;
 //   an additive -inf key has P = 0; a row with l = 0 (the forward's NaN row) gives NaN for
 //   every key j < kv_len. Keys j >= kv_len (up to S) get dk = dv = 0 and are never read.
+//   The scores are not the dq kernels' bits (REDUCTION ORDER): d_rj may differ by rounding
+//   from the d that (m, l) were made from, and b (> 1 where |scale| >= 1 / log2(e))
+//   multiplies the difference in the exponent. An exact score never exceeds m, so the
+//   exponent b (d_rj - m) is clamped at 0: P <= 1 / l <= 1 at any scale (unclamped, P
+//   could exceed its exact value by that rounding, e.g. 1 + 1 ulp where l == 1, and
+//   overflow to inf at scale 1e30). The difference grows with |scale * q.k| (emulator, D 64:
+//   dv off by 1-3% of its largest value at scale 1e4, scores ~1e5); where it is not small
+//   next to 1 in units of ln 2 (past about 1e6), P of a row's top key may be far below
+//   1 / l (0 at scale 1e8 or 1e30, where the dq kernels' P is one-hot): dk, dv and dmask
+//   stay finite, within the float64 check's allowance for score rounding, which at such
+//   scales admits errors of the gradients' own size.
 //
 // LAYOUT (row-contiguous): q, dout [B, Hq, L, D] T; k, v [B, Hkv, S, D] T; stats
 //   [B*Hq*L, 3] float32 (m, l, Dr); dk, dv [B, Hkv, S, D] T; dmask [B*Hq*L, mask_cols]
 //   float32 (a 1-element dummy unless MASK_KIND == 2). 0-d runtime inputs as in
 //   sdpa_multi_backward_dq.metal, plus mask_cols (the mask's last axis: kv_len or L).
-//   Template: T, D (multiple of 32), MASK_KIND.
+//   Template: T, D (multiple of CPS), CPS (columns per simdgroup: 16 or 32), MASK_KIND.
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
-//   threadgroup = (256, 1, 1): 8 simdgroups, simdgroup w owns keys kb + 4w .. kb + 4w + 3
-//   (held in registers, lane i owns columns i + 32c);
-//   grid = (256, ceil(S / 32), B * Hkv): threadgroup_position_in_grid = (0, key block,
-//   b*Hkv + kvh). The rows are staged RB = 8 at a time (q, dO and stats) in threadgroup
-//   memory: 2 * 8 * (D + 4 / sizeof(T)) elements of T and 24 floats. A block wholly past
-//   kv_len only writes zeros. Every thread reaches every barrier (uniform loop bounds).
+//   threadgroup = (32 * NSG, 1, 1), NSG = D / CPS simdgroups; lane i of every simdgroup owns
+//   key kb + i, simdgroup w owns columns [w * CPS, (w + 1) * CPS) of it (k, v, dk, dv in
+//   registers); grid = (32 * NSG, ceil(S / 32), B * Hkv): threadgroup_position_in_grid =
+//   (0, key block, b*Hkv + kvh). The rows are staged RB at a time (RB = 16 for D <= 64, 8
+//   for D <= 128, 4 beyond): q and dO tiles RB * D elements of T each, stats RB * 3 floats,
+//   and the partial dot products [NSG][RB][32] x 2 floats: RB * (2 D sizeof(T) + 256 NSG +
+//   12) bytes, at most 24,768 (D 64, CPS 16, float32) <= 32 KiB. A block wholly past kv_len
+//   only writes zeros. Every thread reaches every barrier (uniform loop bounds).
 //
 // TRAFFIC per call: each K and V row < kv_len is read once, rows >= kv_len never; q, dO and
 //   stats are read once per key block (ceil(kv_len / 32) times); dk, dv written once (all S
-//   rows), dmask once. Per (row, key): two simd_sum dot products.
+//   rows), dmask once (by simdgroup 0, one coalesced row of 32 keys per query row). Per
+//   (row, key) and simdgroup: 2 * CPS FMAs for the partials, 2 * NSG threadgroup reads to
+//   sum them, 2 * CPS FMAs into dk and dv; no SIMD-group function, no shuffle.
 //
-// REDUCTION ORDER: rows in increasing order (g, then l); dot products as a per-lane sum
-//   over the lane's columns, then simd_sum: the scores are sdpa_multi_backward_dq.metal's
-//   bit for bit, so P = 2^(b (d - m)) / l never exceeds 1 (see there).
+// REDUCTION ORDER: rows in increasing order (g, then l); each dot product as one lane's
+//   serial sum over its simdgroup's CPS columns (in column order), then the NSG partials
+//   summed in simdgroup order 0, 1, .. (every simdgroup forms the same sum: the same P and
+//   dS bits in each). Not the dq kernel's order (MATH).
 //
-// Checked only on a Mac: that Apple's compiler accepts the body, register pressure (16 *
-//   D / 32 floats of key state per thread), and the speed. The emulator checks the
-//   semantics, barriers, threadgroup races and the device traffic.
+// Checked only on a Mac: that Apple's compiler accepts the body, register pressure (4 * CPS
+//   floats of key state per thread; nvcc sm_90, half, no spills: 94-125 registers at CPS 16,
+//   161-188 at CPS 32), and the speed. The emulator checks the semantics, barriers,
+//   threadgroup races and the device traffic.
 #include "common.h"
 // ---- kernel body ----
-constexpr int DPL = D / 32;
-constexpr int KPS = 4;                            // keys per simdgroup
-constexpr int RB = 8;                             // rows staged at a time
-constexpr int TSTRIDE = D + 4 / int(sizeof(T));
-static_assert(D % 32 == 0, "head dim tiling");
-threadgroup T q_tile[RB * TSTRIDE];
-threadgroup T g_tile[RB * TSTRIDE];
+constexpr int NSG = D / CPS;                      // simdgroups, CPS columns each
+constexpr int RB = D <= 64 ? 16 : (D <= 128 ? 8 : 4);  // rows staged at a time
+static_assert((CPS == 16 || CPS == 32) && D % CPS == 0, "head dim tiling");
+threadgroup T q_tile[RB * D];
+threadgroup T g_tile[RB * D];
 threadgroup float st_tile[RB * 3];
+threadgroup float s_part[NSG * RB * 32];          // [NSG][RB][32]: partial q . (a k)
+threadgroup float g_part[NSG * RB * 32];          // [NSG][RB][32]: partial dO . v
 
 const uint block = threadgroup_position_in_grid.y;
 const uint bh = threadgroup_position_in_grid.z;
@@ -74,39 +91,48 @@ const float q_scale = score_unit.x;
 const float unit = score_unit.y;
 const uint key0 = mask_block != 0u ? kvn - L : 0u;
 const float mask_unit = 1.4426950408889634f / unit;
-const uint kb = block * uint(8 * KPS);
-const uint j0 = kb + sg * uint(KPS);  // this simdgroup's first key
+const uint kb = block * 32u;
+const uint j = kb + lane;                         // this lane's key
+const bool key_in = j < kvn;
+const uint col0 = sg * uint(CPS);                 // this simdgroup's first column
 
 const size_t q_row0 = size_t(bh) * n_rows;
-const size_t head_off = size_t(bh) * S_rows * D;
-float kr[KPS][DPL];
-float vr[KPS][DPL];
-float dkr[KPS][DPL];
-float dvr[KPS][DPL];
-for (int kk = 0; kk < KPS; ++kk) {
-  const uint j = j0 + uint(kk);
-  for (int c = 0; c < DPL; ++c) {
-    const size_t at = head_off + size_t(j) * D + lane + 32u * uint(c);
-    kr[kk][c] = j < kvn ? float(k[at]) : 0.0f;
-    vr[kk][c] = j < kvn ? float(v[at]) : 0.0f;
-    dkr[kk][c] = 0.0f;
-    dvr[kk][c] = 0.0f;
-  }
+const size_t key_at = (size_t(bh) * S_rows + j) * D + col0;
+float kr[CPS];   // a * k: the key in score units
+float vr[CPS];
+float dkr[CPS];
+float dvr[CPS];
+for (int c = 0; c < CPS; ++c) {
+  kr[c] = key_in ? q_scale * float(k[key_at + c]) : 0.0f;
+  vr[c] = key_in ? float(v[key_at + c]) : 0.0f;
+  dkr[c] = 0.0f;
+  dvr[c] = 0.0f;
 }
 
-const uint n_keys = kb < kvn ? min(uint(8 * KPS), kvn - kb) : 0u;  // uniform
+const uint n_keys = kb < kvn ? min(32u, kvn - kb) : 0u;  // uniform
 for (uint rb = 0; rb < (n_keys > 0u ? n_rows : 0u); rb += uint(RB)) {
   const uint nrb = min(uint(RB), n_rows - rb);
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (uint e = tid; e < uint(RB * D); e += n_threads) {
-    const uint r = e / uint(D);
-    const uint d = e - r * uint(D);
-    const size_t at = (q_row0 + rb + r) * D + d;
-    q_tile[r * TSTRIDE + d] = r < nrb ? q[at] : T(0);
-    g_tile[r * TSTRIDE + d] = r < nrb ? dout[at] : T(0);
+  for (uint e = tid; e < nrb * uint(D); e += n_threads) {
+    const size_t at = (q_row0 + rb) * D + e;
+    q_tile[e] = q[at];
+    g_tile[e] = dout[at];
   }
-  if (tid < uint(RB * 3)) {
-    st_tile[tid] = tid / 3u < nrb ? stats[(q_row0 + rb) * 3u + tid] : 0.0f;
+  if (tid < nrb * 3u) {
+    st_tile[tid] = stats[(q_row0 + rb) * 3u + tid];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  // this simdgroup's columns of both dot products, for every staged row (the row's q and dO
+  // values are the same address for all lanes: broadcast reads)
+  for (uint i = 0; i < nrb; ++i) {
+    float sp = 0.0f;
+    float gp = 0.0f;
+    for (int c = 0; c < CPS; ++c) {
+      sp += float(q_tile[i * D + col0 + c]) * kr[c];
+      gp += float(g_tile[i * D + col0 + c]) * vr[c];
+    }
+    s_part[(sg * uint(RB) + i) * 32u + lane] = sp;
+    g_part[(sg * uint(RB) + i) * 32u + lane] = gp;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint i = 0; i < nrb; ++i) {
@@ -120,59 +146,42 @@ for (uint rb = 0; rb < (n_keys > 0u ? n_rows : 0u); rb += uint(RB)) {
     const float l_r = st_tile[i * 3u + 1u];
     const float d_r = st_tile[i * 3u + 2u];
     const bool nan_row = !(l_r > 0.0f);
-    float qv[DPL];
-    float qs[DPL];
-    float gv[DPL];
-    for (int c = 0; c < DPL; ++c) {
-      qv[c] = float(q_tile[i * TSTRIDE + lane + 32u * uint(c)]);
-      qs[c] = q_scale * qv[c];
-      gv[c] = float(g_tile[i * TSTRIDE + lane + 32u * uint(c)]);
+    float sc = 0.0f;
+    float dp = 0.0f;
+    for (int s = 0; s < NSG; ++s) {  // simdgroup order: the same sums in every simdgroup
+      sc += s_part[(uint(s) * uint(RB) + i) * 32u + lane];
+      dp += g_part[(uint(s) * uint(RB) + i) * 32u + lane];
     }
-    for (int kk = 0; kk < KPS; ++kk) {
-      const uint j = j0 + uint(kk);
-      if (j < kvn) {  // uniform over the simdgroup
-        float sp = 0.0f;  // the score as the dq kernel sums it: the same bits
-        float dpp = 0.0f;
-        for (int c = 0; c < DPL; ++c) {
-          sp += qs[c] * kr[kk][c];
-          dpp += gv[c] * vr[kk][c];
-        }
-        float sc = simd_sum(sp);
-        const float dp = simd_sum(dpp);
-        bool ok = j < lim;
-        bool live = ok;
-        if (MASK_KIND != 0 && ok && j >= key0) {
-          const auto mv = mask[mrow + (j - key0)];
-          if (MASK_KIND == 1) {
-            live = bool(mv);
-            sc = live ? sc : -FLT_MAX;
-          } else {
-            sc += float(mv) * mask_unit;
-            ok = sc != -INFINITY;
-            live = ok;
-          }
-        }
-        const float p = nan_row ? NAN : (ok ? exp2(unit * (sc - m_r)) / l_r : 0.0f);
-        const float ds = nan_row ? NAN : (live ? p * (dp - d_r) : 0.0f);
-        for (int c = 0; c < DPL; ++c) {
-          dvr[kk][c] += p * gv[c];
-          dkr[kk][c] += ds * qv[c];
-        }
-        if (MASK_KIND == 2 && lane == 0u && j >= key0 && j - key0 < mask_cols) {
-          dmask[(q_row0 + r) * mask_cols + (j - key0)] = ds;
-        }
+    bool ok = j < lim;  // lim <= kvn: a visible key is a key < kv_len
+    bool live = ok;
+    if (MASK_KIND != 0 && ok && j >= key0) {
+      const auto mv = mask[mrow + (j - key0)];
+      if (MASK_KIND == 1) {
+        live = bool(mv);
+        sc = live ? sc : -FLT_MAX;
+      } else {
+        sc += float(mv) * mask_unit;
+        ok = sc != -INFINITY;
+        live = ok;
       }
+    }
+    // an exact score never exceeds m: the exponent clamped at 0 (MATH)
+    const float p = !key_in ? 0.0f
+                    : (nan_row ? NAN : (ok ? exp2(min(unit * (sc - m_r), 0.0f)) / l_r : 0.0f));
+    const float ds = !key_in ? 0.0f : (nan_row ? NAN : (live ? p * (dp - d_r) : 0.0f));
+    for (int c = 0; c < CPS; ++c) {
+      dvr[c] += p * float(g_tile[i * D + col0 + c]);
+      dkr[c] += ds * float(q_tile[i * D + col0 + c]);
+    }
+    if (MASK_KIND == 2 && sg == 0u && key_in && j >= key0 && j - key0 < mask_cols) {
+      dmask[(q_row0 + r) * mask_cols + (j - key0)] = ds;
     }
   }
 }
 
-for (int kk = 0; kk < KPS; ++kk) {
-  const uint j = j0 + uint(kk);
-  if (j < S_rows) {
-    for (int c = 0; c < DPL; ++c) {
-      const size_t at = head_off + size_t(j) * D + lane + 32u * uint(c);
-      dk[at] = T(g_scale * dkr[kk][c]);
-      dv[at] = T(dvr[kk][c]);
-    }
+if (j < S_rows) {
+  for (int c = 0; c < CPS; ++c) {
+    dk[key_at + c] = T(key_in ? g_scale * dkr[c] : 0.0f);
+    dv[key_at + c] = T(key_in ? dvr[c] : 0.0f);
   }
 }

@@ -631,9 +631,33 @@ _NO_SINKS = {0: mx.zeros((4,), dtype=mx.float32)}  # has_sinks 0's dummy, never 
 
 # ---- backward kernels (the VJP on a kernel backend) ---------------------------------------
 BWD_ROW_TILE = 32  # query rows per threadgroup of the dq kernel (8 simdgroups x 4 rows)
-BWD_KEY_BLOCK = 32  # keys per threadgroup of the dk/dv kernel (8 simdgroups x 4 keys)
-BWD_ROWS_STAGED = 8  # query rows staged at a time by the dk/dv kernel
-BWD_THREADS = 256
+BWD_THREADS = 256  # the dq kernel's threadgroup
+# The dk/dv kernel: BWD_KEY_BLOCK keys per threadgroup, one per lane of every simdgroup; the
+# D columns split among D / BWD_DKV_COLS simdgroups (its template CPS: each lane holds k, v,
+# dk and dv of its key for CPS columns in registers, 4 * CPS floats). Both of
+# BWD_DKV_COLS_CHOICES are declared instantiations, so either can be launched and timed: a
+# tuning constant (it changes the last bits of dk, dv and dmask, never results beyond the
+# tolerance table). The kernel stages its rows RB at a time (_bwd_dkv_rows: its constexpr RB,
+# mirrored here for the threadgroup memory).
+BWD_KEY_BLOCK = 32
+BWD_DKV_COLS = 32
+BWD_DKV_COLS_CHOICES = (16, 32)
+
+
+def _bwd_dkv_rows(D: int) -> int:
+    """Query rows the dk/dv kernel stages at a time for head dim D (its RB)."""
+    return 16 if D <= 64 else 8 if D <= 128 else 4
+
+
+def _bwd_dkv_geometry(D: int, dtype: mx.Dtype) -> tuple[int, int]:
+    """(threads per threadgroup, threadgroup memory bytes) of the dk/dv kernel at
+    BWD_DKV_COLS: q and dO tiles of RB rows in T, RB rows of stats and the [NSG][RB][32]
+    partial dot products x 2 in float32."""
+    if BWD_DKV_COLS not in BWD_DKV_COLS_CHOICES:
+        raise ValueError(f"[{OP}] BWD_DKV_COLS must be one of {BWD_DKV_COLS_CHOICES}, got "
+                         f"{BWD_DKV_COLS!r}")
+    n_sg, rows = D // BWD_DKV_COLS, _bwd_dkv_rows(D)
+    return 32 * n_sg, rows * (2 * D * dtype.size + 2 * n_sg * 32 * 4 + 3 * 4)
 
 
 def _bwd_key_block(D: int, dtype: mx.Dtype) -> int:
@@ -649,6 +673,12 @@ def _bwd_bindings(with_kb: bool):
                     b = {"T": t, "D": d, "MASK_KIND": kind, "MT": _mask_type(kind, t)}
                     yield {**b, "KB": _bwd_key_block(d, t)} if with_kb else b
     return bindings
+
+
+def _bwd_dkv_bindings():
+    for b in _bwd_bindings(False)():
+        for cps in BWD_DKV_COLS_CHOICES:
+            yield {**b, "CPS": cps}
 
 
 _BWD_INPUTS = (Arg("q", "T", 4), Arg("k", "T", 4), Arg("v", "T", 4), Arg("dout", "T", 4),
@@ -672,12 +702,17 @@ BWD_DQ_SPEC, BWD_DKV_SPEC = register(
         op=OP, variant="backward_dkv", template="sdpa_multi_backward_dkv.metal",
         inputs=(*_BWD_INPUTS, Arg("stats", "float32", 2), *scalars("mask_cols")),
         outputs=(Arg("dk", "T", 4), Arg("dv", "T", 4), Arg("dmask", "float32", 2)),
-        params=("T", "D", "MASK_KIND"), bindings=_bwd_bindings(False),
-        geometry="the VJP, pass 2: 32 keys of one KV head per TG (8 simdgroups x 4 keys), "
-                 "looping over the G*L query rows; grid (256, ceil(S/32), B*Hkv); K/V rows "
-                 "< kv_len read once, none past it",
-        notes="template T, D, MASK_KIND; dk/dv summed per key in a fixed row order (no "
-              "atomics); an additive mask's dS written for the mask's columns",
+        params=("T", "D", "CPS", "MASK_KIND"), bindings=_bwd_dkv_bindings,
+        geometry="the VJP, pass 2: 32 keys of one KV head per TG, one per lane; the D "
+                 "columns split among NSG = D/CPS simdgroups; TG = 32*NSG threads, looping "
+                 "over the G*L query rows RB at a time (16, 8 or 4 by D); grid (32*NSG, "
+                 "ceil(S/32), B*Hkv); K/V rows < kv_len read once, none past it",
+        notes="template T, D, CPS (columns per simdgroup, 16 or 32: BWD_DKV_COLS), "
+              "MASK_KIND; each dot product as per-simdgroup partials summed through "
+              "threadgroup memory (no shuffles), so the scores are not the dq kernels' bits "
+              "(P clamped at 1/l; rough where |scale*q.k| passes ~1e6); dk/dv summed per key "
+              "in a fixed row order (no atomics); an additive mask's dS written for the "
+              "mask's columns",
     ),
 )
 _BWD_SPLIT_INPUTS = (*_BWD_INPUTS, *scalars("chunk", "n_splits"))
@@ -843,16 +878,15 @@ def _launch_backward(q, k, v, dout, p: _Problem, backend) -> tuple:
             threadgroup_memory=tile_memory + 32 * 32 * 4,
         )
     additive = p.mask_kind == MASK_ADDITIVE
+    dkv_threads, dkv_memory = _bwd_dkv_geometry(D, q.dtype)
     dk, dv, dmask = backends.launch(
         BWD_DKV_SPEC, backend,
         inputs={**common, "stats": stats, "mask_cols": scalar(mc, mx.uint32)},
-        template={"T": q.dtype, "D": D, "MASK_KIND": p.mask_kind},
+        template={"T": q.dtype, "D": D, "CPS": BWD_DKV_COLS, "MASK_KIND": p.mask_kind},
         outputs={"dk": (k.shape, k.dtype), "dv": (v.shape, v.dtype),
                  "dmask": ((n_out, mc) if additive else (1, 1), mx.float32)},
-        grid=(BWD_THREADS, -(-S // BWD_KEY_BLOCK), B * Hkv),
-        threadgroup=(BWD_THREADS, 1, 1),
-        threadgroup_memory=2 * BWD_ROWS_STAGED * (D + pad) * q.dtype.size
-        + BWD_ROWS_STAGED * 3 * 4,
+        grid=(dkv_threads, -(-S // BWD_KEY_BLOCK), B * Hkv),
+        threadgroup=(dkv_threads, 1, 1), threadgroup_memory=dkv_memory,
     )
     dsinks = None
     if p.sinks is not None:
@@ -931,7 +965,12 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
     dk/dv kernel as ``[B, Hq, L, mask columns]`` and summed to the mask's shape. On the
     reference backend: MLX's autodiff of the composite. The cache rows at and beyond
     ``kv_len`` get a zero gradient (and are never read); a row that sees no key and no sink
-    (NaN output) gives NaN gradients, as the float64 definition does.
+    (NaN output) gives NaN gradients, as the float64 definition does. The dk/dv kernel sums
+    each score in its own order (not the dq kernels'), so on a kernel backend the gradients
+    of k, v and an additive mask are only as good as that rounding allows where scores
+    reach about 1e6 in magnitude (``|scale * q.k|``; e.g. scale 1e30): a rounding of the
+    score is no longer small in the exponent of the probability recomputed from the
+    statistics (kept <= 1, finite; a row's top key may get 0 where the exact one is ~1).
 
     Pass the whole preallocated cache with ``kv_len`` rather than a slice of it: the
     kernels take row-contiguous inputs, so a non-contiguous view (``cache[:, :, :n]`` of a

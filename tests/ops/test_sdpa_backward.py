@@ -3,25 +3,28 @@ the sinks and an additive mask against float64 gradients written from the math
 (mlx_metaltile.cases.sdpa_multi.grad_oracle), in the backend's planned form and in the
 key-split form forced (slices of SPLIT_CHUNK keys; tiles of 1, 2, 4 and 8 simdgroups as
 the plan picks them from G*L), the emulator's traffic counters, determinism, results that do
-not depend on the split tiles' simdgroups, the plan's rule and a negative control per
-backward kernel."""
+not depend on the split tiles' simdgroups, the plan's rule, the dk/dv kernel at each of its
+column splits (CPS) and in strict mode, and a negative control per backward kernel."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from support import require_backend
+from support import require_backend, strict_emulator
 
 from mlx_metaltile import _templates, backends
+from mlx_metaltile._registry import instantiations
 from mlx_metaltile.cases.sdpa_multi import (
     backward_one_kernel,
     backward_split,
     make_inputs,
     run_grad_and_check,
 )
+from mlx_metaltile.ops._common import clear_plans
 
 sdpa = importlib.import_module("mlx_metaltile.ops.sdpa_multi")
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -118,8 +121,9 @@ def test_sdpa_vjp_split_slices(kernel_backend, rng, dtype, shape, causal):
 @pytest.mark.parametrize("dtype", (mx.float32, mx.bfloat16), ids=("float32", "bfloat16"))
 def test_sdpa_vjp_scale_range(any_backend, rng, dtype, scale, chunk):
     """Scales past 1 (scores held in units of a power of two b > 1) and far past float32's
-    score range: the kernels' scores agree bit for bit, so no probability recomputed from
-    the statistics (merged from slices in the split form) overflows (no NaN)."""
+    score range: no probability recomputed from the statistics (merged from slices in the
+    split form) overflows (no NaN): the dq kernels' scores agree bit for bit, and the dk/dv
+    kernel, which sums its scores in another order, clamps its P at 1 / l."""
     q, k, v = make_inputs(rng, 1, 4, 2, 3, 40, 64, dtype)
     mask = mx.array(rng.standard_normal((3, 37)).astype(np.float32)).astype(dtype)
     sinks = mx.array([0.5, 1.0, 2.0, 3.0]).astype(dtype)
@@ -319,6 +323,127 @@ def test_sdpa_backward_split_traffic(launches, rng, n_sg, tiles):
     assert stats["sdpa_multi_backward_dkv"].bytes_read["k"] == visible
 
 
+# (B, Hq, Hkv, L, S, D, kv_len, kind) for the dk/dv kernel's column splits: every head dim
+# (NSG = D / CPS from 2 to 16 simdgroups), S not a multiple of 32 with ragged kv_len (the
+# last key block part past kv_len, part past S), G*L not a multiple of the rows staged at a
+# time (RB 16 at D 64, 8 at D 96 and 128, 4 at D 256) and G*L = 1; causal, bool and additive
+# masks (full and block forms), sinks, a device-side kv_len.
+DKV_COLUMN_CASES = [
+    (1, 4, 1, 5, 45, 64, 37, "causal"),  # G*L = 20: a block of 16 rows, then 4
+    (1, 2, 2, 1, 40, 96, 33, "additive"),  # G*L = 1
+    (2, 6, 2, 3, 70, 128, 66, "bool+sinks"),  # G*L = 9
+    (1, 8, 2, 3, 50, 256, 41, "block-additive+sinks"),  # G*L = 12, kv_len on device
+    (1, 1, 1, 1, 33, 256, 33, "causal"),  # G*L = 1, one key in the second block
+]
+
+
+@pytest.mark.parametrize("cps", sdpa.BWD_DKV_COLS_CHOICES)
+@pytest.mark.parametrize("case", DKV_COLUMN_CASES,
+                         ids=lambda c: f"d{c[5]}-h{c[1]}x{c[2]}-L{c[3]}-kv{c[6]}-{c[7]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_sdpa_vjp_dkv_columns(kernel_backend, monkeypatch, launches, rng, dtype, case, cps):
+    """The dk/dv kernel at each declared CPS (BWD_DKV_COLS forced, new plans): its column
+    split over NSG = D / CPS simdgroups against the float64 gradients, and the launch's
+    geometry (32 * NSG threads) a declared instantiation."""
+    B, Hq, Hkv, L, S, D, kv_len, kind = case
+    monkeypatch.setattr(sdpa, "BWD_DKV_COLS", cps)
+    clear_plans()  # the constant takes effect in new plans
+    mask, causal, sinks = None, kind == "causal", None
+    cols = L if kind.startswith("block") else kv_len
+    if "additive" in kind:
+        mask = _additive(rng, (1, Hq, L, cols), dtype)
+    elif "bool" in kind:
+        mask = _bool(rng, (L, cols))
+    if "sinks" in kind:
+        sinks = mx.array(rng.uniform(-1, 2, size=(Hq,)).astype(np.float32)).astype(dtype)
+    if kind.startswith("block"):
+        kv_len = mx.array(kv_len, dtype=mx.int32)
+    try:
+        check(kernel_backend, rng, B, Hq, Hkv, L, S, D, dtype, kv_len, causal=causal,
+              mask=mask, sinks=sinks)
+    finally:
+        clear_plans()
+    (dkv,) = [rec for rec in launches if rec.name == sdpa.BWD_DKV_SPEC.name]
+    assert dict(dkv.template)["CPS"] == cps
+    declared = {inst.template for inst in instantiations(sdpa.BWD_DKV_SPEC)}
+    assert dkv.template in declared
+
+
+@pytest.mark.parametrize("cps", sdpa.BWD_DKV_COLS_CHOICES)
+@pytest.mark.parametrize("seed", (1, 2))
+def test_sdpa_backward_dkv_strict_shuffled(monkeypatch, rng, seed, cps):
+    """The dk/dv kernel in strict mode (no read of threadgroup memory before it is written,
+    no race on it: the staged rows and the partial dot products) with threads and
+    threadgroups in a permuted order, at each CPS: D 64 (16 rows staged, G*L = 20) and D 256
+    (4 rows staged, G*L = 6) with an additive block mask and sinks; the bits do not change
+    with the order."""
+    require_backend("emulator")
+    monkeypatch.setattr(sdpa, "BWD_DKV_COLS", cps)
+    clear_plans()
+    runs = []
+    try:
+        for D, Hq, L in ((64, 4, 5), (256, 6, 1)):
+            q, k, v = make_inputs(rng, 1, Hq, 1, L, 70, D, mx.bfloat16)
+            g = mx.array(rng.standard_normal(q.shape).astype(np.float32)).astype(q.dtype)
+            mask = _additive(rng, (1, Hq, L, L), mx.bfloat16)
+            sinks = mx.array(rng.uniform(-1, 2, size=(Hq,)).astype(np.float32)).astype(
+                mx.bfloat16)
+            kw = {"scale": D ** -0.5, "kv_len": mx.array(61, dtype=mx.int32)}
+
+            def fn(q, k, v, m, s, kw=kw):
+                return sdpa.sdpa_multi(q, k, v, mask=m, sinks=s, **kw)
+
+            for strict in (False, True):
+                with backends.use_backend("emulator"), backward_one_kernel(), (
+                        strict_emulator(seed) if strict else contextlib.nullcontext()):
+                    grads = mx.vjp(fn, [q, k, v, mask, sinks], [g])[1]
+                    mx.eval(grads)
+                runs.append([np.array(a.astype(mx.float32)) for a in grads])
+            with backends.use_backend("emulator"), backward_one_kernel(), strict_emulator(seed):
+                run_grad_and_check(q, k, v, backend="emulator", rng=rng, mask=mask,
+                                   sinks=sinks, causal=False, **kw)
+    finally:
+        clear_plans()
+    for plain, strict in zip(runs[::2], runs[1::2], strict=True):
+        for a, b in zip(plain, strict, strict=True):
+            assert np.array_equal(a, b, equal_nan=True)
+
+
+def test_sdpa_backward_dkv_negative_control_barrier(broken_kernel, rng):
+    """Reading the partial dot products without the barrier after they are written must be
+    caught by strict mode."""
+    require_backend("emulator")
+    from mlx_metaltile import emulator
+
+    barrier = "threadgroup_barrier(mem_flags::mem_threadgroup);"
+    written = f"= gp;\n  }}\n  {barrier}\n"
+    assert written in _templates.read_text(sdpa.BWD_DKV_SPEC.template)
+    broken_kernel(sdpa.BWD_DKV_SPEC, (written, written.replace(barrier, "", 1)))
+    q, k, v = make_inputs(rng, 1, 4, 1, 5, 70, 64, mx.float32)
+    with strict_emulator(1), backends.use_backend("emulator"), backward_one_kernel(), \
+            pytest.raises((emulator.ThreadgroupRace, emulator.UninitializedThreadgroupRead)):
+        run_grad_and_check(q, k, v, scale=0.125, causal=True, kv_len=61, backend="emulator",
+                           rng=rng)
+
+
+def test_sdpa_backward_dkv_geometry():
+    """The dk/dv kernel's threadgroup (32 * D / CPS threads) and threadgroup memory (RB
+    rows of q and dO in T, stats, the [NSG][RB][32] partials x 2) within the backends'
+    limits for every head dim, dtype and declared CPS."""
+    for cps in sdpa.BWD_DKV_COLS_CHOICES:
+        for D in sdpa.HEAD_DIMS:
+            for dtype in DTYPES:
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(sdpa, "BWD_DKV_COLS", cps)
+                    threads, memory = sdpa._bwd_dkv_geometry(D, dtype)
+                assert threads == 32 * (D // cps) and threads % 32 == 0 and threads <= 1024
+                assert memory <= backends.MAX_THREADGROUP_MEMORY, (cps, D, dtype, memory)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sdpa, "BWD_DKV_COLS", 8)
+        with pytest.raises(ValueError, match=r"\[sdpa_multi\] BWD_DKV_COLS must be one of"):
+            sdpa._bwd_dkv_geometry(64, mx.float32)
+
+
 @pytest.mark.parametrize("chunk", FORMS, ids=FORM_IDS)
 def test_sdpa_backward_deterministic(kernel_backend, rng, chunk):
     """The same bits on a second run (dk/dv summed in a fixed order, no atomics; split, the
@@ -405,8 +530,8 @@ def test_sdpa_backward_plan():
 @pytest.mark.parametrize("spec, old, new", [
     (sdpa.BWD_DQ_SPEC, "p * (dp[rr] - dd[rr])", "p * dp[rr]"),  # dS without Dr
     (sdpa.BWD_DQ_SPEC, "-(p_sink / l_f) * dd[rr]", "-p_sink * dd[rr]"),  # dsinks unnormalised
-    (sdpa.BWD_DKV_SPEC, "dvr[kk][c] += p * gv[c];", "dvr[kk][c] += gv[c];"),  # dv without P
-    (sdpa.BWD_DKV_SPEC, "dkr[kk][c] += ds * qv[c];", "dkr[kk][c] += p * qv[c];"),  # dk of P
+    (sdpa.BWD_DKV_SPEC, "dvr[c] += p * float(", "dvr[c] += float("),  # dv without P
+    (sdpa.BWD_DKV_SPEC, "dkr[c] += ds * float(", "dkr[c] += p * float("),  # dk of P
     (sdpa.BWD_DKV_SPEC, "? p * (dp - d_r)", "? p * dp"),  # dS (the mask's gradient) w/o Dr
     # the split form (slices of 32 keys: two here)
     (sdpa.BWD_STATS_SPEC, "simd_sum(p * dp[rr])", "simd_sum(dp[rr])"),  # u_s without P
