@@ -3,17 +3,18 @@ the sinks and an additive mask against float64 gradients written from the math
 (mlx_metaltile.cases.sdpa_multi.grad_oracle), in the backend's planned form and in the
 key-split form forced (slices of SPLIT_CHUNK keys; tiles of 1, 2, 4 and 8 simdgroups as
 the plan picks them from G*L), the emulator's traffic counters, determinism, results that do
-not depend on the split tiles' simdgroups, the plan's rule and a negative control per
-backward kernel."""
+not depend on the split tiles' simdgroups, their cap from the threadgroup memory, the split
+kernels in strict mode, the plan's rule and a negative control per backward kernel."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from support import require_backend
+from support import require_backend, strict_emulator
 
 from mlx_metaltile import _templates, backends
 from mlx_metaltile._registry import instantiations
@@ -367,6 +368,51 @@ def test_sdpa_backward_split_simdgroups_same_bits(kernel_backend, rng, form):
     for n_sg, run in zip(sdpa.SPLIT_SIMDGROUPS, runs, strict=True):
         for name, a, b in zip(("dq", "dk", "dv", "dsinks"), run, runs[-1], strict=True):
             assert np.array_equal(a, b, equal_nan=True), (n_sg, name)
+
+
+@pytest.mark.parametrize("seed", (1, 2))
+def test_sdpa_backward_split_strict_shuffled(rng, seed):
+    """The statistics and split dq kernels in strict mode (no read of threadgroup memory
+    before it is written, no race on it: the staged K/V block, the rows of a * q and dO,
+    p_tile) with the threads' order permuted: the same bits as without. D 64 float16 at
+    8 simdgroups with an additive mask and sinks; D 256 float32 at its cap of one (16-key
+    blocks: lanes 16-31 own no key), causal with a device-side kv_len."""
+    require_backend("emulator")
+    cases = ((64, mx.float16, 8, 4, {"kv_len": 61}),
+             (256, mx.float32, 4, 3, {"causal": True, "kv_len": mx.array(45, dtype=mx.int32)}))
+    for D, dtype, Hq, L, kw in cases:
+        q, k, v = make_inputs(rng, 1, Hq, 1, L, 70, D, dtype)
+        g = mx.array(rng.standard_normal(q.shape).astype(np.float32)).astype(dtype)
+        sinks = mx.array(rng.uniform(-1, 2, size=(Hq,)).astype(np.float32)).astype(dtype)
+        mask = _additive(rng, (Hq, L, 61), dtype) if "causal" not in kw else None
+        fn = lambda q, k, v, s, kw=kw, mask=mask, scale=D ** -0.5: sdpa.sdpa_multi(  # noqa: E731
+            q, k, v, scale=scale, sinks=s, mask=mask, **kw)
+        runs = []
+        for strict in (False, True):
+            with backends.use_backend("emulator"), backward_split(SPLIT_CHUNK, "emulator"), (
+                    strict_emulator(seed) if strict else contextlib.nullcontext()):
+                grads = mx.vjp(fn, [q, k, v, sinks], [g])[1]
+                mx.eval(grads)
+            runs.append([np.array(a.astype(mx.float32)) for a in grads])
+        for a, b in zip(*runs, strict=True):
+            assert np.array_equal(a, b, equal_nan=True), (D, dtype)
+
+
+def test_sdpa_backward_split_negative_control_barrier(broken_kernel, rng):
+    """The split dq kernel reading the staged K block without the barrier after it is
+    written must be caught by strict mode."""
+    require_backend("emulator")
+    from mlx_metaltile import emulator
+
+    barrier = "  threadgroup_barrier(mem_flags::mem_threadgroup);\n  float s[RS]"
+    assert barrier in _templates.read_text(sdpa.BWD_DQ_SPLIT_SPEC.template)
+    broken_kernel(sdpa.BWD_DQ_SPLIT_SPEC, (barrier, "  float s[RS]"))
+    q, k, v = make_inputs(rng, 1, 8, 1, 4, 70, 64, mx.float16)
+    with strict_emulator(1), backends.use_backend("emulator"), \
+            backward_split(SPLIT_CHUNK, "emulator"), \
+            pytest.raises((emulator.ThreadgroupRace, emulator.UninitializedThreadgroupRead)):
+        run_grad_and_check(q, k, v, scale=0.125, causal=False, kv_len=61, backend="emulator",
+                           rng=rng)
 
 
 def test_sdpa_backward_split_simdgroups_covered():
