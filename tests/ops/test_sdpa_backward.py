@@ -2,9 +2,10 @@
 the sinks and an additive mask against float64 gradients written from the math
 (mlx_metaltile.cases.sdpa_multi.grad_oracle), in the backend's planned form and in the
 key-split form forced (slices of SPLIT_CHUNK keys; tiles of 1, 2, 4 and 8 simdgroups as
-the plan picks them from G*L), the emulator's traffic counters, determinism, results that do
-not depend on the split tiles' simdgroups, their cap from the threadgroup memory, the split
-kernels in strict mode, the plan's rule and a negative control per backward kernel."""
+the plan picks them from G*L and D), the emulator's traffic counters, determinism, results
+that do not depend on the split tiles' simdgroups, their cap from the threadgroup memory,
+the split kernels in strict mode, the plan's rule and a negative control per backward
+kernel."""
 
 from __future__ import annotations
 
