@@ -126,6 +126,51 @@ inline float2 mt_score_unit(float c) {
   return float2(c * as_type<float>((127u - k) << 23), as_type<float>((127u + k) << 23));
 }
 
+// Four float rows dotted with one key row of T (the key-split VJP's scores and dP, lane per
+// key: sdpa_multi_backward_stats.metal and sdpa_multi_backward_dq_split.metal take both
+// here, so the two kernels see the same bits). rows[r * D / 4 + i] holds columns 4i .. 4i + 3
+// of row r (threadgroup memory, the same address for every lane: a broadcast); key[0 .. D)
+// is the lane's own key row. out[r] = sum_d rows[r][d] * key[d]: one fma per (row, column),
+// columns in increasing order from 0, each key element read once for the four rows.
+template <typename T, int D>
+inline void mt_rows4_dot(const threadgroup float4* rows, const threadgroup T* key,
+                         thread float* out) {
+  float a0 = 0.0f;
+  float a1 = 0.0f;
+  float a2 = 0.0f;
+  float a3 = 0.0f;
+  for (int i = 0; i < D / 4; ++i) {
+    const float x0 = float(key[4 * i]);
+    const float x1 = float(key[4 * i + 1]);
+    const float x2 = float(key[4 * i + 2]);
+    const float x3 = float(key[4 * i + 3]);
+    const float4 r0 = rows[i];
+    const float4 r1 = rows[D / 4 + i];
+    const float4 r2 = rows[2 * (D / 4) + i];
+    const float4 r3 = rows[3 * (D / 4) + i];
+    a0 = metal::fma(r0.x, x0, a0);
+    a0 = metal::fma(r0.y, x1, a0);
+    a0 = metal::fma(r0.z, x2, a0);
+    a0 = metal::fma(r0.w, x3, a0);
+    a1 = metal::fma(r1.x, x0, a1);
+    a1 = metal::fma(r1.y, x1, a1);
+    a1 = metal::fma(r1.z, x2, a1);
+    a1 = metal::fma(r1.w, x3, a1);
+    a2 = metal::fma(r2.x, x0, a2);
+    a2 = metal::fma(r2.y, x1, a2);
+    a2 = metal::fma(r2.z, x2, a2);
+    a2 = metal::fma(r2.w, x3, a2);
+    a3 = metal::fma(r3.x, x0, a3);
+    a3 = metal::fma(r3.y, x1, a3);
+    a3 = metal::fma(r3.z, x2, a3);
+    a3 = metal::fma(r3.w, x3, a3);
+  }
+  out[0] = a0;
+  out[1] = a1;
+  out[2] = a2;
+  out[3] = a3;
+}
+
 // ---- fp4 (E2M1) weights and their block scales (MLX's mxfp4 / nvfp4 layouts) ----------
 //
 // E2M1 code (4 bits): bit 3 sign, bits 2-1 exponent, bit 0 mantissa; magnitudes

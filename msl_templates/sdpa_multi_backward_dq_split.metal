@@ -7,7 +7,8 @@
 // sdpa_multi_backward_dq.metal does.
 //
 // MATH (per query row r, float32, base-2 exponentials; scores, masks, visibility, sinks and
-//   the rows that see nothing exactly as sdpa_multi_backward_dq.metal, see its MATH):
+//   the rows that see nothing as sdpa_multi_backward_dq.metal, see its MATH; the scores'
+//   rounding differs: REDUCTION ORDER):
 //   merge: m = max_s m_s; w_s = 2^(b (m_s - m)) (0 where m_s = -inf: an empty slice);
 //     l = sum_s w_s l_s, U = sum_s w_s u_s; then the sink as the dq kernel's pass 0:
 //     m_f = max(m, sink'), l_f = l 2^(b (m - m_f)) + 2^(b (sink' - m_f)),
@@ -22,28 +23,39 @@
 //   never read); stats_part [B * Hkv, n_splits, G * L, 3] float32 (the stats kernel's);
 //   dq_part [B * Hkv, n_splits, G * L, D] float32; stats [B*Hq*L, 3] float32 (m, l, Dr);
 //   dsink_part [B*Hq*L] float32. 0-d runtime inputs as in sdpa_multi_backward_dq.metal,
-//   plus chunk and n_splits (as the stats kernel). Template: T, D, KB, MASK_KIND.
+//   plus chunk and n_splits (as the stats kernel). Template: T, D, KB, MASK_KIND, MAX_SG
+//   (as the stats kernel).
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes): as
 //   sdpa_multi_backward_stats.metal, with the same chunk, n_splits and n_sg: threadgroup =
-//   (32 * n_sg, 1, 1) (n_sg = 1, 2, 4 or 8 simdgroups of RS = 4 rows, from
+//   (32 * n_sg, 1, 1) (n_sg = 1, 2, 4 or 8 <= MAX_SG simdgroups of RS = 4 rows, from
 //   threads_per_threadgroup); grid = (32 * n_sg, ceil(G*L / (4 * n_sg)), B * Hkv *
 //   n_splits), threadgroup_position_in_grid = (0, tile, (b*Hkv + kvh) * n_splits + s).
-//   threadgroup memory, declared for n_sg = 8: kv_tile KB * (D + 4 / sizeof(T)) elements
-//   of T and p_tile 32 x 32 floats (simdgroup sg uses rows 4 sg .. 4 sg + 3). Every
-//   thread reaches every barrier (uniform loop bounds).
+//   Lane i owns key kb + i of each staged block (lanes >= KB none) for the scores and dP,
+//   and the dq columns i + 32c. threadgroup memory, declared for MAX_SG: the stats
+//   kernel's kv_tile, q_tile and g_tile, and p_tile MAX_SG * 4 x 32 floats (simdgroup sg
+//   uses rows 4 sg .. 4 sg + 3); MAX_SG is the most simdgroups for which this is <= 32 KiB
+//   (ops/sdpa_multi.py, bwd_split_max_simdgroups). Every thread reaches every barrier
+//   (uniform loop bounds).
 //
 // TRAFFIC per call: each visible K and V row is read once per row tile (ceil(G*L / (4 *
 //   n_sg)) per KV head); q and dO once per slice; stats_part once per slice (n_splits * 3
-//   floats per row); dq_part written once; stats and dsink_part once. Per (row, key): two
-//   simd_sum dot products.
+//   floats per row); dq_part written once; stats and dsink_part once. Per 4 rows x 32 keys
+//   (a simdgroup and a block of V, then of K): as the stats kernel, a lane reads its key's
+//   D tile elements once and the rows' 4 * D floats (float4 broadcasts) for 4 * D fmas,
+//   no shuffle per (row, key); then dq: per staged key D / 32 tile reads per lane and 4 *
+//   D / 32 fmas, dS read from p_tile (a broadcast).
 //
 // REDUCTION ORDER: the merge: lane i takes the slices i, i + 32, .. in increasing order,
 //   then simd_max / simd_sum, the same in every threadgroup of the row, so all slices see
 //   the same (m_f, l_f, Dr) bits. Keys in increasing order within the slice, whatever n_sg
-//   (keys a tile walks past a row's last weigh 0: a row's results do not depend on n_sg);
-//   scores as the other backward kernels (the same expression, the same bits: a
-//   recomputed probability never exceeds 1).
+//   (keys a tile walks past a row's last weigh 0: a row's results do not depend on n_sg).
+//   Scores and dP by common.h's mt_rows4_dot, as the stats kernel (one fma per column, in
+//   column order, over the staged float a * q or dO): the scores here are the stats
+//   kernel's bit for bit, so none exceeds the merged m and no P recomputed here exceeds
+//   1. The one-kernel dq kernel's and the dk/dv kernel's scores are other expressions and
+//   may differ in the last bits (a P recomputed there from these stats may exceed its
+//   exact value by rounding). dq: keys in increasing order.
 //
 // Metal and the emulator keep the one-kernel form by default (BWD_SPLIT_BACKENDS): no
 //   measurement on a Mac argues for the split there. Checked only on a Mac: that Apple's
@@ -51,13 +63,17 @@
 //   threadgroup races and the device traffic.
 #include "common.h"
 // ---- kernel body ----
-constexpr int DPL = D / 32;                       // columns per lane
-constexpr int RS = 4;                             // rows per simdgroup
+constexpr int DPL = D / 32;                       // dq columns per lane
+constexpr int RS = 4;                             // rows per simdgroup (mt_rows4_dot)
 constexpr int TSTRIDE = D + 4 / int(sizeof(T));   // odd word stride: lane-per-row reads
+constexpr int D4 = D / 4;                         // float4s per staged row
 static_assert(D % 32 == 0 && DPL >= 2, "head dim tiling");
 static_assert(KB == 16 || KB == 32, "key block");
+static_assert(MAX_SG == 1 || MAX_SG == 2 || MAX_SG == 4 || MAX_SG == 8, "row tiles");
 threadgroup T kv_tile[KB * TSTRIDE];
-threadgroup float p_tile[32 * 32];
+threadgroup float4 q_tile[MAX_SG * RS * D4];  // a * q of each simdgroup's rows
+threadgroup float4 g_tile[MAX_SG * RS * D4];  // dO, the same rows
+threadgroup float p_tile[MAX_SG * RS * 32];
 
 const uint tile_idx = threadgroup_position_in_grid.y;
 const uint part_idx = threadgroup_position_in_grid.z;  // (b*Hkv + kvh) * n_splits + s
@@ -107,9 +123,7 @@ const uint k_stop = min(k_begin + slice_keys, k_end);
 
 const size_t q_row0 = size_t(bh) * n_rows;
 const device float* head_parts = stats_part + size_t(bh) * n_parts * n_rows * 3u;
-float qc[RS][DPL];   // a * q, columns lane + 32c
-float gc[RS][DPL];   // dO, same columns
-float acc[RS][DPL];  // sum dS k (same columns)
+float acc[RS][DPL];  // sum dS k, columns lane + 32c
 uint lim[RS];
 size_t mask_row[RS];
 float m[RS];         // m_f
@@ -126,9 +140,6 @@ for (int rr = 0; rr < RS; ++rr) {
   l_sum[rr] = 0.0f;
   dd[rr] = 0.0f;
   for (int c = 0; c < DPL; ++c) {
-    const size_t at = (q_row0 + r) * D + lane + 32u * uint(c);
-    qc[rr][c] = valid ? q_scale * float(q[at]) : 0.0f;
-    gc[rr][c] = valid ? float(dout[at]) : 0.0f;
     acc[rr][c] = 0.0f;
   }
   if (valid) {  // merge the slices' (m_s, l_s, u_s); then the sink joins
@@ -167,15 +178,37 @@ for (int rr = 0; rr < RS; ++rr) {
   }
 }
 
+// This simdgroup's rows staged as float (a * q as the dq kernel's operand, dO), zeros past
+// the last row; its own lanes write them and the block loop's first barrier publishes them.
+threadgroup float4* q_rows = q_tile + sg * uint(RS * D4);
+threadgroup float4* g_rows = g_tile + sg * uint(RS * D4);
+for (uint e = lane; e < uint(RS * D4); e += 32u) {
+  const uint rr = e / uint(D4);
+  const size_t at = (q_row0 + row0 + rr) * D + 4u * (e - rr * uint(D4));
+  float4 qv = float4(0.0f);
+  float4 gv = float4(0.0f);
+  if (rr < nr) {
+    qv = float4(q_scale * float(q[at]), q_scale * float(q[at + 1]),
+                q_scale * float(q[at + 2]), q_scale * float(q[at + 3]));
+    gv = float4(float(dout[at]), float(dout[at + 1]), float(dout[at + 2]),
+                float(dout[at + 3]));
+  }
+  q_rows[e] = qv;
+  g_rows[e] = gv;
+}
+
 const size_t head_off = size_t(bh) * S_rows * D;
 const device T* k_head = k + head_off;
 const device T* v_head = v + head_off;
+// this lane's key row of a staged block (lanes >= KB read the last one; their keys are
+// never visible: lane < nk <= KB)
+const threadgroup T* key_row = kv_tile + min(lane, uint(KB) - 1u) * uint(TSTRIDE);
 
 for (uint kb = k_begin; kb < k_stop; kb += uint(KB)) {
   const uint nk = min(uint(KB), k_stop - kb);
   const uint j = kb + lane;  // this lane's key
 
-  // dP = dO . v_j for this lane's key (V staged first, K after it for dq).
+  // dP = dO . v_j for this lane's key (V staged first, K after it for dq), four rows at once.
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint e = tid; e < uint(KB * D); e += n_threads) {
     const uint jj = e / uint(D);
@@ -183,22 +216,12 @@ for (uint kb = k_begin; kb < k_stop; kb += uint(KB)) {
     kv_tile[jj * TSTRIDE + d] = jj < nk ? v_head[size_t(kb + jj) * D + d] : T(0);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  float dp[RS];
-  for (int rr = 0; rr < RS; ++rr) {
-    dp[rr] = 0.0f;
-    if (uint(rr) < nr) {
-      for (uint jj = 0; jj < nk; ++jj) {
-        float part = 0.0f;
-        for (int c = 0; c < DPL; ++c) {
-          part += gc[rr][c] * float(kv_tile[jj * TSTRIDE + uint(c) * 32u + lane]);
-        }
-        const float total = simd_sum(part);
-        dp[rr] = lane == jj ? total : dp[rr];
-      }
-    }
+  float dp[RS] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if (nr > 0u) {
+    mt_rows4_dot<T, D>(g_rows, key_row, dp);
   }
 
-  // Scores of this lane's key (the other backward kernels' expression: the same bits).
+  // Scores of this lane's key (the stats kernel's expression: mt_rows4_dot).
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint e = tid; e < uint(KB * D); e += n_threads) {
     const uint jj = e / uint(D);
@@ -206,19 +229,9 @@ for (uint kb = k_begin; kb < k_stop; kb += uint(KB)) {
     kv_tile[jj * TSTRIDE + d] = jj < nk ? k_head[size_t(kb + jj) * D + d] : T(0);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  float s[RS];
-  for (int rr = 0; rr < RS; ++rr) {
-    s[rr] = 0.0f;
-    if (uint(rr) < nr) {
-      for (uint jj = 0; jj < nk; ++jj) {
-        float part = 0.0f;
-        for (int c = 0; c < DPL; ++c) {
-          part += qc[rr][c] * float(kv_tile[jj * TSTRIDE + uint(c) * 32u + lane]);
-        }
-        const float total = simd_sum(part);
-        s[rr] = lane == jj ? total : s[rr];
-      }
-    }
+  float s[RS] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if (nr > 0u) {
+    mt_rows4_dot<T, D>(q_rows, key_row, s);
   }
 
   for (int rr = 0; rr < RS; ++rr) {

@@ -6,8 +6,8 @@
 // Dr needs only the partials' dot products.
 //
 // MATH (per query row r and slice s = keys [s * chunk, (s + 1) * chunk), float32, base-2
-//   exponentials; scores, masks and visibility exactly as sdpa_multi_backward_dq.metal's
-//   pass 0, see its MATH):
+//   exponentials; scores, masks and visibility as sdpa_multi_backward_dq.metal's pass 0,
+//   see its MATH; the scores' rounding differs: REDUCTION ORDER):
 //   m_s = max_j d_j over the slice's visible keys (-inf where it has none),
 //   l_s = sum_j 2^(b (d_j - m_s)),  u_s = sum_j 2^(b (d_j - m_s)) dot(dO_r, v_j).
 //   The merge: m = max_s m_s, l = sum_s l_s 2^(b (m_s - m)), and with the sink (as the dq
@@ -18,30 +18,39 @@
 // LAYOUT (row-contiguous): q, dout [B, Hq, L, D] T; k, v [B, Hkv, S, D] T (rows >= kv_len
 //   never read); stats_part [B * Hkv, n_splits, G * L, 3] float32 (m_s, l_s, u_s). 0-d
 //   runtime inputs as in sdpa_multi_backward_dq.metal, plus chunk (keys per slice, a
-//   multiple of KB) and n_splits. Template: T, D, KB, MASK_KIND (as the dq kernel).
+//   multiple of KB) and n_splits. Template: T, D, KB, MASK_KIND (as the dq kernel) and
+//   MAX_SG (1, 2, 4 or 8: the most simdgroups the row tiles hold, ops/sdpa_multi.py,
+//   bwd_split_max_simdgroups).
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
-//   threadgroup = (32 * n_sg, 1, 1), n_sg = 1, 2, 4 or 8 simdgroups of RS = 4 rows (a
-//   tile of 4 * n_sg rows; n_sg is read from threads_per_threadgroup, not a template
-//   parameter); grid = (32 * n_sg, ceil(G*L / (4 * n_sg)), B * Hkv * n_splits),
+//   threadgroup = (32 * n_sg, 1, 1), n_sg = 1, 2, 4 or 8 <= MAX_SG simdgroups of RS = 4
+//   rows (a tile of 4 * n_sg rows; n_sg is read from threads_per_threadgroup, not a
+//   template parameter); grid = (32 * n_sg, ceil(G*L / (4 * n_sg)), B * Hkv * n_splits),
 //   threadgroup_position_in_grid = (0, tile, (b*Hkv + kvh) * n_splits + s), n_splits *
 //   chunk >= the keys the launch covers (kv_len, or S with a device-side kv_len). Lane i
-//   owns the q / dO columns i + 32c and key kb + i of each staged block. threadgroup
-//   memory: kv_tile KB * (D + 4 / sizeof(T)) elements of T (<= 16.5 KiB, whatever n_sg).
-//   A slice past the tile's last visible key (or past kv_len) writes (-inf, 0, 0). Every
-//   thread reaches every barrier (uniform loop bounds).
+//   owns key kb + i of each staged block (lanes >= KB none). threadgroup memory, declared
+//   for MAX_SG: kv_tile KB * (D + 4 / sizeof(T)) elements of T, q_tile and g_tile MAX_SG *
+//   4 * D floats each (simdgroup sg's rows at 4 sg * D; <= 32 KiB with the dq_split
+//   kernel's p_tile, the rule that sets MAX_SG). A slice past the tile's last visible key
+//   (or past kv_len) writes (-inf, 0, 0). Every thread reaches every barrier (uniform loop
+//   bounds).
 //
 // TRAFFIC per call: each visible K and V row is read once per row tile (ceil(G*L / (4 *
 //   n_sg)) tiles per KV head; causal tiles stop at their last visible key); q and dO once
-//   per slice; stats_part written once. Per (row, key): two simd_sum dot products (the
-//   score and dP).
+//   per slice; stats_part written once. Per 4 rows x 32 keys (a simdgroup and a block of V,
+//   then of K), a lane reads its key's D elements of the tile once and the rows' 4 * D
+//   floats (float4 broadcasts), for 4 * D fmas: no shuffle per (row, key). Per (row,
+//   block): the online softmax's simd_max and two simd_sum.
 //
 // REDUCTION ORDER: keys in increasing order within the slice, whatever n_sg (a row's
 //   results do not depend on n_sg: keys a tile walks past a row's last weigh 0). A score
-//   is the per-lane sum over c of (a * q[i + 32c]) * k[i + 32c], then simd_sum: the
-//   expression of the dq and dk/dv kernels, so every kernel sees the same bits and a
-//   probability recomputed from (m, l) never exceeds 1 (sdpa_multi_backward_dq.metal,
-//   REDUCTION ORDER).
+//   and a dP are common.h's mt_rows4_dot: one fma per column, in column order, of the
+//   staged float a * q (or dO) with the key's (value's) element, the operand of the dq
+//   kernel (a * q in float). sdpa_multi_backward_dq_split.metal computes both the same way,
+//   so the merged (m, l) and the P it recomputes agree bit for bit. The one-kernel dq
+//   kernel's and the dk/dv kernel's scores are other expressions and may differ in the
+//   last bits: the dk/dv kernel's P recomputed from the split's (m, l) may exceed its exact
+//   value by rounding.
 //
 // Metal and the emulator keep the one-kernel form by default (BWD_SPLIT_BACKENDS): no
 //   measurement on a Mac argues for the split there. Checked only on a Mac: that Apple's
@@ -49,12 +58,15 @@
 //   threadgroup races and the device traffic.
 #include "common.h"
 // ---- kernel body ----
-constexpr int DPL = D / 32;                       // columns per lane
-constexpr int RS = 4;                             // rows per simdgroup
+constexpr int RS = 4;                             // rows per simdgroup (mt_rows4_dot)
 constexpr int TSTRIDE = D + 4 / int(sizeof(T));   // odd word stride: lane-per-row reads
-static_assert(D % 32 == 0 && DPL >= 2, "head dim tiling");
+constexpr int D4 = D / 4;                         // float4s per staged row
+static_assert(D % 32 == 0 && D >= 64, "head dim tiling");
 static_assert(KB == 16 || KB == 32, "key block");
+static_assert(MAX_SG == 1 || MAX_SG == 2 || MAX_SG == 4 || MAX_SG == 8, "row tiles");
 threadgroup T kv_tile[KB * TSTRIDE];
+threadgroup float4 q_tile[MAX_SG * RS * D4];  // a * q of each simdgroup's rows
+threadgroup float4 g_tile[MAX_SG * RS * D4];  // dO, the same rows
 
 const uint tile_idx = threadgroup_position_in_grid.y;
 const uint part_idx = threadgroup_position_in_grid.z;  // (b*Hkv + kvh) * n_splits + s
@@ -100,8 +112,6 @@ const uint k_begin = min(slice * slice_keys, k_end);
 const uint k_stop = min(k_begin + slice_keys, k_end);
 
 const size_t q_row0 = size_t(bh) * n_rows;
-float qc[RS][DPL];   // a * q, columns lane + 32c
-float gc[RS][DPL];   // dO, same columns
 uint lim[RS];
 size_t mask_row[RS];
 float m[RS];         // m_s so far
@@ -117,22 +127,38 @@ for (int rr = 0; rr < RS; ++rr) {
   m[rr] = -INFINITY;
   l_sum[rr] = 0.0f;
   u_sum[rr] = 0.0f;
-  for (int c = 0; c < DPL; ++c) {
-    const size_t at = (q_row0 + r) * D + lane + 32u * uint(c);
-    qc[rr][c] = valid ? q_scale * float(q[at]) : 0.0f;
-    gc[rr][c] = valid ? float(dout[at]) : 0.0f;
+}
+// This simdgroup's rows staged as float (a * q as the dq kernel's operand, dO), zeros past
+// the last row; its own lanes write them and the block loop's first barrier publishes them.
+threadgroup float4* q_rows = q_tile + sg * uint(RS * D4);
+threadgroup float4* g_rows = g_tile + sg * uint(RS * D4);
+for (uint e = lane; e < uint(RS * D4); e += 32u) {
+  const uint rr = e / uint(D4);
+  const size_t at = (q_row0 + row0 + rr) * D + 4u * (e - rr * uint(D4));
+  float4 qv = float4(0.0f);
+  float4 gv = float4(0.0f);
+  if (rr < nr) {
+    qv = float4(q_scale * float(q[at]), q_scale * float(q[at + 1]),
+                q_scale * float(q[at + 2]), q_scale * float(q[at + 3]));
+    gv = float4(float(dout[at]), float(dout[at + 1]), float(dout[at + 2]),
+                float(dout[at + 3]));
   }
+  q_rows[e] = qv;
+  g_rows[e] = gv;
 }
 
 const size_t head_off = size_t(bh) * S_rows * D;
 const device T* k_head = k + head_off;
 const device T* v_head = v + head_off;
+// this lane's key row of a staged block (lanes >= KB read the last one; their keys are
+// never visible: lane < nk <= KB)
+const threadgroup T* key_row = kv_tile + min(lane, uint(KB) - 1u) * uint(TSTRIDE);
 
 for (uint kb = k_begin; kb < k_stop; kb += uint(KB)) {
   const uint nk = min(uint(KB), k_stop - kb);
   const uint j = kb + lane;  // this lane's key
 
-  // dP = dO . v_j for this lane's key (V staged first, then K).
+  // dP = dO . v_j for this lane's key (V staged first, then K), the four rows at once.
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint e = tid; e < uint(KB * D); e += n_threads) {
     const uint jj = e / uint(D);
@@ -140,22 +166,12 @@ for (uint kb = k_begin; kb < k_stop; kb += uint(KB)) {
     kv_tile[jj * TSTRIDE + d] = jj < nk ? v_head[size_t(kb + jj) * D + d] : T(0);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  float dp[RS];
-  for (int rr = 0; rr < RS; ++rr) {
-    dp[rr] = 0.0f;
-    if (uint(rr) < nr) {
-      for (uint jj = 0; jj < nk; ++jj) {
-        float part = 0.0f;
-        for (int c = 0; c < DPL; ++c) {
-          part += gc[rr][c] * float(kv_tile[jj * TSTRIDE + uint(c) * 32u + lane]);
-        }
-        const float total = simd_sum(part);
-        dp[rr] = lane == jj ? total : dp[rr];
-      }
-    }
+  float dp[RS] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if (nr > 0u) {
+    mt_rows4_dot<T, D>(g_rows, key_row, dp);
   }
 
-  // Scores of this lane's key (the dq kernel's expression: the same bits).
+  // Scores of this lane's key (sdpa_multi_backward_dq_split.metal's expression: mt_rows4_dot).
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint e = tid; e < uint(KB * D); e += n_threads) {
     const uint jj = e / uint(D);
@@ -163,19 +179,9 @@ for (uint kb = k_begin; kb < k_stop; kb += uint(KB)) {
     kv_tile[jj * TSTRIDE + d] = jj < nk ? k_head[size_t(kb + jj) * D + d] : T(0);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  float s[RS];
-  for (int rr = 0; rr < RS; ++rr) {
-    s[rr] = 0.0f;
-    if (uint(rr) < nr) {
-      for (uint jj = 0; jj < nk; ++jj) {
-        float part = 0.0f;
-        for (int c = 0; c < DPL; ++c) {
-          part += qc[rr][c] * float(kv_tile[jj * TSTRIDE + uint(c) * 32u + lane]);
-        }
-        const float total = simd_sum(part);
-        s[rr] = lane == jj ? total : s[rr];
-      }
-    }
+  float s[RS] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if (nr > 0u) {
+    mt_rows4_dot<T, D>(q_rows, key_row, s);
   }
 
   for (int rr = 0; rr < RS; ++rr) {

@@ -665,13 +665,17 @@ def _bwd_key_block(D: int, dtype: mx.Dtype) -> int:
     return 32 if 32 * D * dtype.size <= STAGE_BYTES else 16
 
 
-def _bwd_bindings(with_kb: bool):
+def _bwd_bindings(with_kb: bool, with_max_sg: bool = False):
     def bindings():
         for t in FLOAT_TYPES:
             for d in HEAD_DIMS:
                 for kind in (MASK_NONE, MASK_BOOL, MASK_ADDITIVE):
                     b = {"T": t, "D": d, "MASK_KIND": kind, "MT": _mask_type(kind, t)}
-                    yield {**b, "KB": _bwd_key_block(d, t)} if with_kb else b
+                    if with_kb:
+                        b["KB"] = _bwd_key_block(d, t)
+                    if with_max_sg:
+                        b["MAX_SG"] = bwd_split_max_simdgroups(d, t)
+                    yield b
     return bindings
 
 
@@ -720,12 +724,14 @@ BWD_STATS_SPEC, BWD_DQ_SPLIT_SPEC = register(
     KernelSpec(
         op=OP, variant="backward_stats", template="sdpa_multi_backward_stats.metal",
         inputs=_BWD_SPLIT_INPUTS, outputs=(Arg("stats_part", "float32", 4),),
-        params=("T", "D", "KB", "MASK_KIND"), bindings=_bwd_bindings(True),
+        params=("T", "D", "KB", "MASK_KIND", "MAX_SG"), bindings=_bwd_bindings(True, True),
         geometry="the key-split VJP, pass 1a: 4*n_sg query rows of one KV head x one slice "
-                 "of chunk keys per TG (n_sg = 1, 2, 4 or 8 simdgroups x 4 rows, a runtime "
-                 "choice); grid (32*n_sg, ceil(G*L/(4*n_sg)), B*Hkv*n_splits); each TG reads "
-                 "its slice's visible K/V once",
-        notes="template T, D, KB, MASK_KIND; writes each row's (m, l, sum P dO.v) per slice",
+                 "of chunk keys per TG (n_sg = 1, 2, 4 or 8 <= MAX_SG simdgroups x 4 rows, a "
+                 "runtime choice); grid (32*n_sg, ceil(G*L/(4*n_sg)), B*Hkv*n_splits); each "
+                 "TG reads its slice's visible K/V once; lane per key",
+        notes="template T, D, KB, MASK_KIND, MAX_SG (the most simdgroups the staged rows "
+              "fit: bwd_split_max_simdgroups); writes each row's (m, l, sum P dO.v) per "
+              "slice",
     ),
     KernelSpec(
         op=OP, variant="backward_dq_split", template="sdpa_multi_backward_dq_split.metal",
@@ -733,12 +739,13 @@ BWD_STATS_SPEC, BWD_DQ_SPLIT_SPEC = register(
                 Arg("stats_part", "float32", 4)),
         outputs=(Arg("dq_part", "float32", 4), Arg("stats", "float32", 2),
                  Arg("dsink_part", "float32", 1)),
-        params=("T", "D", "KB", "MASK_KIND"), bindings=_bwd_bindings(True),
+        params=("T", "D", "KB", "MASK_KIND", "MAX_SG"), bindings=_bwd_bindings(True, True),
         geometry="the key-split VJP, pass 1b: as backward_stats (TG 32*n_sg threads, grid "
                  "(32*n_sg, ceil(G*L/(4*n_sg)), B*Hkv*n_splits)); each TG merges its rows' "
                  "slice statistics, then reads its slice's visible K/V once",
-        notes="template T, D, KB, MASK_KIND; writes float32 dq partials per slice (summed "
-              "by the wrapper) and, from slice 0, the rows' (m, l, dO.O) and dsinks terms",
+        notes="template T, D, KB, MASK_KIND, MAX_SG; writes float32 dq partials per slice "
+              "(summed by the wrapper) and, from slice 0, the rows' (m, l, dO.O) and "
+              "dsinks terms",
     ),
 )
 BACKWARD_SPECS = (BWD_DQ_SPEC, BWD_DKV_SPEC, BWD_STATS_SPEC, BWD_DQ_SPLIT_SPEC)
@@ -747,8 +754,9 @@ BACKWARD_SPECS = (BWD_DQ_SPEC, BWD_DKV_SPEC, BWD_STATS_SPEC, BWD_DQ_SPLIT_SPEC)
 # the GPU. Chosen per backend: BWD_SPLIT_BACKENDS split where the plan finds more than one
 # slice (Metal and the emulator keep the one-kernel form: no measurement on a Mac argues for
 # the split there). A split threadgroup holds n_sg simdgroups of 4 rows: the fewest (a power
-# of two, at most BWD_SPLIT_MAX_SIMDGROUPS) that hold the G*L rows, so a decode step's rows
-# do not leave simdgroups idle; BWD_SPLIT_SIMDGROUPS forces n_sg. Slices for about
+# of two, at most BWD_SPLIT_MAX_SIMDGROUPS and at most bwd_split_max_simdgroups(D, dtype))
+# that hold the G*L rows, so a decode step's rows do not leave simdgroups idle;
+# BWD_SPLIT_SIMDGROUPS forces n_sg (within the same cap). Slices for about
 # BWD_SPLIT_WARPS_PER_CORE warps (threadgroups x n_sg) per GPU core, each at least
 # BWD_SPLIT_MIN_KEYS keys (a multiple of KEY_BLOCK), at most BWD_SPLIT_MAX_SPLITS, and
 # B * Hkv * n_splits within the grid's z limit (CUDA's 65535). BWD_SPLIT_FORCED (backend ->
@@ -765,21 +773,42 @@ BWD_SPLIT_MAX_SPLITS = 256
 BWD_SPLIT_MAX_SIMDGROUPS = 8
 BWD_SPLIT_SIMDGROUPS: int | None = None
 BWD_SPLIT_FORCED: dict[str, int] = {}
-SPLIT_SIMDGROUPS = (1, 2, 4, 8)  # the split kernels' tiles: 4 to 32 rows (p_tile's size)
+SPLIT_SIMDGROUPS = (1, 2, 4, 8)  # the split kernels' tiles: 4 to 32 rows
 
 
-def _bwd_split_simdgroups(rows: int) -> int:
-    """n_sg of the split kernels' threadgroups for G*L = ``rows``."""
+# The cap on n_sg from the bytes (the one rule): the split kernels stage each simdgroup's 4
+# rows of a * q and dO as float (lane per key: every lane reads them), so their threadgroup
+# memory grows with n_sg; MAX_SG (a template parameter, a function of D and the dtype) is the
+# largest n_sg of SPLIT_SIMDGROUPS for which the larger kernel's tiles, declared for it, fit
+# backends.MAX_THREADGROUP_MEMORY. 8 for D 64; 4 for D 96 and for D 128 in float16 /
+# bfloat16; 2 for D 128 in float32; 1 for D 256.
+def bwd_split_memory(D: int, dtype: mx.Dtype, n_sg: int) -> tuple[int, int]:
+    """Threadgroup bytes of (the statistics kernel, the split dq kernel) with tiles declared
+    for ``n_sg`` simdgroups: kv_tile KB * (D + 4 / size) elements of the dtype, q_tile and
+    g_tile 4 * n_sg rows of D floats each, and the dq kernel's p_tile 4 * n_sg x 32 floats."""
+    kb = _bwd_key_block(D, dtype)
+    stats = kb * (D + 4 // dtype.size) * dtype.size + 2 * 4 * n_sg * D * 4
+    return stats, stats + 4 * n_sg * 32 * 4
+
+
+def bwd_split_max_simdgroups(D: int, dtype: mx.Dtype) -> int:
+    """MAX_SG of the split kernels for (D, dtype): the rule above."""
+    return max(n for n in SPLIT_SIMDGROUPS
+               if max(bwd_split_memory(D, dtype, n)) <= backends.MAX_THREADGROUP_MEMORY)
+
+
+def _bwd_split_simdgroups(rows: int, cap: int) -> int:
+    """n_sg of the split kernels' threadgroups for G*L = ``rows``, at most ``cap``."""
     if BWD_SPLIT_SIMDGROUPS is not None:
         if BWD_SPLIT_SIMDGROUPS not in SPLIT_SIMDGROUPS:
             raise ValueError(f"[{OP}] BWD_SPLIT_SIMDGROUPS must be one of {SPLIT_SIMDGROUPS}, "
                              f"got {BWD_SPLIT_SIMDGROUPS!r}")
-        return BWD_SPLIT_SIMDGROUPS
+        return min(BWD_SPLIT_SIMDGROUPS, cap)
     if BWD_SPLIT_MAX_SIMDGROUPS not in SPLIT_SIMDGROUPS:
         raise ValueError(f"[{OP}] BWD_SPLIT_MAX_SIMDGROUPS must be one of {SPLIT_SIMDGROUPS}, "
                          f"got {BWD_SPLIT_MAX_SIMDGROUPS!r}")
     n_sg = 1
-    while n_sg < BWD_SPLIT_MAX_SIMDGROUPS and 4 * n_sg < rows:
+    while n_sg < min(BWD_SPLIT_MAX_SIMDGROUPS, cap) and 4 * n_sg < rows:
         n_sg *= 2
     return n_sg
 
@@ -788,11 +817,12 @@ def backward_plan(backend: str, B: int, Hq: int, Hkv: int, L: int, D: int, kv_le
                   dtype: mx.Dtype, cores: int | None = None) -> dict:
     """The dq side of the VJP on ``backend``: {"split": the two split kernels (else the one
     dq kernel), "n_splits", "chunk" (keys per slice), "n_sg" (simdgroups per threadgroup:
-    8 for the one dq kernel), "n_tiles" (row tiles of 4 * n_sg rows per KV head), "kb" (the
-    kernels' staged key block)}. ``kv_len``: the keys the launch covers (S with a
-    device-side kv_len: slices past it see no key)."""
+    8 for the one dq kernel; split, at most bwd_split_max_simdgroups(D, dtype)), "n_tiles"
+    (row tiles of 4 * n_sg rows per KV head), "kb" (the kernels' staged key block)}.
+    ``kv_len``: the keys the launch covers (S with a device-side kv_len: slices past it see
+    no key)."""
     rows = (Hq // Hkv) * L
-    n_sg = _bwd_split_simdgroups(rows)
+    n_sg = _bwd_split_simdgroups(rows, bwd_split_max_simdgroups(D, dtype))
     n_tiles = -(-rows // (4 * n_sg))
     forced = BWD_SPLIT_FORCED.get(backend)
     if forced is not None:
@@ -854,18 +884,20 @@ def _launch_backward(q, k, v, dout, p: _Problem, backend) -> tuple:
                         "n_splits": scalar(n_splits, mx.uint32)}
         tg = 32 * bp["n_sg"]
         grid = (tg, bp["n_tiles"], B * Hkv * n_splits)
+        max_sg = bwd_split_max_simdgroups(D, q.dtype)
+        split_template = {**template, "MAX_SG": max_sg}
+        stats_memory, dq_memory = bwd_split_memory(D, q.dtype, max_sg)  # tiles as declared
         (stats_part,) = backends.launch(
-            BWD_STATS_SPEC, backend, inputs=split_inputs, template=template,
+            BWD_STATS_SPEC, backend, inputs=split_inputs, template=split_template,
             outputs={"stats_part": ((B * Hkv, n_splits, rows, 3), mx.float32)},
-            grid=grid, threadgroup=(tg, 1, 1), threadgroup_memory=tile_memory,
+            grid=grid, threadgroup=(tg, 1, 1), threadgroup_memory=stats_memory,
         )
         dq_part, stats, dsink_part = backends.launch(
             BWD_DQ_SPLIT_SPEC, backend,
             inputs={**split_inputs, **sink_inputs, "stats_part": stats_part},
-            template=template,
+            template=split_template,
             outputs={"dq_part": ((B * Hkv, n_splits, rows, D), mx.float32), **stats_outputs},
-            grid=grid, threadgroup=(tg, 1, 1),
-            threadgroup_memory=tile_memory + 32 * 32 * 4,  # p_tile as declared (n_sg 8)
+            grid=grid, threadgroup=(tg, 1, 1), threadgroup_memory=dq_memory,
         )
         # the slices' partials summed in one order (an MLX reduction: no atomics)
         dq = mx.sum(dq_part, axis=1).reshape(q.shape).astype(q.dtype)
@@ -960,7 +992,12 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
     query rows of its head group in a fixed order: the same bits every run). Where
     ``backward_plan`` splits the keys (by default on cuda, for problems of few 32-row tiles
     such as a decode step) the dq side is two kernels over key slices: the slices'
-    statistics, then their merge and a partial dq per slice, summed in a fixed order. The sinks'
+    statistics, then their merge and a partial dq per slice, summed in a fixed order; their
+    scores (one key per lane) are not the dk/dv kernel's bits, so there the gradients of k,
+    v and an additive mask are wrong where ``|scale * q.k|`` is huge (a rounding of a score
+    times the unit b of mt_score_unit is then not small: on the emulator, unit-variance
+    inputs at D 64 pass the float64 check at scale 1e6, fail at 1e7; at 1e30 the dk/dv
+    kernel's recomputed probabilities overflow), while dq holds. The sinks'
     gradient is the sum of per-row terms; an additive mask's is dS itself, written by the
     dk/dv kernel as ``[B, Hq, L, mask columns]`` and summed to the mask's shape. On the
     reference backend: MLX's autodiff of the composite. The cache rows at and beyond

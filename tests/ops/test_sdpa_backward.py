@@ -2,9 +2,10 @@
 the sinks and an additive mask against float64 gradients written from the math
 (mlx_metaltile.cases.sdpa_multi.grad_oracle), in the backend's planned form and in the
 key-split form forced (slices of SPLIT_CHUNK keys; tiles of 1, 2, 4 and 8 simdgroups as
-the plan picks them from G*L), the emulator's traffic counters, determinism, results that do
-not depend on the split tiles' simdgroups, the plan's rule, the dk/dv kernel at each of its
-column splits (CPS) and in strict mode, and a negative control per backward kernel."""
+the plan picks them from G*L and D), the emulator's traffic counters, determinism, results
+that do not depend on the split tiles' simdgroups, their cap from the threadgroup memory,
+the split kernels and the dk/dv kernel (at each of its column splits, CPS) in strict mode,
+the plan's rule and a negative control per backward kernel."""
 
 from __future__ import annotations
 
@@ -121,9 +122,9 @@ def test_sdpa_vjp_split_slices(kernel_backend, rng, dtype, shape, causal):
 @pytest.mark.parametrize("dtype", (mx.float32, mx.bfloat16), ids=("float32", "bfloat16"))
 def test_sdpa_vjp_scale_range(any_backend, rng, dtype, scale, chunk):
     """Scales past 1 (scores held in units of a power of two b > 1) and far past float32's
-    score range: no probability recomputed from the statistics (merged from slices in the
-    split form) overflows (no NaN): the dq kernels' scores agree bit for bit, and the dk/dv
-    kernel, which sums its scores in another order, clamps its P at 1 / l."""
+    score range: every backward kernel computes a score in the same order (the same bits),
+    so no probability recomputed from the statistics (merged from slices in the split form)
+    overflows or drops its row's top key."""
     q, k, v = make_inputs(rng, 1, 4, 2, 3, 40, 64, dtype)
     mask = mx.array(rng.standard_normal((3, 37)).astype(np.float32)).astype(dtype)
     sinks = mx.array([0.5, 1.0, 2.0, 3.0]).astype(dtype)
@@ -484,6 +485,51 @@ def test_sdpa_backward_split_simdgroups_same_bits(kernel_backend, rng, form):
             assert np.array_equal(a, b, equal_nan=True), (n_sg, name)
 
 
+@pytest.mark.parametrize("seed", (1, 2))
+def test_sdpa_backward_split_strict_shuffled(rng, seed):
+    """The statistics and split dq kernels in strict mode (no read of threadgroup memory
+    before it is written, no race on it: the staged K/V block, the rows of a * q and dO,
+    p_tile) with the threads' order permuted: the same bits as without. D 64 float16 at
+    8 simdgroups with an additive mask and sinks; D 256 float32 at its cap of one (16-key
+    blocks: lanes 16-31 own no key), causal with a device-side kv_len."""
+    require_backend("emulator")
+    cases = ((64, mx.float16, 8, 4, {"kv_len": 61}),
+             (256, mx.float32, 4, 3, {"causal": True, "kv_len": mx.array(45, dtype=mx.int32)}))
+    for D, dtype, Hq, L, kw in cases:
+        q, k, v = make_inputs(rng, 1, Hq, 1, L, 70, D, dtype)
+        g = mx.array(rng.standard_normal(q.shape).astype(np.float32)).astype(dtype)
+        sinks = mx.array(rng.uniform(-1, 2, size=(Hq,)).astype(np.float32)).astype(dtype)
+        mask = _additive(rng, (Hq, L, 61), dtype) if "causal" not in kw else None
+        fn = lambda q, k, v, s, kw=kw, mask=mask, scale=D ** -0.5: sdpa.sdpa_multi(  # noqa: E731
+            q, k, v, scale=scale, sinks=s, mask=mask, **kw)
+        runs = []
+        for strict in (False, True):
+            with backends.use_backend("emulator"), backward_split(SPLIT_CHUNK, "emulator"), (
+                    strict_emulator(seed) if strict else contextlib.nullcontext()):
+                grads = mx.vjp(fn, [q, k, v, sinks], [g])[1]
+                mx.eval(grads)
+            runs.append([np.array(a.astype(mx.float32)) for a in grads])
+        for a, b in zip(*runs, strict=True):
+            assert np.array_equal(a, b, equal_nan=True), (D, dtype)
+
+
+def test_sdpa_backward_split_negative_control_barrier(broken_kernel, rng):
+    """The split dq kernel reading the staged K block without the barrier after it is
+    written must be caught by strict mode."""
+    require_backend("emulator")
+    from mlx_metaltile import emulator
+
+    barrier = "  threadgroup_barrier(mem_flags::mem_threadgroup);\n  float s[RS]"
+    assert barrier in _templates.read_text(sdpa.BWD_DQ_SPLIT_SPEC.template)
+    broken_kernel(sdpa.BWD_DQ_SPLIT_SPEC, (barrier, "  float s[RS]"))
+    q, k, v = make_inputs(rng, 1, 8, 1, 4, 70, 64, mx.float16)
+    with strict_emulator(1), backends.use_backend("emulator"), \
+            backward_split(SPLIT_CHUNK, "emulator"), \
+            pytest.raises((emulator.ThreadgroupRace, emulator.UninitializedThreadgroupRead)):
+        run_grad_and_check(q, k, v, scale=0.125, causal=False, kv_len=61, backend="emulator",
+                           rng=rng)
+
+
 def test_sdpa_backward_split_simdgroups_covered():
     """The gradient tests' split shapes reach tiles of 1, 2, 4 and 8 simdgroups (the plan's
     rule: the fewest that hold G*L rows, 4 per simdgroup)."""
@@ -496,17 +542,71 @@ def test_sdpa_backward_split_simdgroups_covered():
         assert n_sg == 1 or 2 * n_sg < r, r
 
 
+def test_sdpa_backward_split_simdgroup_cap():
+    """The split kernels' n_sg cap from the bytes (bwd_split_max_simdgroups): for every
+    dtype and head dim, both kernels' threadgroup memory with the tiles declared for n_sg
+    fits backends.MAX_THREADGROUP_MEMORY exactly for the n_sg up to the cap (so for every
+    n_sg the plan can choose, and for the declared MAX_SG); the registered instantiations
+    declare that cap; the plan never passes it, by its own rule or forced to 8. D 64 holds
+    8 simdgroups, D 128 in float16 4, in float32 2, D 256 one."""
+    caps = {}
+    for dtype in DTYPES:
+        for D in sdpa.HEAD_DIMS:
+            cap = caps[dtype, D] = sdpa.bwd_split_max_simdgroups(D, dtype)
+            for n_sg in sdpa.SPLIT_SIMDGROUPS:
+                memory = sdpa.bwd_split_memory(D, dtype, n_sg)
+                assert memory[0] < memory[1]  # the split dq kernel adds p_tile
+                assert (memory[1] <= backends.MAX_THREADGROUP_MEMORY) == (n_sg <= cap), (
+                    dtype, D, n_sg)
+            for rows in (1, 5, 8, 16, 17, 32, 128, 4096):
+                plan = sdpa.backward_plan("cuda", 1, rows, 1, 1, D, 4096, dtype, cores=132)
+                assert plan["split"] and 1 <= plan["n_sg"] <= cap, (dtype, D, rows)
+                assert plan["n_tiles"] == -(-rows // (4 * plan["n_sg"]))
+            with backward_split(SPLIT_CHUNK, "cuda", 8):
+                assert sdpa.backward_plan("cuda", 1, 64, 1, 1, D, 100, dtype)["n_sg"] == cap
+    assert {D: caps[mx.float16, D] for D in sdpa.HEAD_DIMS} == {64: 8, 96: 4, 128: 4, 256: 1}
+    assert {D: caps[mx.float32, D] for D in sdpa.HEAD_DIMS} == {64: 8, 96: 4, 128: 2, 256: 1}
+    for spec in (sdpa.BWD_STATS_SPEC, sdpa.BWD_DQ_SPLIT_SPEC):
+        declared = {(dict(inst.template)["T"], dict(inst.template)["D"]):
+                    dict(inst.template)["MAX_SG"] for inst in instantiations(spec)}
+        assert declared == caps, spec.name
+
+
+@pytest.mark.parametrize("n_sg", (None, 8), ids=("plan", "forced8"))
+def test_sdpa_vjp_split_simdgroup_cap(kernel_backend, launches, rng, n_sg):
+    """D 256 in float32 (16-key blocks): the split kernels' tiles hold one simdgroup, so
+    G*L = 64 rows (8 simdgroups by the rows alone, or forced) run in 16 tiles of 4 rows,
+    against the float64 gradients; the launches take MAX_SG 1, threadgroups of 32 threads
+    and (on the emulator) exactly the threadgroup memory the wrapper declares."""
+    B, Hq, Hkv, L, S, D, kv_len, dtype = 1, 16, 2, 8, 80, 256, 70, mx.float32
+    q, k, v = make_inputs(rng, B, Hq, Hkv, L, S, D, dtype)
+    with backward_split(SPLIT_CHUNK, kernel_backend, n_sg):
+        plan = sdpa.backward_plan(kernel_backend, B, Hq, Hkv, L, D, kv_len, dtype)
+        run_grad_and_check(q, k, v, scale=D ** -0.5, causal=True, kv_len=kv_len,
+                           backend=kernel_backend, rng=rng)
+    assert plan["n_sg"] == 1 and plan["n_tiles"] == 16 and plan["kb"] == 16
+    memory = sdpa.bwd_split_memory(D, dtype, 1)
+    for spec, declared in zip((sdpa.BWD_STATS_SPEC, sdpa.BWD_DQ_SPLIT_SPEC), memory,
+                              strict=True):
+        (rec,) = [r for r in launches if r.name == spec.name]
+        assert dict(rec.template)["MAX_SG"] == 1 and dict(rec.template)["KB"] == 16
+        if rec.stats is not None:  # the emulator's counters
+            assert rec.stats.threadgroup == (32, 1, 1) and rec.stats.threadgroups == 16 * 2 * 3
+            assert rec.stats.threadgroup_memory == declared, spec.name
+
+
 def test_sdpa_backward_plan():
     """The split is CUDA's (BWD_SPLIT_BACKENDS): a decode step there (B 1, h32/8, L 1, 4096
     keys, D 128: G*L = 4 rows per KV head) gets threadgroups of one simdgroup and many
-    slices of whole key blocks; G*L = 32 rows get 8 simdgroups; Metal and the emulator keep
-    the one-kernel form; a problem of many row tiles, or few keys, none. The slices keep
-    the grid's z within CUDA's limit."""
+    slices of whole key blocks; G*L = 32 rows get 8 simdgroups at D 64 (the cap from the
+    bytes: test_sdpa_backward_split_simdgroup_cap); Metal and the emulator keep the
+    one-kernel form; a problem of many row tiles, or few keys, none. The slices keep the
+    grid's z within CUDA's limit."""
     decode = (1, 32, 8, 1, 128, 4096, mx.float16)
     cuda = sdpa.backward_plan("cuda", *decode, cores=132)
     assert cuda["split"] and cuda["n_sg"] == 1 and cuda["n_tiles"] == 1
     assert cuda["n_splits"] >= 64  # 16 with the 32-row tiles' rule
-    block = sdpa.backward_plan("cuda", 1, 32, 8, 8, 128, 4096, mx.float16, cores=132)
+    block = sdpa.backward_plan("cuda", 1, 32, 8, 8, 64, 4096, mx.float16, cores=132)
     assert block["split"] and block["n_sg"] == 8 and block["n_tiles"] == 1
     assert cuda["chunk"] % sdpa.KEY_BLOCK == 0 and cuda["chunk"] >= sdpa.BWD_SPLIT_MIN_KEYS
     assert cuda["n_splits"] * cuda["chunk"] >= 4096 > (cuda["n_splits"] - 1) * cuda["chunk"]
@@ -539,8 +639,13 @@ def test_sdpa_backward_plan():
     # without the 2^(b (m_s - m)) rescale
     (sdpa.BWD_DQ_SPLIT_SPEC, "u_lane += w * head_parts", "u_lane += head_parts"),  # U too
     (sdpa.BWD_DQ_SPLIT_SPEC, "p * (dp[rr] - dd[rr])", "p * dp[rr]"),  # dS without Dr
+    # the lane-per-key dot products: dP of the staged a * q rows; a neighbour lane's key
+    (sdpa.BWD_STATS_SPEC, "mt_rows4_dot<T, D>(g_rows, key_row, dp);",
+     "mt_rows4_dot<T, D>(q_rows, key_row, dp);"),
+    (sdpa.BWD_DQ_SPLIT_SPEC, "kv_tile + min(lane, uint(KB) - 1u)",
+     "kv_tile + min(lane ^ 1u, uint(KB) - 1u)"),
 ], ids=("dq_ds", "dq_dsinks", "dkv_dv", "dkv_dk", "dkv_dmask", "stats_u", "split_l",
-        "split_u", "split_ds"))
+        "split_u", "split_ds", "stats_dp_rows", "split_key_lane"))
 def test_sdpa_backward_negative_control(kernel_backend, broken_kernel, rng, spec, old, new):
     """One broken term per kernel must fail the harness (the edit must apply)."""
     assert old in _templates.read_text(spec.template)
