@@ -102,11 +102,21 @@ float kr[CPS];   // a * k: the key in score units
 float vr[CPS];
 float dkr[CPS];
 float dvr[CPS];
-for (int c = 0; c < CPS; ++c) {
-  kr[c] = key_in ? q_scale * float(k[key_at + c]) : 0.0f;
-  vr[c] = key_in ? float(v[key_at + c]) : 0.0f;
-  dkr[c] = 0.0f;
-  dvr[c] = 0.0f;
+// 8 columns per access (mt_load8: 16-byte loads on CUDA where aligned; a lane's key is its
+// own row, so element-wise loads would touch 32 rows per instruction for 2 or 4 bytes each)
+for (int c = 0; c < CPS; c += 8) {
+  float k8[8];
+  float v8[8];
+  if (key_in) {
+    mt_load8(k + key_at + c, k8);
+    mt_load8(v + key_at + c, v8);
+  }
+  for (int e = 0; e < 8; ++e) {
+    kr[c + e] = key_in ? q_scale * k8[e] : 0.0f;
+    vr[c + e] = key_in ? v8[e] : 0.0f;
+    dkr[c + e] = 0.0f;
+    dvr[c + e] = 0.0f;
+  }
 }
 
 const uint n_keys = kb < kvn ? min(32u, kvn - kb) : 0u;  // uniform
@@ -180,8 +190,14 @@ for (uint rb = 0; rb < (n_keys > 0u ? n_rows : 0u); rb += uint(RB)) {
 }
 
 if (j < S_rows) {
-  for (int c = 0; c < CPS; ++c) {
-    dk[key_at + c] = T(key_in ? g_scale * dkr[c] : 0.0f);
-    dv[key_at + c] = T(key_in ? dvr[c] : 0.0f);
+  for (int c = 0; c < CPS; c += 8) {
+    float dk8[8];
+    float dv8[8];
+    for (int e = 0; e < 8; ++e) {
+      dk8[e] = key_in ? g_scale * dkr[c + e] : 0.0f;
+      dv8[e] = key_in ? dvr[c + e] : 0.0f;
+    }
+    mt_store8(dk + key_at + c, dk8);
+    mt_store8(dv + key_at + c, dv8);
   }
 }
