@@ -3,13 +3,14 @@
 // over every query row of the heads that share it (G = Hq/Hkv heads x L queries),
 // recomputing each probability from the row's statistics (written by
 // sdpa_multi_backward_dq_split.metal): dK and dV of its keys are summed in registers, in
-// one fixed order (no atomics: the same bits every run), and written once. With an additive mask it also writes dS, the mask's gradient.
+// one fixed order (no atomics: the same bits every run), and written once. With an
+// additive mask it also writes dS, the mask's gradient.
 //
 // MATH (per key j < kv_len of KV head (b, kvh), float32, base-2 exponentials):
 //   for each row r of the head group (query l = r % L of head kvh * G + r / L), with
 //   (m, l, Dr) = stats[r]: d_rj = dot(a * q_r, k_j) (+ mask), (a, b) =
-//   mt_score_unit(scale * log2(e)); P_rj = 2^(b (d_rj - m)) / l on visible keys (j <= kv_len - L + l when causal),
-//   else 0; dS_rj = P_rj (dot(dO_r, v_j) - Dr)
+//   mt_score_unit(scale * log2(e)); P_rj = 2^(b (d_rj - m)) / l on visible keys
+//   (j <= kv_len - L + l when causal), else 0; dS_rj = P_rj (dot(dO_r, v_j) - Dr)
 //   dv_j = sum_r P_rj dO_r;  dk_j = scale * sum_r dS_rj q_r
 //   dmask[r, j - key0] = dS_rj (MASK_KIND 2, for the mask's columns; summed to the mask's
 //   own shape by the wrapper).

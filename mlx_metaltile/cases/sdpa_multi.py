@@ -382,9 +382,9 @@ def _backward_call(backend, rng):
 def backward_split(chunk: int, backend: str | None = None, n_sg: int | None = None):
     """Inside: the VJP on ``backend`` (every kernel backend when None) splits the keys of
     its dq side (the statistics and split dq kernels) into slices of ``chunk`` keys
-    (rounded up to whole key blocks), whatever the backend's plan (BWD_SPLIT_FORCED); ``n_sg`` (1, 2, 4 or
-    8) forces the split threadgroups' simdgroups on every backend (BWD_SPLIT_SIMDGROUPS),
-    else the plan picks them from G*L."""
+    (rounded up to whole key blocks), whatever the backend's plan (BWD_SPLIT_FORCED);
+    ``n_sg`` (1, 2, 4 or 8) forces the threadgroups' simdgroups on every backend
+    (BWD_SPLIT_SIMDGROUPS), else the plan picks them from G*L."""
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"[{OP}] the forced slice length must be a positive int, got "
                          f"{chunk!r}")

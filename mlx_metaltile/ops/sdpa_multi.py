@@ -649,9 +649,8 @@ def _bwd_dkv_rows(D: int) -> int:
 
 def _bwd_dkv_geometry(D: int, dtype: mx.Dtype) -> tuple[int, int]:
     """(threads per threadgroup, threadgroup memory bytes) of the dk/dv kernel at
-    BWD_DKV_COLS: q and dO tiles of RB rows in T, RB rows of stats and the [NSG][RB][32]
-    score chunks x 2 in float32 ([D / 16][RB][32] each, whatever CPS: common.h's score
-    expression)."""
+    BWD_DKV_COLS: q and dO tiles of RB rows in T, RB rows of stats and the score chunks
+    [D / 16][RB][32] x 2 in float32 (whatever CPS: common.h's backward score expression)."""
     if BWD_DKV_COLS not in BWD_DKV_COLS_CHOICES:
         raise ValueError(f"[{OP}] BWD_DKV_COLS must be one of {BWD_DKV_COLS_CHOICES}, got "
                          f"{BWD_DKV_COLS!r}")
@@ -712,9 +711,10 @@ BWD_STATS_SPEC, BWD_DQ_SPLIT_SPEC = register(
         op=OP, variant="backward_stats", template="sdpa_multi_backward_stats.metal",
         inputs=_BWD_SPLIT_INPUTS, outputs=(Arg("stats_part", "float32", 4),),
         params=("T", "D", "KB", "MASK_KIND", "MAX_SG"), bindings=_bwd_bindings(True, True),
-        geometry="the VJP, pass 1a: 4*n_sg query rows of one KV head x one slice "
-                 "of chunk keys per TG (n_sg = 1, 2, 4 or 8 <= MAX_SG simdgroups x 4 rows, a "
-                 "runtime choice); grid (32*n_sg, ceil(G*L/(4*n_sg)), B*Hkv*n_splits); each "
+        geometry="the VJP, pass 1a: 4*n_sg query rows of one KV head x one slice of "
+                 "chunk keys (all keys unless the plan splits them) per TG (n_sg = 1, 2, 4 "
+                 "or 8 <= MAX_SG simdgroups x 4 rows, a runtime choice); grid (32*n_sg, "
+                 "ceil(G*L/(4*n_sg)), B*Hkv*n_splits); each "
                  "TG reads its slice's visible K/V once; lane per key",
         notes="template T, D, KB, MASK_KIND, MAX_SG (the most simdgroups the staged rows "
               "fit: bwd_split_max_simdgroups); writes each row's (m, l, sum P dO.v) per "
@@ -741,19 +741,19 @@ BACKWARD_SPECS = (BWD_STATS_SPEC, BWD_DQ_SPLIT_SPEC, BWD_DKV_SPEC)
 # fill the GPU. The slices per backend: BWD_SPLIT_BACKENDS split where the plan finds more
 # than one slice; every other backend (Metal, the emulator) takes one slice covering every
 # key (no measurement on a Mac argues for the split there), its dq the one partial. A
-# threadgroup holds n_sg simdgroups of 4 rows: the fewest (a power
-# of two, at most BWD_SPLIT_MAX_SIMDGROUPS and at most bwd_split_max_simdgroups(D, dtype))
-# that hold the G*L rows, so a decode step's rows do not leave simdgroups idle;
-# BWD_SPLIT_SIMDGROUPS forces n_sg (within the same cap). Slices for about
-# BWD_SPLIT_WARPS_PER_CORE warps (threadgroups x n_sg) per GPU core, each at least
-# BWD_SPLIT_MIN_KEYS keys (a multiple of KEY_BLOCK), at most BWD_SPLIT_MAX_SPLITS, and
-# B * Hkv * n_splits within the grid's z limit (CUDA's 65535). BWD_SPLIT_FORCED (backend ->
-# slice length; tests) sets the slices whatever the backend. Tuning constants: they
-# change speed and the last bits of dq (n_sg changes none), never results beyond the
-# tolerance table. H100, B 1, h32/8, L 1, 4K keys, D 128, float16, VJP us (native ~350):
-# the former one-kernel dq side (32-row tiles, no split) 1672; split at 8 simdgroups 481-526 (slices of 64 to 512 keys alike); at n_sg
-# 1 with 128 / 64 / 32-key slices 308 / 281 / 269 (BWD_SPLIT_WARPS_PER_CORE 64: the same
-# plan there, the keys bound it).
+# threadgroup holds n_sg simdgroups of 4 rows: the fewest (a power of two, at most
+# BWD_SPLIT_MAX_SIMDGROUPS and at most bwd_split_max_simdgroups(D, dtype)) that hold the
+# G*L rows, so a decode step's rows do not leave simdgroups idle; BWD_SPLIT_SIMDGROUPS
+# forces n_sg (within the same cap). Slices for about BWD_SPLIT_WARPS_PER_CORE warps
+# (threadgroups x n_sg) per GPU core, each at least BWD_SPLIT_MIN_KEYS keys (a multiple of
+# KEY_BLOCK), at most BWD_SPLIT_MAX_SPLITS, and B * Hkv * n_splits within the grid's z limit
+# (CUDA's 65535). BWD_SPLIT_FORCED (backend -> slice length; tests) sets the slices whatever
+# the backend. Tuning constants: they change speed and the last bits of dq (n_sg changes
+# none), never results beyond the tolerance table. H100, B 1, h32/8, L 1, 4K keys, D 128,
+# float16, VJP us (native ~350): the former one-kernel dq side (32-row tiles, no split)
+# 1672; split at 8 simdgroups 481-526 (slices of 64 to 512 keys alike); at n_sg 1 with
+# 128 / 64 / 32-key slices 308 / 281 / 269 (BWD_SPLIT_WARPS_PER_CORE 64: the same plan
+# there, the keys bound it).
 BWD_SPLIT_BACKENDS = ("cuda",)
 BWD_SPLIT_WARPS_PER_CORE = 32
 BWD_SPLIT_MIN_KEYS = 32
@@ -828,16 +828,16 @@ def backward_plan(backend: str, B: int, Hq: int, Hkv: int, L: int, D: int, kv_le
     if B * Hkv * n_splits > backends.MAX_GRID_Z:
         raise ValueError(f"[{OP}] the key-split VJP's grid needs B * Hkv * n_splits <= "
                          f"{backends.MAX_GRID_Z}, got {B} * {Hkv} * {n_splits}")
-    return {"n_splits": n_splits, "chunk": chunk, "n_sg": n_sg,
-            "n_tiles": n_tiles, "kb": _bwd_key_block(D, dtype)}
+    return {"n_splits": n_splits, "chunk": chunk, "n_sg": n_sg, "n_tiles": n_tiles,
+            "kb": _bwd_key_block(D, dtype)}
 
 
 def _launch_backward(q, k, v, dout, p: _Problem, backend) -> tuple:
     """(dq, dk, dv, dsinks or None, dmask or None) for the cotangent ``dout``: the
     statistics kernel, then the split dq kernel over backward_plan's slices of the keys
     (dq's slice partials summed here; one slice: its partial is dq); then the dk/dv kernel
-    (one pass over the keys). dsinks sums the rows' terms and an additive
-    mask's dS is summed to the mask's shape here (small MLX reductions)."""
+    (one pass over the keys). dsinks sums the rows' terms and an additive mask's dS is
+    summed to the mask's shape here (small MLX reductions)."""
     B, Hq, Hkv, L, S, D = p.B, p.Hq, p.Hkv, p.L, p.S, p.D
     G = Hq // Hkv
     kv_len = scalar(p.kv_len, mx.uint32) if isinstance(p.kv_len, int) else p.kv_len
