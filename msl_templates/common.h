@@ -126,49 +126,89 @@ inline float2 mt_score_unit(float c) {
   return float2(c * as_type<float>((127u - k) << 23), as_type<float>((127u + k) << 23));
 }
 
-// Four float rows dotted with one key row of T (the key-split VJP's scores and dP, lane per
-// key: sdpa_multi_backward_stats.metal and sdpa_multi_backward_dq_split.metal take both
-// here, so the two kernels see the same bits). rows[r * D / 4 + i] holds columns 4i .. 4i + 3
+// THE BACKWARD SCORE EXPRESSION (sdpa_multi's VJP: sdpa_multi_backward_stats.metal,
+// sdpa_multi_backward_dq_split.metal and sdpa_multi_backward_dkv.metal all form every score
+// and every dP this way, so a score is the same bits in each kernel: a probability
+// recomputed from another kernel's (m, l) never exceeds its exact value by rounding). For a
+// row x (a * float(q) in float32 with a = mt_score_unit(...).x, or float(dO)) and a key y
+// (float(k), or float(v)) of D columns (a multiple of MT_SCORE_CHUNK):
+//   chunk_c = fma(x[16c + 15], y[16c + 15], .. fma(x[16c + 1], y[16c + 1],
+//             fma(x[16c], y[16c], 0.0f)) ..)   (an explicit fma chain from 0.0f over the
+//             chunk's 16 columns in increasing order), c = 0 .. D/16 - 1;
+//   s = chunk_0; s = s + chunk_1; .. s = s + chunk_{D/16-1}   (chunks added left to right).
+// mt_score_chunk forms one chunk_c, mt_score_add adds a chunk to the running sum (the
+// first chunk is the sum), mt_rows4_dot forms the whole expression for four rows at once.
+constexpr int MT_SCORE_CHUNK = 16;
+
+// chunk_c of the rule above for one row: x[0 .. 16) (threadgroup, T, times x_scale in
+// float32: a * float(q), or 1.0f * float(dO) == float(dO) exactly) against y[0 .. 16)
+// (thread registers, float).
+template <typename T>
+inline float mt_score_chunk(const threadgroup T* x, float x_scale, const thread float* y) {
+  float acc = 0.0f;
+  for (int i = 0; i < MT_SCORE_CHUNK; ++i) {
+    acc = metal::fma(x_scale * float(x[i]), y[i], acc);
+  }
+  return acc;
+}
+
+// The running sum over chunks: s = chunk_0 for c = 0, else s + chunk_c.
+inline float mt_score_add(float s, float chunk, int c) {
+  return c == 0 ? chunk : s + chunk;
+}
+
+// Four float rows dotted with one key row of T by the rule above (the statistics and split
+// dq kernels' scores and dP, lane per key). rows[r * D / 4 + i] holds columns 4i .. 4i + 3
 // of row r (threadgroup memory, the same address for every lane: a broadcast); key[0 .. D)
-// is the lane's own key row. out[r] = sum_d rows[r][d] * key[d]: one fma per (row, column),
-// columns in increasing order from 0, each key element read once for the four rows.
+// is the lane's own key row, each element read once for the four rows.
 template <typename T, int D>
 inline void mt_rows4_dot(const threadgroup float4* rows, const threadgroup T* key,
                          thread float* out) {
-  float a0 = 0.0f;
-  float a1 = 0.0f;
-  float a2 = 0.0f;
-  float a3 = 0.0f;
-  for (int i = 0; i < D / 4; ++i) {
-    const float x0 = float(key[4 * i]);
-    const float x1 = float(key[4 * i + 1]);
-    const float x2 = float(key[4 * i + 2]);
-    const float x3 = float(key[4 * i + 3]);
-    const float4 r0 = rows[i];
-    const float4 r1 = rows[D / 4 + i];
-    const float4 r2 = rows[2 * (D / 4) + i];
-    const float4 r3 = rows[3 * (D / 4) + i];
-    a0 = metal::fma(r0.x, x0, a0);
-    a0 = metal::fma(r0.y, x1, a0);
-    a0 = metal::fma(r0.z, x2, a0);
-    a0 = metal::fma(r0.w, x3, a0);
-    a1 = metal::fma(r1.x, x0, a1);
-    a1 = metal::fma(r1.y, x1, a1);
-    a1 = metal::fma(r1.z, x2, a1);
-    a1 = metal::fma(r1.w, x3, a1);
-    a2 = metal::fma(r2.x, x0, a2);
-    a2 = metal::fma(r2.y, x1, a2);
-    a2 = metal::fma(r2.z, x2, a2);
-    a2 = metal::fma(r2.w, x3, a2);
-    a3 = metal::fma(r3.x, x0, a3);
-    a3 = metal::fma(r3.y, x1, a3);
-    a3 = metal::fma(r3.z, x2, a3);
-    a3 = metal::fma(r3.w, x3, a3);
+  static_assert(D % MT_SCORE_CHUNK == 0, "score chunks");
+  float s0 = 0.0f;
+  float s1 = 0.0f;
+  float s2 = 0.0f;
+  float s3 = 0.0f;
+  for (int c = 0; c < D / MT_SCORE_CHUNK; ++c) {
+    float a0 = 0.0f;
+    float a1 = 0.0f;
+    float a2 = 0.0f;
+    float a3 = 0.0f;
+    for (int i = c * (MT_SCORE_CHUNK / 4); i < (c + 1) * (MT_SCORE_CHUNK / 4); ++i) {
+      const float x0 = float(key[4 * i]);
+      const float x1 = float(key[4 * i + 1]);
+      const float x2 = float(key[4 * i + 2]);
+      const float x3 = float(key[4 * i + 3]);
+      const float4 r0 = rows[i];
+      const float4 r1 = rows[D / 4 + i];
+      const float4 r2 = rows[2 * (D / 4) + i];
+      const float4 r3 = rows[3 * (D / 4) + i];
+      a0 = metal::fma(r0.x, x0, a0);
+      a0 = metal::fma(r0.y, x1, a0);
+      a0 = metal::fma(r0.z, x2, a0);
+      a0 = metal::fma(r0.w, x3, a0);
+      a1 = metal::fma(r1.x, x0, a1);
+      a1 = metal::fma(r1.y, x1, a1);
+      a1 = metal::fma(r1.z, x2, a1);
+      a1 = metal::fma(r1.w, x3, a1);
+      a2 = metal::fma(r2.x, x0, a2);
+      a2 = metal::fma(r2.y, x1, a2);
+      a2 = metal::fma(r2.z, x2, a2);
+      a2 = metal::fma(r2.w, x3, a2);
+      a3 = metal::fma(r3.x, x0, a3);
+      a3 = metal::fma(r3.y, x1, a3);
+      a3 = metal::fma(r3.z, x2, a3);
+      a3 = metal::fma(r3.w, x3, a3);
+    }
+    s0 = mt_score_add(s0, a0, c);
+    s1 = mt_score_add(s1, a1, c);
+    s2 = mt_score_add(s2, a2, c);
+    s3 = mt_score_add(s3, a3, c);
   }
-  out[0] = a0;
-  out[1] = a1;
-  out[2] = a2;
-  out[3] = a3;
+  out[0] = s0;
+  out[1] = s1;
+  out[2] = s2;
+  out[3] = s3;
 }
 
 // ---- fp4 (E2M1) weights and their block scales (MLX's mxfp4 / nvfp4 layouts) ----------

@@ -1,38 +1,30 @@
-// sdpa_multi_backward_dkv.metal: backward pass 2 of sdpa_multi (FlashAttention-2 style). A
-// threadgroup owns a block of 32 keys of one KV head, one key per lane, and loops over every
-// query row of the heads that share it (G = Hq/Hkv heads x L queries), recomputing each
-// probability from the row's statistics (sdpa_multi_backward_dq.metal's stats): dK and dV
-// of its keys are summed in registers, in one fixed order (no atomics: the same bits every
-// run), and written once. With an additive mask it also writes dS, the mask's gradient.
+// sdpa_multi_backward_dkv.metal: the last kernel of sdpa_multi's VJP (FlashAttention-2
+// style). A threadgroup owns a block of 32 keys of one KV head, one key per lane, and loops
+// over every query row of the heads that share it (G = Hq/Hkv heads x L queries),
+// recomputing each probability from the row's statistics (written by
+// sdpa_multi_backward_dq_split.metal): dK and dV of its keys are summed in registers, in
+// one fixed order (no atomics: the same bits every run), and written once. With an
+// additive mask it also writes dS, the mask's gradient.
 //
 // MATH (per key j < kv_len of KV head (b, kvh), float32, base-2 exponentials):
 //   for each row r of the head group (query l = r % L of head kvh * G + r / L), with
-//   (m, l, Dr) = stats[r]: d_rj = dot(q_r, a * k_j) (+ mask), (a, b) = mt_score_unit(scale *
-//   log2(e)); P_rj = 2^(b (d_rj - m)) / l on visible keys (j <= kv_len - L + l when causal),
-//   else 0; dS_rj = P_rj (dot(dO_r, v_j) - Dr)
+//   (m, l, Dr) = stats[r]: d_rj = dot(a * q_r, k_j) (+ mask), (a, b) =
+//   mt_score_unit(scale * log2(e)); P_rj = 2^(b (d_rj - m)) / l on visible keys
+//   (j <= kv_len - L + l when causal), else 0; dS_rj = P_rj (dot(dO_r, v_j) - Dr)
 //   dv_j = sum_r P_rj dO_r;  dk_j = scale * sum_r dS_rj q_r
 //   dmask[r, j - key0] = dS_rj (MASK_KIND 2, for the mask's columns; summed to the mask's
 //   own shape by the wrapper).
 //   Masks, the sinks (inside m and l) and the rows that see nothing follow
-//   sdpa_multi_backward_dq.metal: a bool-masked key keeps its P (uniform rows) with dS = 0;
-//   an additive -inf key has P = 0; a row with l = 0 (the forward's NaN row) gives NaN for
-//   every key j < kv_len. Keys j >= kv_len (up to S) get dk = dv = 0 and are never read.
-//   The scores are not the dq kernels' bits (REDUCTION ORDER): d_rj may differ by rounding
-//   from the d that (m, l) were made from, and b (> 1 where |scale| >= 1 / log2(e))
-//   multiplies the difference in the exponent. An exact score never exceeds m, so the
-//   exponent b (d_rj - m) is clamped at 0: P <= 1 / l <= 1 at any scale (unclamped, P
-//   could exceed its exact value by that rounding, e.g. 1 + 1 ulp where l == 1, and
-//   overflow to inf at scale 1e30). The difference grows with |scale * q.k| (emulator, D 64:
-//   dv off by 1-3% of its largest value at scale 1e4, scores ~1e5); where it is not small
-//   next to 1 in units of ln 2 (past about 1e6), P of a row's top key may be far below
-//   1 / l (0 at scale 1e8 or 1e30, where the dq kernels' P is one-hot): dk, dv and dmask
-//   stay finite, within the float64 check's allowance for score rounding, which at such
-//   scales admits errors of the gradients' own size.
+//   sdpa_multi_backward_dq_split.metal: a bool-masked key keeps its P (uniform rows) with
+//   dS = 0; an additive -inf key has P = 0; a row with l = 0 (the forward's NaN row) gives
+//   NaN for every key j < kv_len. Keys j >= kv_len (up to S) get dk = dv = 0 and are never
+//   read. d_rj is the statistics' score bits (REDUCTION ORDER): d_rj <= m exactly (m is
+//   one of them, or the sink above them), so P_rj <= 1 / l at any scale.
 //
 // LAYOUT (row-contiguous): q, dout [B, Hq, L, D] T; k, v [B, Hkv, S, D] T; stats
 //   [B*Hq*L, 3] float32 (m, l, Dr); dk, dv [B, Hkv, S, D] T; dmask [B*Hq*L, mask_cols]
 //   float32 (a 1-element dummy unless MASK_KIND == 2). 0-d runtime inputs as in
-//   sdpa_multi_backward_dq.metal, plus mask_cols (the mask's last axis: kv_len or L).
+//   sdpa_multi_backward_stats.metal, plus mask_cols (the mask's last axis: kv_len or L).
 //   Template: T, D (multiple of CPS), CPS (columns per simdgroup: 16 or 32), MASK_KIND.
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
@@ -41,20 +33,23 @@
 //   registers); grid = (32 * NSG, ceil(S / 32), B * Hkv): threadgroup_position_in_grid =
 //   (0, key block, b*Hkv + kvh). The rows are staged RB at a time (RB = 16 for D <= 64, 8
 //   for D <= 128, 4 beyond): q and dO tiles RB * D elements of T each, stats RB * 3 floats,
-//   and the partial dot products [NSG][RB][32] x 2 floats: RB * (2 D sizeof(T) + 256 NSG +
-//   12) bytes, at most 24,768 (D 64, CPS 16, float32) <= 32 KiB. A block wholly past kv_len
+//   and the score chunks [D / 16][RB][32] x 2 floats (whatever CPS): RB * (2 D sizeof(T) +
+//   16 D + 12) bytes, at most 24,768 (D 64, float32; D 96 24,672 at RB 8; D 128 24,672;
+//   D 256 24,624) <= 32 KiB. A block wholly past kv_len
 //   only writes zeros. Every thread reaches every barrier (uniform loop bounds).
 //
 // TRAFFIC per call: each K and V row < kv_len is read once, rows >= kv_len never; q, dO and
 //   stats are read once per key block (ceil(kv_len / 32) times); dk, dv written once (all S
 //   rows), dmask once (by simdgroup 0, one coalesced row of 32 keys per query row). Per
-//   (row, key) and simdgroup: 2 * CPS FMAs for the partials, 2 * NSG threadgroup reads to
+//   (row, key) and simdgroup: 2 * CPS FMAs for the chunks, 2 * D / 16 threadgroup reads to
 //   sum them, 2 * CPS FMAs into dk and dv; no SIMD-group function, no shuffle.
 //
-// REDUCTION ORDER: rows in increasing order (g, then l); each dot product as one lane's
-//   serial sum over its simdgroup's CPS columns (in column order), then the NSG partials
-//   summed in simdgroup order 0, 1, .. (every simdgroup forms the same sum: the same P and
-//   dS bits in each). Not the dq kernel's order (MATH).
+// REDUCTION ORDER: rows in increasing order (g, then l); each score and dP is common.h's
+//   backward score expression: simdgroup w forms the CPS / 16 chunks of its columns
+//   (mt_score_chunk: a fma chain over 16 columns of a * float(q), or float(dO), with the
+//   key's float(k), or float(v)), writes them to threadgroup memory, and every lane sums
+//   all D / 16 chunks in chunk order (mt_score_add): the same bits in every simdgroup, at
+//   CPS 16 and 32 alike, and the same as the statistics and split dq kernels' scores.
 //
 // Checked only on a Mac: that Apple's compiler accepts the body, register pressure (4 * CPS
 //   floats of key state per thread; nvcc sm_90, half, no spills: 94-125 registers at CPS 16,
@@ -63,13 +58,15 @@
 #include "common.h"
 // ---- kernel body ----
 constexpr int NSG = D / CPS;                      // simdgroups, CPS columns each
+constexpr int NCH = D / MT_SCORE_CHUNK;           // score chunks (common.h), CPS / 16 each
+constexpr int CPG = CPS / MT_SCORE_CHUNK;         // chunks per simdgroup
 constexpr int RB = D <= 64 ? 16 : (D <= 128 ? 8 : 4);  // rows staged at a time
 static_assert((CPS == 16 || CPS == 32) && D % CPS == 0, "head dim tiling");
 threadgroup T q_tile[RB * D];
 threadgroup T g_tile[RB * D];
 threadgroup float st_tile[RB * 3];
-threadgroup float s_part[NSG * RB * 32];          // [NSG][RB][32]: partial q . (a k)
-threadgroup float g_part[NSG * RB * 32];          // [NSG][RB][32]: partial dO . v
+threadgroup float s_part[NCH * RB * 32];          // [NCH][RB][32]: chunks of (a q) . k
+threadgroup float g_part[NCH * RB * 32];          // [NCH][RB][32]: chunks of dO . v
 
 const uint block = threadgroup_position_in_grid.y;
 const uint bh = threadgroup_position_in_grid.z;
@@ -98,7 +95,7 @@ const uint col0 = sg * uint(CPS);                 // this simdgroup's first colu
 
 const size_t q_row0 = size_t(bh) * n_rows;
 const size_t key_at = (size_t(bh) * S_rows + j) * D + col0;
-float kr[CPS];   // a * k: the key in score units
+float kr[CPS];   // float(k)
 float vr[CPS];
 float dkr[CPS];
 float dvr[CPS];
@@ -112,7 +109,7 @@ for (int c = 0; c < CPS; c += 8) {
     mt_load8(v + key_at + c, v8);
   }
   for (int e = 0; e < 8; ++e) {
-    kr[c + e] = key_in ? q_scale * k8[e] : 0.0f;
+    kr[c + e] = key_in ? k8[e] : 0.0f;
     vr[c + e] = key_in ? v8[e] : 0.0f;
     dkr[c + e] = 0.0f;
     dvr[c + e] = 0.0f;
@@ -132,17 +129,18 @@ for (uint rb = 0; rb < (n_keys > 0u ? n_rows : 0u); rb += uint(RB)) {
     st_tile[tid] = stats[(q_row0 + rb) * 3u + tid];
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  // this simdgroup's columns of both dot products, for every staged row (the row's q and dO
-  // values are the same address for all lanes: broadcast reads)
+  // this simdgroup's score chunks of both dot products (common.h's mt_score_chunk), for
+  // every staged row (the row's q and dO values are the same address for all lanes:
+  // broadcast reads)
   for (uint i = 0; i < nrb; ++i) {
-    float sp = 0.0f;
-    float gp = 0.0f;
-    for (int c = 0; c < CPS; ++c) {
-      sp += float(q_tile[i * D + col0 + c]) * kr[c];
-      gp += float(g_tile[i * D + col0 + c]) * vr[c];
+    for (int cc = 0; cc < CPG; ++cc) {
+      const uint ch = sg * uint(CPG) + uint(cc);
+      const uint at = i * D + col0 + uint(cc * MT_SCORE_CHUNK);
+      s_part[(ch * uint(RB) + i) * 32u + lane] =
+          mt_score_chunk<T>(q_tile + at, q_scale, kr + cc * MT_SCORE_CHUNK);
+      g_part[(ch * uint(RB) + i) * 32u + lane] =
+          mt_score_chunk<T>(g_tile + at, 1.0f, vr + cc * MT_SCORE_CHUNK);
     }
-    s_part[(sg * uint(RB) + i) * 32u + lane] = sp;
-    g_part[(sg * uint(RB) + i) * 32u + lane] = gp;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint i = 0; i < nrb; ++i) {
@@ -158,9 +156,9 @@ for (uint rb = 0; rb < (n_keys > 0u ? n_rows : 0u); rb += uint(RB)) {
     const bool nan_row = !(l_r > 0.0f);
     float sc = 0.0f;
     float dp = 0.0f;
-    for (int s = 0; s < NSG; ++s) {  // simdgroup order: the same sums in every simdgroup
-      sc += s_part[(uint(s) * uint(RB) + i) * 32u + lane];
-      dp += g_part[(uint(s) * uint(RB) + i) * 32u + lane];
+    for (int c = 0; c < NCH; ++c) {  // chunk order (common.h): the same sums in every sg
+      sc = mt_score_add(sc, s_part[(uint(c) * uint(RB) + i) * 32u + lane], c);
+      dp = mt_score_add(dp, g_part[(uint(c) * uint(RB) + i) * 32u + lane], c);
     }
     bool ok = j < lim;  // lim <= kvn: a visible key is a key < kv_len
     bool live = ok;
@@ -175,9 +173,9 @@ for (uint rb = 0; rb < (n_keys > 0u ? n_rows : 0u); rb += uint(RB)) {
         live = ok;
       }
     }
-    // an exact score never exceeds m: the exponent clamped at 0 (MATH)
+    // sc is the statistics' score bits (common.h): sc <= m_r, P <= 1 / l_r (MATH)
     const float p = !key_in ? 0.0f
-                    : (nan_row ? NAN : (ok ? exp2(min(unit * (sc - m_r), 0.0f)) / l_r : 0.0f));
+                    : (nan_row ? NAN : (ok ? exp2(unit * (sc - m_r)) / l_r : 0.0f));
     const float ds = !key_in ? 0.0f : (nan_row ? NAN : (live ? p * (dp - d_r) : 0.0f));
     for (int c = 0; c < CPS; ++c) {
       dvr[c] += p * float(g_tile[i * D + col0 + c]);

@@ -1,30 +1,34 @@
-// sdpa_multi_backward_dq_split.metal: the key-split backward's second kernel (the VJP where
-// the plan splits the keys: ops/sdpa_multi.py, backward_plan). A tile of up to 4 * n_sg
-// query rows merges its rows' slice statistics (sdpa_multi_backward_stats.metal), then
-// walks one slice of the visible keys once, forming dS and a float32 partial dq; the
-// wrapper sums the partials over the slices. The threadgroups of slice 0 write the rows'
-// statistics (for sdpa_multi_backward_dkv.metal) and dsinks terms, as
-// sdpa_multi_backward_dq.metal does.
+// sdpa_multi_backward_dq_split.metal: the second kernel of sdpa_multi's VJP (ops/
+// sdpa_multi.py, _launch_backward, backward_plan). A tile of up to 4 * n_sg query rows
+// merges its rows' slice statistics (sdpa_multi_backward_stats.metal), then walks one slice
+// of the visible keys once, forming dS and a float32 partial dq; the wrapper sums the
+// partials over the slices (one slice, unless the plan splits the keys: its partial is
+// dq). The threadgroups of slice 0 write the rows' statistics (for
+// sdpa_multi_backward_dkv.metal) and dsinks terms.
 //
-// MATH (per query row r, float32, base-2 exponentials; scores, masks, visibility, sinks and
-//   the rows that see nothing as sdpa_multi_backward_dq.metal, see its MATH; the scores'
-//   rounding differs: REDUCTION ORDER):
+// MATH (per query row r, float32, base-2 exponentials; scores, masks and visibility as
+//   sdpa_multi_backward_stats.metal, see its MATH):
 //   merge: m = max_s m_s; w_s = 2^(b (m_s - m)) (0 where m_s = -inf: an empty slice);
-//     l = sum_s w_s l_s, U = sum_s w_s u_s; then the sink as the dq kernel's pass 0:
+//     l = sum_s w_s l_s, U = sum_s w_s u_s; then the sink (sink' = sinks[h] log2(e) / b):
 //     m_f = max(m, sink'), l_f = l 2^(b (m - m_f)) + 2^(b (sink' - m_f)),
 //     Dr = U 2^(b (m - m_f)) / l_f (NaN where l_f = 0, as there).
 //   slice s: P_rj = 2^(b (d_j - m_f)) / l_f, dP_rj = dot(dO_r, v_j),
-//     dS_rj = P_rj (dP_rj - Dr), dq_part[s, r] = scale * sum_{j in s} dS_rj k_j (scaled);
+//     dS_rj = P_rj (dP_rj - Dr), dq_part[s, r] = scale * sum_{j in s} dS_rj k_j;
 //     the wrapper sums dq_part over s (a slice with no visible key gives 0; a row with
 //     l_f = 0 gives NaN from every slice that holds a key j < kv_len, slice 0 included).
-//   stats[r] = (m_f, l_f, Dr), dsink_part[r] = -2^(b (sink' - m_f)) / l_f * Dr (slice 0).
+//   stats[r] = (m_f, l_f, Dr), dsink_part[r] = -2^(b (sink' - m_f)) / l_f * Dr (slice 0;
+//     0 without sinks; summed by the wrapper).
+//   A bool-masked key (score -FLT_MAX) keeps its P but its score does not depend on q, k:
+//   its dS is 0. A row that sees no key and no sink (l_f = 0: the forward's NaN row) gets
+//   P = dS = NaN for every key j < kv_len, as the float64 definition (exp(-inf - -inf))
+//   gives. dq_part sums dS_rj k_j unnormalised (dq's own range).
 //
 // LAYOUT (row-contiguous): q, dout [B, Hq, L, D] T; k, v [B, Hkv, S, D] T (rows >= kv_len
 //   never read); stats_part [B * Hkv, n_splits, G * L, 3] float32 (the stats kernel's);
 //   dq_part [B * Hkv, n_splits, G * L, D] float32; stats [B*Hq*L, 3] float32 (m, l, Dr);
-//   dsink_part [B*Hq*L] float32. 0-d runtime inputs as in sdpa_multi_backward_dq.metal,
-//   plus chunk and n_splits (as the stats kernel). Template: T, D, KB, MASK_KIND, MAX_SG
-//   (as the stats kernel).
+//   dsink_part [B*Hq*L] float32. 0-d runtime inputs as the stats kernel's, plus has_sinks
+//   (0/1, uint) and sinks [Hq] float32 (a 1-element dummy without sinks). Template: T, D,
+//   KB, MASK_KIND, MAX_SG (as the stats kernel).
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes): as
 //   sdpa_multi_backward_stats.metal, with the same chunk, n_splits and n_sg: threadgroup =
@@ -50,17 +54,13 @@
 //   then simd_max / simd_sum, the same in every threadgroup of the row, so all slices see
 //   the same (m_f, l_f, Dr) bits. Keys in increasing order within the slice, whatever n_sg
 //   (keys a tile walks past a row's last weigh 0: a row's results do not depend on n_sg).
-//   Scores and dP by common.h's mt_rows4_dot, as the stats kernel (one fma per column, in
-//   column order, over the staged float a * q or dO): the scores here are the stats
-//   kernel's bit for bit, so none exceeds the merged m and no P recomputed here exceeds
-//   1. The one-kernel dq kernel's and the dk/dv kernel's scores are other expressions and
-//   may differ in the last bits (a P recomputed there from these stats may exceed its
-//   exact value by rounding). dq: keys in increasing order.
+//   Scores and dP by common.h's backward score expression (mt_rows4_dot: 16-column fma
+//   chunks added in order), as the stats and dk/dv kernels: the scores here are the stats
+//   kernel's bit for bit, so none exceeds the merged m and no P recomputed here exceeds 1.
+//   dq: keys in increasing order.
 //
-// Metal and the emulator keep the one-kernel form by default (BWD_SPLIT_BACKENDS): no
-//   measurement on a Mac argues for the split there. Checked only on a Mac: that Apple's
-//   compiler accepts the body, and the speed. The emulator checks the semantics, barriers,
-//   threadgroup races and the device traffic.
+// Checked only on a Mac: that Apple's compiler accepts the body, and the speed. The
+//   emulator checks the semantics, barriers, threadgroup races and the device traffic.
 #include "common.h"
 // ---- kernel body ----
 constexpr int DPL = D / 32;                       // dq columns per lane
@@ -178,7 +178,7 @@ for (int rr = 0; rr < RS; ++rr) {
   }
 }
 
-// This simdgroup's rows staged as float (a * q as the dq kernel's operand, dO), zeros past
+// This simdgroup's rows staged as float (a * q, the score expression's operand, and dO), zeros past
 // the last row; its own lanes write them and the block loop's first barrier publishes them.
 threadgroup float4* q_rows = q_tile + sg * uint(RS * D4);
 threadgroup float4* g_rows = g_tile + sg * uint(RS * D4);
@@ -221,7 +221,7 @@ for (uint kb = k_begin; kb < k_stop; kb += uint(KB)) {
     mt_rows4_dot<T, D>(g_rows, key_row, dp);
   }
 
-  // Scores of this lane's key (the stats kernel's expression: mt_rows4_dot).
+  // Scores of this lane's key (common.h's backward score expression: mt_rows4_dot).
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint e = tid; e < uint(KB * D); e += n_threads) {
     const uint jj = e / uint(D);

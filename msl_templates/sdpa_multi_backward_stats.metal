@@ -1,26 +1,39 @@
-// sdpa_multi_backward_stats.metal: the key-split backward's first kernel (sdpa_multi's VJP
-// where the plan splits the keys: ops/sdpa_multi.py, backward_plan). A tile of up to
-// 4 * n_sg query rows walks one slice of the visible keys once and writes, per row, the
-// slice's softmax statistics and its share of Dr = dO . O, as partials that
-// sdpa_multi_backward_dq_split.metal merges. Nothing [L, S] is stored, and no O vector:
-// Dr needs only the partials' dot products.
+// sdpa_multi_backward_stats.metal: the first kernel of sdpa_multi's VJP (FlashAttention-2
+// style; ops/sdpa_multi.py, _launch_backward, backward_plan). A tile of up to 4 * n_sg
+// query rows (of the G * L rows sharing one KV head: L queries x G = Hq/Hkv heads) walks one
+// slice of the visible keys once and writes, per row, the slice's softmax statistics and
+// its share of Dr = dO . O, as partials that sdpa_multi_backward_dq_split.metal merges
+// (one slice covering every key unless the plan splits the keys). Nothing [L, S] is
+// stored, and no O vector: Dr needs only the partials' dot products.
 //
-// MATH (per query row r and slice s = keys [s * chunk, (s + 1) * chunk), float32, base-2
-//   exponentials; scores, masks and visibility as sdpa_multi_backward_dq.metal's pass 0,
-//   see its MATH; the scores' rounding differs: REDUCTION ORDER):
+// MATH (per query row r, float32, base-2 exponentials; scores as in sdpa_multi.metal):
+//   d_j = a * dot(q_r, k_j) (+ mask), (a, b) = mt_score_unit(scale * log2(e)): the score
+//   in units of b, visible keys j < kv_len (and j <= kv_len - L + l when causal).
+//   Per slice s = keys [s * chunk, (s + 1) * chunk):
 //   m_s = max_j d_j over the slice's visible keys (-inf where it has none),
 //   l_s = sum_j 2^(b (d_j - m_s)),  u_s = sum_j 2^(b (d_j - m_s)) dot(dO_r, v_j).
-//   The merge: m = max_s m_s, l = sum_s l_s 2^(b (m_s - m)), and with the sink (as the dq
-//   kernel's pass 0) Dr = (sum_s u_s 2^(b (m_s - m))) 2^(b (m - m_f)) / l_f.
-//   A bool-masked key (score -FLT_MAX) keeps its weight in l_s and u_s (it is in O); an
-//   additive -inf key weighs 0. The sinks join in the merge, not here.
+//   The merge (the split dq kernel): m = max_s m_s, l = sum_s l_s 2^(b (m_s - m)); with the
+//   sink (sink' = sinks[h] * log2(e) / b, only with has_sinks) m_f = max(m, sink'),
+//   l_f = l 2^(b (m - m_f)) + 2^(b (sink' - m_f)): the logsumexp ln 2 * (b m_f + log2 l_f),
+//   kept as two floats so that scores beyond float32's range (scale 1e38) still weigh their
+//   keys right; Dr = (sum_s u_s 2^(b (m_s - m))) 2^(b (m - m_f)) / l_f = dot(dO_r, O_r)
+//   with O_r = sum_j P_rj v_j in float32 (not the forward's rounded output).
+//   MASK_KIND 1 (bool): a masked key scores -FLT_MAX (it keeps its weight in l_s and u_s:
+//   a row whose keys are all masked averages v uniformly, as the forward). MASK_KIND 2
+//   (additive): d += mask * log2(e) / b; a key whose score is -inf weighs 0.
 //
-// LAYOUT (row-contiguous): q, dout [B, Hq, L, D] T; k, v [B, Hkv, S, D] T (rows >= kv_len
-//   never read); stats_part [B * Hkv, n_splits, G * L, 3] float32 (m_s, l_s, u_s). 0-d
-//   runtime inputs as in sdpa_multi_backward_dq.metal, plus chunk (keys per slice, a
-//   multiple of KB) and n_splits. Template: T, D, KB, MASK_KIND (as the dq kernel) and
-//   MAX_SG (1, 2, 4 or 8: the most simdgroups the row tiles hold, ops/sdpa_multi.py,
-//   bwd_split_max_simdgroups).
+// LAYOUT (row-contiguous): q, dout [B, Hq, L, D] T (the G*L rows of KV head (b, kvh) are
+//   contiguous); k, v [B, Hkv, S, D] T (S = kv_rows; rows >= kv_len never read);
+//   stats_part [B * Hkv, n_splits, G * L, 3] float32 (m_s, l_s, u_s). 0-d runtime inputs:
+//   n_q (L), group (G), kv_len (clamped to [L, S] here: it may be device-side), kv_rows
+//   (S), causal (0/1), kv_heads (Hkv), mask_block (0/1), mask_sb/sh/sl (the mask's element
+//   strides, 0 on broadcast axes), chunk (keys per slice, a multiple of KB), n_splits as
+//   uint; scale (float, times log2(e)), grad_scale (float, the plain scale). mask [MB, MH,
+//   L, MC] (bool or T; a 1-element dummy when MASK_KIND == 0) read at column j - key0,
+//   key0 = 0 or kv_len - L (block form). Template: T, D (multiple of 32), KB (keys per
+//   staged block: 32, or 16 where 32 rows of D would pass 16 KiB), MASK_KIND (0 none or
+//   causal, 1 bool, 2 additive) and MAX_SG (1, 2, 4 or 8: the most simdgroups the row
+//   tiles hold, ops/sdpa_multi.py, bwd_split_max_simdgroups).
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
 //   threadgroup = (32 * n_sg, 1, 1), n_sg = 1, 2, 4 or 8 <= MAX_SG simdgroups of RS = 4
@@ -44,18 +57,15 @@
 //
 // REDUCTION ORDER: keys in increasing order within the slice, whatever n_sg (a row's
 //   results do not depend on n_sg: keys a tile walks past a row's last weigh 0). A score
-//   and a dP are common.h's mt_rows4_dot: one fma per column, in column order, of the
-//   staged float a * q (or dO) with the key's (value's) element, the operand of the dq
-//   kernel (a * q in float). sdpa_multi_backward_dq_split.metal computes both the same way,
-//   so the merged (m, l) and the P it recomputes agree bit for bit. The one-kernel dq
-//   kernel's and the dk/dv kernel's scores are other expressions and may differ in the
-//   last bits: the dk/dv kernel's P recomputed from the split's (m, l) may exceed its exact
-//   value by rounding.
+//   and a dP are common.h's backward score expression (mt_rows4_dot: 16-column fma chunks
+//   of the staged float a * q, or dO, with the key's (value's) elements, the chunks added
+//   in order), as in sdpa_multi_backward_dq_split.metal and sdpa_multi_backward_dkv.metal:
+//   every score is the same bits in the three kernels, so none exceeds the merged m and a
+//   probability recomputed from (m_f, l_f) never exceeds 1 (b multiplies any rounding
+//   difference of d: with scale 1e30 one ulp would overflow 2^(b (d - m))).
 //
-// Metal and the emulator keep the one-kernel form by default (BWD_SPLIT_BACKENDS): no
-//   measurement on a Mac argues for the split there. Checked only on a Mac: that Apple's
-//   compiler accepts the body, and the speed. The emulator checks the semantics, barriers,
-//   threadgroup races and the device traffic.
+// Checked only on a Mac: that Apple's compiler accepts the body, and the speed. The
+//   emulator checks the semantics, barriers, threadgroup races and the device traffic.
 #include "common.h"
 // ---- kernel body ----
 constexpr int RS = 4;                             // rows per simdgroup (mt_rows4_dot)
@@ -128,7 +138,7 @@ for (int rr = 0; rr < RS; ++rr) {
   l_sum[rr] = 0.0f;
   u_sum[rr] = 0.0f;
 }
-// This simdgroup's rows staged as float (a * q as the dq kernel's operand, dO), zeros past
+// This simdgroup's rows staged as float (a * q, the score expression's operand, and dO), zeros past
 // the last row; its own lanes write them and the block loop's first barrier publishes them.
 threadgroup float4* q_rows = q_tile + sg * uint(RS * D4);
 threadgroup float4* g_rows = g_tile + sg * uint(RS * D4);
@@ -171,7 +181,7 @@ for (uint kb = k_begin; kb < k_stop; kb += uint(KB)) {
     mt_rows4_dot<T, D>(g_rows, key_row, dp);
   }
 
-  // Scores of this lane's key (sdpa_multi_backward_dq_split.metal's expression: mt_rows4_dot).
+  // Scores of this lane's key (common.h's backward score expression: mt_rows4_dot).
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint e = tid; e < uint(KB * D); e += n_threads) {
     const uint jj = e / uint(D);
@@ -185,7 +195,7 @@ for (uint kb = k_begin; kb < k_stop; kb += uint(KB)) {
   }
 
   for (int rr = 0; rr < RS; ++rr) {
-    if (uint(rr) < nr) {  // online (m_s, l_s, u_s), as the dq kernel's pass 0
+    if (uint(rr) < nr) {  // online (m_s, l_s, u_s), as MATH
       bool ok = lane < nk && j < lim[rr];
       float sc = s[rr];
       if (MASK_KIND != 0 && ok && j >= key0) {

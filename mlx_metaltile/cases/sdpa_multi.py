@@ -268,26 +268,16 @@ def run_and_check(q, k, v, *, scale, causal, kv_len, backend, what="", mask=None
 
 
 def backward_counts(backend) -> tuple[int, ...]:
-    """Launches of each of BACKWARD_SPECS (dq, dk/dv, statistics, split dq) on ``backend``."""
+    """Launches of each of BACKWARD_SPECS (statistics, split dq, dk/dv) on ``backend``."""
     return tuple(backends.launch_count(s.name, backend) for s in BACKWARD_SPECS)
-
-
-def expected_backward_launches(backend, q, k, kv_len) -> tuple[int, ...]:
-    """backward_counts' increase for one VJP, as backward_plan chooses the dq side: the dq
-    and dk/dv kernels once, or the statistics, split dq and dk/dv kernels once."""
-    B, Hq, L, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    covered = kv_len if isinstance(kv_len, int) else S  # a device-side kv_len: all S rows
-    split = _ops.backward_plan(backend, B, Hq, Hkv, L, D, covered, q.dtype)["split"]
-    return (0, 1, 1, 1) if split else (1, 1, 0, 0)
 
 
 def run_grad_and_check(q, k, v, *, scale, causal, kv_len, backend, rng, what="", mask=None,
                        sinks=None) -> dict:
     """One checked VJP with a random cotangent: gradients w.r.t. q, k, v and the sinks and
-    an additive mask where given, against grad_oracle; proves the backward kernels that
-    backward_plan chooses ran once each on a kernel backend. Where the oracle is NaN (a row that sees nothing) the gradient must
-    be NaN too. Returns the gradients by name."""
+    an additive mask where given, against grad_oracle; proves the three backward kernels
+    ran once each on a kernel backend. Where the oracle is NaN (a row that sees nothing)
+    the gradient must be NaN too. Returns the gradients by name."""
     g = mx.array(rng.standard_normal(q.shape).astype(np.float32)).astype(q.dtype)
     names, primals = ["dq", "dk", "dv"], [q, k, v]
     if sinks is not None:
@@ -308,10 +298,9 @@ def run_grad_and_check(q, k, v, *, scale, causal, kv_len, backend, rng, what="",
     before = backward_counts(backend)
     _, grads = mx.vjp(fn, primals, [g])
     mx.eval(grads)
-    if backend != "reference":  # the plan's backward kernels ran (never the composite's
-        # autodiff, nor the other dq form)
+    if backend != "reference":  # the backward kernels ran (never the composite's autodiff)
         ran = tuple(a - b for a, b in zip(backward_counts(backend), before, strict=True))
-        assert ran == expected_backward_launches(backend, q, k, kv_len), (what, ran)
+        assert ran == (1, 1, 1), (what, ran)  # statistics, split dq, dk/dv: once each
     n = kv_len.item() if isinstance(kv_len, mx.array) else kv_len
     want = grad_oracle(q, k, v, g, scale, causal, k.shape[2] if n is None else n, mask, sinks)
     out = {}
@@ -384,18 +373,18 @@ VARIANT_CALLS = {"split": _split_call, "combine": _variant_call, "split_mma": _m
 
 
 def _backward_call(backend, rng):
-    """The VJP (dq kernel, then the dk/dv kernel) against the float64 gradients."""
+    """The VJP (statistics, split dq, then dk/dv kernels) against the float64 gradients."""
     q, k, v = make_inputs(rng, 1, 8, 2, 4, 96, 64, mx.bfloat16)
     run_grad_and_check(q, k, v, scale=0.125, causal=True, kv_len=80, backend=backend, rng=rng)
 
 
 @contextlib.contextmanager
 def backward_split(chunk: int, backend: str | None = None, n_sg: int | None = None):
-    """Inside: the VJP on ``backend`` (every kernel backend when None) takes the key-split
-    dq side (the statistics and split dq kernels) with slices of ``chunk`` keys (rounded up
-    to whole key blocks), whatever the slice count (BWD_SPLIT_FORCED); ``n_sg`` (1, 2, 4 or
-    8) forces the split threadgroups' simdgroups on every backend (BWD_SPLIT_SIMDGROUPS),
-    else the plan picks them from G*L."""
+    """Inside: the VJP on ``backend`` (every kernel backend when None) splits the keys of
+    its dq side (the statistics and split dq kernels) into slices of ``chunk`` keys
+    (rounded up to whole key blocks), whatever the backend's plan (BWD_SPLIT_FORCED);
+    ``n_sg`` (1, 2, 4 or 8) forces the threadgroups' simdgroups on every backend
+    (BWD_SPLIT_SIMDGROUPS), else the plan picks them from G*L."""
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"[{OP}] the forced slice length must be a positive int, got "
                          f"{chunk!r}")
@@ -416,9 +405,9 @@ def backward_split(chunk: int, backend: str | None = None, n_sg: int | None = No
 
 
 @contextlib.contextmanager
-def backward_one_kernel():
-    """Inside: the VJP takes the one-kernel dq side on every backend (no backend splits,
-    nothing forced), as Metal's plan does."""
+def backward_one_slice():
+    """Inside: the VJP's dq side takes one slice covering every key on every backend (no
+    backend splits, nothing forced), as Metal's plan does."""
     saved = _ops.BWD_SPLIT_BACKENDS, dict(_ops.BWD_SPLIT_FORCED)
     _ops.BWD_SPLIT_BACKENDS = ()
     _ops.BWD_SPLIT_FORCED.clear()
@@ -429,14 +418,14 @@ def backward_one_kernel():
         _ops.BWD_SPLIT_FORCED.update(saved[1])
 
 
-def _backward_one_kernel_call(backend, rng):
-    """The VJP's one-kernel dq side (the dq kernel, then the dk/dv kernel), on every
-    backend (cuda's plan splits this shape)."""
-    with backward_one_kernel():
+def _backward_one_slice_call(backend, rng):
+    """The VJP with one slice (statistics, split dq, dk/dv kernels), on every backend
+    (cuda's plan splits this shape)."""
+    with backward_one_slice():
         _backward_call(backend, rng)
 
 
-VARIANT_CALLS["backward_dq"] = VARIANT_CALLS["backward_dkv"] = _backward_one_kernel_call
+VARIANT_CALLS["backward_dkv"] = _backward_one_slice_call
 
 
 def _backward_split_call(backend, rng):

@@ -630,8 +630,6 @@ _NO_SINKS = {0: mx.zeros((4,), dtype=mx.float32)}  # has_sinks 0's dummy, never 
 
 
 # ---- backward kernels (the VJP on a kernel backend) ---------------------------------------
-BWD_ROW_TILE = 32  # query rows per threadgroup of the dq kernel (8 simdgroups x 4 rows)
-BWD_THREADS = 256  # the dq kernel's threadgroup
 # The dk/dv kernel: BWD_KEY_BLOCK keys per threadgroup, one per lane of every simdgroup; the
 # D columns split among D / BWD_DKV_COLS simdgroups (its template CPS: each lane holds k, v,
 # dk and dv of its key for CPS columns in registers, 4 * CPS floats). Both of
@@ -651,17 +649,18 @@ def _bwd_dkv_rows(D: int) -> int:
 
 def _bwd_dkv_geometry(D: int, dtype: mx.Dtype) -> tuple[int, int]:
     """(threads per threadgroup, threadgroup memory bytes) of the dk/dv kernel at
-    BWD_DKV_COLS: q and dO tiles of RB rows in T, RB rows of stats and the [NSG][RB][32]
-    partial dot products x 2 in float32."""
+    BWD_DKV_COLS: q and dO tiles of RB rows in T, RB rows of stats and the score chunks
+    [D / 16][RB][32] x 2 in float32 (whatever CPS: common.h's backward score expression)."""
     if BWD_DKV_COLS not in BWD_DKV_COLS_CHOICES:
         raise ValueError(f"[{OP}] BWD_DKV_COLS must be one of {BWD_DKV_COLS_CHOICES}, got "
                          f"{BWD_DKV_COLS!r}")
     n_sg, rows = D // BWD_DKV_COLS, _bwd_dkv_rows(D)
-    return 32 * n_sg, rows * (2 * D * dtype.size + 2 * n_sg * 32 * 4 + 3 * 4)
+    return 32 * n_sg, rows * (2 * D * dtype.size + 2 * (D // 16) * 32 * 4 + 3 * 4)
 
 
 def _bwd_key_block(D: int, dtype: mx.Dtype) -> int:
-    """Keys per staged block of the dq kernel: 32, or 16 where 32 rows pass 16 KiB."""
+    """Keys per staged block of the statistics and dq kernels: 32, or 16 where 32 rows
+    pass 16 KiB."""
     return 32 if 32 * D * dtype.size <= STAGE_BYTES else 16
 
 
@@ -689,19 +688,7 @@ _BWD_INPUTS = (Arg("q", "T", 4), Arg("k", "T", 4), Arg("v", "T", 4), Arg("dout",
                *scalars("n_q", "group", "kv_len", "kv_rows", "causal"),
                Arg("scale", "float32"), Arg("grad_scale", "float32"), Arg("mask", "MT", 4),
                *scalars("mask_sb", "mask_sh", "mask_sl", "kv_heads", "mask_block"))
-BWD_DQ_SPEC, BWD_DKV_SPEC = register(
-    KernelSpec(
-        op=OP, variant="backward_dq", template="sdpa_multi_backward_dq.metal",
-        inputs=(*_BWD_INPUTS, *scalars("has_sinks"), Arg("sinks", "float32", 1)),
-        outputs=(Arg("dq", "T", 4), Arg("stats", "float32", 2),
-                 Arg("dsink_part", "float32", 1)),
-        params=("T", "D", "KB", "MASK_KIND"), bindings=_bwd_bindings(True),
-        geometry="the VJP, pass 1: 32 query rows of one KV head per TG (8 simdgroups x 4 "
-                 "rows); grid (256, ceil(G*L/32), B*Hkv); each TG reads its visible K/V "
-                 "twice (statistics and O, then dS and dq), KB keys at a time",
-        notes="template T, D, KB (32, or 16 for float32 D=256), MASK_KIND; writes dq, the "
-              "rows' (m, l, dO.O) and their dsinks terms",
-    ),
+(BWD_DKV_SPEC,) = register(
     KernelSpec(
         op=OP, variant="backward_dkv", template="sdpa_multi_backward_dkv.metal",
         inputs=(*_BWD_INPUTS, Arg("stats", "float32", 2), *scalars("mask_cols")),
@@ -712,11 +699,10 @@ BWD_DQ_SPEC, BWD_DKV_SPEC = register(
                  "over the G*L query rows RB at a time (16, 8 or 4 by D); grid (32*NSG, "
                  "ceil(S/32), B*Hkv); K/V rows < kv_len read once, none past it",
         notes="template T, D, CPS (columns per simdgroup, 16 or 32: BWD_DKV_COLS), "
-              "MASK_KIND; each dot product as per-simdgroup partials summed through "
-              "threadgroup memory (no shuffles), so the scores are not the dq kernels' bits "
-              "(P clamped at 1/l; rough where |scale*q.k| passes ~1e6); dk/dv summed per key "
-              "in a fixed row order (no atomics); an additive mask's dS written for the "
-              "mask's columns",
+              "MASK_KIND; each dot product as 16-column chunks summed through threadgroup "
+              "memory in chunk order (no shuffles): the statistics' score bits at either "
+              "CPS; dk/dv summed per key in a fixed row order (no atomics); an additive "
+              "mask's dS written for the mask's columns",
     ),
 )
 _BWD_SPLIT_INPUTS = (*_BWD_INPUTS, *scalars("chunk", "n_splits"))
@@ -725,9 +711,10 @@ BWD_STATS_SPEC, BWD_DQ_SPLIT_SPEC = register(
         op=OP, variant="backward_stats", template="sdpa_multi_backward_stats.metal",
         inputs=_BWD_SPLIT_INPUTS, outputs=(Arg("stats_part", "float32", 4),),
         params=("T", "D", "KB", "MASK_KIND", "MAX_SG"), bindings=_bwd_bindings(True, True),
-        geometry="the key-split VJP, pass 1a: 4*n_sg query rows of one KV head x one slice "
-                 "of chunk keys per TG (n_sg = 1, 2, 4 or 8 <= MAX_SG simdgroups x 4 rows, a "
-                 "runtime choice); grid (32*n_sg, ceil(G*L/(4*n_sg)), B*Hkv*n_splits); each "
+        geometry="the VJP, pass 1a: 4*n_sg query rows of one KV head x one slice of "
+                 "chunk keys (all keys unless the plan splits them) per TG (n_sg = 1, 2, 4 "
+                 "or 8 <= MAX_SG simdgroups x 4 rows, a runtime choice); grid (32*n_sg, "
+                 "ceil(G*L/(4*n_sg)), B*Hkv*n_splits); each "
                  "TG reads its slice's visible K/V once; lane per key",
         notes="template T, D, KB, MASK_KIND, MAX_SG (the most simdgroups the staged rows "
               "fit: bwd_split_max_simdgroups); writes each row's (m, l, sum P dO.v) per "
@@ -740,7 +727,7 @@ BWD_STATS_SPEC, BWD_DQ_SPLIT_SPEC = register(
         outputs=(Arg("dq_part", "float32", 4), Arg("stats", "float32", 2),
                  Arg("dsink_part", "float32", 1)),
         params=("T", "D", "KB", "MASK_KIND", "MAX_SG"), bindings=_bwd_bindings(True, True),
-        geometry="the key-split VJP, pass 1b: as backward_stats (TG 32*n_sg threads, grid "
+        geometry="the VJP, pass 1b: as backward_stats (TG 32*n_sg threads, grid "
                  "(32*n_sg, ceil(G*L/(4*n_sg)), B*Hkv*n_splits)); each TG merges its rows' "
                  "slice statistics, then reads its slice's visible K/V once",
         notes="template T, D, KB, MASK_KIND, MAX_SG; writes float32 dq partials per slice "
@@ -748,24 +735,25 @@ BWD_STATS_SPEC, BWD_DQ_SPLIT_SPEC = register(
               "dsinks terms",
     ),
 )
-BACKWARD_SPECS = (BWD_DQ_SPEC, BWD_DKV_SPEC, BWD_STATS_SPEC, BWD_DQ_SPLIT_SPEC)
-# The dq side split over the keys (two kernels: the slices' statistics, then the merge and
-# each slice's partial dq), so that a decode-shaped VJP (few row tiles per KV head) fills
-# the GPU. Chosen per backend: BWD_SPLIT_BACKENDS split where the plan finds more than one
-# slice (Metal and the emulator keep the one-kernel form: no measurement on a Mac argues for
-# the split there). A split threadgroup holds n_sg simdgroups of 4 rows: the fewest (a power
-# of two, at most BWD_SPLIT_MAX_SIMDGROUPS and at most bwd_split_max_simdgroups(D, dtype))
-# that hold the G*L rows, so a decode step's rows do not leave simdgroups idle;
-# BWD_SPLIT_SIMDGROUPS forces n_sg (within the same cap). Slices for about
-# BWD_SPLIT_WARPS_PER_CORE warps (threadgroups x n_sg) per GPU core, each at least
-# BWD_SPLIT_MIN_KEYS keys (a multiple of KEY_BLOCK), at most BWD_SPLIT_MAX_SPLITS, and
-# B * Hkv * n_splits within the grid's z limit (CUDA's 65535). BWD_SPLIT_FORCED (backend ->
-# slice length; tests) takes the split form whatever the slice count. Tuning constants: they
-# change speed and the last bits of dq (n_sg changes none), never results beyond the
-# tolerance table. H100, B 1, h32/8, L 1, 4K keys, D 128, float16, VJP us (native ~350):
-# one kernel 1672; split at 8 simdgroups 481-526 (slices of 64 to 512 keys alike); at n_sg
-# 1 with 128 / 64 / 32-key slices 308 / 281 / 269 (BWD_SPLIT_WARPS_PER_CORE 64: the same
-# plan there, the keys bound it).
+BACKWARD_SPECS = (BWD_STATS_SPEC, BWD_DQ_SPLIT_SPEC, BWD_DKV_SPEC)
+# The dq side: two kernels over slices of the keys (the slices' statistics, then the merge
+# and each slice's partial dq), so that a decode-shaped VJP (few row tiles per KV head) can
+# fill the GPU. The slices per backend: BWD_SPLIT_BACKENDS split where the plan finds more
+# than one slice; every other backend (Metal, the emulator) takes one slice covering every
+# key (no measurement on a Mac argues for the split there), its dq the one partial. A
+# threadgroup holds n_sg simdgroups of 4 rows: the fewest (a power of two, at most
+# BWD_SPLIT_MAX_SIMDGROUPS and at most bwd_split_max_simdgroups(D, dtype)) that hold the
+# G*L rows, so a decode step's rows do not leave simdgroups idle; BWD_SPLIT_SIMDGROUPS
+# forces n_sg (within the same cap). Slices for about BWD_SPLIT_WARPS_PER_CORE warps
+# (threadgroups x n_sg) per GPU core, each at least BWD_SPLIT_MIN_KEYS keys (a multiple of
+# KEY_BLOCK), at most BWD_SPLIT_MAX_SPLITS, and B * Hkv * n_splits within the grid's z limit
+# (CUDA's 65535). BWD_SPLIT_FORCED (backend -> slice length; tests) sets the slices whatever
+# the backend. Tuning constants: they change speed and the last bits of dq (n_sg changes
+# none), never results beyond the tolerance table. H100, B 1, h32/8, L 1, 4K keys, D 128,
+# float16, VJP us (native ~350): the former one-kernel dq side (32-row tiles, no split)
+# 1672; split at 8 simdgroups 481-526 (slices of 64 to 512 keys alike); at n_sg 1 with
+# 128 / 64 / 32-key slices 308 / 281 / 269 (BWD_SPLIT_WARPS_PER_CORE 64: the same plan
+# there, the keys bound it).
 BWD_SPLIT_BACKENDS = ("cuda",)
 BWD_SPLIT_WARPS_PER_CORE = 32
 BWD_SPLIT_MIN_KEYS = 32
@@ -815,10 +803,11 @@ def _bwd_split_simdgroups(rows: int, cap: int) -> int:
 
 def backward_plan(backend: str, B: int, Hq: int, Hkv: int, L: int, D: int, kv_len: int,
                   dtype: mx.Dtype, cores: int | None = None) -> dict:
-    """The dq side of the VJP on ``backend``: {"split": the two split kernels (else the one
-    dq kernel), "n_splits", "chunk" (keys per slice), "n_sg" (simdgroups per threadgroup:
-    8 for the one dq kernel; split, at most bwd_split_max_simdgroups(D, dtype)), "n_tiles"
-    (row tiles of 4 * n_sg rows per KV head), "kb" (the kernels' staged key block)}.
+    """The dq side of the VJP on ``backend`` (the statistics kernel, then the split dq
+    kernel): {"n_splits" (1: one slice covering every key), "chunk" (keys per slice),
+    "n_sg" (simdgroups per threadgroup, at most bwd_split_max_simdgroups(D, dtype)),
+    "n_tiles" (row tiles of 4 * n_sg rows per KV head), "kb" (the kernels' staged key
+    block)}.
     ``kv_len``: the keys the launch covers (S with a device-side kv_len: slices past it see
     no key)."""
     rows = (Hq // Hkv) * L
@@ -836,22 +825,19 @@ def backward_plan(backend: str, B: int, Hq: int, Hkv: int, L: int, D: int, kv_le
         chunk = kv_len
     chunk = -(-chunk // KEY_BLOCK) * KEY_BLOCK  # whole key blocks (KB divides KEY_BLOCK)
     n_splits = -(-kv_len // chunk)
-    split = forced is not None or n_splits > 1
-    if not split:  # the one dq kernel: 32-row tiles
-        n_sg, n_tiles = BWD_THREADS // 32, -(-rows // BWD_ROW_TILE)
-    elif B * Hkv * n_splits > backends.MAX_GRID_Z:
+    if B * Hkv * n_splits > backends.MAX_GRID_Z:
         raise ValueError(f"[{OP}] the key-split VJP's grid needs B * Hkv * n_splits <= "
                          f"{backends.MAX_GRID_Z}, got {B} * {Hkv} * {n_splits}")
-    return {"split": split, "n_splits": n_splits, "chunk": chunk, "n_sg": n_sg,
-            "n_tiles": n_tiles, "kb": _bwd_key_block(D, dtype)}
+    return {"n_splits": n_splits, "chunk": chunk, "n_sg": n_sg, "n_tiles": n_tiles,
+            "kb": _bwd_key_block(D, dtype)}
 
 
 def _launch_backward(q, k, v, dout, p: _Problem, backend) -> tuple:
-    """(dq, dk, dv, dsinks or None, dmask or None) for the cotangent ``dout``: the dq kernel
-    (softmax statistics recomputed, then dq), or where backward_plan splits the keys the
-    statistics kernel then the split dq kernel (dq's slice partials summed here); then the
-    dk/dv kernel (one pass over the keys). dsinks sums the rows' terms and an additive
-    mask's dS is summed to the mask's shape here (small MLX reductions)."""
+    """(dq, dk, dv, dsinks or None, dmask or None) for the cotangent ``dout``: the
+    statistics kernel, then the split dq kernel over backward_plan's slices of the keys
+    (dq's slice partials summed here; one slice: its partial is dq); then the dk/dv kernel
+    (one pass over the keys). dsinks sums the rows' terms and an additive mask's dS is
+    summed to the mask's shape here (small MLX reductions)."""
     B, Hq, Hkv, L, S, D = p.B, p.Hq, p.Hkv, p.L, p.S, p.D
     G = Hq // Hkv
     kv_len = scalar(p.kv_len, mx.uint32) if isinstance(p.kv_len, int) else p.kv_len
@@ -868,47 +854,37 @@ def _launch_backward(q, k, v, dout, p: _Problem, backend) -> tuple:
               "mask_sh": scalar(strides[1], mx.uint32),
               "mask_sl": scalar(strides[2], mx.uint32), "kv_heads": scalar(Hkv, mx.uint32),
               "mask_block": scalar(int(p.block), mx.uint32)}
-    pad = 4 // q.dtype.size
     # A device-side kv_len: the slices cover the whole buffer; those past kv_len see no key.
     bp = backward_plan(backend, B, Hq, Hkv, L, D, p.kv_len if isinstance(p.kv_len, int) else S,
                        q.dtype)
-    kb = bp["kb"]
-    template = {"T": q.dtype, "D": D, "KB": kb, "MASK_KIND": p.mask_kind}
-    tile_memory = kb * (D + pad) * q.dtype.size
+    template = {"T": q.dtype, "D": D, "KB": bp["kb"], "MASK_KIND": p.mask_kind}
     sink_inputs = {"has_sinks": scalar(int(p.sinks is not None), mx.uint32),
                    "sinks": p.sinks if p.sinks is not None else _NO_SINKS[0]}
     stats_outputs = {"stats": ((n_out, 3), mx.float32), "dsink_part": ((n_out,), mx.float32)}
-    if bp["split"]:
-        n_splits, rows = bp["n_splits"], G * L
-        split_inputs = {**common, "chunk": scalar(bp["chunk"], mx.uint32),
-                        "n_splits": scalar(n_splits, mx.uint32)}
-        tg = 32 * bp["n_sg"]
-        grid = (tg, bp["n_tiles"], B * Hkv * n_splits)
-        max_sg = bwd_split_max_simdgroups(D, q.dtype)
-        split_template = {**template, "MAX_SG": max_sg}
-        stats_memory, dq_memory = bwd_split_memory(D, q.dtype, max_sg)  # tiles as declared
-        (stats_part,) = backends.launch(
-            BWD_STATS_SPEC, backend, inputs=split_inputs, template=split_template,
-            outputs={"stats_part": ((B * Hkv, n_splits, rows, 3), mx.float32)},
-            grid=grid, threadgroup=(tg, 1, 1), threadgroup_memory=stats_memory,
-        )
-        dq_part, stats, dsink_part = backends.launch(
-            BWD_DQ_SPLIT_SPEC, backend,
-            inputs={**split_inputs, **sink_inputs, "stats_part": stats_part},
-            template=split_template,
-            outputs={"dq_part": ((B * Hkv, n_splits, rows, D), mx.float32), **stats_outputs},
-            grid=grid, threadgroup=(tg, 1, 1), threadgroup_memory=dq_memory,
-        )
-        # the slices' partials summed in one order (an MLX reduction: no atomics)
+    n_splits, rows = bp["n_splits"], G * L
+    split_inputs = {**common, "chunk": scalar(bp["chunk"], mx.uint32),
+                    "n_splits": scalar(n_splits, mx.uint32)}
+    tg = 32 * bp["n_sg"]
+    grid = (tg, bp["n_tiles"], B * Hkv * n_splits)
+    max_sg = bwd_split_max_simdgroups(D, q.dtype)
+    split_template = {**template, "MAX_SG": max_sg}
+    stats_memory, dq_memory = bwd_split_memory(D, q.dtype, max_sg)  # tiles as declared
+    (stats_part,) = backends.launch(
+        BWD_STATS_SPEC, backend, inputs=split_inputs, template=split_template,
+        outputs={"stats_part": ((B * Hkv, n_splits, rows, 3), mx.float32)},
+        grid=grid, threadgroup=(tg, 1, 1), threadgroup_memory=stats_memory,
+    )
+    dq_part, stats, dsink_part = backends.launch(
+        BWD_DQ_SPLIT_SPEC, backend,
+        inputs={**split_inputs, **sink_inputs, "stats_part": stats_part},
+        template=split_template,
+        outputs={"dq_part": ((B * Hkv, n_splits, rows, D), mx.float32), **stats_outputs},
+        grid=grid, threadgroup=(tg, 1, 1), threadgroup_memory=dq_memory,
+    )
+    if n_splits == 1:  # one slice: its partial is dq
+        dq = dq_part.reshape(q.shape).astype(q.dtype)
+    else:  # the slices' partials summed in one order (an MLX reduction: no atomics)
         dq = mx.sum(dq_part, axis=1).reshape(q.shape).astype(q.dtype)
-    else:
-        dq, stats, dsink_part = backends.launch(
-            BWD_DQ_SPEC, backend, inputs={**common, **sink_inputs}, template=template,
-            outputs={"dq": (q.shape, q.dtype), **stats_outputs},
-            grid=(BWD_THREADS, bp["n_tiles"], B * Hkv),
-            threadgroup=(BWD_THREADS, 1, 1),
-            threadgroup_memory=tile_memory + 32 * 32 * 4,
-        )
     additive = p.mask_kind == MASK_ADDITIVE
     dkv_threads, dkv_memory = _bwd_dkv_geometry(D, q.dtype)
     dk, dv, dmask = backends.launch(
@@ -986,28 +962,20 @@ def sdpa_multi(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: b
     both (eager). README: "mx.compile(shapeless=True) and mx.vmap".
 
     Differentiable with respect to q, k, v, sinks and an additive mask on every backend.
-    On a kernel backend the VJP is two backward kernels that recompute the softmax from
+    On a kernel backend the VJP is three backward kernels that recompute the softmax from
     per-row statistics (logsumexp), FlashAttention-2 style, and never hold an ``[L, S]``
-    probability matrix: dq (with the statistics), then dk and dv (each key's sum over the
-    query rows of its head group in a fixed order: the same bits every run). Where
-    ``backward_plan`` splits the keys (by default on cuda, for problems of few 32-row tiles
-    such as a decode step) the dq side is two kernels over key slices: the slices'
-    statistics, then their merge and a partial dq per slice, summed in a fixed order; their
-    scores (one key per lane) are not the dk/dv kernel's bits, so there the gradients of k,
-    v and an additive mask are wrong where ``|scale * q.k|`` is huge (a rounding of a score
-    times the unit b of mt_score_unit is then not small: on the emulator, unit-variance
-    inputs at D 64 pass the float64 check at scale 1e6, fail at 1e7; at 1e30 the dk/dv
-    kernel's recomputed probabilities overflow), while dq holds. The sinks'
+    probability matrix: the statistics of slices of the keys, then their merge and a
+    partial dq per slice (summed in a fixed order; one slice covering every key except
+    where ``backward_plan`` splits the keys: by default on cuda, for problems of few row
+    tiles such as a decode step), then dk and dv (each key's sum over the query rows of its
+    head group in a fixed order: the same bits every run). Every kernel forms a score by
+    one expression (common.h: 16-column fma chunks added in order), so a probability
+    recomputed from the statistics is the one they were made from, at any scale. The sinks'
     gradient is the sum of per-row terms; an additive mask's is dS itself, written by the
     dk/dv kernel as ``[B, Hq, L, mask columns]`` and summed to the mask's shape. On the
     reference backend: MLX's autodiff of the composite. The cache rows at and beyond
     ``kv_len`` get a zero gradient (and are never read); a row that sees no key and no sink
-    (NaN output) gives NaN gradients, as the float64 definition does. The dk/dv kernel sums
-    each score in its own order (not the dq kernels'), so on a kernel backend the gradients
-    of k, v and an additive mask are only as good as that rounding allows where scores
-    reach about 1e6 in magnitude (``|scale * q.k|``; e.g. scale 1e30): a rounding of the
-    score is no longer small in the exponent of the probability recomputed from the
-    statistics (kept <= 1, finite; a row's top key may get 0 where the exact one is ~1).
+    (NaN output) gives NaN gradients, as the float64 definition does.
 
     Pass the whole preallocated cache with ``kv_len`` rather than a slice of it: the
     kernels take row-contiguous inputs, so a non-contiguous view (``cache[:, :, :n]`` of a

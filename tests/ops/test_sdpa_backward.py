@@ -1,11 +1,11 @@
 """sdpa_multi's backward kernels (the VJP on a kernel backend): gradients w.r.t. q, k, v,
 the sinks and an additive mask against float64 gradients written from the math
-(mlx_metaltile.cases.sdpa_multi.grad_oracle), in the backend's planned form and in the
-key-split form forced (slices of SPLIT_CHUNK keys; tiles of 1, 2, 4 and 8 simdgroups as
+(mlx_metaltile.cases.sdpa_multi.grad_oracle), with one slice of the keys (every backend)
+and with the keys split (slices of SPLIT_CHUNK keys; tiles of 1, 2, 4 and 8 simdgroups as
 the plan picks them from G*L and D), the emulator's traffic counters, determinism, results
-that do not depend on the split tiles' simdgroups, their cap from the threadgroup memory,
-the split kernels and the dk/dv kernel (at each of its column splits, CPS) in strict mode,
-the plan's rule and a negative control per backward kernel."""
+that do not depend on the tiles' simdgroups nor on the dk/dv kernel's column split (CPS),
+the tiles' cap from the threadgroup memory, the kernels in strict mode, the plan's rule
+and negative controls per backward kernel."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from support import require_backend, strict_emulator
 from mlx_metaltile import _templates, backends
 from mlx_metaltile._registry import instantiations
 from mlx_metaltile.cases.sdpa_multi import (
-    backward_one_kernel,
+    backward_one_slice,
     backward_split,
     make_inputs,
     run_grad_and_check,
@@ -35,20 +35,20 @@ DT_IDS = ("float32", "float16", "bfloat16")
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
 
-# The dq side's forms: the one-kernel form forced on every backend (cuda's plan splits
-# most of these shapes), or the key split forced with slices of SPLIT_CHUNK keys (slices
+# The dq side's forms: one slice covering every key forced on every backend (cuda's plan
+# splits most of these shapes), or the key split forced with slices of SPLIT_CHUNK keys (slices
 # that do not divide kv_len, empty ones past kv_len or past a causal tile's last key). The
 # reference backend has no kernels to split.
 SPLIT_CHUNK = 32
 FORMS = (None, SPLIT_CHUNK)
-FORM_IDS = ("one_kernel", "split")
+FORM_IDS = ("one_slice", "split")
 
 
 def split_form(backend, chunk):
-    """The context of a test's form: ``backward_one_kernel()`` (chunk None), or
+    """The context of a test's form: ``backward_one_slice()`` (chunk None), or
     ``backward_split(chunk)`` on a kernel backend."""
     if chunk is None:
-        return backward_one_kernel()
+        return backward_one_slice()
     if backend == "reference":
         pytest.skip("the reference backend has no backward kernels to split")
     return backward_split(chunk, backend)
@@ -264,31 +264,37 @@ def test_sdpa_vjp_split_empty_slices_write_zeros(kernel_backend, monkeypatch, rn
 
 
 def test_sdpa_backward_traffic(launches, rng):
-    """The emulator's counters for one VJP (B=1, Hq=16, Hkv=2, L=5: G*L = 40 rows, two row
-    tiles; kv_len 70 of S 100; D 64, bfloat16): the dq kernel reads every K and V row below
-    kv_len twice per row tile (4 times), the dk/dv kernel once; no row at or past kv_len is
-    read. q and dO are read once by the dq kernel and once per 32-key block by the dk/dv kernel;
-    dk and dv are written once over all S rows."""
+    """The emulator's counters for one VJP with one slice (the emulator's plan; B=1,
+    Hq=16, Hkv=2, L=5: G*L = 40 rows, two row tiles of 8 simdgroups; kv_len 70 of S 100;
+    D 64, bfloat16): the statistics kernel and the split dq kernel each read every K and V
+    row below kv_len once per row tile, the dk/dv kernel once; no row at or past kv_len is
+    read. q and dO are read once by each of the first two kernels and once per 32-key block
+    by the dk/dv kernel; dq's one float32 partial, dk and dv (over all S rows) are written
+    once."""
     require_backend("emulator")
     B, Hq, Hkv, L, kv_len, S, D, dtype = 1, 16, 2, 5, 70, 100, 64, mx.bfloat16
     q, k, v = make_inputs(rng, B, Hq, Hkv, L, S, D, dtype)
+    plan = sdpa.backward_plan("emulator", B, Hq, Hkv, L, D, kv_len, dtype)
     with backends.use_backend("emulator"):
         run_grad_and_check(q, k, v, scale=0.125, causal=False, kv_len=kv_len,
                            backend="emulator", rng=rng)
     stats = {rec.name: rec.stats for rec in launches}
-    dq, dkv = stats["sdpa_multi_backward_dq"], stats["sdpa_multi_backward_dkv"]
+    parts = (stats["sdpa_multi_backward_stats"], stats["sdpa_multi_backward_dq_split"])
+    dkv = stats["sdpa_multi_backward_dkv"]
     row = D * 2  # bytes of one K / V / q row
     visible = B * Hkv * kv_len * row
-    tiles = -(-(Hq // Hkv) * L // 32)
-    assert tiles == 2
-    for name in ("k", "v"):
-        assert dq.bytes_read[name] == 2 * tiles * visible, name
-        assert dkv.bytes_read[name] == visible, name
+    tiles = 2
+    assert plan["n_splits"] == 1 and plan["n_sg"] == 8 and plan["n_tiles"] == tiles
     q_bytes = B * Hq * L * row
-    assert dq.bytes_read["q"] == q_bytes and dq.bytes_read["dout"] == q_bytes
+    for kernel in parts:
+        for name in ("k", "v"):
+            assert kernel.bytes_read[name] == tiles * visible, name
+        assert kernel.bytes_read["q"] == q_bytes and kernel.bytes_read["dout"] == q_bytes
+    for name in ("k", "v"):
+        assert dkv.bytes_read[name] == visible, name
     blocks = -(-kv_len // 32)
     assert dkv.bytes_read["q"] == blocks * q_bytes and dkv.bytes_read["dout"] == blocks * q_bytes
-    assert dq.bytes_written["dq"] == q_bytes
+    assert parts[1].bytes_written["dq_part"] == B * Hq * L * D * 4
     for name in ("dk", "dv"):
         assert dkv.bytes_written[name] == B * Hkv * S * row, name
 
@@ -299,7 +305,7 @@ def test_sdpa_backward_split_traffic(launches, rng, n_sg, tiles):
     three, the last one 6 keys long; G*L = 40 rows in tiles of 32 (the plan's 8 simdgroups)
     or of 4 (1 simdgroup forced)): the statistics kernel and the split dq kernel each read
     every K and V row below kv_len once per row tile, nothing at or past kv_len; q and dO
-    once per slice; the one-kernel dq kernel does not run."""
+    once per slice."""
     require_backend("emulator")
     B, Hq, Hkv, L, kv_len, S, D, dtype = 1, 16, 2, 5, 70, 100, 64, mx.bfloat16
     q, k, v = make_inputs(rng, B, Hq, Hkv, L, S, D, dtype)
@@ -308,7 +314,6 @@ def test_sdpa_backward_split_traffic(launches, rng, n_sg, tiles):
         run_grad_and_check(q, k, v, scale=0.125, causal=False, kv_len=kv_len,
                            backend="emulator", rng=rng)
     stats = {rec.name: rec.stats for rec in launches}
-    assert "sdpa_multi_backward_dq" not in stats
     parts = (stats["sdpa_multi_backward_stats"], stats["sdpa_multi_backward_dq_split"])
     row = D * 2
     visible = B * Hkv * kv_len * row
@@ -374,7 +379,7 @@ def test_sdpa_vjp_dkv_columns(kernel_backend, monkeypatch, launches, rng, dtype,
 @pytest.mark.parametrize("seed", (1, 2))
 def test_sdpa_backward_dkv_strict_shuffled(monkeypatch, rng, seed, cps):
     """The dk/dv kernel in strict mode (no read of threadgroup memory before it is written,
-    no race on it: the staged rows and the partial dot products) with threads and
+    no race on it: the staged rows and the score chunks) with threads and
     threadgroups in a permuted order, at each CPS: D 64 (16 rows staged, G*L = 20) and D 256
     (4 rows staged, G*L = 6) with an additive block mask and sinks; the bits do not change
     with the order."""
@@ -395,12 +400,12 @@ def test_sdpa_backward_dkv_strict_shuffled(monkeypatch, rng, seed, cps):
                 return sdpa.sdpa_multi(q, k, v, mask=m, sinks=s, **kw)
 
             for strict in (False, True):
-                with backends.use_backend("emulator"), backward_one_kernel(), (
+                with backends.use_backend("emulator"), backward_one_slice(), (
                         strict_emulator(seed) if strict else contextlib.nullcontext()):
                     grads = mx.vjp(fn, [q, k, v, mask, sinks], [g])[1]
                     mx.eval(grads)
                 runs.append([np.array(a.astype(mx.float32)) for a in grads])
-            with backends.use_backend("emulator"), backward_one_kernel(), strict_emulator(seed):
+            with backends.use_backend("emulator"), backward_one_slice(), strict_emulator(seed):
                 run_grad_and_check(q, k, v, backend="emulator", rng=rng, mask=mask,
                                    sinks=sinks, causal=False, **kw)
     finally:
@@ -411,17 +416,17 @@ def test_sdpa_backward_dkv_strict_shuffled(monkeypatch, rng, seed, cps):
 
 
 def test_sdpa_backward_dkv_negative_control_barrier(broken_kernel, rng):
-    """Reading the partial dot products without the barrier after they are written must be
-    caught by strict mode."""
+    """Reading the score chunks without the barrier after they are written must be caught
+    by strict mode."""
     require_backend("emulator")
     from mlx_metaltile import emulator
 
     barrier = "threadgroup_barrier(mem_flags::mem_threadgroup);"
-    written = f"= gp;\n  }}\n  {barrier}\n"
+    written = f"vr + cc * MT_SCORE_CHUNK);\n    }}\n  }}\n  {barrier}\n"
     assert written in _templates.read_text(sdpa.BWD_DKV_SPEC.template)
     broken_kernel(sdpa.BWD_DKV_SPEC, (written, written.replace(barrier, "", 1)))
     q, k, v = make_inputs(rng, 1, 4, 1, 5, 70, 64, mx.float32)
-    with strict_emulator(1), backends.use_backend("emulator"), backward_one_kernel(), \
+    with strict_emulator(1), backends.use_backend("emulator"), backward_one_slice(), \
             pytest.raises((emulator.ThreadgroupRace, emulator.UninitializedThreadgroupRead)):
         run_grad_and_check(q, k, v, scale=0.125, causal=True, kv_len=61, backend="emulator",
                            rng=rng)
@@ -429,8 +434,8 @@ def test_sdpa_backward_dkv_negative_control_barrier(broken_kernel, rng):
 
 def test_sdpa_backward_dkv_geometry():
     """The dk/dv kernel's threadgroup (32 * D / CPS threads) and threadgroup memory (RB
-    rows of q and dO in T, stats, the [NSG][RB][32] partials x 2) within the backends'
-    limits for every head dim, dtype and declared CPS."""
+    rows of q and dO in T, stats, the [D / 16][RB][32] score chunks x 2, whatever CPS)
+    within the backends' limits for every head dim, dtype and declared CPS."""
     for cps in sdpa.BWD_DKV_COLS_CHOICES:
         for D in sdpa.HEAD_DIMS:
             for dtype in DTYPES:
@@ -443,6 +448,49 @@ def test_sdpa_backward_dkv_geometry():
         mp.setattr(sdpa, "BWD_DKV_COLS", 8)
         with pytest.raises(ValueError, match=r"\[sdpa_multi\] BWD_DKV_COLS must be one of"):
             sdpa._bwd_dkv_geometry(64, mx.float32)
+
+
+@pytest.mark.parametrize("case", ("d64-additive+sinks", "d256-causal-device-kv_len",
+                                  "d128-scale1e30"))
+def test_sdpa_backward_dkv_columns_same_bits(kernel_backend, monkeypatch, rng, case):
+    """The dk/dv kernel at CPS 16 and 32 gives the same dq, dk, dv, dsinks and dmask bits:
+    every simdgroup writes its 16-column score chunks and every lane sums all D / 16 of
+    them in chunk order (common.h's backward score expression), whatever the columns per
+    simdgroup."""
+    D, dtype = {"d64": (64, mx.float32), "d256": (256, mx.bfloat16),
+                "d128": (128, mx.bfloat16)}[case.split("-")[0]]
+    Hq, L = 4, 3
+    q, k, v = make_inputs(rng, 1, Hq, 2, L, 70, D, dtype)
+    g = mx.array(rng.standard_normal(q.shape).astype(np.float32)).astype(dtype)
+    sinks = mx.array(rng.uniform(-1, 2, size=(Hq,)).astype(np.float32)).astype(dtype)
+    mask = _additive(rng, (Hq, L, 61), dtype, p_inf=0.1)
+    kw = {"scale": D ** -0.5, "kv_len": 61, "mask": mask}
+    if "causal" in case:
+        kw = {"scale": D ** -0.5, "causal": True, "kv_len": mx.array(45, dtype=mx.int32)}
+    elif "1e30" in case:
+        kw["scale"] = 1e30
+
+    def fn(q, k, v, s, *m):
+        return sdpa.sdpa_multi(q, k, v, sinks=s, **{**kw, **({"mask": m[0]} if m else {})})
+
+    primals = [q, k, v, sinks] + ([mask] if "mask" in kw else [])
+    runs = []
+    for cps in sdpa.BWD_DKV_COLS_CHOICES:
+        monkeypatch.setattr(sdpa, "BWD_DKV_COLS", cps)
+        clear_plans()  # the constant takes effect in new plans
+        before = backends.launch_count(sdpa.BWD_DKV_SPEC.name, kernel_backend)
+        try:
+            with backward_one_slice():
+                grads = mx.vjp(fn, primals, [g])[1]
+                mx.eval(grads)
+        finally:
+            clear_plans()
+        assert backends.launch_count(sdpa.BWD_DKV_SPEC.name, kernel_backend) == before + 1
+        runs.append([np.array(a.astype(mx.float32)) for a in grads])
+    names = ("dq", "dk", "dv", "dsinks", "dmask")[:len(primals)]
+    for name, a, b in zip(names, *runs, strict=True):
+        assert np.array_equal(a, b, equal_nan=True), (case, name)
+        assert np.isfinite(a).all(), (case, name)
 
 
 @pytest.mark.parametrize("chunk", FORMS, ids=FORM_IDS)
@@ -560,7 +608,7 @@ def test_sdpa_backward_split_simdgroup_cap():
                     dtype, D, n_sg)
             for rows in (1, 5, 8, 16, 17, 32, 128, 4096):
                 plan = sdpa.backward_plan("cuda", 1, rows, 1, 1, D, 4096, dtype, cores=132)
-                assert plan["split"] and 1 <= plan["n_sg"] <= cap, (dtype, D, rows)
+                assert 1 <= plan["n_sg"] <= cap, (dtype, D, rows)
                 assert plan["n_tiles"] == -(-rows // (4 * plan["n_sg"]))
             with backward_split(SPLIT_CHUNK, "cuda", 8):
                 assert sdpa.backward_plan("cuda", 1, 64, 1, 1, D, 100, dtype)["n_sg"] == cap
@@ -599,37 +647,39 @@ def test_sdpa_backward_plan():
     """The split is CUDA's (BWD_SPLIT_BACKENDS): a decode step there (B 1, h32/8, L 1, 4096
     keys, D 128: G*L = 4 rows per KV head) gets threadgroups of one simdgroup and many
     slices of whole key blocks; G*L = 32 rows get 8 simdgroups at D 64 (the cap from the
-    bytes: test_sdpa_backward_split_simdgroup_cap); Metal and the emulator keep the
-    one-kernel form; a problem of many row tiles, or few keys, none. The slices keep the
-    grid's z within CUDA's limit."""
+    bytes: test_sdpa_backward_split_simdgroup_cap); Metal and the emulator take one slice
+    covering every key, in the same tiles; on cuda a problem of many row tiles, or few
+    keys, one slice too. The slices keep the grid's z within CUDA's limit."""
     decode = (1, 32, 8, 1, 128, 4096, mx.float16)
     cuda = sdpa.backward_plan("cuda", *decode, cores=132)
-    assert cuda["split"] and cuda["n_sg"] == 1 and cuda["n_tiles"] == 1
+    assert cuda["n_sg"] == 1 and cuda["n_tiles"] == 1
     assert cuda["n_splits"] >= 64  # 16 with the 32-row tiles' rule
     block = sdpa.backward_plan("cuda", 1, 32, 8, 8, 64, 4096, mx.float16, cores=132)
-    assert block["split"] and block["n_sg"] == 8 and block["n_tiles"] == 1
+    assert block["n_splits"] > 1 and block["n_sg"] == 8 and block["n_tiles"] == 1
     assert cuda["chunk"] % sdpa.KEY_BLOCK == 0 and cuda["chunk"] >= sdpa.BWD_SPLIT_MIN_KEYS
     assert cuda["n_splits"] * cuda["chunk"] >= 4096 > (cuda["n_splits"] - 1) * cuda["chunk"]
     for backend in ("metal", "emulator"):
         plan = sdpa.backward_plan(backend, *decode)
-        assert not plan["split"] and plan["n_splits"] == 1 and plan["n_sg"] == 8, backend
-    assert not sdpa.backward_plan("cuda", 1, 32, 8, 1, 128, sdpa.BWD_SPLIT_MIN_KEYS,
-                                  mx.float16)["split"]
-    assert not sdpa.backward_plan("cuda", 64, 32, 8, 32, 128, 4096, mx.float16,
-                                  cores=132)["split"]
-    with backward_split(100, "emulator"):  # forced: whole key blocks, even one slice
+        assert plan == {"n_splits": 1, "chunk": 4096, "n_sg": 1, "n_tiles": 1, "kb": 32}, (
+            backend)
+        plan = sdpa.backward_plan(backend, 1, 32, 8, 8, 64, 70, mx.float16)
+        assert plan == {"n_splits": 1, "chunk": 96, "n_sg": 8, "n_tiles": 1, "kb": 32}, (
+            backend)
+    assert sdpa.backward_plan("cuda", 1, 32, 8, 1, 128, sdpa.BWD_SPLIT_MIN_KEYS,
+                              mx.float16)["n_splits"] == 1
+    assert sdpa.backward_plan("cuda", 64, 32, 8, 32, 128, 4096, mx.float16,
+                              cores=132)["n_splits"] == 1
+    with backward_split(100, "emulator"):  # forced: whole key blocks
         assert sdpa.backward_plan("emulator", 1, 4, 4, 1, 64, 50, mx.float32) == {
-            "split": True, "n_splits": 1, "chunk": 128, "n_sg": 1, "n_tiles": 1, "kb": 32}
+            "n_splits": 1, "chunk": 128, "n_sg": 1, "n_tiles": 1, "kb": 32}
     wide = sdpa.backward_plan("cuda", 1024, 8, 8, 1, 64, 10 ** 6, mx.float16, cores=10 ** 5)
-    assert wide["split"] and 1024 * 8 * wide["n_splits"] <= backends.MAX_GRID_Z
+    assert wide["n_splits"] > 1 and 1024 * 8 * wide["n_splits"] <= backends.MAX_GRID_Z
     with backward_split(32, "cuda"), pytest.raises(ValueError, match=r"\[sdpa_multi\] the "
                                                    r"key-split VJP's grid needs"):
         sdpa.backward_plan("cuda", 1, 8, 8, 1, 64, 10 ** 6, mx.float16)
 
 
 @pytest.mark.parametrize("spec, old, new", [
-    (sdpa.BWD_DQ_SPEC, "p * (dp[rr] - dd[rr])", "p * dp[rr]"),  # dS without Dr
-    (sdpa.BWD_DQ_SPEC, "-(p_sink / l_f) * dd[rr]", "-p_sink * dd[rr]"),  # dsinks unnormalised
     (sdpa.BWD_DKV_SPEC, "dvr[c] += p * float(", "dvr[c] += float("),  # dv without P
     (sdpa.BWD_DKV_SPEC, "dkr[c] += ds * float(", "dkr[c] += p * float("),  # dk of P
     (sdpa.BWD_DKV_SPEC, "? p * (dp - d_r)", "? p * dp"),  # dS (the mask's gradient) w/o Dr
@@ -639,13 +689,15 @@ def test_sdpa_backward_plan():
     # without the 2^(b (m_s - m)) rescale
     (sdpa.BWD_DQ_SPLIT_SPEC, "u_lane += w * head_parts", "u_lane += head_parts"),  # U too
     (sdpa.BWD_DQ_SPLIT_SPEC, "p * (dp[rr] - dd[rr])", "p * dp[rr]"),  # dS without Dr
+    (sdpa.BWD_DQ_SPLIT_SPEC, "-(p_sink / l_f) * dd[rr]", "-p_sink * dd[rr]"),  # dsinks
+    # unnormalised
     # the lane-per-key dot products: dP of the staged a * q rows; a neighbour lane's key
     (sdpa.BWD_STATS_SPEC, "mt_rows4_dot<T, D>(g_rows, key_row, dp);",
      "mt_rows4_dot<T, D>(q_rows, key_row, dp);"),
     (sdpa.BWD_DQ_SPLIT_SPEC, "kv_tile + min(lane, uint(KB) - 1u)",
      "kv_tile + min(lane ^ 1u, uint(KB) - 1u)"),
-], ids=("dq_ds", "dq_dsinks", "dkv_dv", "dkv_dk", "dkv_dmask", "stats_u", "split_l",
-        "split_u", "split_ds", "stats_dp_rows", "split_key_lane"))
+], ids=("dkv_dv", "dkv_dk", "dkv_dmask", "stats_u", "split_l", "split_u", "split_ds",
+        "split_dsinks", "stats_dp_rows", "split_key_lane"))
 def test_sdpa_backward_negative_control(kernel_backend, broken_kernel, rng, spec, old, new):
     """One broken term per kernel must fail the harness (the edit must apply)."""
     assert old in _templates.read_text(spec.template)
