@@ -157,58 +157,39 @@ inline float mt_score_add(float s, float chunk, int c) {
   return c == 0 ? chunk : s + chunk;
 }
 
-// Four float rows dotted with one key row of T by the rule above (the statistics and split
-// dq kernels' scores and dP, lane per key). rows[r * D / 4 + i] holds columns 4i .. 4i + 3
-// of row r (threadgroup memory, the same address for every lane: a broadcast); key[0 .. D)
-// is the lane's own key row, each element read once for the four rows.
+// Four rows of T dotted with one key row of T by the rule above (the statistics and split
+// dq kernels' scores and dP, lane per key). Row r is rows[r * D .. r * D + D) (threadgroup
+// memory, the same address for every lane: a broadcast, 4 elements per access; rows 8-byte
+// aligned), its operand x_scale * float(x) as mt_score_chunk's; key[0 .. D) is the lane's
+// own key row, each element read once for the four rows.
 template <typename T, int D>
-inline void mt_rows4_dot(const threadgroup float4* rows, const threadgroup T* key,
+inline void mt_rows4_dot(const threadgroup T* rows, float x_scale, const threadgroup T* key,
                          thread float* out) {
   static_assert(D % MT_SCORE_CHUNK == 0, "score chunks");
-  float s0 = 0.0f;
-  float s1 = 0.0f;
-  float s2 = 0.0f;
-  float s3 = 0.0f;
+  const threadgroup vec<T, 4>* r4 = reinterpret_cast<const threadgroup vec<T, 4>*>(rows);
+  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int c = 0; c < D / MT_SCORE_CHUNK; ++c) {
-    float a0 = 0.0f;
-    float a1 = 0.0f;
-    float a2 = 0.0f;
-    float a3 = 0.0f;
+    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int i = c * (MT_SCORE_CHUNK / 4); i < (c + 1) * (MT_SCORE_CHUNK / 4); ++i) {
       const float x0 = float(key[4 * i]);
       const float x1 = float(key[4 * i + 1]);
       const float x2 = float(key[4 * i + 2]);
       const float x3 = float(key[4 * i + 3]);
-      const float4 r0 = rows[i];
-      const float4 r1 = rows[D / 4 + i];
-      const float4 r2 = rows[2 * (D / 4) + i];
-      const float4 r3 = rows[3 * (D / 4) + i];
-      a0 = metal::fma(r0.x, x0, a0);
-      a0 = metal::fma(r0.y, x1, a0);
-      a0 = metal::fma(r0.z, x2, a0);
-      a0 = metal::fma(r0.w, x3, a0);
-      a1 = metal::fma(r1.x, x0, a1);
-      a1 = metal::fma(r1.y, x1, a1);
-      a1 = metal::fma(r1.z, x2, a1);
-      a1 = metal::fma(r1.w, x3, a1);
-      a2 = metal::fma(r2.x, x0, a2);
-      a2 = metal::fma(r2.y, x1, a2);
-      a2 = metal::fma(r2.z, x2, a2);
-      a2 = metal::fma(r2.w, x3, a2);
-      a3 = metal::fma(r3.x, x0, a3);
-      a3 = metal::fma(r3.y, x1, a3);
-      a3 = metal::fma(r3.z, x2, a3);
-      a3 = metal::fma(r3.w, x3, a3);
+      for (int r = 0; r < 4; ++r) {
+        const vec<T, 4> w = r4[r * (D / 4) + i];
+        a[r] = metal::fma(x_scale * float(w.x), x0, a[r]);
+        a[r] = metal::fma(x_scale * float(w.y), x1, a[r]);
+        a[r] = metal::fma(x_scale * float(w.z), x2, a[r]);
+        a[r] = metal::fma(x_scale * float(w.w), x3, a[r]);
+      }
     }
-    s0 = mt_score_add(s0, a0, c);
-    s1 = mt_score_add(s1, a1, c);
-    s2 = mt_score_add(s2, a2, c);
-    s3 = mt_score_add(s3, a3, c);
+    for (int r = 0; r < 4; ++r) {
+      s[r] = mt_score_add(s[r], a[r], c);
+    }
   }
-  out[0] = s0;
-  out[1] = s1;
-  out[2] = s2;
-  out[3] = s3;
+  for (int r = 0; r < 4; ++r) {
+    out[r] = s[r];
+  }
 }
 
 // ---- fp4 (E2M1) weights and their block scales (MLX's mxfp4 / nvfp4 layouts) ----------

@@ -46,7 +46,7 @@
 //   n_sg)) per KV head); q and dO once per slice; stats_part once per slice (n_splits * 3
 //   floats per row); dq_part written once; stats and dsink_part once. Per 4 rows x 32 keys
 //   (a simdgroup and a block of V, then of K): as the stats kernel, a lane reads its key's
-//   D tile elements once and the rows' 4 * D floats (float4 broadcasts) for 4 * D fmas,
+//   D tile elements once and the rows' 4 * D elements (broadcasts of 4) for 4 * D fmas,
 //   no shuffle per (row, key); then dq: per staged key D / 32 tile reads per lane and 4 *
 //   D / 32 fmas, dS read from p_tile (a broadcast).
 //
@@ -66,13 +66,12 @@
 constexpr int DPL = D / 32;                       // dq columns per lane
 constexpr int RS = 4;                             // rows per simdgroup (mt_rows4_dot)
 constexpr int TSTRIDE = D + 4 / int(sizeof(T));   // odd word stride: lane-per-row reads
-constexpr int D4 = D / 4;                         // float4s per staged row
 static_assert(D % 32 == 0 && DPL >= 2, "head dim tiling");
 static_assert(KB == 16 || KB == 32, "key block");
 static_assert(MAX_SG == 1 || MAX_SG == 2 || MAX_SG == 4 || MAX_SG == 8, "row tiles");
 threadgroup T kv_tile[KB * TSTRIDE];
-threadgroup float4 q_tile[MAX_SG * RS * D4];  // a * q of each simdgroup's rows
-threadgroup float4 g_tile[MAX_SG * RS * D4];  // dO, the same rows
+threadgroup T q_tile[MAX_SG * RS * D];  // q of each simdgroup's rows
+threadgroup T g_tile[MAX_SG * RS * D];  // dO, the same rows
 threadgroup float p_tile[MAX_SG * RS * 32];
 
 const uint tile_idx = threadgroup_position_in_grid.y;
@@ -178,23 +177,16 @@ for (int rr = 0; rr < RS; ++rr) {
   }
 }
 
-// This simdgroup's rows staged as float (a * q, the score expression's operand, and dO), zeros past
-// the last row; its own lanes write them and the block loop's first barrier publishes them.
-threadgroup float4* q_rows = q_tile + sg * uint(RS * D4);
-threadgroup float4* g_rows = g_tile + sg * uint(RS * D4);
-for (uint e = lane; e < uint(RS * D4); e += 32u) {
-  const uint rr = e / uint(D4);
-  const size_t at = (q_row0 + row0 + rr) * D + 4u * (e - rr * uint(D4));
-  float4 qv = float4(0.0f);
-  float4 gv = float4(0.0f);
-  if (rr < nr) {
-    qv = float4(q_scale * float(q[at]), q_scale * float(q[at + 1]),
-                q_scale * float(q[at + 2]), q_scale * float(q[at + 3]));
-    gv = float4(float(dout[at]), float(dout[at + 1]), float(dout[at + 2]),
-                float(dout[at + 3]));
-  }
-  q_rows[e] = qv;
-  g_rows[e] = gv;
+// This simdgroup's rows of q and dO staged as T (mt_rows4_dot forms the operands a * float(q)
+// and float(dO)), zeros past the last row; its own lanes write them and the block loop's
+// first barrier publishes them.
+threadgroup T* q_rows = q_tile + sg * uint(RS * D);
+threadgroup T* g_rows = g_tile + sg * uint(RS * D);
+for (uint e = lane; e < uint(RS * D); e += 32u) {
+  const uint rr = e / uint(D);
+  const size_t at = (q_row0 + row0) * D + e;
+  q_rows[e] = rr < nr ? q[at] : T(0);
+  g_rows[e] = rr < nr ? dout[at] : T(0);
 }
 
 const size_t head_off = size_t(bh) * S_rows * D;
@@ -218,7 +210,7 @@ for (uint kb = k_begin; kb < k_stop; kb += uint(KB)) {
   threadgroup_barrier(mem_flags::mem_threadgroup);
   float dp[RS] = {0.0f, 0.0f, 0.0f, 0.0f};
   if (nr > 0u) {
-    mt_rows4_dot<T, D>(g_rows, key_row, dp);
+    mt_rows4_dot<T, D>(g_rows, 1.0f, key_row, dp);
   }
 
   // Scores of this lane's key (common.h's backward score expression: mt_rows4_dot).
@@ -231,7 +223,7 @@ for (uint kb = k_begin; kb < k_stop; kb += uint(KB)) {
   threadgroup_barrier(mem_flags::mem_threadgroup);
   float s[RS] = {0.0f, 0.0f, 0.0f, 0.0f};
   if (nr > 0u) {
-    mt_rows4_dot<T, D>(q_rows, key_row, s);
+    mt_rows4_dot<T, D>(q_rows, q_scale, key_row, s);
   }
 
   for (int rr = 0; rr < RS; ++rr) {

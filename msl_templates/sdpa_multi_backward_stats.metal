@@ -43,7 +43,7 @@
 //   chunk >= the keys the launch covers (kv_len, or S with a device-side kv_len). Lane i
 //   owns key kb + i of each staged block (lanes >= KB none). threadgroup memory, declared
 //   for MAX_SG: kv_tile KB * (D + 4 / sizeof(T)) elements of T, q_tile and g_tile MAX_SG *
-//   4 * D floats each (simdgroup sg's rows at 4 sg * D; <= 32 KiB with the dq_split
+//   4 * D elements of T each (simdgroup sg's rows at 4 sg * D; <= 32 KiB with the dq_split
 //   kernel's p_tile, the rule that sets MAX_SG). A slice past the tile's last visible key
 //   (or past kv_len) writes (-inf, 0, 0). Every thread reaches every barrier (uniform loop
 //   bounds).
@@ -52,13 +52,13 @@
 //   n_sg)) tiles per KV head; causal tiles stop at their last visible key); q and dO once
 //   per slice; stats_part written once. Per 4 rows x 32 keys (a simdgroup and a block of V,
 //   then of K), a lane reads its key's D elements of the tile once and the rows' 4 * D
-//   floats (float4 broadcasts), for 4 * D fmas: no shuffle per (row, key). Per (row,
+//   elements (broadcasts of 4), for 4 * D fmas: no shuffle per (row, key). Per (row,
 //   block): the online softmax's simd_max and two simd_sum.
 //
 // REDUCTION ORDER: keys in increasing order within the slice, whatever n_sg (a row's
 //   results do not depend on n_sg: keys a tile walks past a row's last weigh 0). A score
 //   and a dP are common.h's backward score expression (mt_rows4_dot: 16-column fma chunks
-//   of the staged float a * q, or dO, with the key's (value's) elements, the chunks added
+//   of a * float(q), or float(dO), from the staged rows with the key's (value's) elements, the chunks added
 //   in order), as in sdpa_multi_backward_dq_split.metal and sdpa_multi_backward_dkv.metal:
 //   every score is the same bits in the three kernels, so none exceeds the merged m and a
 //   probability recomputed from (m_f, l_f) never exceeds 1 (b multiplies any rounding
@@ -70,13 +70,12 @@
 // ---- kernel body ----
 constexpr int RS = 4;                             // rows per simdgroup (mt_rows4_dot)
 constexpr int TSTRIDE = D + 4 / int(sizeof(T));   // odd word stride: lane-per-row reads
-constexpr int D4 = D / 4;                         // float4s per staged row
 static_assert(D % 32 == 0 && D >= 64, "head dim tiling");
 static_assert(KB == 16 || KB == 32, "key block");
 static_assert(MAX_SG == 1 || MAX_SG == 2 || MAX_SG == 4 || MAX_SG == 8, "row tiles");
 threadgroup T kv_tile[KB * TSTRIDE];
-threadgroup float4 q_tile[MAX_SG * RS * D4];  // a * q of each simdgroup's rows
-threadgroup float4 g_tile[MAX_SG * RS * D4];  // dO, the same rows
+threadgroup T q_tile[MAX_SG * RS * D];  // q of each simdgroup's rows
+threadgroup T g_tile[MAX_SG * RS * D];  // dO, the same rows
 
 const uint tile_idx = threadgroup_position_in_grid.y;
 const uint part_idx = threadgroup_position_in_grid.z;  // (b*Hkv + kvh) * n_splits + s
@@ -138,23 +137,16 @@ for (int rr = 0; rr < RS; ++rr) {
   l_sum[rr] = 0.0f;
   u_sum[rr] = 0.0f;
 }
-// This simdgroup's rows staged as float (a * q, the score expression's operand, and dO), zeros past
-// the last row; its own lanes write them and the block loop's first barrier publishes them.
-threadgroup float4* q_rows = q_tile + sg * uint(RS * D4);
-threadgroup float4* g_rows = g_tile + sg * uint(RS * D4);
-for (uint e = lane; e < uint(RS * D4); e += 32u) {
-  const uint rr = e / uint(D4);
-  const size_t at = (q_row0 + row0 + rr) * D + 4u * (e - rr * uint(D4));
-  float4 qv = float4(0.0f);
-  float4 gv = float4(0.0f);
-  if (rr < nr) {
-    qv = float4(q_scale * float(q[at]), q_scale * float(q[at + 1]),
-                q_scale * float(q[at + 2]), q_scale * float(q[at + 3]));
-    gv = float4(float(dout[at]), float(dout[at + 1]), float(dout[at + 2]),
-                float(dout[at + 3]));
-  }
-  q_rows[e] = qv;
-  g_rows[e] = gv;
+// This simdgroup's rows of q and dO staged as T (mt_rows4_dot forms the operands a * float(q)
+// and float(dO)), zeros past the last row; its own lanes write them and the block loop's
+// first barrier publishes them.
+threadgroup T* q_rows = q_tile + sg * uint(RS * D);
+threadgroup T* g_rows = g_tile + sg * uint(RS * D);
+for (uint e = lane; e < uint(RS * D); e += 32u) {
+  const uint rr = e / uint(D);
+  const size_t at = (q_row0 + row0) * D + e;
+  q_rows[e] = rr < nr ? q[at] : T(0);
+  g_rows[e] = rr < nr ? dout[at] : T(0);
 }
 
 const size_t head_off = size_t(bh) * S_rows * D;
@@ -178,7 +170,7 @@ for (uint kb = k_begin; kb < k_stop; kb += uint(KB)) {
   threadgroup_barrier(mem_flags::mem_threadgroup);
   float dp[RS] = {0.0f, 0.0f, 0.0f, 0.0f};
   if (nr > 0u) {
-    mt_rows4_dot<T, D>(g_rows, key_row, dp);
+    mt_rows4_dot<T, D>(g_rows, 1.0f, key_row, dp);
   }
 
   // Scores of this lane's key (common.h's backward score expression: mt_rows4_dot).
@@ -191,7 +183,7 @@ for (uint kb = k_begin; kb < k_stop; kb += uint(KB)) {
   threadgroup_barrier(mem_flags::mem_threadgroup);
   float s[RS] = {0.0f, 0.0f, 0.0f, 0.0f};
   if (nr > 0u) {
-    mt_rows4_dot<T, D>(q_rows, key_row, s);
+    mt_rows4_dot<T, D>(q_rows, q_scale, key_row, s);
   }
 
   for (int rr = 0; rr < RS; ++rr) {

@@ -596,7 +596,7 @@ def test_sdpa_backward_split_simdgroup_cap():
     fits backends.MAX_THREADGROUP_MEMORY exactly for the n_sg up to the cap (so for every
     n_sg the plan can choose, and for the declared MAX_SG); the registered instantiations
     declare that cap; the plan never passes it, by its own rule or forced to 8. D 64 holds
-    8 simdgroups, D 128 in float16 4, in float32 2, D 256 one."""
+    8 simdgroups, D 128 in float16 8, in float32 2, D 256 in float16 2, in float32 one."""
     caps = {}
     for dtype in DTYPES:
         for D in sdpa.HEAD_DIMS:
@@ -612,7 +612,7 @@ def test_sdpa_backward_split_simdgroup_cap():
                 assert plan["n_tiles"] == -(-rows // (4 * plan["n_sg"]))
             with backward_split(SPLIT_CHUNK, "cuda", 8):
                 assert sdpa.backward_plan("cuda", 1, 64, 1, 1, D, 100, dtype)["n_sg"] == cap
-    assert {D: caps[mx.float16, D] for D in sdpa.HEAD_DIMS} == {64: 8, 96: 4, 128: 4, 256: 1}
+    assert {D: caps[mx.float16, D] for D in sdpa.HEAD_DIMS} == {64: 8, 96: 8, 128: 8, 256: 2}
     assert {D: caps[mx.float32, D] for D in sdpa.HEAD_DIMS} == {64: 8, 96: 4, 128: 2, 256: 1}
     for spec in (sdpa.BWD_STATS_SPEC, sdpa.BWD_DQ_SPLIT_SPEC):
         declared = {(dict(inst.template)["T"], dict(inst.template)["D"]):
@@ -691,9 +691,9 @@ def test_sdpa_backward_plan():
     (sdpa.BWD_DQ_SPLIT_SPEC, "p * (dp[rr] - dd[rr])", "p * dp[rr]"),  # dS without Dr
     (sdpa.BWD_DQ_SPLIT_SPEC, "-(p_sink / l_f) * dd[rr]", "-p_sink * dd[rr]"),  # dsinks
     # unnormalised
-    # the lane-per-key dot products: dP of the staged a * q rows; a neighbour lane's key
-    (sdpa.BWD_STATS_SPEC, "mt_rows4_dot<T, D>(g_rows, key_row, dp);",
-     "mt_rows4_dot<T, D>(q_rows, key_row, dp);"),
+    # the lane-per-key dot products: dP of the staged q rows; a neighbour lane's key
+    (sdpa.BWD_STATS_SPEC, "mt_rows4_dot<T, D>(g_rows, 1.0f, key_row, dp);",
+     "mt_rows4_dot<T, D>(q_rows, 1.0f, key_row, dp);"),
     (sdpa.BWD_DQ_SPLIT_SPEC, "kv_tile + min(lane, uint(KB) - 1u)",
      "kv_tile + min(lane ^ 1u, uint(KB) - 1u)"),
 ], ids=("dkv_dv", "dkv_dk", "dkv_dmask", "stats_u", "split_l", "split_u", "split_ds",
