@@ -26,6 +26,25 @@ inline void mt_store8(device T* p, const thread float* v) {
 }
 #endif
 
+// The lane layout of simdgroup_matrix<T, 8, 8>::thread_elements(), which MSL leaves to the
+// implementation: lane l holds row mt_frag_row(l), columns mt_frag_col(l) and + 1; the 4
+// lanes holding one row differ in the lane bits MT_FRAG_ROW_XOR0 and MT_FRAG_ROW_XOR1 (a
+// row's lanes summed by xor over XOR0, then XOR1, add its column pairs (0 + 1) + (2 + 3) in
+// either layout). Apple's layout here (Metal, the emulator): lane bits b4..b0 give row
+// 4 b4 + 2 b2 + b1, columns 4 b3 + 2 b0. The CUDA layer defines MT_FRAG_LAYOUT and mma.sync's
+// layout (mlx_metaltile/cuda/include/mt_cuda/matrix.cuh: row l / 4, columns 2 (l % 4)), so
+// that its products of half / bfloat fragments permute no lanes.
+#ifndef MT_FRAG_LAYOUT
+#define MT_FRAG_ROW_XOR0 1u
+#define MT_FRAG_ROW_XOR1 8u
+inline uint mt_frag_row(uint lane) {
+  return ((lane >> 2) & 4u) | ((lane >> 1) & 3u);
+}
+inline uint mt_frag_col(uint lane) {
+  return ((lane >> 1) & 4u) | ((lane & 1u) << 1);
+}
+#endif
+
 // Elements row[col .. col + 8) as floats, zeros from column n on (a ragged row's last chunk
 // goes element by element; a whole chunk through mt_load8), and 8 floats stored there up to
 // column n (rounded to T).

@@ -70,25 +70,29 @@
 //     together (two barriers per block), or K then V (four). PF 1: a third tile for q's TR
 //     rows (D 128: 26,112 bytes in all), K and V as PREFETCH. Rows past the block's keys are
 //     zero-filled (0 * NaN would poison o). Every thread reaches every barrier.
-//   Lane l of a simdgroup holds (Apple's simdgroup_matrix layout, the emulator's and the
-//     CUDA layer's) row fm = (l / 4 & 4) + (l / 2) % 4 and columns fn, fn + 1, fn = (l / 4 &
-//     2) * 2 + (l % 2) * 2 of each 8x8 fragment: its row's scores of a block are 8 of S's
-//     4 key fragments, and the 4 lanes sharing a row (lane bits 0 and 3) reduce its max and
-//     sum with two simd_shuffle_xor each.
+//   Lane l of a simdgroup holds row fm = mt_frag_row(l) and columns fn, fn + 1, fn =
+//     mt_frag_col(l), of each 8x8 fragment (common.h: the executor's thread_elements() layout,
+//     Apple's on Metal and the emulator, mma.sync's on CUDA): its row's scores of a block are
+//     8 of S's 4 key fragments, and the 4 lanes sharing a row (lane bits MT_FRAG_ROW_XOR0 and
+//     MT_FRAG_ROW_XOR1) reduce its max and sum with two simd_shuffle_xor each.
 //   Registers per lane: q, D/8 T fragments (2 elements each; PF 1: one at a time); o, D/8
 //     float fragments; S 4; P 4 x PT T fragments; PF 1: D/16 vec<T, 4> pieces of the next
 //     block.
-//   CUDA (nvcc sm_90 --resource-usage, no mask / bool / additive), PF 0: half D 64 91 / 88
-//     / 107 registers per thread, D 96 128 / 125 / 123, D 128 179 / 181 / 179, D 256 240 /
-//     213 / 255; bfloat D 64 92 / 88 / 105, D 96 122 / 125 / 123, D 128 176 / 181 / 181, D
-//     256 239 / 206 / 255. PF 1 (q from its tile): half D 64 91 / 93 / 118, D 96 123 / 162
-//     / 162, D 128 162 / 158 / 156; bfloat D 64 102 / 121 / 122, D 96 160 / 162 / 162, D
-//     128 163 / 162 / 158: at D 128 three 4-simdgroup threadgroups per SM (<= 168) where
-//     PF 0 fits two. No spills, no stack (the unrolled loops below: without them nvcc kept
-//     q and o in local memory). With launch bounds (128, 3) (MMA_BOUNDED in
-//     ops/sdpa_multi.py: PF 0, no mask, D 128): half 147, bfloat 153, no spills; with a
-//     mask they spill. Products of half / bfloat fragments run on the tensor cores
-//     (mt_cuda/matrix.cuh: one mma.sync m16n8k8 and 5 shuffles each).
+//   CUDA (nvcc sm_90 --resource-usage, no mask / bool / additive; fragments in mma.sync's
+//     layout, mt_cuda/matrix.cuh), PF 0: half D 64 89 / 95 / 96 registers per thread, D 96
+//     108 / 103 / 117, D 128 135 / 127 / 130, D 256 242 / 237 / 255; bfloat D 64 101 / 95 /
+//     96, D 96 108 / 105 / 170, D 128 129 / 124 / 130, D 256 242 / 237 / 255. PF 1 (q from
+//     its tile): half D 64 80 / 88 / 96, D 96 96 / 110 / 107, D 128 109 / 166 / 168; bfloat
+//     D 64 96 / 88 / 88, D 96 114 / 111 / 170, D 128 168 / 168 / 168: at D 128 three
+//     4-simdgroup threadgroups per SM (<= 168) either way. (In Apple's layout, before: PF 0
+//     D 128 176-181, fitting two; PF 1 D 128 156-163.) No spills, no stack (the unrolled
+//     loops below: without them nvcc kept q and o in local memory), except D 256 with an
+//     additive mask: 76 (half) / 84 (bfloat) bytes of spill stores, none in Apple's layout
+//     (not timed; such calls are rare: an additive mask array at head dim 256). With launch
+//     bounds (128, 3) (MMA_BOUNDED in ops/sdpa_multi.py: PF 0, no mask, D 128), in Apple's
+//     layout: half 147, bfloat 153, no spills; with a mask they spill. Products of half /
+//     bfloat fragments run on the tensor cores (mt_cuda/matrix.cuh: one mma.sync m16n8k8
+//     and one movmatrix each).
 //
 // TRAFFIC per call: each visible K/V row is read once per row tile (ceil(G*L / TR) times;
 //   once when G*L <= 32); a causal tile stops at the last key its rows see, and a simdgroup
@@ -100,10 +104,10 @@
 //
 // REDUCTION ORDER: a score sums d in fragments of 8 in increasing order (the order inside
 //   a product is the hardware's); a block's max and sum over the row's 4 lanes by the xor
-//   tree (1, then 8); o accumulates the keys of a block by fragments of 8 in increasing
-//   order, the half t1 terms apart and added at the block's end, blocks in increasing
-//   order; PF 0 and PF 1 alike. Different from the staged and vector paths (last bits
-//   differ, all within the tolerance table).
+//   tree (XOR0, then XOR1: column pairs (0 + 1) + (2 + 3) in either layout); o accumulates
+//   the keys of a block by fragments of 8 in increasing order, the half t1 terms apart and
+//   added at the block's end, blocks in increasing order; PF 0 and PF 1 alike. Different
+//   from the staged and vector paths (last bits differ, all within the tolerance table).
 //
 // Checked only on a Mac: that Apple's compiler accepts the body as written (half and bfloat
 //   simdgroup_matrix loads from threadgroup memory, transposed loads, products of T fragments
@@ -251,8 +255,8 @@ const uint sg_end = nr == 0u ? 0u : mt_sdpa_tile_end(k_end, row0, row0 + nr - 1u
                                                      is_causal);
 
 // This lane's row of every fragment and its first column (DISPATCH INVARIANTS).
-const uint fm = ((lane >> 2) & 4u) | ((lane >> 1) & 3u);
-const uint fn = ((lane >> 1) & 4u) | ((lane & 1u) << 1);
+const uint fm = mt_frag_row(lane);
+const uint fn = mt_frag_col(lane);
 const uint r = row0 + fm;
 const bool row_valid = fm < nr;
 const uint lim = row_valid ? mt_sdpa_row_end(r, L, kvn, is_causal) : 0u;  // 0: no key
@@ -362,8 +366,8 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
         bmax = max(bmax, sc[j * 2 + e]);
       }
     }
-    bmax = max(bmax, simd_shuffle_xor(bmax, ushort(1)));
-    bmax = max(bmax, simd_shuffle_xor(bmax, ushort(8)));
+    bmax = max(bmax, simd_shuffle_xor(bmax, ushort(MT_FRAG_ROW_XOR0)));
+    bmax = max(bmax, simd_shuffle_xor(bmax, ushort(MT_FRAG_ROW_XOR1)));
     const float m_new = max(m_run, bmax);  // -INFINITY while no key was visible
     const float alpha = m_run == m_new ? 1.0f : exp2(unit * (m_run - m_new));
     float p[8];
@@ -373,8 +377,8 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
       p[c] = ok[c] ? exp2(unit * (sc[c] - m_new)) : 0.0f;
       bsum += p[c];
     }
-    bsum += simd_shuffle_xor(bsum, ushort(1));
-    bsum += simd_shuffle_xor(bsum, ushort(8));
+    bsum += simd_shuffle_xor(bsum, ushort(MT_FRAG_ROW_XOR0));
+    bsum += simd_shuffle_xor(bsum, ushort(MT_FRAG_ROW_XOR1));
     const float l_old = l_run * alpha;
     const float l_new = l_old + bsum;
     const float inv_l = l_new > 0.0f ? 1.0f / l_new : 0.0f;  // 0 until a key was visible
@@ -450,7 +454,7 @@ if (row_valid) {
     *reinterpret_cast<device float2*>(o_part + entry * D + uint(i * 8) + fn) =
         float2(of[i].thread_elements()[0], of[i].thread_elements()[1]);
   }
-  if ((lane & 9u) == 0u) {
+  if ((lane & (MT_FRAG_ROW_XOR0 | MT_FRAG_ROW_XOR1)) == 0u) {  // the row's first lane
     ml_part[entry * 2u] = m_run;
     ml_part[entry * 2u + 1u] = l_run;
   }

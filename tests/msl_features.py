@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from mlx_metaltile._templates import read_text
+
 
 @dataclass(frozen=True)
 class Feature:
@@ -122,9 +124,12 @@ inside[i] = acc;
 )
 
 # simdgroup_matrix<T, 8, 8>: loads (plain, transposed, with an origin, from threadgroup
-# memory), multiply(-accumulate) and Apple's per-lane layout of thread_elements().
+# memory), multiply(-accumulate) and the per-lane layout of thread_elements(), which MSL leaves
+# to the implementation (Apple's on Metal and the emulator, mma.sync's on CUDA): kernels read
+# it through common.h's mt_frag_row / mt_frag_col / MT_FRAG_ROW_XOR0 / 1 (R, CC, X).
 MATRIX = Feature(
     name="simdgroup_matrix",
+    header="#include <metal_stdlib>\nusing namespace metal;\n\n" + read_text("common.h"),
     source="""
 const uint lane = thread_index_in_simdgroup;
 threadgroup T tile[16 * 16];
@@ -150,12 +155,21 @@ simdgroup_store(d, D, 8);
 simdgroup_store(e, E, 8);
 simdgroup_store(blk, F, 8);
 simdgroup_store(d, DT, 8, ulong2(0, 0), true);
+// An odd origin and an odd row stride: a lane's pair at an odd element offset (one access
+// each where an executor pairs them), in some rows of the block and not in others.
+simdgroup_matrix<T, 8, 8> odd;
+simdgroup_load(odd, tile, 16, ulong2(3, 5));
+simdgroup_store(odd, G, 9, ulong2(1, 0));
 L[2 * lane] = float(a.thread_elements()[0]);
 L[2 * lane + 1] = float(a.thread_elements()[1]);
+R[lane] = mt_frag_row(lane);
+CC[lane] = mt_frag_col(lane);
+X[lane] = MT_FRAG_ROW_XOR0 | (MT_FRAG_ROW_XOR1 << 8);
 """,
     inputs=(("A", "T", 2), ("B", "T", 2), ("C", mx.float32, 2), ("big", "T", 2)),
     outputs=(("D", mx.float32), ("E", mx.float32), ("F", "T"), ("DT", mx.float32),
-             ("L", mx.float32)),
+             ("G", "T"), ("L", mx.float32), ("R", mx.uint32), ("CC", mx.uint32),
+             ("X", mx.uint32)),
     templates=FLOATS,
 )
 

@@ -147,8 +147,12 @@ def test_simd_functions_and_barriers_after_divergence(executor, rng, active):
             np.testing.assert_array_equal(got[name][part], expected, err_msg=f"{name} warp {w}")
 
 
-def _apple_layout():
+def _fragment_layout(executor: str):
+    """(row, first column) of each lane's thread_elements(): MSL leaves the layout to the
+    implementation; Metal's (and so the emulator's) is Apple's, the CUDA layer's mma.sync's."""
     lanes = np.arange(32)
+    if executor == "cuda":
+        return lanes // 4, (lanes % 4) * 2
     qid = lanes // 4
     rows = (qid & 4) + (lanes // 2) % 4
     cols = (qid & 2) * 2 + (lanes % 2) * 2
@@ -163,15 +167,27 @@ def test_simdgroup_matrix(executor, rng, dtype):
     got = run(executor, MATRIX, (("T", DTYPES[dtype]),),
               [as_dtype(a, dtype), as_dtype(b, dtype), mx.array(c), as_dtype(big, dtype)],
               grid=(32, 1, 1), threadgroup=(32, 1, 1),
-              shapes=[(8, 8)] * 4 + [(64,)])
+              shapes=[(8, 8)] * 4 + [(8, 9), (64,)] + [(32,)] * 3)
     a64, b64, c64 = (m.astype(np.float64) for m in (a, b, c))
     np.testing.assert_array_equal(got["D"], a64 @ b64 + c64)
     np.testing.assert_array_equal(got["E"], a64.T @ b64)
     np.testing.assert_array_equal(got["F"], big[4:12, 8:16])
     np.testing.assert_array_equal(got["DT"], (a64 @ b64 + c64).T)
-    rows, cols = _apple_layout()
+    np.testing.assert_array_equal(got["G"][:, 1:], big[5:13, 3:11])
+    rows, cols = _fragment_layout(executor)
     expected = np.stack([a[rows, cols], a[rows, cols + 1]], axis=1).reshape(-1)
     np.testing.assert_array_equal(got["L"], expected)
+    # common.h's helpers name the executor's layout, and its row mates.
+    np.testing.assert_array_equal(got["R"], rows)
+    np.testing.assert_array_equal(got["CC"], cols)
+    xor0, xor1 = int(got["X"][0]) & 0xFF, int(got["X"][0]) >> 8
+    lanes = np.arange(32)
+    for mask in (xor0, xor1):
+        np.testing.assert_array_equal(rows[lanes ^ mask], rows)
+    mates = {frozenset(lanes[rows == r]) for r in range(8)}
+    assert mates == {frozenset({la, la ^ xor0, la ^ xor1, la ^ xor0 ^ xor1}) for la in lanes}
+    # The xor tree over XOR0 then XOR1 adds column pairs (0 + 1) + (2 + 3).
+    np.testing.assert_array_equal(cols[lanes ^ xor0] // 4, cols // 4)
 
 
 def _values(rng, kind: str, dtype: str, shape) -> np.ndarray:
@@ -220,7 +236,7 @@ def test_simdgroup_products(executor, rng, dtype, kind):
         bound = tol.atol + tol.rtol * (np.abs(q) + np.abs(s1)) + tol.accum * (mag + np.abs(r1))
         err = np.abs(got["Q"] - q)
         assert (err <= bound).all(), f"Q: max err {err.max():.3g}, {int((err > bound).sum())} out"
-    rows, cols = _apple_layout()
+    rows, cols = _fragment_layout(executor)
     e = a[:8, :8] @ b[:8, :8]
     e_mag = np.abs(a[:8, :8]) @ np.abs(b[:8, :8])
 

@@ -13,9 +13,11 @@
 //    bfloat16 arrays), with MSL's arithmetic: half op float -> float, half op int -> half.
 //  * SIMD-groups are CUDA warps (both 32 lanes). SIMD functions act on the lanes active at
 //    the call (__activemask()), as in MSL; with every lane active they use butterflies.
-//  * simdgroup_matrix<T, 8, 8> keeps Apple's per-lane layout: lane l holds row
-//    (l/16)*4 + ((l/2)%4), columns ((l/8)%2)*4 + (l%2)*2 + {0, 1}; half and bfloat products
-//    run on tensor cores (sm_80+), converting to and from the MMA layout inside each product.
+//  * simdgroup_matrix<T, 8, 8> holds its elements in mma.sync's per-lane layout (lane l:
+//    row l / 4, columns 2 (l % 4) + {0, 1}), not Apple's: thread_elements() is a per-lane
+//    view whose layout MSL leaves to the implementation, and kernels that read it go
+//    through common.h's mt_frag_row / mt_frag_col. Half and bfloat products run on tensor
+//    cores (sm_80+) with one movmatrix each (B's transpose).
 //  * Every function is __device__ explicitly: MLX's NVRTC would treat unannotated
 //    functions as device code, nvcc (the CI compile check) would not.
 #ifndef MLX_METALTILE_MSL_COMPAT_CUH

@@ -1,4 +1,4 @@
-// mt_cuda/matrix.cuh: simdgroup_matrix<T, 8, 8> on warp shuffles, in Apple's per-lane layout.
+// mt_cuda/matrix.cuh: simdgroup_matrix<T, 8, 8> in the lane layout of NVIDIA's mma.sync.
 // Part of msl_compat.cuh (its conventions hold here); included only from it.
 #pragma once
 
@@ -6,18 +6,25 @@ namespace mlx::core::cu {
 namespace metal {
 
 // ---- simdgroup_matrix<T, 8, 8> -----------------------------------------------------------
-// Apple's layout: lane l = b4 b3 b2 b1 b0 (bits) holds row 4*b4 + 2*b2 + b1 and columns
-// 4*b3 + 2*b0 + {0, 1}. Fragments stay in that layout between operations (thread_elements()
-// is a plain per-lane view, usable in divergent code); products of half or bfloat matrices run
-// on tensor cores (sm_80+, below), the others on warp shuffles and float FMAs.
+// The layout: lane l = 4 g + t holds row g and columns 2 t, 2 t + 1: the A and C/D fragments
+// of mma.sync m16n8k8 (rows 0..7) and the fragment movmatrix transposes. MSL leaves the
+// lane layout of thread_elements() to the implementation; Apple's (lane bits b4..b0: row
+// 4 b4 + 2 b2 + b1, columns 4 b3 + 2 b0 + {0, 1}) is what Metal and the emulator give. A
+// product of half or bfloat fragments then needs no permutation of A, C or D, and one
+// movmatrix for B (sm_80+, below), where Apple's layout took 5 shuffles per product. Kernels
+// that read thread_elements() find their row and column through common.h's mt_frag_row /
+// mt_frag_col and the row's lanes through MT_FRAG_ROW_XOR0 / 1 (defined here for CUDA, with
+// MT_FRAG_LAYOUT, and in common.h in Apple's layout for Metal and the emulator).
+#define MT_FRAG_LAYOUT 1
+#define MT_FRAG_ROW_XOR0 1u
+#define MT_FRAG_ROW_XOR1 2u
 
-MT_FN uint mt_sg_row(uint lane) { return ((lane >> 2) & 4u) + ((lane >> 1) & 3u); }
-MT_FN uint mt_sg_col(uint lane) { return ((lane >> 1) & 4u) + ((lane & 1u) << 1); }
+MT_FN uint mt_sg_row(uint lane) { return lane >> 2; }
+MT_FN uint mt_sg_col(uint lane) { return (lane & 3u) << 1; }
 // The lane holding element (row, col) (and its neighbour col ^ 1).
-MT_FN uint mt_sg_owner(uint row, uint col) {
-  return ((col >> 1) & 1u) | ((row & 1u) << 1) | (((row >> 1) & 1u) << 2) |
-         (((col >> 2) & 1u) << 3) | (((row >> 2) & 1u) << 4);
-}
+MT_FN uint mt_sg_owner(uint row, uint col) { return 4u * row + (col >> 1); }
+MT_FN uint mt_frag_row(uint lane) { return mt_sg_row(lane); }
+MT_FN uint mt_frag_col(uint lane) { return mt_sg_col(lane); }
 
 template <class T, int Cols, int Rows>
 struct simdgroup_matrix {
@@ -47,7 +54,9 @@ MT_FN simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(const T value
 }
 
 // Element (r, c) of the 8x8 block is src[(origin.y + r) * elements_per_row + origin.x + c];
-// with transpose_matrix the block read that way is stored transposed.
+// with transpose_matrix the block read that way is stored transposed. Element by element:
+// one access of a lane's adjacent pair where aligned took half PF 1 sdpa_multi_mma kernels
+// at D 96 / 128 from 96-168 to 207-225 registers a thread (nvcc sm_90).
 template <class T, class U>
 MT_FN void simdgroup_load(simdgroup_matrix<T, 8, 8>& d, const U* src,
                           ulong elements_per_row = 8, ulong2 matrix_origin = ulong2(0),
@@ -105,11 +114,10 @@ MT_FN void mt_sg_mma_fma(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<T
 // ---- tensor cores --------------------------------------------------------------------------
 // A product of two half (or two bfloat) matrices is one mma.sync m16n8k8 (f32 accumulation)
 // whose A rows 8..15 are zero. Its fragments (PTX ISA, lane = 4 g + t): A and D hold row g,
-// columns 2t, 2t + 1 (rows g + 8 in the second register / second pair); B holds rows 2t,
-// 2t + 1 of column g. Apple's A and D fragments are row pairs too, so each moves with one
-// shuffle of a lane's pair; B needs the column pair of two Apple lanes (two shuffles, one
-// byte permute). C is added in float after the product, in Apple's layout: 5 shuffles of
-// 32 bits per product (A 1, B 2, D 2) against 12 of vector pairs on the FMA path.
+// columns 2t, 2t + 1 (rows g + 8 in the second register / second pair), this header's
+// layout, so they need no permutation; B holds rows 2t, 2t + 1 of column g, i.e. row g of
+// B^T in the same layout: one movmatrix .trans of the lane's pair. C is added in float after
+// the product, as the FMA path adds it.
 // Exactness: the tensor core forms each product of two 16-bit values exactly and sums the 8
 // products of a row with float32 precision or better (truncating, not rounding); C is then
 // added with one float32 rounding and D rounded once to its type: float32 accumulation
@@ -122,6 +130,13 @@ MT_FN uint mt_tc_bits(const vec<U, 2>& e) {  // a lane's pair in one register, e
   uint bits;
   memcpy(&bits, &e, 4);
   return bits;
+}
+
+// The lane's pair of row g of M^T, from its pair of row g of M (8x8, 16-bit elements).
+MT_FN uint mt_tc_transpose(uint bits) {
+  uint out;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(out) : "r"(bits));
+  return out;
 }
 
 // p = A * B: rows 0..7 of one m16n8k8 (A rows 8..15 zero), f32 accumulation from zero.
@@ -145,22 +160,10 @@ MT_FN void mt_tc_m16n8k8(float (&p)[4], uint a_lo, uint b) {
 template <class TD, class U, class TC>
 MT_FN void mt_sg_mma_tc(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<U, 8, 8>& a,
                         const simdgroup_matrix<U, 8, 8>& b, const simdgroup_matrix<TC, 8, 8>& c) {
-  const uint lane = mt_lane();
-  const uint g = lane >> 2, t = lane & 3u;
-  const uint a_in = __shfl_sync(0xffffffffu, mt_tc_bits(a.elems), int(mt_sg_owner(g, 2 * t)));
-  const uint b_mine = mt_tc_bits(b.elems);
-  const uint b_k0 = __shfl_sync(0xffffffffu, b_mine, int(mt_sg_owner(2 * t, g)));
-  const uint b_k1 = __shfl_sync(0xffffffffu, b_mine, int(mt_sg_owner(2 * t + 1, g)));
-  // Column g is the low (g even) or high half of each: B(2t, g) low, B(2t + 1, g) high.
-  const uint b_in = __byte_perm(b_k0, b_k1, (g & 1u) ? 0x7632u : 0x5410u);
   float p[4];
-  mt_tc_m16n8k8<U>(p, a_in, b_in);
-  // Apple lane (row, col) takes D(row, col..col + 1) from MMA lane 4 row + col / 2.
-  const int src = int(4 * mt_sg_row(lane) + mt_sg_col(lane) / 2);
-  const float p0 = __shfl_sync(0xffffffffu, p[0], src);
-  const float p1 = __shfl_sync(0xffffffffu, p[1], src);
-  d.elems = vec<TD, 2>(mt_cast<TD>(mt_cast<float>(c.elems[0]) + p0),
-                       mt_cast<TD>(mt_cast<float>(c.elems[1]) + p1));
+  mt_tc_m16n8k8<U>(p, mt_tc_bits(a.elems), mt_tc_transpose(mt_tc_bits(b.elems)));
+  d.elems = vec<TD, 2>(mt_cast<TD>(mt_cast<float>(c.elems[0]) + p[0]),
+                       mt_cast<TD>(mt_cast<float>(c.elems[1]) + p[1]));
 }
 #endif  // __CUDA_ARCH__ >= 800
 
