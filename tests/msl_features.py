@@ -155,8 +155,8 @@ simdgroup_store(d, D, 8);
 simdgroup_store(e, E, 8);
 simdgroup_store(blk, F, 8);
 simdgroup_store(d, DT, 8, ulong2(0, 0), true);
-// An odd origin and an odd row stride: a lane's pair at an odd element offset (one access
-// each where an executor pairs them), in some rows of the block and not in others.
+// An odd origin and an odd row stride: a lane's pair starts at an odd element offset in
+// some rows of the block and at an even one in others.
 simdgroup_matrix<T, 8, 8> odd;
 simdgroup_load(odd, tile, 16, ulong2(3, 5));
 simdgroup_store(odd, G, 9, ulong2(1, 0));

@@ -13,11 +13,9 @@
 //    bfloat16 arrays), with MSL's arithmetic: half op float -> float, half op int -> half.
 //  * SIMD-groups are CUDA warps (both 32 lanes). SIMD functions act on the lanes active at
 //    the call (__activemask()), as in MSL; with every lane active they use butterflies.
-//  * simdgroup_matrix<T, 8, 8> holds its elements in mma.sync's per-lane layout (lane l:
-//    row l / 4, columns 2 (l % 4) + {0, 1}), not Apple's: thread_elements() is a per-lane
-//    view whose layout MSL leaves to the implementation, and kernels that read it go
-//    through common.h's mt_frag_row / mt_frag_col. Half and bfloat products run on tensor
-//    cores (sm_80+) with one movmatrix each (B's transpose).
+//  * simdgroup_matrix<T, 8, 8> holds its elements in mma.sync's per-lane layout, not
+//    Apple's (include/mt_cuda/matrix.cuh says which and why); half and bfloat products run
+//    on tensor cores (sm_80+).
 //  * Every function is __device__ explicitly: MLX's NVRTC would treat unannotated
 //    functions as device code, nvcc (the CI compile check) would not.
 #ifndef MLX_METALTILE_MSL_COMPAT_CUH

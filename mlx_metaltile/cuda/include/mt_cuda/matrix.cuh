@@ -19,12 +19,10 @@ namespace metal {
 #define MT_FRAG_ROW_XOR0 1u
 #define MT_FRAG_ROW_XOR1 2u
 
-MT_FN uint mt_sg_row(uint lane) { return lane >> 2; }
-MT_FN uint mt_sg_col(uint lane) { return (lane & 3u) << 1; }
+MT_FN uint mt_frag_row(uint lane) { return lane >> 2; }
+MT_FN uint mt_frag_col(uint lane) { return (lane & 3u) << 1; }
 // The lane holding element (row, col) (and its neighbour col ^ 1).
 MT_FN uint mt_sg_owner(uint row, uint col) { return 4u * row + (col >> 1); }
-MT_FN uint mt_frag_row(uint lane) { return mt_sg_row(lane); }
-MT_FN uint mt_frag_col(uint lane) { return mt_sg_col(lane); }
 
 template <class T, int Cols, int Rows>
 struct simdgroup_matrix {
@@ -35,7 +33,7 @@ struct simdgroup_matrix {
   // MSL's diagonal constructor: `value` on the diagonal, zero elsewhere.
   MT_FN explicit simdgroup_matrix(T value) {
     const uint lane = mt_lane();
-    const uint row = mt_sg_row(lane), col = mt_sg_col(lane);
+    const uint row = mt_frag_row(lane), col = mt_frag_col(lane);
     elems = vec<T, 2>(row == col ? value : T(0), row == col + 1 ? value : T(0));
   }
   MT_FN vec<T, 2>& thread_elements() { return elems; }
@@ -62,7 +60,7 @@ MT_FN void simdgroup_load(simdgroup_matrix<T, 8, 8>& d, const U* src,
                           ulong elements_per_row = 8, ulong2 matrix_origin = ulong2(0),
                           bool transpose_matrix = false) {
   const uint lane = mt_lane();
-  const ulong row = mt_sg_row(lane), col = mt_sg_col(lane);
+  const ulong row = mt_frag_row(lane), col = mt_frag_col(lane);
   const U* base = src + matrix_origin.y * elements_per_row + matrix_origin.x;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
@@ -77,7 +75,7 @@ MT_FN void simdgroup_store(const simdgroup_matrix<T, 8, 8>& a, U* dst,
                            ulong elements_per_row = 8, ulong2 matrix_origin = ulong2(0),
                            bool transpose_matrix = false) {
   const uint lane = mt_lane();
-  const ulong row = mt_sg_row(lane), col = mt_sg_col(lane);
+  const ulong row = mt_frag_row(lane), col = mt_frag_col(lane);
   U* base = dst + matrix_origin.y * elements_per_row + matrix_origin.x;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
@@ -92,7 +90,7 @@ template <class TD, class TA, class TB, class TC>
 MT_FN void mt_sg_mma_fma(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>& a,
                          const simdgroup_matrix<TB, 8, 8>& b, const simdgroup_matrix<TC, 8, 8>& c) {
   const uint lane = mt_lane();
-  const uint row = mt_sg_row(lane), col = mt_sg_col(lane);
+  const uint row = mt_frag_row(lane), col = mt_frag_col(lane);
   float acc0 = mt_cast<float>(c.elems[0]);
   float acc1 = mt_cast<float>(c.elems[1]);
 #pragma unroll
