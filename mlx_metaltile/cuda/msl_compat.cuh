@@ -14,7 +14,7 @@
 //  * SIMD-groups are CUDA warps (both 32 lanes). SIMD functions act on the lanes active at
 //    the call (__activemask()), as in MSL; with every lane active they use butterflies.
 //  * simdgroup_matrix<T, 8, 8> holds its elements in mma.sync's per-lane layout, not
-//    Apple's (include/mt_cuda/matrix.cuh says which and why); half and bfloat products run
+//    Apple's (matrix.cuh, included below, says which and why); half and bfloat products run
 //    on tensor cores (sm_80+).
 //  * Every function is __device__ explicitly: MLX's NVRTC would treat unannotated
 //    functions as device code, nvcc (the CI compile check) would not.
