@@ -264,20 +264,19 @@ def _launcher(info: dict, backend: str, dtype: mx.Dtype) -> Callable:
                 "block_tokens": scalar(block, mx.uint32)},
         template={"T": dtype, "BITS": info["bits"], "GROUP_SIZE": info["group_size"],
                   "MODE": MODE_IDS[info["mode"]], "SHARE": int(share is not None)},
-        outputs={"out": ((tokens, n_out), dtype)},
+        outputs={"out": (_out_shape(info), dtype)},  # [tokens, N] row-major, as written
         grid=(tg, -(-n_out // ROWS_PER_THREADGROUP), -(-tokens // block)),
         threadgroup=(tg, 1, 1),
     )
-    out_shape = _out_shape(info)
-    flat = out_shape == (tokens, n_out)
 
     def launch(h, w, scales, biases, indices, scores, bias):
-        hs = h.reshape(-1, n_in)
         if biases is None:  # fp modes: never read
             biases = scales
-        (out,) = prepared(hs, w, scales, biases, indices.reshape(-1), scores.reshape(-1),
-                          hs if bias is None else bias)  # never read without a bias
-        return out if flat else out.reshape(out_shape)
+        # h, indices and scores as given: the kernel reads flat row-major memory (MLX copies
+        # an array that is not row-contiguous), so no reshape node goes before it
+        (out,) = prepared(h, w, scales, biases, indices, scores,
+                          h if bias is None else bias)  # never read without a bias
+        return out
 
     return launch
 

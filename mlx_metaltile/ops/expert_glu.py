@@ -194,26 +194,25 @@ def _launcher(info: dict, backend: str, dtype: mx.Dtype) -> Callable:
         template={"T": dtype, "BITS": info["bits"], "GROUP_SIZE": info["group_size"],
                   "MODE": MODE_IDS[info["mode"]], "ACT": ACTIVATIONS[info["activation"]],
                   "SHARE": int(share)},
-        outputs={"out": ((pairs, n_out), dtype)},
+        outputs={"out": (_out_shape(info), dtype)},  # [pairs, N] row-major, as written
         grid=(tg, -(-n_out // ROWS_PER_THREADGROUP), pairs), threadgroup=(tg, 1, 1),
     )
-    out_shape = _out_shape(info)
 
     def launch(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, indices,
                bias_gate, bias_up):
-        if squeeze:
-            x = mx.squeeze(x, axis=-2)
         if x_shape is not None:
+            if squeeze:
+                x = mx.squeeze(x, axis=-2)
             x = mx.broadcast_to(x, x_shape)
             indices = mx.broadcast_to(indices, idx_shape)
-        xs = x if x.ndim == 2 else x.reshape(-1, n_in)  # 2-D: [rows, K] already
         if biases_gate is None:  # fp modes: never read
             biases_gate, biases_up = scales_gate, scales_up
         if bias_gate is None:  # never read (has_bias = 0)
-            bias_gate = bias_up = xs
-        (out,) = prepared(xs, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up,
-                          bias_gate, bias_up, indices.reshape(-1))
-        return out.reshape(out_shape)
+            bias_gate = bias_up = x
+        # x and indices as given (flat row-major memory to the kernel: expert_qmv's launch)
+        (out,) = prepared(x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up,
+                          bias_gate, bias_up, indices)
+        return out
 
     return launch
 

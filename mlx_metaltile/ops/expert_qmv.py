@@ -308,9 +308,9 @@ def _launcher(info: dict, backend: str, dtype: mx.Dtype,
     where it is not ``dtype`` (f32_product)."""
     lead, k, n_out, n_in = info["lead"], info["k"], info["n_out"], info["in_features"]
     pairs = info["tokens"] * k
-    squeeze = info["x_k_axis"] and info["shared"]  # [..., 1, K]: one activation per token
     dims = _bcast_dims(info)
     x_shape = idx_shape = None
+    squeeze = info["x_k_axis"] and info["shared"]  # [..., 1, K]: one activation per token
     if len(dims) > BCAST_DIMS:
         # Broadcasts alternating over more dimensions than the kernel walks: materialise
         # both arrays on the token grid (a copy), which leaves one dimension.
@@ -331,24 +331,23 @@ def _launcher(info: dict, backend: str, dtype: mx.Dtype,
                   "MODE": MODE_IDS[info["mode"]],
                   "S": scale_dtype or (dtype if info["mode"] == "affine" else mx.uint8),
                   "ROUND": False},
-        outputs={"out": ((pairs, n_out), dtype)},
+        # [..., k, N] as the kernel writes it, [pairs, N] row-major: no reshape node after it
+        outputs={"out": (_out_shape(info), dtype)},
         grid=(tg, -(-n_out // ROWS_PER_THREADGROUP), pairs), threadgroup=(tg, 1, 1),
     )
-    out_shape = _out_shape(info)
 
     def launch(x, w, scales, biases, indices):
-        if squeeze:
-            x = mx.squeeze(x, axis=-2)
         if x_shape is not None:
+            if squeeze:
+                x = mx.squeeze(x, axis=-2)
             x = mx.broadcast_to(x, x_shape)
             indices = mx.broadcast_to(indices, idx_shape)
         if biases is None:  # fp modes: the kernel never reads its biases input
             biases = scales
-        # Row-contiguous inputs reshape for free (others are copied by MLX, as the kernel's
-        # ensure_row_contiguous would copy them anyway).
-        xs = x if x.ndim == 2 else x.reshape(-1, n_in)  # 2-D: [rows, K] already
-        (out,) = prepared(xs, w, scales, biases, indices.reshape(-1))
-        return out.reshape(out_shape)
+        # x and indices as given: the kernel reads them as flat row-major memory (MLX copies
+        # one that is not row-contiguous), so no reshape or squeeze nodes go before it.
+        (out,) = prepared(x, w, scales, biases, indices)
+        return out
 
     return launch
 
