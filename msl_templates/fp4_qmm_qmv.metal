@@ -80,9 +80,6 @@
 //   at MB 8: the launch bounds' 256 threads). At N = K = 4096 one row of x runs 4096 warps
 //   of 2 steps (S = 4) instead of 1024 warps of 8; M = 8, 4096 warps of 4 steps of MB 8
 //   (S = 4) instead of 1024 of 16; N = 14336: S = 2 at every M <= 8.
-//   cuda also takes M = 9..64 here (ops/fp4_qmm.py's QMV_CUDA_MAX_M), in ceil(M / 8) blocks
-//   of MB 8 on the grid's z: w read once per block, mostly from L2, which measured faster
-//   than the simdgroup tile kernel's staging at every M up to 64 (the figures there).
 //   ops/fp4_qmm.py's QMV_CUDA_MAX_MB (4: the plan before) and QMV_WFIRST (forces the form
 //   at MB 8 on every backend) select the plan; clear_plans() makes a change take effect.
 //

@@ -6,8 +6,8 @@ floating-point scale per group (float32 / float16 / bfloat16; groups of 16, 32, 
 ``mode=`` names MLX's mode; without it the format is read from the scales (dtype and groups).
 
 Kernels (``variant=``):
-  qmv        GEMV-shaped, for small M (decode); auto for M <= 8, on cuda for M <= 64 (from
-             M = 5 as its w-first kernel, fp4_qmm_qmv_wfirst, in blocks of 8 rows)
+  qmv        GEMV-shaped, for small M (decode); auto for M <= 8 (on cuda at M = 5..8 as
+             its w-first kernel, fp4_qmm_qmv_wfirst: w read once)
   simdgroup  32x32 output tiles on simdgroup matrices; every Apple GPU; auto for M > 8
   mpp        32x32 tiles on MetalPerformancePrimitives matmul2d (16, 16, 32); auto for M > 8
              on Metal when macOS >= 26.2 and the GPU generation is >= 17 (as MLX's NAX)
@@ -49,10 +49,6 @@ from .moe_gather_qmm import DX_INPUTS, DX_OUTPUTS, DX_PARAMS, dx_bindings, dx_la
 OP = "fp4_qmm"
 __all__ = ["fp4_dequantize_reference", "fp4_qmm", "fp4_qmm_reference"]
 QMV_MAX_M = 8  # auto picks the GEMV-shaped kernel up to this many rows of x
-# ... and on cuda up to QMV_CUDA_MAX_M: blocks of 8 rows on the grid's z, w read once per
-# block (mostly from L2). H200, mxfp4, N = K = 4096, float16, us, qmv / simdgroup tiles:
-# M 12 69 / 124, 16 75 / 123, 24 101 / 127, 32 113 / 125, 48 161 / 221, 64 216 / 241.
-QMV_CUDA_MAX_M = 64
 QMV_SIMDGROUPS, QMV_ROWS_PER_TG = 2, 8  # a qmv K slice: 2 SIMD-groups x 4 rows of w
 QMV_MAX_SLICES = 8  # SIMD-groups sharing one row block's K steps, at most (the template's)
 # The qmv launch plan on cuda (the template's LAUNCH PLANS), as module constants that a
@@ -341,9 +337,9 @@ def _reference(x, w, scales, group_size: int, scale_mode: int) -> mx.array:
 # ---- variant choice and launch --------------------------------------------------------
 
 def _auto(backend: str, m: int) -> str:
-    """The variant ``auto`` picks: the GEMV for few rows (QMV_MAX_M, on cuda QMV_CUDA_MAX_M),
-    else mpp where the Metal device has matrix units, else simdgroup."""
-    if m <= (QMV_CUDA_MAX_M if backend == "cuda" else QMV_MAX_M):
+    """The variant ``auto`` picks: the GEMV for few rows, else mpp where the Metal device
+    has matrix units, else simdgroup."""
+    if m <= QMV_MAX_M:
         return "qmv"
     return "mpp" if backend == "metal" and _device.metal_mpp_reason() is None else "simdgroup"
 

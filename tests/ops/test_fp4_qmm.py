@@ -66,8 +66,7 @@ def test_auto_matches_oracle(any_backend, poisoned_outputs, rng, m, nk):
     x, w, s = make_case(rng, m, nk, nk, mx.bfloat16)
     expect = None
     if any_backend in ("emulator", "cuda"):
-        gemv_rows = op_module.QMV_CUDA_MAX_M if any_backend == "cuda" else op_module.QMV_MAX_M
-        expect = "qmv" if m <= gemv_rows else "simdgroup"
+        expect = "qmv" if m <= 8 else "simdgroup"
     run_and_check(x, w, s, "e8m0", 32, any_backend, expect=expect)
 
 
@@ -319,9 +318,6 @@ def test_auto_choice_by_backend_and_m(monkeypatch):
     assert choose("emulator", 1, None) is op_module.QMV_SPEC
     assert choose("emulator", 8, None) is op_module.QMV_SPEC
     assert choose("emulator", 9, None) is op_module.SIMDGROUP_SPEC
-    assert choose("cuda", 9, None) is op_module.QMV_SPEC  # cuda: the GEMV up to 64 rows
-    assert choose("cuda", op_module.QMV_CUDA_MAX_M, None) is op_module.QMV_SPEC
-    assert choose("cuda", op_module.QMV_CUDA_MAX_M + 1, None) is op_module.SIMDGROUP_SPEC
     assert choose("cuda", 512, None) is op_module.SIMDGROUP_SPEC
     monkeypatch.setattr(_device, "metal_mpp_reason", lambda: None)
     assert choose("metal", 8, None) is op_module.QMV_SPEC
@@ -777,12 +773,11 @@ def test_qmv_slices_scale_formats(qmv_slices, poisoned_outputs, rng, dtype, kind
 
 @pytest.mark.parametrize("m, k, mb, slices", [
     (1, K_SLICED, 1, 3), (2, K_SLICED, 2, 3), (3, K_SLICED, 4, 5), (5, K_SLICED, 8, 3),
-    (8, K_SLICED, 8, 3), (1, 4096, 1, 8), (7, 4096, 8, 4), (12, K_SLICED, 8, 3),
-    (64, K_SLICED, 8, 3)])
+    (8, K_SLICED, 8, 3), (1, 4096, 1, 8), (7, 4096, 8, 4)])
 def test_qmv_cuda_plan_matches_oracle(cuda_plan, poisoned_outputs, rng, m, k, mb, slices):
-    """cuda's own plan at N = 32 (8 warps without slices): MB 8 w-first from M = 5 (one
-    block of rows of x up to 8, then ceil(M / 8), the last one ragged at M = 12) and S up
-    to 8 (4 at MB 8). (x / 16: sums of 4096 terms stay inside half's range.)"""
+    """cuda's own plan at N = 32 (8 warps without slices): MB 8 w-first at M = 5..8 (one
+    block of rows of x) and S up to 8 (4 at MB 8). (x / 16: sums of 4096 terms stay inside
+    half's range.)"""
     for dtype, (kind, gs) in zip(DTYPES, (("e8m0", 32), ("e4m3", 16), ("bfloat16", 64)),
                                  strict=True):
         x = make_x(rng, (m,), k, dtype, scale=1 / 16)
