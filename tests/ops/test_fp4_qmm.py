@@ -773,11 +773,13 @@ def test_qmv_slices_scale_formats(qmv_slices, poisoned_outputs, rng, dtype, kind
 
 @pytest.mark.parametrize("m, k, mb, slices", [
     (1, K_SLICED, 1, 3), (2, K_SLICED, 2, 3), (3, K_SLICED, 4, 5), (5, K_SLICED, 8, 3),
-    (8, K_SLICED, 8, 3), (1, 4096, 1, 8), (7, 4096, 8, 4)])
+    (8, K_SLICED, 8, 3), (1, 4096, 1, 8), (7, 4096, 8, 4), (12, K_SLICED, 8, 3),
+    (64, K_SLICED, 8, 3)])
 def test_qmv_cuda_plan_matches_oracle(cuda_plan, poisoned_outputs, rng, m, k, mb, slices):
-    """cuda's own plan at N = 32 (8 warps without slices): MB 8 w-first at M = 5..8 (one
-    block of rows of x) and S up to 8 (4 at MB 8). (x / 16: sums of 4096 terms stay inside
-    half's range.)"""
+    """cuda's own plan at N = 32 (8 warps without slices): MB 8 w-first from M = 5 (one
+    block of rows of x up to 8; variant="qmv" at M = 12 and 64: ceil(M / 8) blocks, the
+    last one ragged at 12) and S up to 8 (4 at MB 8). (x / 16: sums of 4096 terms stay
+    inside half's range.)"""
     for dtype, (kind, gs) in zip(DTYPES, (("e8m0", 32), ("e4m3", 16), ("bfloat16", 64)),
                                  strict=True):
         x = make_x(rng, (m,), k, dtype, scale=1 / 16)
