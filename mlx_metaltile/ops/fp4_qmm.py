@@ -401,9 +401,13 @@ def _split_k(m: int, n: int, k: int) -> tuple[int, int]:
 
 
 def _launcher(spec: KernelSpec, m: int, n: int, k: int, mode: int, group_size: int,
-              dtype: mx.Dtype, scale_dtype: mx.Dtype, backend: str) -> Callable:
-    """The kernel call(s) of x [m, k] on ``backend``, prepared once: returns
-    ``launch(x2, w, scales)``."""
+              dtype: mx.Dtype, scale_dtype: mx.Dtype, backend: str,
+              out_shape: tuple[int, ...] | None = None) -> Callable:
+    """The kernel call(s) of x [..., k] (m rows, read as the flat row-major [m, k]) on
+    ``backend``, prepared once: returns ``launch(x, w, scales)``, whose output has
+    ``out_shape`` (the [m, n] rows as written; default [m, n]): no reshape node around
+    the kernels."""
+    out_shape = out_shape or (m, n)
     if scale_dtype in (mx.float16, mx.bfloat16):
         scale_dtype = mx.float32  # exact; one kernel build serves all float scales
     t = dtype
@@ -441,7 +445,7 @@ def _launcher(spec: KernelSpec, m: int, n: int, k: int, mode: int, group_size: i
         grid = (TILE_THREADS * (n // TILE), -(-m // TILE), parts)
     prepared = backends.prepare(
         spec, backend, inputs=inputs, template=template,
-        outputs={"out": ((parts, m, n) if parts > 1 else (m, n), out_dtype)},
+        outputs={"out": ((parts, m, n) if parts > 1 else out_shape, out_dtype)},
         grid=grid, threadgroup=threadgroup, threadgroup_memory=tg_mem,
     )
     total = m * n
@@ -449,14 +453,14 @@ def _launcher(spec: KernelSpec, m: int, n: int, k: int, mode: int, group_size: i
         SPLITK_SUM_SPEC, backend,
         inputs={"partial": None, "n_parts": scalar(parts, mx.uint32),
                 "n_out": scalar(total, mx.uint32)},
-        template={"T": t}, outputs={"out": ((m, n), t)},
+        template={"T": t}, outputs={"out": (out_shape, t)},
         grid=(round_up(-(-total // 4), SUM_THREADS), 1, 1), threadgroup=(SUM_THREADS, 1, 1),
     )
 
-    def launch(x2, w, scales):
+    def launch(x, w, scales):
         if scales.dtype in (mx.float16, mx.bfloat16):
             scales = scales.astype(mx.float32)
-        (out,) = prepared(x2, w, scales)
+        (out,) = prepared(x, w, scales)
         if summed is None:
             return out
         (out,) = summed(out)
@@ -518,18 +522,14 @@ def _plan(x, w, scales, group_size, mode, variant, backend: str, stream) -> Call
     on_stream(OP, stream)  # refuses what is not a stream
     dtype, x_shape = x.dtype, tuple(x.shape)
     launch = None if spec is None or m == 0 else _launcher(
-        spec, m, n, k, scale_mode, group_size, dtype, scales.dtype, backend)
-
-    flat = len(out_shape) == 2  # x [M, K]: no reshape around the kernel
+        spec, m, n, k, scale_mode, group_size, dtype, scales.dtype, backend, out_shape)
 
     def forward(x, w, scales):
         if spec is None:
             return _reference(x, w, scales, group_size, scale_mode)
         if m == 0:
             return mx.zeros(out_shape, dtype=x.dtype)
-        if flat:
-            return launch(x, w, scales)
-        return launch(x.reshape(m, k), w, scales).reshape(out_shape)
+        return launch(x, w, scales)  # any leading dims: the kernel reads flat rows
 
     dx_launch = None
     if spec is not None and 0 < m <= DX_MAX_M and scale_mode in _DX_MODES:
