@@ -343,7 +343,7 @@ def test_vmap_over_quantized_weights_refused_kernel_path(t, monkeypatch, op):
         "expert_qmv": lambda info, backend, dtype: lambda *a: mod._reference(*a, info),
         "moe_gather_qmm": lambda spec, M, N, K, E, gs, bits, mode, dtype, backend:
             lambda x, w, s, b, i: mod._reference(x, w, s, b, i, None, M, N, E, gs, bits, mode),
-        "fp4_qmm": lambda spec, m, n, k, mode, gs, dtype, scale_dtype, backend:
+        "fp4_qmm": lambda spec, m, n, k, mode, gs, dtype, scale_dtype, backend, out_shape:
             lambda x, w, s: mod._reference(x, w, s, gs, mode),
     }[op]
     monkeypatch.setattr(mod, "_launcher", stand_in)
