@@ -75,9 +75,10 @@ VEC_MAX_SPLITS = 64
 # up to MMA_SIMDGROUPS simdgroups of 8 rows; slices for about MMA_SIMDGROUPS_PER_CORE
 # simdgroups per core with PF 1 (12: three 4-simdgroup threadgroups, what an H100/H200 SM
 # holds at its 109-168 registers per thread at D 128), MMA_SIMDGROUPS_PER_CORE_PF0 with PF 0
-# (8: two, measured when D 128 took 176-181 registers; 124-135 since the CUDA layer keeps
-# fragments in mma.sync's layout, unmeasured at 12; D 256, where PF 0 runs by default, takes
-# 237-255), each at least MMA_MIN_KEYS keys, at
+# (8: two, measured when D 128 took 176-181 registers; at its 124-135 since the CUDA layer
+# keeps fragments in mma.sync's layout, 12 with PF 0 measured slower than the PF 1 plan at
+# every D 128 case on an H200; D 256, where PF 0 runs by default, takes 237-255), each at
+# least MMA_MIN_KEYS keys, at
 # most MMA_MAX_SPLITS (tuning constants: they change speed, never results).
 MMA_MIN_ROWS = 16
 MMA_MIN_QUERIES = 2
