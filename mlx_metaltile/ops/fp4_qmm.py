@@ -402,12 +402,11 @@ def _split_k(m: int, n: int, k: int) -> tuple[int, int]:
 
 def _launcher(spec: KernelSpec, m: int, n: int, k: int, mode: int, group_size: int,
               dtype: mx.Dtype, scale_dtype: mx.Dtype, backend: str,
-              out_shape: tuple[int, ...] | None = None) -> Callable:
+              out_shape: tuple[int, ...]) -> Callable:
     """The kernel call(s) of x [..., k] (m rows, read as the flat row-major [m, k]) on
     ``backend``, prepared once: returns ``launch(x, w, scales)``, whose output has
-    ``out_shape`` (the [m, n] rows as written; default [m, n]): no reshape node around
+    ``out_shape`` ([..., n]: the [m, n] rows as written), so no reshape node goes around
     the kernels."""
-    out_shape = out_shape or (m, n)
     if scale_dtype in (mx.float16, mx.bfloat16):
         scale_dtype = mx.float32  # exact; one kernel build serves all float scales
     t = dtype
