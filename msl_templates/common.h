@@ -6,14 +6,23 @@
 // SIMD width is 32 on every Apple GPU; the reductions below rely on it.
 #pragma once
 
-// Elements p[0 .. 8) of a device array as floats, and 8 floats stored there (rounded to T).
-// Element by element here (Metal, the emulator); the CUDA layer defines MT_WIDE_LOADS and its
-// own versions (mlx_metaltile/cuda/include/mt_cuda/wide.cuh: 16-byte accesses where p is
-// 16-byte aligned), which NVIDIA needs to stream half and bfloat near its bandwidth.
+// Elements p[0 .. 8) (mt_load8) or p[0 .. 4) (mt_load4) of a device array as floats, and 8
+// floats stored there (rounded to T). Element by element here (Metal, the emulator); the CUDA
+// layer defines MT_WIDE_LOADS and its own versions (mlx_metaltile/cuda/include/mt_cuda/
+// wide.cuh: 16-byte accesses, 8-byte for 4 half / bfloat values, where p is aligned to them,
+// else element by element), which NVIDIA needs to stream half and bfloat near its bandwidth.
+// The values are the same either way.
 #ifndef MT_WIDE_LOADS
 template <typename T>
 inline void mt_load8(const device T* p, thread float* v) {
   for (uint j = 0; j < 8; ++j) {
+    v[j] = float(p[j]);
+  }
+}
+
+template <typename T>
+inline void mt_load4(const device T* p, thread float* v) {
+  for (uint j = 0; j < 4; ++j) {
     v[j] = float(p[j]);
   }
 }
@@ -25,6 +34,24 @@ inline void mt_store8(device T* p, const thread float* v) {
   }
 }
 #endif
+
+// p[0 .. N) as floats for N = 4 or 8 (mt_load4 / mt_load8), or zeros where !live (a
+// uniform or per-lane guard: nothing is read then).
+template <uint N, typename T>
+inline void mt_load_live(const device T* p, bool live, thread float* v) {
+  static_assert(N == 4 || N == 8, "mt_load_live: 4 or 8 elements");
+  if (live) {
+    if constexpr (N == 8) {
+      mt_load8(p, v);
+    } else {
+      mt_load4(p, v);
+    }
+  } else {
+    for (uint j = 0; j < N; ++j) {
+      v[j] = 0.0f;
+    }
+  }
+}
 
 // The lane layout of simdgroup_matrix<T, 8, 8>::thread_elements(), which MSL leaves to the
 // implementation: lane l holds row mt_frag_row(l), columns mt_frag_col(l) and + 1; the 4

@@ -1,7 +1,8 @@
-// mt_cuda/wide.cuh: 16-byte loads and stores of 8 consecutive elements, where the address
-// allows them. Not MSL: a kernel reaches them through common.h's mt_load8 / mt_store8, whose
-// MSL definitions (element by element: what Metal and the emulator run) this header
-// replaces by defining MT_WIDE_LOADS. Part of msl_compat.cuh; included only from it.
+// mt_cuda/wide.cuh: 16-byte loads and stores of 8 consecutive elements (and loads of 4), where
+// the address allows them. Not MSL: a kernel reaches them through common.h's mt_load8 /
+// mt_load4 / mt_store8, whose MSL definitions (element by element: what Metal and the
+// emulator run) this header replaces by defining MT_WIDE_LOADS. Part of msl_compat.cuh;
+// included only from it.
 //
 // Why: a warp's scalar 16-bit load moves 64 bytes, a 16-byte load per lane 512. NVIDIA's
 // memory system tracks a bounded number of requests per SM, so streaming kernels reading
@@ -18,6 +19,27 @@ namespace metal {
 template <class T>
 MT_FN bool mt_aligned16(const T* p) {
   return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
+}
+
+// v[j] = float(p[j]), j < 4: one 8-byte (16-bit T) or 16-byte (float) access where the
+// address is aligned to it.
+template <class T>
+MT_FN void mt_load4(const T* p, float* v) {
+  static_assert(sizeof(T) == 2 || sizeof(T) == 4, "mt_load4: 16- or 32-bit elements");
+  using Word = cuda::std::conditional_t<sizeof(T) == 2, ::uint2, ::uint4>;
+  if ((reinterpret_cast<unsigned long long>(p) & (sizeof(Word) - 1)) == 0) {
+    const Word w = *reinterpret_cast<const Word*>(p);
+    const T* e = reinterpret_cast<const T*>(&w);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      v[j] = mt_cast<float>(e[j]);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      v[j] = mt_cast<float>(p[j]);
+    }
+  }
 }
 
 // v[j] = float(p[j]), j < 8.
