@@ -49,7 +49,9 @@
 //   Traffic (device loads, counted by the emulator): w once per block of MB rows of x (once
 //   in total for M <= MB: N K / 2 bytes), whatever S and form; a scale once per VPT codes
 //   (GS / VPT lanes load the same one: 2x the ideal N K / GS for GS 32 and VPT 16); x once
-//   per simdgroup's steps (N / 4 times in all, from cache); out once.
+//   per simdgroup's steps (N / 4 times in all, from cache), 8 values per common.h mt_load8
+//   (on cuda one 16-byte access where x is aligned: M1 N K 4096 bfloat16 15.1 -> 12.3 us of
+//   kernel time on an H200); out once.
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes and the backend):
 //   threadgroup = (64 S, 1, 1): SIMD-group i is row block i % 2 of K slice i / 2,
@@ -138,8 +140,8 @@ for (uint k = slice * STEP + lane * VPT; k < K; k += slices * STEP) {
       if (m0 + m < M) {  // uniform
         const size_t xo = size_t(m0 + m) * K + k;
         float xm[VPT];
-        for (uint j = 0; j < VPT; ++j) {
-          xm[j] = float(x[xo + j]);
+        for (uint j = 0; j < VPT; j += 8) {
+          mt_load8(x + xo + j, xm + j);
         }
         for (uint r = 0; r < ROWS; ++r) {
           float part = 0.0f;  // the held-x form's terms in its order
@@ -158,8 +160,8 @@ for (uint k = slice * STEP + lane * VPT; k < K; k += slices * STEP) {
     for (uint m = 0; m < MB; ++m) {
       if (m0 + m < M) {
         const size_t xo = size_t(m0 + m) * K + k;
-        for (uint j = 0; j < VPT; ++j) {
-          xr[m][j] = float(x[xo + j]);
+        for (uint j = 0; j < VPT; j += 8) {
+          mt_load8(x + xo + j, xr[m] + j);
         }
       } else {
         for (uint j = 0; j < VPT; ++j) {

@@ -72,8 +72,9 @@
 //   shuffles and FMAs (TF32 would break the tolerance table), so mxfp4 with half x and the
 //   float scales lose the tensor cores on NVIDIA rather than exactness.
 //   Traffic (device loads, counted by the emulator): w ceil(M / 32) times, a scale once per
-//   word (the 4 threads of a row load the same one for GS >= 32), x N / 32 times, out once
-//   (parts times in float32 when split, then read once by the sum).
+//   word (the 4 threads of a row load the same one for GS >= 32), x N / 32 times (a
+//   thread's 8 values through common.h's mt_load_live: one 16-byte access on cuda where x
+//   is aligned), out once (parts times in float32 when split, then read once by the sum).
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
 //   threadgroup = (128, 1, 1); grid = (128 * N / 32, ceil(M / 32), parts):
@@ -165,9 +166,7 @@ for (uint i = 0; i < 2; ++i) {
 
 for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
   float xv[8];
-  for (uint j = 0; j < 8; ++j) {
-    xv[j] = x_row_ok ? float(x[x_off + k0 + j]) : 0.0f;
-  }
+  mt_load_live<8>(x + x_off + k0, x_row_ok, xv);
   const uint word = w[w_off + k0 / 8];
   const float s = 0.125f * mt_fp4_scale<SCALE_MODE>(scales[s_off + ((k0 + lc) >> gs_shift)]);
 

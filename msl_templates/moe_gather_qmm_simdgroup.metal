@@ -74,7 +74,9 @@
 //   codes and 2 * N * K / GROUP_SIZE scale/bias elements (fp modes: N * K / GROUP_SIZE
 //   scale bytes, no bias) (a group cut by a K-split boundary
 //   is loaded by both simdgroups: at most 3 extra per weight row); x rows are read N / 32
-//   times (once per column block; the other reads hit cache); out written once (M * N).
+//   times (once per column block; the other reads hit cache; a lane's 4 values per step
+//   through common.h's mt_load_live: one 8- or 16-byte access on cuda where x is aligned);
+//   out written once (M * N).
 //   Each thread also reads its slot's id and the tile's <= 8 ids (36 bytes, cache hits);
 //   the slots of a tile that lead no run exit after those reads.
 //
@@ -217,9 +219,7 @@ if (step_begin < step_end) {
   for (uint j = 0; j < WORDS; ++j) {
     wq[j] = w_words[step_begin * WORDS + j];
   }
-  for (uint i = 0; i < 4; ++i) {
-    xq[i] = x_live ? float(x_row[step_begin * BK + i]) : 0.0f;
-  }
+  mt_load_live<4>(x_row + step_begin * BK, x_live, xq);
 }
 for (uint step = step_begin; step < step_end; ++step) {
   const uint k0 = step * BK;
@@ -243,9 +243,7 @@ for (uint step = step_begin; step < step_end; ++step) {
     for (uint j = 0; j < WORDS; ++j) {
       wq[j] = w_words[(step + 1) * WORDS + j];
     }
-    for (uint i = 0; i < 4; ++i) {
-      xq[i] = x_live ? float(x_row[(step + 1) * BK + i]) : 0.0f;
-    }
+    mt_load_live<4>(x_row + (step + 1) * BK, x_live, xq);
   }
   simdgroup_barrier(mem_flags::mem_threadgroup);
   for (uint kk = 0; kk < BK; kk += 8) {

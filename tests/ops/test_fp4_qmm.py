@@ -182,6 +182,22 @@ def test_leading_dims_and_non_contiguous_x(kernel_backend, poisoned_outputs, rng
     run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant, expect=variant)
 
 
+@pytest.mark.parametrize("offset", (1, 2, 3, 4, 8))
+@pytest.mark.parametrize("m", (1, 8, 33), ids=lambda v: f"M{v}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_x_at_any_element_offset(kernel_backend, poisoned_outputs, rng, variant, dtype, m,
+                                 offset):
+    """x a contiguous view starting `offset` elements into its buffer: the CUDA layer's
+    wide loads of x (common.h's mt_load8 / mt_load_live) are taken only where the address
+    is aligned, element by element elsewhere."""
+    kernel_variant(kernel_backend, variant)
+    x, w, s = make_case(rng, m, 64, 128, dtype)
+    flat = mx.concatenate([mx.zeros((offset,), dtype=dtype), x.reshape(-1)])
+    run_and_check(flat[offset:].reshape(x.shape), w, s, "e8m0", 32, kernel_backend,
+                  variant=variant, expect=variant)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_non_contiguous_w_and_scales(kernel_backend, poisoned_outputs, rng, variant):
     """Strided views of w and scales (every other row of a bigger matrix; a transposed copy
@@ -514,8 +530,8 @@ UNGUARDED = {
                   "      if (true) {\n        const size_t oo"),
     "simdgroup-store": ("simdgroup", "if (x_row_ok) {\n  const", "if (true) {\n  const"),
     # two guards, each enough: the clamped row pointer and the select of 0
-    "simdgroup-load": ("simdgroup", ("min(m_tile + lr, M - 1)", "x_row_ok ? float(x["),
-                       ("(m_tile + lr)", "true ? float(x[")),
+    "simdgroup-load": ("simdgroup", ("min(m_tile + lr, M - 1)", "k0, x_row_ok, xv"),
+                       ("(m_tile + lr)", "k0, true, xv")),
     "mpp-load": ("mpp", "a[i] = row < M ? x[", "a[i] = true ? x["),
     "mpp-store": ("mpp", "    if (row < M) {\n      out", "    if (true) {\n      out"),
 }

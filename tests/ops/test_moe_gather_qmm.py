@@ -111,6 +111,19 @@ def test_large_magnitudes_bf16(backend, variant, rng):
     run_and_check((x, w, scales, biases, ids), gs, bits, mx.bfloat16, backend, variant)
 
 
+@pytest.mark.parametrize("offset", (1, 2, 3, 4))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_x_at_any_element_offset(backend, variant, rng, dtype, offset):
+    """x a contiguous view starting `offset` elements into its buffer: the CUDA layer's
+    wide loads of x (common.h's mt_load_live) are taken only where the address is aligned,
+    element by element elsewhere."""
+    E, M, N, K, gs, bits = 4, 13, 64, 128, 32, 4
+    x, w, scales, biases, ids = make_case(rng, E, M, N, K, gs, bits, dtype)
+    flat = mx.concatenate([mx.zeros((offset,), dtype=dtype), x.reshape(-1)])
+    x = flat[offset:].reshape(x.shape)
+    run_and_check((x, w, scales, biases, ids), gs, bits, dtype, backend, variant)
+
+
 def test_non_contiguous_inputs(backend, variant, rng):
     """Transposed and column-sliced x, strided indices, every other expert of a weight stack:
     the wrapper hands the kernel row-contiguous copies, the results are those of the math."""
