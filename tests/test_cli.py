@@ -11,11 +11,14 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import pytest
 
 from mlx_metaltile import __main__ as cli
 from mlx_metaltile import _check, backends
 from mlx_metaltile.cases import cases
+from mlx_metaltile.cases._base import oracle_and_magnitude
 
 ROOT = Path(__file__).resolve().parent.parent
 EMULATOR = backends.unavailable_reason("emulator")
@@ -74,6 +77,23 @@ def test_every_op_has_grad_cases_one_of_them_in_the_short_subset():
     ops = sorted({c.op for c in every})
     assert sorted({c.op for c in every if c.wrt}) == ops
     assert sorted(c.op for c in cases(quick=True) if c.wrt) == ops
+
+
+def test_oracle_and_magnitude_share_one_evaluation_per_input_set():
+    """A case's oracle and magnitude from one float64 computation: made once for the same
+    input objects, again for any other input (never a previous set's result)."""
+    calls = []
+
+    def terms(x, scale):
+        calls.append(x)
+        return np.array(x) * scale, np.abs(np.array(x))
+
+    exact, magnitude = oracle_and_magnitude(terms)
+    a, b = mx.array([1.0, -2.0]), mx.array([1.0, -2.0])
+    assert exact(x=a, scale=3.0).tolist() == [3.0, -6.0]
+    assert magnitude(x=a, scale=3.0).tolist() == [1.0, 2.0] and len(calls) == 1
+    assert exact(x=b, scale=3.0).tolist() == [3.0, -6.0] and len(calls) == 2  # equal, not same
+    assert exact(x=b, scale=-1.0).tolist() == [-1.0, 2.0] and len(calls) == 3
 
 
 @needs_emulator

@@ -166,6 +166,14 @@ def _shared_evaluation(terms: Callable[..., list]) -> Callable[..., list]:
     return call
 
 
+def oracle_and_magnitude(terms: Callable[..., tuple]) -> tuple[Callable, Callable]:
+    """A case's ``oracle`` and ``magnitude`` from one float64 computation ``terms``
+    (**inputs) -> (result, magnitude), made once per input set (the error check asks for
+    both in turn)."""
+    shared = _shared_evaluation(terms)
+    return (lambda **inputs: shared(**inputs)[0]), (lambda **inputs: shared(**inputs)[1])
+
+
 def grad_case(*, op: str, label: str, dtype: mx.Dtype, make: Callable, ours: Callable,
               native: Callable | None, wrt: Sequence[str], grad_oracle: Callable,
               nbytes: int, flops: int, quick: bool = False) -> BenchCase:

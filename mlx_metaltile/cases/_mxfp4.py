@@ -28,21 +28,24 @@ def _round_to(values: np.ndarray, dtype) -> np.ndarray:
     return f64(mx.array(values.astype(np.float32)).astype(dtype))  # exact in float32
 
 
-def products(x, w, scales, indices, *, rounded, absolute):
-    """Each (row, id) of x against its expert's weights in float64 (NaN for a bad id);
-    ``rounded``: each weight rounded to x's dtype first (moe_gather_qmm's contract)."""
+def product_terms(x, w, scales, indices, *, rounded):
+    """(products, magnitudes): each (row, id) of x against its expert's weights in float64,
+    and the sums of |terms| behind them (NaN for a bad id); ``rounded``: each weight rounded
+    to x's dtype first (moe_gather_qmm's contract)."""
     xs, ids = f64(x), np.array(indices).astype(np.int64)
     if xs.ndim == ids.ndim:  # expert_qmv, one activation per token: [T, K] -> [T, 1, K]
         xs = xs[..., None, :]
     xs = np.broadcast_to(xs, (*ids.shape, xs.shape[-1]))
     out = np.full((*ids.shape, w.shape[1]), np.nan)
+    mag = out.copy()
     for e in np.unique(ids):
         wd = _dequant_mxfp4(w[int(e)], scales[int(e)])
         if rounded:
             wd = _round_to(wd, x.dtype)
         at = ids == e
-        out[at] = np.abs(xs[at]) @ np.abs(wd).T if absolute else xs[at] @ wd.T
-    return out
+        out[at] = xs[at] @ wd.T
+        mag[at] = np.abs(xs[at]) @ np.abs(wd).T
+    return out, mag
 
 
 def routing(tokens: int, n_experts: int, top_k: int, seed: int) -> np.ndarray:

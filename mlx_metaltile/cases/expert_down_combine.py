@@ -9,7 +9,7 @@ import numpy as np
 
 import mlx_metaltile as mt
 
-from ._base import BenchCase, check_rows, expect_launches, grad_case, to_f64
+from ._base import BenchCase, check_rows, expect_launches, grad_case, oracle_and_magnitude, to_f64
 from .expert_glu import (
     SHAPES,
     back_project,
@@ -100,12 +100,8 @@ def _gs(mode):
     return {"affine": 64, "mxfp4": 32}[mode]
 
 
-def _oracle(h, down, indices, scores, mode):
-    return oracle(h, down, indices, scores, mode, _gs(mode), 4)[0]
-
-
-def _magnitude(h, down, indices, scores, mode):
-    return oracle(h, down, indices, scores, mode, _gs(mode), 4)[1]
+def _bench_terms(h, down, indices, scores, mode):
+    return oracle(h, down, indices, scores, mode, _gs(mode), 4)[:2]
 
 
 def bench_cases() -> list[BenchCase]:
@@ -128,9 +124,10 @@ def bench_cases() -> list[BenchCase]:
         nbytes = int(experts * per_expert + tokens * (k * N + D) * dtype.size
                      + (experts * D * dtype.size if bias else 0))
         suffix = "" if tokens == 1 else f"-{tokens}tok"
+        exact, magnitude = oracle_and_magnitude(_bench_terms)
         out.append(BenchCase(op=OP, label=f"{label}-E{E}k{k}-{N}to{D}-{mode}{suffix}",
                              dtype=dtype, make=make, ours=_ours, native=_native,
-                             oracle=_oracle, magnitude=_magnitude, nbytes=nbytes,
+                             oracle=exact, magnitude=magnitude, nbytes=nbytes,
                              flops=2 * tokens * k * N * D,
                              quick=label == "qwen3-30b-a3b" and tokens == 1))
     return out + grad_bench_cases()
@@ -241,9 +238,9 @@ def block_cases() -> list[BenchCase]:
         sb = (2 * 2 if mode == "affine" else 1)  # scale (+ bias) bytes per group
         weights = 3 * k * N * D * (1 / 2 + sb / _gs(mode))
         nbytes = int(weights + 2 * D * dtype.size + (3 * k * N * dtype.size if bias else 0))
+        exact, magnitude = oracle_and_magnitude(lambda **i: block_oracle(**i)[:2])
         out.append(BenchCase(op="moe_block", label=f"{label}-E{E}k{k}-{D}x{N}-{mode}",
                              dtype=dtype, make=make, ours=_block_ours, native=_block_native,
-                             oracle=lambda **i: block_oracle(**i)[0],
-                             magnitude=lambda **i: block_oracle(**i)[1], nbytes=nbytes,
+                             oracle=exact, magnitude=magnitude, nbytes=nbytes,
                              flops=3 * 2 * k * N * D, quick=label == "qwen3-30b-a3b"))
     return out

@@ -12,7 +12,7 @@ import numpy as np
 import mlx_metaltile as mt
 
 from . import _mxfp4
-from ._base import BenchCase, check_rows, expect_launches, grad_case, to_f64
+from ._base import BenchCase, check_rows, expect_launches, grad_case, oracle_and_magnitude, to_f64
 from .expert_qmv import dequantize_f64
 
 OP = "expert_glu"
@@ -322,14 +322,9 @@ def _native(x, gate, up, indices, activation, mode):
     return native_activation(activation)(u, g).squeeze(-2)
 
 
-def _oracle(x, gate, up, indices, activation, mode):
+def _bench_terms(x, gate, up, indices, activation, mode):
     gs = {"affine": 64, "mxfp4": 32}[mode]
-    return oracle(x, gate, up, indices, activation, mode, gs, 4)[0]
-
-
-def _magnitude(x, gate, up, indices, activation, mode):
-    gs = {"affine": 64, "mxfp4": 32}[mode]
-    return oracle(x, gate, up, indices, activation, mode, gs, 4)[1]
+    return oracle(x, gate, up, indices, activation, mode, gs, 4)[:2]
 
 
 def bench_cases() -> list[BenchCase]:
@@ -348,9 +343,10 @@ def bench_cases() -> list[BenchCase]:
         per_expert = N * (D // 2 + (D // gs) * sb * (2 if mode == "affine" else 1))
         nbytes = (2 * k * per_expert + D * dtype.size + k * N * dtype.size
                   + (2 * k * N * dtype.size if bias else 0))
+        exact, magnitude = oracle_and_magnitude(_bench_terms)
         out.append(BenchCase(op=OP, label=f"{label}-E{E}k{k}-{D}to{N}-{mode}", dtype=dtype,
-                             make=make, ours=_ours, native=_native, oracle=_oracle,
-                             magnitude=_magnitude, nbytes=nbytes,
+                             make=make, ours=_ours, native=_native, oracle=exact,
+                             magnitude=magnitude, nbytes=nbytes,
                              flops=2 * 2 * k * N * D, quick=label == "qwen3-30b-a3b"))
     return out + grad_bench_cases()
 

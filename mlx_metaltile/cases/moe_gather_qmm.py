@@ -17,7 +17,7 @@ from .. import backends
 from ..ops._common import clear_plans
 from ..ops.moe_gather_qmm import DX_SPEC, GEMV_SPEC, VARIANT_SPECS, uses_gemv
 from . import _mxfp4
-from ._base import BenchCase, check_rows, grad_case, to_f64
+from ._base import BenchCase, check_rows, grad_case, oracle_and_magnitude, to_f64
 from .expert_glu import dequantize
 
 op_module = importlib.import_module("mlx_metaltile.ops.moe_gather_qmm")
@@ -287,12 +287,8 @@ VARIANT_CALLS[GEMV_SPEC.variant] = _gemv_call  # few rows per expert (cuda's pla
 
 # ---- benchmarks -------------------------------------------------------------------------
 
-def _bench_oracle(x, w, scales, biases, indices, *, group_size, bits):
-    return oracle(x, w, scales, biases, indices, group_size, bits, x.dtype)[0]
-
-
-def _bench_magnitude(x, w, scales, biases, indices, *, group_size, bits):
-    return oracle(x, w, scales, biases, indices, group_size, bits, x.dtype)[1]
+def _bench_terms(x, w, scales, biases, indices, *, group_size, bits):
+    return oracle(x, w, scales, biases, indices, group_size, bits, x.dtype)[:2]
 
 
 def _native(x, w, scales, biases, indices, *, group_size, bits):
@@ -340,11 +336,11 @@ def bench_cases() -> list[BenchCase]:
                 w_bytes = touched * n * (k * bits // 8 + 2 * (k // group_size) * dtype.size)
                 nbytes = rows * k * dtype.size + w_bytes + rows * 4 + rows * n * dtype.size
                 kw = dict(group_size=group_size, bits=bits)
+                exact, magnitude = oracle_and_magnitude(partial(_bench_terms, **kw))
                 out.append(BenchCase(
                     op=OP, label=f"M{rows}-N{n}-K{k}-E{E}-b{bits}", dtype=dtype,
                     make=make, ours=partial(mt.moe_gather_qmm, **kw),
-                    native=partial(_native, **kw), oracle=partial(_bench_oracle, **kw),
-                    magnitude=partial(_bench_magnitude, **kw),
+                    native=partial(_native, **kw), oracle=exact, magnitude=magnitude,
                     nbytes=nbytes, flops=2 * rows * n * k,
                     quick=rows in (8, 128) and n == 768 and bits == 4 and dtype == mx.bfloat16))
     return out + _mxfp4_cases() + grad_bench_cases()
@@ -366,14 +362,14 @@ def _mxfp4_cases(dtype=mx.bfloat16) -> list[BenchCase]:
         touched = len(np.unique(ids))
         nbytes = (rows * k * dtype.size + touched * n * (k // 2 + k // 32) + rows * 4
                   + rows * n * dtype.size)
+        exact, magnitude = oracle_and_magnitude(partial(_mxfp4.product_terms, rounded=True))
         out.append(BenchCase(
             op=OP, label=f"gpt-oss-20b-mxfp4-M{rows}-N{n}-K{k}-E{E}",
             dtype=dtype, make=partial(_mxfp4.make, rows_x=(rows,), ids=ids, dtype=dtype, E=E,
                                       n=n, k=k),
             ours=partial(mt.moe_gather_qmm, biases=None, mode="mxfp4", group_size=32,
                          bits=4), native=_mxfp4_native,
-            oracle=partial(_mxfp4.products, rounded=True, absolute=False),
-            magnitude=partial(_mxfp4.products, rounded=True, absolute=True),
+            oracle=exact, magnitude=magnitude,
             nbytes=nbytes, flops=2 * rows * n * k, quick=rows == 32))
     return out
 

@@ -7,7 +7,7 @@ import numpy as np
 
 import mlx_metaltile as mt
 
-from ._base import BenchCase, assert_close, expect_launches, grad_case, to_f64
+from ._base import BenchCase, assert_close, expect_launches, grad_case, oracle_and_magnitude, to_f64
 
 OP = "moe_route"
 
@@ -195,11 +195,10 @@ def bench_cases() -> list[BenchCase]:
                     return dict(logits=distinct_logits(rng, (tokens,), n, dtype), k=k,
                                 normalize=normalize)
 
+                exact, magnitude = oracle_and_magnitude(lambda **i: dense_oracle(**i)[:2])
                 out.append(BenchCase(
                     op=OP, label=f"{label}-E{n}k{k}-{tokens}tok", dtype=dtype, make=make,
-                    ours=ours_dense, native=native_dense,
-                    oracle=lambda **inputs: dense_oracle(**inputs)[0],
-                    magnitude=lambda **inputs: dense_oracle(**inputs)[1],
+                    ours=ours_dense, native=native_dense, oracle=exact, magnitude=magnitude,
                     nbytes=tokens * (n * dtype.size + k * (4 + dtype.size)),
                     flops=tokens * n * (k + 4),
                     quick=tokens == 1 and label == "qwen3-30b" and dtype == mx.bfloat16))

@@ -19,7 +19,7 @@ from ..ops.sdpa_multi import (
     MMA_SPEC,
     SPLIT_SPEC,
 )
-from ._base import DTYPES, BenchCase, assert_close, grad_case, to_f64
+from ._base import DTYPES, BenchCase, assert_close, grad_case, oracle_and_magnitude, to_f64
 
 _ops = importlib.import_module("..ops.sdpa_multi", __package__)  # the module (the package
 # exports the function under the same name)
@@ -439,12 +439,8 @@ VARIANT_CALLS["backward_stats"] = VARIANT_CALLS["backward_dq_split"] = _backward
 
 # ---- benchmarks -------------------------------------------------------------------------
 
-def _bench_oracle(q, k, v, scale, causal, kv_len, mask=None, sinks=None):
-    return sdpa_multi_terms(q, k, v, scale, causal, kv_len, mask, sinks)[0]
-
-
-def _bench_magnitude(q, k, v, scale, causal, kv_len, mask=None, sinks=None):
-    return sdpa_multi_terms(q, k, v, scale, causal, kv_len, mask, sinks)[1]
+def _bench_terms(q, k, v, scale, causal, kv_len, mask=None, sinks=None):
+    return sdpa_multi_terms(q, k, v, scale, causal, kv_len, mask, sinks)[:2]
 
 
 def _native(q, k, v, scale, causal, kv_len, mask=None, sinks=None):
@@ -485,10 +481,11 @@ def _masked_bench_cases() -> list[BenchCase]:
                             kw["causal"] = True
                             kw["sinks"] = arr((Hq,), 2.0)
                         return kw
+                    exact, magnitude = oracle_and_magnitude(_bench_terms)
                     out.append(BenchCase(
                         op=OP, label=f"{form}-h{Hq}/{Hkv}-d{D}-L{L}-kv{kv_len // 1024}k",
                         dtype=dtype, make=make, ours=mt.sdpa_multi, native=_native,
-                        oracle=_bench_oracle, magnitude=_bench_magnitude,
+                        oracle=exact, magnitude=magnitude,
                         nbytes=(2 * B * Hq * L * D + 2 * B * Hkv * kv_len * D) * dtype.size
                         + (L * kv_len if form == "tree" else
                            Hq * L * kv_len * dtype.size if form == "additive" else 0),
@@ -516,13 +513,13 @@ def bench_cases() -> list[BenchCase]:
                                         v=arr((B, Hkv, S, D)), scale=D ** -0.5,
                                         causal=causal, kv_len=kv_len)
                         visible = (L * kv_len - L * (L - 1) // 2) if causal else L * kv_len
+                        exact, magnitude = oracle_and_magnitude(_bench_terms)
                         out.append(BenchCase(
                             op=OP,
                             label=f"h{Hq}/{Hkv}-L{L}-kv{kv_len // 1024}k"
                                   + ("" if causal else "-full"),
                             dtype=dtype, make=make, ours=mt.sdpa_multi,
-                            native=_native, oracle=_bench_oracle,
-                            magnitude=_bench_magnitude,
+                            native=_native, oracle=exact, magnitude=magnitude,
                             nbytes=(2 * B * Hq * L * D + 2 * B * Hkv * kv_len * D) * dtype.size,
                             flops=4 * B * Hq * visible * D,
                             quick=(dtype == mx.float16 and Hkv == 8 and kv_len == 4096
