@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -55,3 +57,46 @@ def test_grad_case_runs_every_provider_through_the_vjp(tmp_path):
     runs = {b["params"]["provider"]: b for b in json.loads(out.read_text())["benchmarks"]}
     assert set(runs) == {"mlx_native", "reference"}
     assert {r["group"] for r in runs.values()} == {"gated_rms_norm[grad-32x2048-f16]"}
+
+
+def test_cuda_kernel_time_parses_nsight_compute_csv(tmp_path):
+    """bench/cuda_kernel_time.py --parse: the kernels between a case's markers summed per
+    call in us (ns values with thousands separators, other units converted), kernels outside
+    the markers and other metrics ignored, an unknown unit refused."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import cuda_kernel_time as kt
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    head = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
+            '"Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit",'
+            '"Metric Value"\n')
+
+    def row(i, name, unit, value, metric="gpu__time_duration.sum"):
+        return (f'"{i}","1","python3","h","{name}(const float *, float *)","1","7","(1, 1, 1)",'
+                f'"(1, 1, 1)","0","9.0","m","{metric}","{unit}","{value}"\n')
+
+    log = ("==PROF== Connected\n" + head + row(0, "setup_kernel", "ns", "9,999")
+           + row(1, "custom_kernel_mt_case_begin_0", "ns", "2,880")
+           + row(2, "custom_kernel_mt_op", "ns", "10,000")
+           + row(3, "custom_kernel_mt_op", "ns", "10,000", metric="sm__cycles")
+           + row(4, "custom_kernel_mt_sum", "us", "2.5")
+           + row(5, "custom_kernel_mt_case_end_0", "ns", "2,000")
+           + row(6, "between", "ns", "50,000")
+           + row(7, "custom_kernel_mt_case_begin_1", "ns", "1,000")
+           + row(8, "custom_kernel_mt_op", "ms", "0.012")
+           + row(9, "custom_kernel_mt_case_end_1", "ns", "1,000"))
+    got = kt.kernel_us(log, {0: 2, 1: 4})
+    assert got == pytest.approx({0: (10.0 + 2.5) / 2, 1: 12.0 / 4})
+    with pytest.raises(ValueError, match="unknown time unit 'cycle'"):
+        kt.kernel_us(head + row(0, "custom_kernel_mt_case_begin_0", "ns", "1")
+                     + row(1, "k", "cycle", "5"), {0: 1})
+    (tmp_path / "run.txt").write_text("case 0 2 fp4_qmm-M1-N4096-K4096-bfloat16\n"
+                                      "case 1 4 expert_qmv-x-float16\n")
+    (tmp_path / "a.csv").write_text(log)
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "cuda_kernel_time.py"),
+                          "--parse", str(tmp_path / "run.txt"), f"old={tmp_path / 'a.csv'}"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["case | old", "fp4_qmm-M1-N4096-K4096-bfloat16 | 6.2",
+                                       "expert_qmv-x-float16 | 3.0"]

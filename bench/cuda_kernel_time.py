@@ -1,0 +1,140 @@
+"""GPU kernel time per call of bench cases (no host launch in the figure), under Nsight
+Compute, for comparing two revisions of a kernel on an NVIDIA GPU.
+
+    ncu --csv --metrics gpu__time_duration.sum --profile-from-start off --log-file run.csv \\
+        python bench/cuda_kernel_time.py [--op OP] [--shape TEXT] [--dtype NAME] [--calls 5] \\
+        > run.txt
+    python bench/cuda_kernel_time.py --parse run.txt before=old.csv after=run.csv
+
+``bench`` times the evaluation of queued calls, which at decode sizes is mostly the host's
+launch; this script times the kernels alone. Per case (``cases()`` of the ops, as ``bench``
+selects them): inputs made and two untimed calls, then a marker kernel, ``--calls`` calls
+each evaluated, and another marker. Nsight Compute profiles what lies between
+``cudaProfilerStart`` / ``Stop`` (through CuPy, where installed; without it drop
+``--profile-from-start off`` and every kernel is profiled, the markers still delimit the
+cases), with its defaults: caches flushed and clocks at base before each kernel. ``--parse``
+sums ``gpu__time_duration`` between each case's markers over ``--calls`` (the float64 oracle
+is not run: check results with ``bench``) and prints one column per log, in us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import re
+import sys
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
+
+MARKER = re.compile(r"mt_case_(begin|end)_(\d+)")
+
+
+def _marker(name: str, inp) -> None:
+    """One launch of a one-thread kernel named ``name`` (``inp``: an evaluated float32
+    array, so that no other kernel runs with it)."""
+    import mlx.core as mx
+
+    kernel = mx.fast.cuda_kernel(name=name, input_names=["inp"], output_names=["out"],
+                                 source="out[0] = inp[0];")
+    (out,) = kernel(inputs=[inp], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                    output_shapes=[(1,)], output_dtypes=[mx.float32])
+    mx.eval(out)
+
+
+def run(args) -> None:
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_metaltile import backends
+    from mlx_metaltile.cases import cases
+
+    if backends.resolve_backend() != "cuda":
+        sys.exit("cuda_kernel_time: needs the cuda backend (MLX's CUDA build and a GPU)")
+    try:
+        from cupy.cuda import runtime as profiler
+    except ImportError:
+        profiler = None
+    chosen = [c for c in cases() if (not args.op or c.op in args.op)
+              and (not args.shape or any(t in c.label for t in args.shape))
+              and (not args.dtype or c.dtype_name in args.dtype)]
+    if not chosen:
+        sys.exit("cuda_kernel_time: no case matches")
+    zero = mx.zeros((1,))
+    mx.eval(zero)
+    for i, case in enumerate(chosen):
+        inputs = case.make(np.random.default_rng(i))
+        mx.eval([v for v in inputs.values() if isinstance(v, mx.array)])
+        for _ in range(2):
+            mx.eval(case.ours(**inputs))
+        mx.synchronize()
+        if profiler is not None:
+            profiler.profilerStart()
+        _marker(f"mt_case_begin_{i}", zero)
+        for _ in range(args.calls):
+            mx.eval(case.ours(**inputs))
+        _marker(f"mt_case_end_{i}", zero)
+        mx.synchronize()
+        if profiler is not None:
+            profiler.profilerStop()
+        print(f"case {i} {args.calls} {case.id}", flush=True)
+
+
+UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+
+
+def kernel_us(log: str, calls: dict[int, int]) -> dict[int, float]:
+    """Nsight Compute's CSV (``--csv --metrics gpu__time_duration.sum``): us of kernel time
+    per call of each case, the kernels between its markers summed."""
+    text = log[log.find('"ID"'):]
+    out: dict[int, float] = {}
+    case = None
+    for row in csv.DictReader(io.StringIO(text)):
+        if row.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        mark = MARKER.search(row["Kernel Name"])
+        if mark:
+            case = int(mark.group(2)) if mark.group(1) == "begin" else None
+            if case is not None:
+                out[case] = 0.0
+            continue
+        if case is not None:
+            unit = row["Metric Unit"]
+            if unit not in UNITS:
+                raise ValueError(f"cuda_kernel_time: unknown time unit {unit!r} in {row}")
+            value = float(row["Metric Value"].replace(",", "")) * UNITS[unit]
+            out[case] += value / calls[case]
+    return out
+
+
+def parse(args) -> None:
+    names, calls = {}, {}
+    for line in Path(args.parse[0]).read_text().splitlines():
+        if line.startswith("case "):
+            _, i, n, name = line.split(maxsplit=3)
+            names[int(i)], calls[int(i)] = name, int(n)
+    columns = []
+    for spec in args.parse[1:]:
+        label, path = spec.split("=", 1)
+        columns.append((label, kernel_us(Path(path).read_text(), calls)))
+    print("case | " + " | ".join(label for label, _ in columns))
+    for i, name in sorted(names.items()):
+        cells = [f"{col[i]:.1f}" if i in col else "-" for _, col in columns]
+        print(f"{name} | " + " | ".join(cells))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--op", action="append", help="only this op (repeatable)")
+    p.add_argument("--shape", action="append", help="only labels containing TEXT")
+    p.add_argument("--dtype", action="append", help="only this dtype (float16, ...)")
+    p.add_argument("--calls", type=int, default=5, help="timed calls per case")
+    p.add_argument("--parse", nargs="+", metavar=("RUN_TXT", "LABEL=CSV"),
+                   help="print us per call from a run's stdout and ncu logs")
+    args = p.parse_args(argv)
+    parse(args) if args.parse else run(args)
+
+
+if __name__ == "__main__":
+    main()
