@@ -11,9 +11,9 @@ import mlx.core as mx
 import numpy as np
 
 from ._base import f64
+from .fp4_qmm import e2m1_value
 
 GPT_OSS_20B = dict(E=32, top_k=4, n=2880, k=2880)  # experts, router top-k, N = K = hidden
-_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 
 
 def _dequant_mxfp4(w, scales) -> np.ndarray:
@@ -21,7 +21,7 @@ def _dequant_mxfp4(w, scales) -> np.ndarray:
     b = np.ascontiguousarray(np.array(w), dtype="<u4").view(np.uint8)
     codes = np.stack([b & 0xF, b >> 4], axis=-1).reshape(b.shape[0], -1)
     s = 2.0 ** (np.array(scales).astype(np.float64) - 127)
-    return _E2M1[codes] * np.repeat(s, 32, axis=-1)
+    return e2m1_value(codes) * np.repeat(s, 32, axis=-1)
 
 
 def _round_to(values: np.ndarray, dtype) -> np.ndarray:

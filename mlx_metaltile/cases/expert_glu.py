@@ -11,9 +11,9 @@ import numpy as np
 
 import mlx_metaltile as mt
 
-from . import _mxfp4
 from ._base import BenchCase, check_rows, expect_launches, grad_case, oracle_and_magnitude, to_f64
 from .expert_qmv import dequantize_f64
+from .fp4_qmm import e2m1_value
 
 OP = "expert_glu"
 ALPHA, LIMIT = 1.702, 7.0  # mlx-lm's SwigluOAI
@@ -38,8 +38,8 @@ def dequantize(w, scales, biases, mode: str, group_size: int, bits: int) -> np.n
     if mode == "mxfp8":
         q = _e4m3(codes)
     else:  # fp4: code 2i at the low nibble of byte i
-        q = _mxfp4._E2M1[np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(
-            *codes.shape[:-1], -1)]
+        q = e2m1_value(np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(
+            *codes.shape[:-1], -1))
     s = np.array(scales)
     s = 2.0 ** (s.astype(np.float64) - 127) if mode in ("mxfp4", "mxfp8") else _e4m3(s)
     return q * np.repeat(s, group_size, axis=-1)
