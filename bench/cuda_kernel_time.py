@@ -6,6 +6,9 @@ Compute, for comparing two revisions of a kernel on an NVIDIA GPU.
         > run.txt
     python bench/cuda_kernel_time.py --parse run.txt before=old.csv after=run.csv
 
+    ncu ... python bench/cuda_kernel_time.py --arch gpt_oss [--layers 4] [--context 1024]
+    python bench/cuda_kernel_time.py --parse run.txt run=run.csv --kernels 8
+
 ``bench`` times the evaluation of queued calls, which at decode sizes is mostly the host's
 launch; this script times the kernels alone. Per case (``cases()`` of the ops, as ``bench``
 selects them): inputs made and two untimed calls, then a marker kernel, ``--calls`` calls
@@ -15,6 +18,13 @@ each evaluated, and another marker. Nsight Compute profiles what lies between
 cases), with its defaults: caches flushed and clocks at base before each kernel. ``--parse``
 sums ``gpu__time_duration`` between each case's markers over ``--calls`` (the float64 oracle
 is not run: check results with ``bench``) and prints one column per log, in us.
+
+``--arch``: the cases are model_bench's model at published shapes, one decode step (L 1)
+and one verification step (L 4) after ``--context`` cached tokens, native then patched
+(each step evaluated, its tokens then trimmed from the cache): the GPU time of a step with
+no launch gaps, against its wall time in model-bench. ``--kernels N`` adds, per case, the
+N kernels (by name) with the most time per call, so two sides' steps can be read kernel
+by kernel.
 """
 
 from __future__ import annotations
@@ -43,6 +53,73 @@ def _marker(name: str, inp) -> None:
     mx.eval(out)
 
 
+def _timed_case(i: int, label: str, calls: int, call, zero, profiler) -> None:
+    """Two untimed calls, then ``calls`` calls between case i's markers."""
+    import mlx.core as mx
+
+    for _ in range(2):
+        call()
+    mx.synchronize()
+    if profiler is not None:
+        profiler.profilerStart()
+    _marker(f"mt_case_begin_{i}", zero)
+    for _ in range(calls):
+        call()
+    _marker(f"mt_case_end_{i}", zero)
+    mx.synchronize()
+    if profiler is not None:
+        profiler.profilerStop()
+    print(f"case {i} {calls} {label}", flush=True)
+
+
+def _profiler():
+    try:
+        from cupy.cuda import runtime as profiler
+    except ImportError:
+        profiler = None
+    return profiler
+
+
+def run_arch(args) -> None:
+    """Decode (L 1) and verification (L 4) steps of model_bench's models, native then
+    patched, as cases."""
+    import mlx.core as mx
+
+    profiler, zero = _profiler(), mx.zeros((1,))
+    mx.eval(zero)
+    first = 0
+    for arch in args.arch:
+        first = _arch_cases(arch, args, first, zero, profiler)
+
+
+def _arch_cases(arch: str, args, first: int, zero, profiler) -> int:
+    """One model's four cases, numbered from ``first``; the next free number."""
+    import mlx.core as mx
+
+    import mlx_metaltile as mt
+    from mlx_metaltile import model_bench as mb
+
+    model, config = mb.build(arch, args.layers)
+    vocab = config["vocab_size"]
+    cache = mb._make_cache(model)
+    mx.eval(model(mb._tokens(args.context, vocab, 1), cache=cache))
+
+    def step(tokens):
+        mx.eval(model(tokens, cache=cache))
+        mb._rewind(cache, tokens.shape[1])
+
+    i = first
+    for side in ("native", "patched"):
+        mt.patch(model) if side == "patched" else mt.unpatch(model)
+        for L in (1, 4):
+            tokens = mb._tokens(L, vocab, 2)
+            _timed_case(i, f"{arch}-{side}-L{L}", args.calls,
+                        lambda tokens=tokens: step(tokens), zero, profiler)
+            i += 1
+    mt.unpatch(model)
+    return i
+
+
 def run(args) -> None:
     import mlx.core as mx
     import numpy as np
@@ -52,10 +129,9 @@ def run(args) -> None:
 
     if backends.resolve_backend() != "cuda":
         sys.exit("cuda_kernel_time: needs the cuda backend (MLX's CUDA build and a GPU)")
-    try:
-        from cupy.cuda import runtime as profiler
-    except ImportError:
-        profiler = None
+    if args.arch:
+        return run_arch(args)
+    profiler = _profiler()
     chosen = [c for c in cases() if (not args.op or c.op in args.op)
               and (not args.shape or any(t in c.label for t in args.shape))
               and (not args.dtype or c.dtype_name in args.dtype)]
@@ -66,19 +142,9 @@ def run(args) -> None:
     for i, case in enumerate(chosen):
         inputs = case.make(np.random.default_rng(i))
         mx.eval([v for v in inputs.values() if isinstance(v, mx.array)])
-        for _ in range(2):
-            mx.eval(case.ours(**inputs))
-        mx.synchronize()
-        if profiler is not None:
-            profiler.profilerStart()
-        _marker(f"mt_case_begin_{i}", zero)
-        for _ in range(args.calls):
-            mx.eval(case.ours(**inputs))
-        _marker(f"mt_case_end_{i}", zero)
-        mx.synchronize()
-        if profiler is not None:
-            profiler.profilerStop()
-        print(f"case {i} {args.calls} {case.id}", flush=True)
+        _timed_case(i, case.id, args.calls,
+                    lambda case=case, inputs=inputs: mx.eval(case.ours(**inputs)), zero,
+                    profiler)
 
 
 UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
@@ -87,8 +153,20 @@ UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "mse
 def kernel_us(log: str, calls: dict[int, int]) -> dict[int, float]:
     """Nsight Compute's CSV (``--csv --metrics gpu__time_duration.sum``): us of kernel time
     per call of each case, the kernels between its markers summed."""
+    return {case: sum(split.values()) for case, split in kernel_split(log, calls).items()}
+
+
+def short_name(kernel: str) -> str:
+    """A kernel's name without its parameter list, return type and template arguments."""
+    name = kernel.split("(", 1)[0].split("<", 1)[0].strip()
+    return name.removeprefix("void ").strip()
+
+
+def kernel_split(log: str, calls: dict[int, int]) -> dict[int, dict[str, float]]:
+    """:func:`kernel_us` per kernel name (:func:`short_name`): {case: {name: us per
+    call}}."""
     text = log[log.find('"ID"'):]
-    out: dict[int, float] = {}
+    out: dict[int, dict[str, float]] = {}
     case = None
     for row in csv.DictReader(io.StringIO(text)):
         if row.get("Metric Name") != "gpu__time_duration.sum":
@@ -97,14 +175,15 @@ def kernel_us(log: str, calls: dict[int, int]) -> dict[int, float]:
         if mark:
             case = int(mark.group(2)) if mark.group(1) == "begin" else None
             if case is not None:
-                out[case] = 0.0
+                out[case] = {}
             continue
         if case is not None:
             unit = row["Metric Unit"]
             if unit not in UNITS:
                 raise ValueError(f"cuda_kernel_time: unknown time unit {unit!r} in {row}")
             value = float(row["Metric Value"].replace(",", "")) * UNITS[unit]
-            out[case] += value / calls[case]
+            name = short_name(row["Kernel Name"])
+            out[case][name] = out[case].get(name, 0.0) + value / calls[case]
     return out
 
 
@@ -114,14 +193,20 @@ def parse(args) -> None:
         if line.startswith("case "):
             _, i, n, name = line.split(maxsplit=3)
             names[int(i)], calls[int(i)] = name, int(n)
-    columns = []
+    columns, splits = [], []
     for spec in args.parse[1:]:
         label, path = spec.split("=", 1)
-        columns.append((label, kernel_us(Path(path).read_text(), calls)))
+        split = kernel_split(Path(path).read_text(), calls)
+        columns.append((label, {case: sum(s.values()) for case, s in split.items()}))
+        splits.append((label, split))
     print("case | " + " | ".join(label for label, _ in columns))
     for i, name in sorted(names.items()):
         cells = [f"{col[i]:.1f}" if i in col else "-" for _, col in columns]
         print(f"{name} | " + " | ".join(cells))
+    for label, split in splits if args.kernels else ():
+        for i, name in sorted(names.items()):
+            top = sorted(split.get(i, {}).items(), key=lambda kv: -kv[1])[:args.kernels]
+            print(f"{label} {name}: " + ", ".join(f"{k} {us:.1f}" for k, us in top))
 
 
 def main(argv=None) -> None:
@@ -129,7 +214,13 @@ def main(argv=None) -> None:
     p.add_argument("--op", action="append", help="only this op (repeatable)")
     p.add_argument("--shape", action="append", help="only labels containing TEXT")
     p.add_argument("--dtype", action="append", help="only this dtype (float16, ...)")
-    p.add_argument("--calls", type=int, default=5, help="timed calls per case")
+    p.add_argument("--calls", type=int, default=5, help="timed calls (steps) per case")
+    p.add_argument("--arch", action="append",
+                   help="model_bench's model: its decode and verify steps (repeatable)")
+    p.add_argument("--layers", type=int, default=4, help="--arch: decoder layers")
+    p.add_argument("--context", type=int, default=1024, help="--arch: cached tokens")
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="--parse: also the N kernels with the most time per case")
     p.add_argument("--parse", nargs="+", metavar=("RUN_TXT", "LABEL=CSV"),
                    help="print us per call from a run's stdout and ncu logs")
     args = p.parse_args(argv)

@@ -88,6 +88,11 @@ def test_cuda_kernel_time_parses_nsight_compute_csv(tmp_path):
            + row(9, "custom_kernel_mt_case_end_1", "ns", "1,000"))
     got = kt.kernel_us(log, {0: 2, 1: 4})
     assert got == pytest.approx({0: (10.0 + 2.5) / 2, 1: 12.0 / 4})
+    split = kt.kernel_split(log, {0: 2, 1: 4})
+    assert split == {0: pytest.approx({"custom_kernel_mt_op": 5.0, "custom_kernel_mt_sum": 1.25}),
+                     1: pytest.approx({"custom_kernel_mt_op": 3.0})}
+    assert kt.short_name("void mlx::core::cu::qmv<(int)4, float>(const float *)") == (
+        "mlx::core::cu::qmv")
     with pytest.raises(ValueError, match="unknown time unit 'cycle'"):
         kt.kernel_us(head + row(0, "custom_kernel_mt_case_begin_0", "ns", "1")
                      + row(1, "k", "cycle", "5"), {0: 1})
@@ -100,3 +105,11 @@ def test_cuda_kernel_time_parses_nsight_compute_csv(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["case | old", "fp4_qmm-M1-N4096-K4096-bfloat16 | 6.2",
                                        "expert_qmv-x-float16 | 3.0"]
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "cuda_kernel_time.py"),
+                          "--parse", str(tmp_path / "run.txt"), f"old={tmp_path / 'a.csv'}",
+                          "--kernels", "1"], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[3:] == [
+        "old fp4_qmm-M1-N4096-K4096-bfloat16: custom_kernel_mt_op 5.0",
+        "old expert_qmv-x-float16: custom_kernel_mt_op 3.0"]
