@@ -21,49 +21,41 @@ MT_FN bool mt_aligned16(const T* p) {
   return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
 }
 
-// v[j] = float(p[j]), j < 4: one 8-byte (16-bit T) or 16-byte (float) access where the
-// address is aligned to it.
-template <class T>
-MT_FN void mt_load4(const T* p, float* v) {
-  static_assert(sizeof(T) == 2 || sizeof(T) == 4, "mt_load4: 16- or 32-bit elements");
-  using Word = cuda::std::conditional_t<sizeof(T) == 2, ::uint2, ::uint4>;
+// v[j] = float(p[j]), j < N: N * sizeof(T) bytes in 8-byte words (N 4 of a 16-bit T) or
+// 16-byte words (otherwise), where the address is aligned to the word.
+template <int N, class T>
+MT_FN void mt_load_words(const T* p, float* v) {
+  static_assert(sizeof(T) == 2 || sizeof(T) == 4, "mt_load: 16- or 32-bit elements");
+  static_assert(N == 4 || N == 8, "mt_load: 4 or 8 elements");
+  using Word = cuda::std::conditional_t<N * sizeof(T) == 8, ::uint2, ::uint4>;
+  constexpr int WORDS = N * sizeof(T) / sizeof(Word);
   if ((reinterpret_cast<unsigned long long>(p) & (sizeof(Word) - 1)) == 0) {
-    const Word w = *reinterpret_cast<const Word*>(p);
-    const T* e = reinterpret_cast<const T*>(&w);
+    Word w[WORDS];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int i = 0; i < WORDS; ++i) {
+      w[i] = reinterpret_cast<const Word*>(p)[i];
+    }
+    const T* e = reinterpret_cast<const T*>(w);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
       v[j] = mt_cast<float>(e[j]);
     }
   } else {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < N; ++j) {
       v[j] = mt_cast<float>(p[j]);
     }
   }
 }
 
-// v[j] = float(p[j]), j < 8.
+template <class T>
+MT_FN void mt_load4(const T* p, float* v) {
+  mt_load_words<4>(p, v);
+}
+
 template <class T>
 MT_FN void mt_load8(const T* p, float* v) {
-  static_assert(sizeof(T) == 2 || sizeof(T) == 4, "mt_load8: 16- or 32-bit elements");
-  if (mt_aligned16(p)) {
-    constexpr int WORDS = sizeof(T) / 2;  // 16-byte words holding 8 elements
-    ::uint4 w[WORDS];
-#pragma unroll
-    for (int i = 0; i < WORDS; ++i) {
-      w[i] = reinterpret_cast<const ::uint4*>(p)[i];
-    }
-    const T* e = reinterpret_cast<const T*>(w);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      v[j] = mt_cast<float>(e[j]);
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      v[j] = mt_cast<float>(p[j]);
-    }
-  }
+  mt_load_words<8>(p, v);
 }
 
 // p[j] = T(v[j]), j < 8 (rounded as MSL's conversion rounds).
