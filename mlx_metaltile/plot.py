@@ -46,6 +46,9 @@ def _label(name: str, meta: dict, names: list[str]) -> str:
     return label if sum(n == device for n in names) <= 1 else f"{label} {name}"
 
 
+NARROW_SECTION = 16  # cases: narrower sections' names may collide with a neighbour's
+
+
 def figure(runs):
     """A matplotlib Figure of ``runs`` = [(name, meta, results), ...] (no pyplot: it works
     without a display)."""
@@ -109,9 +112,12 @@ def figure(runs):
             ax.axvline(s - 0.5, color="grey", lw=0.6, ls=":")
         ax.grid(axis="y", alpha=0.3)
     ends = starts[1:] + [len(cases)]
-    bottom.set_xticks([(s + e - 1) / 2 for s, e in zip(starts, ends, strict=True)],
-                      [f"{cases[s][0]}\n({e - s} cases)" for s, e in zip(starts, ends,
-                                                                            strict=True)])
+    labels, lowered = [], False
+    for s, e in zip(starts, ends, strict=True):
+        # neighbouring narrow sections: every other name two lines lower, so none overlap
+        lowered = e - s < NARROW_SECTION and not lowered
+        labels.append(("\n\n" if lowered else "") + f"{cases[s][0]}\n({e - s} cases)")
+    bottom.set_xticks([(s + e - 1) / 2 for s, e in zip(starts, ends, strict=True)], labels)
     top.tick_params(axis="x", length=0)
     bottom.tick_params(axis="x", length=0)
     bottom.set_xlabel("cases of each op in order of bytes moved")
