@@ -56,23 +56,33 @@
 //     exponent in [-131, 126]: bfloat has float32's exponent range, and its smallest
 //     subnormal 2^-133 divides every such value (1.5 * 2^-130 is the finest); inf (s = 255)
 //     stays inf. Exact (subnormals for bytes 1..3, as float staging: see RANGE).
-//   - E8M0 scale, half: S = float. c * 2^(s - 131) is a half value for every code only for
-//     bytes s in 107 .. 143 (scales 2^-20 .. 2^16): below, 2^-24 (half's finest) no longer
-//     divides it; above, 12 * 2^13 = 98304 > 65504 overflows. The bytes are data, so the
-//     kernel cannot promise that range (a per-tile runtime choice could; not done).
+//   - E8M0 scale, half: chosen per tile. c * 2^(s - 131) is a half value for every code
+//     only for bytes s in 107 .. 143 (scales 2^-20 .. 2^16): below, 2^-24 (half's finest)
+//     no longer divides it; above, 12 * 2^13 = 98304 > 65504 overflows. The bytes are data,
+//     so before its K loop a threadgroup checks every scale byte of its 32 rows over its K
+//     part (thread t: row t / 4, groups t % 4, t % 4 + 4, ...; simd_all, then the 4
+//     SIMD-groups' verdicts through threadgroup memory): all in range, the tile stages in
+//     half (TS, in the same threadgroup memory); any outside, in float (S). Either way the
+//     result is the exact one (the products are exact and accumulate in float32 in the
+//     same order), so a tile's choice never shows in the output; real mxfp4 checkpoints'
+//     scales lie well inside 2^-20 .. 2^16.
 //   - float scales: S = float. A float32 scale (24 significant bits) times c needs up to
 //     26 bits, rounded once to float32 here: not a T value.
 //   - float32 x: S = float.
-//   Nothing is split into two T terms: the exact cases cover mxfp4 in bfloat and nvfp4.
+//   Nothing is split into two T terms: the exact cases cover mxfp4 in bfloat and nvfp4, and
+//   mxfp4 in half where the tile's scales allow it.
 //   Apple: S = T halves the staging bytes and the fragment registers (what MLX's own Apple
 //   qmm kernels stage, in T); the float accumulators' round trip then takes a float array
 //   of its own (32 x 36 floats), so threadgroup memory is 9,216 bytes either way.
 //   CUDA/NVIDIA: a product of two half or two bfloat fragments with a float accumulator
 //   runs on the tensor cores (mt_cuda/matrix.cuh: mma.sync m16n8k8); S = float stays on
-//   shuffles and FMAs (TF32 would break the tolerance table), so mxfp4 with half x and the
-//   float scales lose the tensor cores on NVIDIA rather than exactness.
+//   shuffles and FMAs (TF32 would break the tolerance table), so the float scales (and
+//   mxfp4 with half x in a tile whose scales leave the range) lose the tensor cores on
+//   NVIDIA rather than exactness. Before the per-tile choice, mxfp4 with half x ran at
+//   about half of bfloat's speed on an H200 (bench, M 32 N 4096: 119 against 73 us).
 //   Traffic (device loads, counted by the emulator): w ceil(M / 32) times, a scale once per
-//   word (the 4 threads of a row load the same one for GS >= 32), x N / 32 times (a
+//   word (the 4 threads of a row load the same one for GS >= 32; half x with E8M0: once
+//   more per tile, by the staging check), x N / 32 times (a
 //   thread's 8 values through common.h's mt_load_live: one 16-byte access on cuda where x
 //   is aligned), out once (parts times in float32 when split, then read once by the sum).
 //
@@ -86,13 +96,17 @@
 //   Rows of x past M are not read (their pointer is clamped to row M - 1 and the value
 //   replaced by 0) and rows of out past M are not written.
 //   threadgroup memory: 2 x 32 x 36 S (+ 32 x 36 floats when S is not float) = 9216 bytes
-//   (+ 4 for an unused 1-element array when S is float). Every thread reaches every barrier.
+//   (+ 4 for an unused 1-element array when S is float; + 16 (4 verdicts) for half x with
+//   E8M0, 4 otherwise). Every thread reaches every barrier: the staging choice is uniform
+//   per threadgroup (one barrier more, before the K loop, for half x with E8M0).
 // ONLY CHECKABLE ON A MAC: simdgroup_load with transpose from a padded threadgroup float,
 //   half or bfloat array, products of half / bfloat fragments into float accumulators,
 //   the overloads of mt_fp4_out_tile, the compiler's register allocation for 4 accumulators,
 //   that float -> bfloat conversion keeps the subnormal weights of E8M0 bytes 1..3 (as
 //   the float staging needs float32 subnormals kept), that __METAL_VERSION__ >= 310 is
-//   where MLX's bfloat16_t is Metal's bfloat (the guard of the bfloat staging), speed.
+//   where MLX's bfloat16_t is Metal's bfloat (the guard of the bfloat staging), the float
+//   tiles viewed as half through a threadgroup pointer cast, speed (both of half x's
+//   stagings in one kernel: more code and registers, which only a Mac can weigh).
 #include "common.h"
 
 // The staging (fragment) type S: T where the staged weights are exactly T values (STAGING).
@@ -116,6 +130,32 @@ struct mt_fp4_staging<bfloat, 1> {
   typedef bfloat type;
 };
 #endif
+// The staging type of a tile whose scale bytes all lie in [MT_FP4_HALF_E8M0_MIN,
+// MT_FP4_HALF_E8M0_MAX] (STAGING): half for half x with E8M0 scales, else S itself.
+template <typename T, int SCALE_MODE>
+struct mt_fp4_tile_staging {
+  typedef typename mt_fp4_staging<T, SCALE_MODE>::type type;
+};
+template <>
+struct mt_fp4_tile_staging<half, 1> {
+  typedef half type;
+};
+#define MT_FP4_HALF_E8M0_MIN 107u
+#define MT_FP4_HALF_E8M0_MAX 143u
+// One step's operands into the staging tiles (as U): row lr, columns lc .. lc + 7; the
+// weights as wdq / 8 (s: the row's group scale / 8).
+template <typename U>
+inline void mt_fp4_stage(threadgroup U* xs, threadgroup U* ws, thread const float* xv,
+                         uint word, float s, uint at) {
+  for (uint j = 0; j < 8; ++j) {
+    xs[at + j] = U(xv[j]);  // exact: x is T
+  }
+  for (uint j = 0; j < 4; ++j) {
+    const float2 v = float2(mt_e2m1x2(word >> (4 * j))) * s;
+    ws[at + j] = U(v.x);  // exact where U is T (STAGING)
+    ws[at + j + 4] = U(v.y);
+  }
+}
 // The float accumulators' round trip: the x staging itself when it is float, else a float
 // array of its own (overloads: no cast, valid for every S).
 inline threadgroup float* mt_fp4_out_tile(threadgroup float* xs, threadgroup float*) {
@@ -127,6 +167,8 @@ inline threadgroup float* mt_fp4_out_tile(threadgroup U*, threadgroup float* own
 }
 // ---- kernel body ----
 typedef typename mt_fp4_staging<T, SCALE_MODE>::type S;
+typedef typename mt_fp4_tile_staging<T, SCALE_MODE>::type TS;
+constexpr bool BY_RANGE = sizeof(TS) != sizeof(S);  // half x, E8M0: chosen per tile
 constexpr uint BM = 32;
 constexpr uint BN = 32;
 constexpr uint BK = 32;
@@ -135,6 +177,9 @@ threadgroup S xs[BM * LD];
 threadgroup S ws[BN * LD];
 threadgroup float os_own[sizeof(S) == 4 ? 1 : BM * LD];
 threadgroup float* os = mt_fp4_out_tile(xs, os_own);
+threadgroup TS* xs_t = (threadgroup TS*)xs;  // the same memory as TS (BY_RANGE tiles)
+threadgroup TS* ws_t = (threadgroup TS*)ws;
+threadgroup uint in_range[BY_RANGE ? 4 : 1];  // per SIMD-group: its scale bytes allow TS
 
 const uint M = m_rows;
 const uint N = n_cols;
@@ -164,6 +209,25 @@ for (uint i = 0; i < 2; ++i) {
   }
 }
 
+// BY_RANGE: this tile stages in TS when every scale byte of its 32 rows over its K part
+// lies in the range (thread t checks row lr's groups t % 4, t % 4 + 4, ...); a uniform
+// verdict for the whole threadgroup, so its branches below are uniform.
+bool tile_in_t = false;
+if (BY_RANGE) {
+  bool ok = true;
+  const uint g_end = ((k_end - 1) >> gs_shift) + 1;
+  for (uint g = (k_begin >> gs_shift) + tid % 4; g < g_end; g += 4) {
+    const uint b = uint(scales[s_off + g]);
+    ok = ok && b >= MT_FP4_HALF_E8M0_MIN && b <= MT_FP4_HALF_E8M0_MAX;
+  }
+  const bool all_ok = simd_all(ok);
+  if (simd_is_first()) {
+    in_range[sg] = all_ok ? 1u : 0u;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  tile_in_t = (in_range[0] & in_range[1] & in_range[2] & in_range[3]) != 0u;
+}
+
 for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
   float xv[8];
   mt_load_live<8>(x + x_off + k0, x_row_ok, xv);
@@ -171,26 +235,37 @@ for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
   const float s = 0.125f * mt_fp4_scale<SCALE_MODE>(scales[s_off + ((k0 + lc) >> gs_shift)]);
 
   threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous step's loads are done
-  for (uint j = 0; j < 8; ++j) {
-    xs[lr * LD + lc + j] = S(xv[j]);  // exact: x is T
-  }
-  for (uint j = 0; j < 4; ++j) {
-    const float2 v = float2(mt_e2m1x2(word >> (4 * j))) * s;
-    ws[lr * LD + lc + j] = S(v.x);  // exact where S is T (STAGING)
-    ws[lr * LD + lc + j + 4] = S(v.y);
+  if (tile_in_t) {
+    mt_fp4_stage(xs_t, ws_t, xv, word, s, lr * LD + lc);
+  } else {
+    mt_fp4_stage(xs, ws, xv, word, s, lr * LD + lc);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
   for (uint kk = 0; kk < BK; kk += 8) {
-    simdgroup_matrix<S, 8, 8> a[2];
-    simdgroup_matrix<S, 8, 8> b[2];
-    for (uint i = 0; i < 2; ++i) {
-      simdgroup_load(a[i], xs + (sm + 8 * i) * LD + kk, LD);
-      simdgroup_load(b[i], ws + (sn + 8 * i) * LD + kk, LD, ulong2(0, 0), true);
-    }
-    for (uint i = 0; i < 2; ++i) {
-      for (uint j = 0; j < 2; ++j) {
-        simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
+    if (tile_in_t) {
+      simdgroup_matrix<TS, 8, 8> a[2];
+      simdgroup_matrix<TS, 8, 8> b[2];
+      for (uint i = 0; i < 2; ++i) {
+        simdgroup_load(a[i], xs_t + (sm + 8 * i) * LD + kk, LD);
+        simdgroup_load(b[i], ws_t + (sn + 8 * i) * LD + kk, LD, ulong2(0, 0), true);
+      }
+      for (uint i = 0; i < 2; ++i) {
+        for (uint j = 0; j < 2; ++j) {
+          simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
+        }
+      }
+    } else {
+      simdgroup_matrix<S, 8, 8> a[2];
+      simdgroup_matrix<S, 8, 8> b[2];
+      for (uint i = 0; i < 2; ++i) {
+        simdgroup_load(a[i], xs + (sm + 8 * i) * LD + kk, LD);
+        simdgroup_load(b[i], ws + (sn + 8 * i) * LD + kk, LD, ulong2(0, 0), true);
+      }
+      for (uint i = 0; i < 2; ++i) {
+        for (uint j = 0; j < 2; ++j) {
+          simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
+        }
       }
     }
   }

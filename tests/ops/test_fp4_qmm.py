@@ -659,6 +659,25 @@ def test_emulator_traffic(poisoned_outputs, no_split, rng, variant, m):
     assert stats.bytes_written["out"] == m * n * 2  # ideal
 
 
+def test_emulator_traffic_half_tiles(poisoned_outputs, no_split, rng):
+    """Half x with E8M0 scales: a tile's scale bytes are read once more, by the check that
+    picks its staging (n k / 32 bytes per block of 32 rows); w, x and out as for bfloat16."""
+    require_backend("emulator")
+    kernel_variant("emulator", "simdgroup")
+    from mlx_metaltile import emulator
+
+    m, n, k = 33, 64, 256
+    x, w, s = make_case(rng, m, n, k, mx.float16)
+    with backends.use_backend("emulator"):
+        run_and_check(x, w, s, "e8m0", 32, "emulator", variant="simdgroup", expect="simdgroup")
+    stats = emulator.last_launch_stats()
+    m_blocks = -(-m // 32)
+    assert stats.bytes_read["scales"] == m_blocks * (n * k // 8 + n * k // 32)
+    assert stats.bytes_read["w"] == m_blocks * n * k // 2
+    assert stats.bytes_read["x"] == n // 32 * m * k * 2
+    assert stats.bytes_written["out"] == m * n * 2
+
+
 def test_emulator_traffic_split_k(poisoned_outputs, rng):
     """Split-K: the second pass reads the float32 partials once and writes out once."""
     require_backend("emulator")
@@ -1011,6 +1030,13 @@ STAGING = {
                              [{0: 1.0, 32: -1.0}], False),
     "float-scale-half": (mx.float16, "float32", 32, [(1 + 2.0**-20, 6.0), (1.0, 6.0)],
                          [{0: 1.0, 32: -1.0}], False),
+    # E8M0 bytes 107 and 143, the range a half tile takes: 0.5 * 2^-20 / 8 = 2^-24 (half's
+    # finest) and 6 * 2^16 / 8 = 49152 are half values
+    "e8m0-half-in-range": (mx.float16, "e8m0", 32, [(107, 0.5), (143, 6.0)],
+                           [{0: 1.0}, {32: 2.0**-10}], True),
+    # byte 106: 0.5 * 2^-21 / 8 = 2^-25 is no half value (a half weight would be 0)
+    "e8m0-half-underflow": (mx.float16, "e8m0", 32, [(106, 0.5), (127, 1.0)], [{0: 1.0}],
+                            False),
     # E4M3 1.875 * 1.5 = 2.8125 (6 bits), 1.25 * 2, 480 * 6, 2^-9 * 0.5 (the smallest)
     "e4m3-half": (mx.float16, "e4m3", 16, [(0x3F, 1.5), (0x3A, 2.0), (0x7F, 6.0), (0x01, 0.5)],
                   [{0: 1.0, 16: -1.0}, {32: 2.0**-10, 48: 2.0**10}], True),
@@ -1074,6 +1100,35 @@ def test_negative_control_weights_staged_in_t(kernel_backend, broken_kernel, mon
     monkeypatch.setattr(op_module, "SPLITK_TARGET_TGS", 1)
     with pytest.raises(AssertionError):
         check_staging(name, kernel_backend)
+
+
+# Half x with E8M0 scales stages a tile in half when its scale bytes allow (the range) and
+# in float otherwise: edits of the range, and of the half tiles' staging alone.
+TILE_RANGE_BREAKS = {
+    "max_past_half": (("#define MT_FP4_HALF_E8M0_MAX 143u", "#define MT_FP4_HALF_E8M0_MAX 144u"),
+                      "e8m0-half-overflow"),
+    "min_past_half": (("#define MT_FP4_HALF_E8M0_MIN 107u", "#define MT_FP4_HALF_E8M0_MIN 106u"),
+                      "e8m0-half-underflow"),
+    "half_tiles_scaled": (("mt_fp4_stage(xs_t, ws_t, xv, word, s,",
+                           "mt_fp4_stage(xs_t, ws_t, xv, word, 2.0f * s,"),
+                          "e8m0-half-in-range"),
+}
+
+
+@pytest.mark.parametrize("split", (False, True), ids=("one-pass", "split-k"))
+@pytest.mark.parametrize("brk", TILE_RANGE_BREAKS)
+def test_negative_control_half_tile_range(kernel_backend, broken_kernel, monkeypatch, brk,
+                                          split):
+    """Each edit fails its staging case, so that case ran the path the edit touches; the
+    half tiles' edit leaves the out-of-range cases exact, so those ran in float."""
+    edit, failing = TILE_RANGE_BREAKS[brk]
+    broken_kernel(op_module.SIMDGROUP_SPEC, edit)
+    monkeypatch.setattr(op_module, "SPLITK_TARGET_TGS", 512 if split else 1)
+    with pytest.raises(AssertionError):
+        check_staging(failing, kernel_backend)
+    if brk == "half_tiles_scaled":
+        check_staging("e8m0-half-overflow", kernel_backend)
+        check_staging("e8m0-half-underflow", kernel_backend)
 
 
 # ---- the x-VJP (dx = g @ W) -------------------------------------------------------------
