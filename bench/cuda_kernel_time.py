@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import io
 import re
 import sys
@@ -80,20 +81,9 @@ def _profiler():
     return profiler
 
 
-def run_arch(args) -> None:
-    """Decode (L 1) and verification (L 4) steps of model_bench's models, native then
-    patched, as cases."""
-    import mlx.core as mx
-
-    profiler, zero = _profiler(), mx.zeros((1,))
-    mx.eval(zero)
-    first = 0
-    for arch in args.arch:
-        first = _arch_cases(arch, args, first, zero, profiler)
-
-
 def _arch_cases(arch: str, args, first: int, zero, profiler) -> int:
-    """One model's four cases, numbered from ``first``; the next free number."""
+    """model_bench's model for ``arch``: its decode (L 1) and verification (L 4) steps,
+    native then patched, as four cases numbered from ``first``; the next free number."""
     import mlx.core as mx
 
     import mlx_metaltile as mt
@@ -113,8 +103,8 @@ def _arch_cases(arch: str, args, first: int, zero, profiler) -> int:
         mt.patch(model) if side == "patched" else mt.unpatch(model)
         for L in (1, 4):
             tokens = mb._tokens(L, vocab, 2)
-            _timed_case(i, f"{arch}-{side}-L{L}", args.calls,
-                        lambda tokens=tokens: step(tokens), zero, profiler)
+            _timed_case(i, f"{arch}-{side}-L{L}", args.calls, functools.partial(step, tokens),
+                        zero, profiler)
             i += 1
     mt.unpatch(model)
     return i
@@ -129,16 +119,18 @@ def run(args) -> None:
 
     if backends.resolve_backend() != "cuda":
         sys.exit("cuda_kernel_time: needs the cuda backend (MLX's CUDA build and a GPU)")
+    profiler, zero = _profiler(), mx.zeros((1,))
+    mx.eval(zero)
     if args.arch:
-        return run_arch(args)
-    profiler = _profiler()
+        first = 0
+        for arch in args.arch:
+            first = _arch_cases(arch, args, first, zero, profiler)
+        return
     chosen = [c for c in cases() if (not args.op or c.op in args.op)
               and (not args.shape or any(t in c.label for t in args.shape))
               and (not args.dtype or c.dtype_name in args.dtype)]
     if not chosen:
         sys.exit("cuda_kernel_time: no case matches")
-    zero = mx.zeros((1,))
-    mx.eval(zero)
     for i, case in enumerate(chosen):
         inputs = case.make(np.random.default_rng(i))
         mx.eval([v for v in inputs.values() if isinstance(v, mx.array)])
@@ -153,7 +145,11 @@ UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "mse
 def kernel_us(log: str, calls: dict[int, int]) -> dict[int, float]:
     """Nsight Compute's CSV (``--csv --metrics gpu__time_duration.sum``): us of kernel time
     per call of each case, the kernels between its markers summed."""
-    return {case: sum(split.values()) for case, split in kernel_split(log, calls).items()}
+    return _totals(kernel_split(log, calls))
+
+
+def _totals(split: dict[int, dict[str, float]]) -> dict[int, float]:
+    return {case: sum(kernels.values()) for case, kernels in split.items()}
 
 
 def short_name(kernel: str) -> str:
@@ -193,12 +189,11 @@ def parse(args) -> None:
         if line.startswith("case "):
             _, i, n, name = line.split(maxsplit=3)
             names[int(i)], calls[int(i)] = name, int(n)
-    columns, splits = [], []
+    splits = []
     for spec in args.parse[1:]:
         label, path = spec.split("=", 1)
-        split = kernel_split(Path(path).read_text(), calls)
-        columns.append((label, {case: sum(s.values()) for case, s in split.items()}))
-        splits.append((label, split))
+        splits.append((label, kernel_split(Path(path).read_text(), calls)))
+    columns = [(label, _totals(split)) for label, split in splits]
     print("case | " + " | ".join(label for label, _ in columns))
     for i, name in sorted(names.items()):
         cells = [f"{col[i]:.1f}" if i in col else "-" for _, col in columns]
