@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from . import _templates
 from ._msl.kernel import MetalKernel, binder
+from ._msl.source import compact
 from ._registry import KernelSpec
 from ._templates import render
 
@@ -163,21 +164,31 @@ def get_kernel(spec: KernelSpec, backend: str) -> Callable:
         if backend not in spec.backends:
             raise BackendUnavailableError(
                 f"[{spec.op}] variant {spec.variant!r} does not run on the {backend} backend")
-        tpl = render(spec.template)
+        header, body = kernel_text(spec, backend)
         extra = ({"launch_bounds": spec.cuda_launch_bounds}
                  if backend == "cuda" and spec.cuda_launch_bounds else {})
         kernel = _factory(backend)(
             name=f"mt_{spec.name}{_templates.override_tag(spec.template)}",
             input_names=list(spec.input_names),
             output_names=list(spec.output_names),
-            source=tpl.body,
-            header=tpl.header,
+            source=body,
+            header=header,
             ensure_row_contiguous=True,
             atomic_outputs=spec.atomic_outputs,
             **extra,
         )
         _kernel_cache[key] = kernel
     return kernel
+
+
+def kernel_text(spec: KernelSpec, backend: str) -> tuple[str, str]:
+    """(header, body) of ``spec``'s kernel as ``backend`` builds it: on the GPU backends
+    without the template's comments and indentation (``compact``: MLX hashes the whole
+    source per launch), on the emulator as written (its messages quote the lines)."""
+    tpl = render(spec.template)
+    if backend in GPU_BACKENDS:
+        return compact(tpl.header), compact(tpl.body)
+    return tpl.header, tpl.body
 
 
 @contextlib.contextmanager

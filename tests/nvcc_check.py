@@ -26,9 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlx_metaltile import backends
 from mlx_metaltile._msl.constants import PACKABLE
 from mlx_metaltile._registry import KernelInstance, KernelSpec, instantiations
-from mlx_metaltile._templates import render
 from mlx_metaltile.cuda import _translate as tr
 
 DEFAULT_ARCH = "sm_90"
@@ -73,12 +73,12 @@ def device_include_dir() -> Path:
 
 def spec_definitions(spec: KernelSpec, instances: Iterable[KernelInstance]) -> tuple[str, str]:
     """(header, kernel definitions) of every instance of ``spec``, as MLX would build them."""
-    tpl = render(spec.template)
+    header, body = backends.kernel_text(spec, "cuda")
     name = f"mt_{spec.name}"
-    header = tr.translate_header(tpl.header)
+    header = tr.translate_header(header)
     if spec.cuda_launch_bounds:
         header += tr.launch_bounds_directive(*spec.cuda_launch_bounds)
-    body = tr.prepass_body(tpl.body)
+    body = tr.prepass_body(body)
     definitions = []
     instances = list(instances)
     # Each instance as the ops launch it (its 32-bit scalars packed) on whole grids, and the

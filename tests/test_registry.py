@@ -14,6 +14,7 @@ from support import require_backend
 
 import mlx_metaltile as mt
 from mlx_metaltile import _registry, _templates, backends, cases
+from mlx_metaltile._msl.source import compact
 from mlx_metaltile._registry import TOLERANCES
 from mlx_metaltile.ops._common import variant_reason
 
@@ -42,6 +43,34 @@ def test_template_renders_with_header_comment(spec):
     assert '#include "' not in tpl.header, "local includes are inlined"
     # threadgroup arrays belong at kernel scope (in the body), never in the header helpers
     assert not re.search(r"^\s*threadgroup\s+[^*&;]+\s+\w+\s*\[", tpl.header, re.M)
+
+
+def test_compact_drops_comments_and_indentation_line_for_line():
+    text = ('  #define K 4  // four\n'
+            '\tfloat x = 1.0f; /* a block\n   over two lines */ float y = 2.0f;\n'
+            '    const char* s = "a // kept"; char c = \'/\'; // gone "quoted"\n'
+            '// a whole comment line with an apostrophe\'s\n'
+            '  return;  \n')
+    assert compact(text) == ('#define K 4\n'
+                             'float x = 1.0f;\n'
+                             'float y = 2.0f;\n'
+                             'const char* s = "a // kept"; char c = \'/\';\n'
+                             '\n'
+                             'return;\n')
+
+
+@pytest.mark.parametrize("spec", mt.kernels(), ids=lambda s: s.name)
+def test_gpu_backends_build_the_compacted_template(spec):
+    """Metal and cuda get the template without comments (MLX hashes the source per launch),
+    on the same lines; the emulator gets it as written (its messages quote lines)."""
+    tpl = _templates.render(spec.template)
+    assert backends.kernel_text(spec, "emulator") == (tpl.header, tpl.body)
+    for backend in backends.GPU_BACKENDS:
+        header, body = backends.kernel_text(spec, backend)
+        assert (header, body) == (compact(tpl.header), compact(tpl.body))
+        assert header.count("\n") == tpl.header.count("\n")
+        assert body.count("\n") == tpl.body.count("\n")
+        assert "//" not in header + body and len(body) < len(tpl.body)
 
 
 def test_every_template_file_is_registered_or_included():

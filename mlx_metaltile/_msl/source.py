@@ -1,6 +1,11 @@
-"""The source rewrites shared by the non-Metal executors (emulator, CUDA layer).
+"""Source rewrites of MSL kernel text. All are line-preserving, so compiler messages and
+debug line tables name the kernel's lines.
 
-Both are line-preserving, so compiler messages and debug line tables name the kernel's lines.
+``compact`` serves the GPU executors (Metal, the CUDA layer): MLX hashes a custom kernel's
+whole source on every launch (its library / module key), so the templates' comments and
+indentation cost time per call there. The emulator keeps them (its messages quote lines).
+
+The other rewrites serve the non-Metal executors (emulator, CUDA layer).
 
 Half and bfloat literals (``1.0h``, ``2bf``) have no C++ spelling: they become
 ``MT_HALF_LITERAL(1.0f)`` / ``MT_BFLOAT_LITERAL(2)``, which each executor's header defines.
@@ -20,6 +25,27 @@ Line numbers are preserved (one declaration stays on one line).
 from __future__ import annotations
 
 import re
+
+# A string or character literal (kept as it is), or a comment (dropped).
+_LITERAL_OR_COMMENT = re.compile(
+    r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|//[^\n]*|/\*.*?\*/', re.S)
+
+
+def compact(source: str) -> str:
+    """``source`` without comments and without each line's leading and trailing blanks, line
+    for line (a block comment leaves its line breaks)."""
+
+    def replace(m: re.Match) -> str:
+        text = m.group(0)
+        if text.startswith("//"):
+            return ""
+        if text.startswith("/*"):
+            return "\n" * text.count("\n") or " "
+        return text
+
+    text = _LITERAL_OR_COMMENT.sub(replace, source)
+    return "\n".join(line.strip() for line in text.split("\n"))
+
 
 _DECL = re.compile(
     r"(?:^|(?<=[;{}]))(?P<ws>\s*)threadgroup\s+(?P<type>[^;=*&(){}]+?)\s+"
