@@ -12,8 +12,11 @@ import nvcc_check
 import pytest
 from msl_features import FEATURES, Feature
 
+import mlx_metaltile as mt
 from mlx_metaltile import backends, cuda
+from mlx_metaltile.cuda import _helpers
 from mlx_metaltile.cuda import _translate as tr
+from mlx_metaltile.emulator import _cache
 
 BODY = """
 threadgroup float tile[8][33];
@@ -184,6 +187,69 @@ def test_compat_header_is_included_by_path_with_its_digest():
     assert f"sha256:{digest}" in include
     assert tr.translate_header("").startswith(include)
     assert len(tr.translate_header("")) < 1000
+
+
+def _cuda_kernel(spec_name: str) -> cuda.CudaKernel:
+    spec = next(s for s in mt.kernels() if s.name == spec_name)
+    header, body = backends.kernel_text(spec, "cuda")
+    return cuda.metal_kernel(spec.name, list(spec.input_names), list(spec.output_names),
+                             body, header)
+
+
+@pytest.fixture
+def helpers_cache(tmp_path, monkeypatch):
+    """A private cache folder, and the helpers' in-process memo and warning as new."""
+    monkeypatch.setenv("MLX_METALTILE_CACHE", str(tmp_path))
+    monkeypatch.setattr(_helpers, "_included", {})
+    monkeypatch.setattr(_helpers, "_warned", False)
+    monkeypatch.setattr(_cache, "_roots", {})
+    return tmp_path / "cuda"
+
+
+def test_kernel_helpers_come_from_a_checked_cache_file(helpers_cache):
+    """MLX hashes the whole source per launch: a kernel's header is two includes, and the
+    file holds exactly the helpers the written-out header carries."""
+    kernel = _cuda_kernel("expert_glu_simd_rows")
+    helpers = tr.translate_helpers(kernel.header)
+    assert len(helpers) > 4000 and helpers not in kernel.cuda_header
+    assert kernel.cuda_header.startswith(tr.compat_include())
+    (path,) = re.findall(r'#include "(.+)"', kernel.cuda_header[len(tr.compat_include()):])
+    path = Path(path)
+    assert path.is_absolute() and path.is_relative_to(helpers_cache)
+    assert path.read_text(encoding="utf-8") == helpers
+    assert tr.compat_include() + helpers == tr.translate_header(kernel.header)
+    assert path.stat().st_mode & 0o022 == 0 and path.parent.stat().st_mode & 0o077 == 0
+    assert len(kernel.cuda_header) < 1000
+    # the same helpers (another kernel of the template) share the file
+    assert _cuda_kernel("expert_glu_shared_rows").cuda_header == kernel.cuda_header
+
+
+def test_a_changed_helpers_file_is_rebuilt_never_used(helpers_cache, monkeypatch):
+    kernel = _cuda_kernel("sdpa_multi_split")
+    (path,) = re.findall(r'#include "(.+/helpers.cuh)"', kernel.cuda_header)
+    Path(path).write_text("#error planted\n", encoding="utf-8")
+    monkeypatch.setattr(_helpers, "_included", {})  # as a new process finds it
+    with pytest.warns(RuntimeWarning, match="rebuilding the cache entry"):
+        again = _cuda_kernel("sdpa_multi_split")
+    assert again.cuda_header == kernel.cuda_header
+    assert Path(path).read_text(encoding="utf-8") == tr.translate_helpers(kernel.header)
+
+
+def test_an_unusable_cache_leaves_the_helpers_in_the_source(helpers_cache):
+    helpers_cache.mkdir(parents=True)
+    helpers_cache.chmod(0o777)  # others could plant helpers: refused
+    with pytest.warns(RuntimeWarning, match=r"\[cuda\] kernel helpers stay .* writable by "
+                                            "group or others"):
+        kernel = _cuda_kernel("gated_rms_norm_row")
+    assert kernel.cuda_header == tr.translate_header(kernel.header)
+    assert not any(helpers_cache.iterdir())
+
+
+def test_short_helpers_stay_in_the_source(helpers_cache):
+    kernel = cuda.metal_kernel("k", ["x"], ["out"], "out[0] = x[0];",
+                               "inline float twice(float v) { return 2 * v; }\n")
+    assert kernel.cuda_header == tr.translate_header(kernel.header)
+    assert not helpers_cache.exists()
 
 
 def test_translation_unit_matches_mlx_layout():

@@ -4,7 +4,8 @@
 with its call signature and MLX's argument checks (``mlx_metaltile._msl``, the MSL core it
 shares with the emulator). The MSL source is translated once (``_translate.py``: the shared
 source rewrites, MSL built-ins from CUDA indices, Metal-style scalar and atomic arguments)
-and compiled by MLX's CUDA JIT against ``msl_compat.cuh`` (its parts in include/mt_cuda/).
+and compiled by MLX's CUDA JIT against ``msl_compat.cuh`` (its parts in include/mt_cuda/), the
+kernel's translated helpers coming from a cached file (``_helpers.py``), both by path.
 Swizzles and packed vectors are refused when the kernel is made (``_msl/capabilities.py``).
 
 Where it differs from Metal (by construction, documented in msl_compat.cuh and the README):
@@ -26,11 +27,13 @@ import mlx.core as mx
 
 from .._msl.constants import PACKABLE, known_bits, packed_form
 from .._msl.kernel import Launch, MetalKernel, binder
+from ._helpers import helpers_header
 from ._translate import (
     GRID_INPUT,
     PACKED_INPUT,
     Body,
     compat_header,
+    compat_include,
     cuda_type,
     grid_is_whole,
     kernel_definition,
@@ -39,6 +42,7 @@ from ._translate import (
     prepass_body,
     translate_body,
     translate_header,
+    translate_helpers,
     translation_unit,
     used_builtins,
 )
@@ -107,7 +111,7 @@ class CudaKernel(MetalKernel):
 
     def __init__(self, *args, launch_bounds: tuple[int, int] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.cuda_header = translate_header(self.header)
+        self.cuda_header = compat_include() + helpers_header(translate_helpers(self.header))
         self.max_threads = 1024
         if launch_bounds:  # KernelSpec.cuda_launch_bounds
             self.cuda_header += launch_bounds_directive(*launch_bounds)

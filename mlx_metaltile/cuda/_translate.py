@@ -103,7 +103,14 @@ def _common_rewrites(text: str) -> str:
 
 
 def translate_header(msl_header: str) -> str:
-    """The ``header`` argument for cuda_kernel: the compat library plus the MSL helpers.
+    """The ``header`` argument for cuda_kernel, written out: the compat library plus the MSL
+    helpers (``translate_helpers``). At run time the helpers come from a file
+    (``_helpers.py``); the text compiled is the same."""
+    return compat_include() + translate_helpers(msl_header)
+
+
+def translate_helpers(msl_header: str) -> str:
+    """The MSL helpers of a kernel's header (the template's and those it includes), for CUDA.
 
     The helpers go inside ``namespace mlx::core::cu`` (where the kernel lives, so they see
     the MSL names), and their ``inline`` functions are marked ``__device__``: NVRTC, which
@@ -114,8 +121,7 @@ def translate_header(msl_header: str) -> str:
     helpers = _ADDRESS_SPACE.sub("", _PROGRAM_CONSTANT.sub(r"\1__constant__", helpers))
     helpers = _COMMENT_LINE.sub("", helpers)  # the template's documentation: not compiled
     return (
-        compat_include()
-        + "\nnamespace mlx::core::cu {\n#define inline __device__ inline\n"
+        "\nnamespace mlx::core::cu {\n#define inline __device__ inline\n"
         + "// ---- MSL helpers of the kernel template ----\n"
         + helpers.strip("\n")
         + "\n#undef inline\n}  // namespace mlx::core::cu\n\n"

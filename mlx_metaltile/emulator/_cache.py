@@ -18,7 +18,8 @@ Module names are computable by anyone, and loading a module runs its code, so:
 
 The folder is ``$MLX_METALTILE_CACHE/emulator``, by default the user cache folder
 (platformdirs: ``~/.cache/mlx_metaltile`` or ``$XDG_CACHE_HOME`` on Linux,
-``~/Library/Caches/mlx_metaltile`` on macOS).
+``~/Library/Caches/mlx_metaltile`` on macOS). The CUDA layer keeps its kernels' helper
+headers under the same rules in the sibling area ``cuda`` (``mlx_metaltile/cuda/_helpers.py``).
 """
 
 from __future__ import annotations
@@ -52,11 +53,12 @@ class CacheError(EmulatorError):
     a build failed for a reason outside the kernel (a full disk)."""
 
 
-def configured_folder() -> Path:
-    """The emulator's cache folder as configured (MLX_METALTILE_CACHE, or the user cache)."""
+def configured_folder(area: str = "emulator") -> Path:
+    """The cache folder of ``area`` (emulator, cuda) as configured (MLX_METALTILE_CACHE, or
+    the user cache)."""
     base = os.environ.get("MLX_METALTILE_CACHE")
     root = Path(base) if base else Path(platformdirs.user_cache_dir("mlx_metaltile"))
-    return root / "emulator"
+    return root / area
 
 
 def check_private(path: Path) -> None:
@@ -65,19 +67,19 @@ def check_private(path: Path) -> None:
     st = os.stat(path)
     kind = "folder" if stat.S_ISDIR(st.st_mode) else "file"
     if st.st_uid != os.geteuid():
-        raise CacheError(f"[emulator] the cache {kind} {path} belongs to user id {st.st_uid}, "
+        raise CacheError(f"[mlx_metaltile] the cache {kind} {path} belongs to user id {st.st_uid}, "
                          f"not to this process's user ({os.geteuid()}): code planted there "
                          f"would run as you. Remove it, or set MLX_METALTILE_CACHE to a folder "
                          f"of your own.")
     if st.st_mode & 0o022:
-        raise CacheError(f"[emulator] the cache {kind} {path} is writable by group or others "
+        raise CacheError(f"[mlx_metaltile] the cache {kind} {path} is writable by group or others "
                          f"(mode {stat.S_IMODE(st.st_mode):o}): code planted there would run "
                          f"as you. Run `chmod go-w {path}`, or set MLX_METALTILE_CACHE to a "
                          f"private folder.")
 
 
 def disk_full(folder: Path) -> CacheError:
-    return CacheError(f"[emulator] no space left on the device holding the cache folder "
+    return CacheError(f"[mlx_metaltile] no space left on the device holding the cache folder "
                       f"{folder}: free some space (or set MLX_METALTILE_CACHE to another "
                       f"folder) and run again")
 
@@ -86,18 +88,19 @@ _lock = threading.Lock()
 _roots: dict[Path, Path] = {}  # configured folder -> folder in use
 
 
-def root() -> Path:
-    """The cache folder in use, created and checked (once per configured folder)."""
-    want = configured_folder()
+def root(area: str = "emulator") -> Path:
+    """The cache folder of ``area`` in use, created and checked (once per configured
+    folder)."""
+    want = configured_folder(area)
     with _lock:
         got = _roots.get(want)
         if got is None:
-            got = _open(want)
+            got = _open(want, area)
             _roots[want] = got
     return got
 
 
-def _open(want: Path) -> Path:
+def _open(want: Path, area: str) -> Path:
     try:
         want.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=want, prefix="probe-")
@@ -108,9 +111,9 @@ def _open(want: Path) -> Path:
             raise disk_full(want) from None
         if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise
-        private = Path(tempfile.mkdtemp(prefix="mlx_metaltile-emulator-"))
+        private = Path(tempfile.mkdtemp(prefix=f"mlx_metaltile-{area}-"))
         atexit.register(shutil.rmtree, private, ignore_errors=True)
-        warnings.warn(f"[emulator] the cache folder {want} cannot be written ({e.strerror}); "
+        warnings.warn(f"[{area}] the cache folder {want} cannot be written ({e.strerror}); "
                       f"this process builds into the private temporary folder {private}, "
                       f"removed at exit. Set MLX_METALTILE_CACHE to a writable folder to keep "
                       f"builds.", RuntimeWarning, stacklevel=3)
@@ -121,9 +124,9 @@ def _open(want: Path) -> Path:
     return want
 
 
-def folder(name: str) -> Path:
-    """A subfolder of the cache (created private, checked, stale builds removed)."""
-    path = root() / name if name else root()
+def folder(name: str, area: str = "emulator") -> Path:
+    """A subfolder of ``area``'s cache (created private, checked, stale builds removed)."""
+    path = root(area) / name if name else root(area)
     if not path.is_dir():
         path.mkdir(mode=0o700, exist_ok=True)
     check_private(path)
@@ -200,7 +203,7 @@ def entry(parent: Path, name: str, source: str, build: Callable[[Path], None]) -
         problem = _problem(final, source)
         if problem is None:
             return final
-        warnings.warn(f"[emulator] rebuilding the cache entry {final}: {problem}",
+        warnings.warn(f"[mlx_metaltile] rebuilding the cache entry {final}: {problem}",
                       RuntimeWarning, stacklevel=3)
         _discard(final)
     try:

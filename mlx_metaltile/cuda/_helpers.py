@@ -1,0 +1,65 @@
+"""A kernel's translated MSL helpers as a file of the on-disk cache, included by path.
+
+MLX hashes a custom kernel's whole source (header and body) on every launch to find its
+compiled module, at about 6 GB/s of host time, and copies it into each launch's record. A
+kernel's helpers (common.h and the template's own, translated) are 4 to 9 KB of that text;
+written to a file once and ``#include``d by absolute path, they leave one line per launch.
+
+The file is an entry of the package's cache (``emulator/_cache.py``, area ``cuda``): a
+private folder of the current user, installed atomically, with a record of its SHA-256 that
+is checked before the file is used, and rebuilt when it does not match. Its name carries the
+digest of its text, so MLX's on-disk PTX cache (keyed by the source's hash, which includes
+the path) never serves a module compiled from other helpers. Where the cache cannot be used,
+the helpers stay in the source (a warning says why, once per process), as the compat header
+does where the package is not a plain folder on disk.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+from ..emulator import _cache
+
+FILE = "helpers.cuh"
+# Helpers shorter than this stay in the source: hashing them costs less than the file
+# lookup at compile time is worth.
+MIN_FILED = 1024
+
+_lock = threading.Lock()
+_included: dict[tuple[object, str], str] = {}  # (configured folder, text) -> header text
+_warned = False
+
+
+def helpers_header(text: str) -> str:
+    """The header text that stands for ``text`` (``translate_helpers``' output) in a
+    kernel: ``#include "<cache entry>/helpers.cuh"``, or ``text`` itself where it is short or
+    the cache cannot be used."""
+    if len(text) < MIN_FILED:
+        return text
+    key = (_cache.configured_folder("cuda"), text)
+    with _lock:
+        header = _included.get(key)
+        if header is None:
+            header = _included[key] = _filed(text)
+    return header
+
+
+def _filed(text: str) -> str:
+    global _warned
+    digest = _cache.digest(text)
+    try:
+        parent = _cache.folder("", area="cuda")
+        entry = _cache.entry(parent, f"helpers-{digest[:24]}", digest,
+                             lambda folder: (folder / FILE).write_text(text, encoding="utf-8"))
+    except (_cache.CacheError, OSError) as e:
+        if not _warned:
+            _warned = True
+            warnings.warn(f"[cuda] kernel helpers stay in each kernel's source (hashed by MLX "
+                          f"on every launch): the cache cannot be used: {e}", RuntimeWarning,
+                          stacklevel=4)
+        return text
+    path = str(entry / FILE)
+    if any(c in path for c in '"\n\\'):  # not a path an #include line can spell
+        return text
+    return f'#include "{path}"\n'
