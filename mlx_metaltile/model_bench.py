@@ -246,11 +246,15 @@ def measure(model, vocab: int, context: int, prefill: int, iters: int) -> dict:
 
 
 STEPS = {"decode_ms": 1, "verify4_ms": 4, "verify8_ms": 8}  # key -> tokens per step
+# Steps averaged in one sample: a step of a few layers takes 2 to 8 ms, mostly host time, and
+# one step alone jitters by 10 to 20% between samples on a GPU host.
+STEP_REPEATS = 8
 
 
 def interleaved_steps(model, vocab: int, context: int, iters: int) -> dict[str, dict]:
     """Median ms of one decode step (1 token) and of verification steps (4 and 8 tokens)
-    after ``context`` cached tokens, each step built and evaluated, and the median
+    after ``context`` cached tokens, each step built and evaluated (a sample: the mean of
+    ``STEP_REPEATS`` steps in a row, the cache rewound after each), and the median
     ``generate_tok_s`` of mlx-lm's generate, native and patched: {"native": {key: value},
     "patched": {key: value}}. The two sides' samples are taken in turns (a native round of
     the three steps and one generation, then a patched one, ``iters`` times; the first call
@@ -274,7 +278,8 @@ def interleaved_steps(model, vocab: int, context: int, iters: int) -> dict[str, 
             mt.patch(model) if side == "patched" else mt.unpatch(model)
             for key, tok in tokens.items():
                 step(tok)
-                samples[side][key].append(1e3 * step(tok))
+                seconds = sum(step(tok) for _ in range(STEP_REPEATS))
+                samples[side][key].append(1e3 * seconds / STEP_REPEATS)
             samples[side]["generate_tok_s"].append(
                 _generate_tok_s(model, vocab, context, GENERATE_TOKENS))
         _progress(f"decode, verify and generate: round {i + 1}/{iters}")
@@ -434,8 +439,8 @@ def _run(args) -> int:
         ratio = (native[key] / patched[key] if key.endswith("_ms")
                  else patched[key] / native[key])
         print(f"{key:<16}{native[key]:>12.3f}{patched[key]:>12.3f}{ratio:>7.2f}x  {unit}")
-    print(f"decode, verify and generate: medians of {iters} samples per side, native and "
-          "patched samples taken in turns")
+    print(f"decode, verify and generate: medians of {iters} samples per side (a step's: the "
+          f"mean of {STEP_REPEATS} steps), native and patched samples taken in turns")
     print(f"max |logit difference| (bfloat16 model, decode and prefill): {diff:.4g}")
     print("kernel launches in one patched decode step: "
           + (", ".join(f"{k} x{v}" for k, v in sorted(ops["launches"].items())) or "none"))

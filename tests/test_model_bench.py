@@ -164,8 +164,16 @@ def test_decode_and_verify_samples_alternate_sides(monkeypatch):
         patch=lambda m: (order.append("patch"), mt.patch(m))[1],
         unpatch=lambda m: (order.append("unpatch"), mt.unpatch(m))[1])
     monkeypatch.setattr(model_bench, "mt", sides)
+    rewound = []
+    rewind = model_bench._rewind
+    monkeypatch.setattr(model_bench, "_rewind",
+                        lambda cache, n: (rewound.append(n), rewind(cache, n))[1])
     times = model_bench.interleaved_steps(model, cfg["vocab_size"], 8, iters=3)
     assert order == ["unpatch", "patch"] * 3
+    # per side and round, each step: one untimed, then a sample of STEP_REPEATS
+    per_round = [L for L in model_bench.STEPS.values()
+                 for _ in range(1 + model_bench.STEP_REPEATS)]
+    assert rewound == per_round * 2 * 3
     assert set(times) == {"native", "patched"}
     for side in times.values():
         assert set(side) == {*model_bench.STEPS, "generate_tok_s"} and min(side.values()) > 0
