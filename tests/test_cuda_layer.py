@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -201,6 +202,7 @@ def helpers_cache(tmp_path, monkeypatch):
     """A private cache folder, and the helpers' in-process memo and warning as new."""
     monkeypatch.setenv("MLX_METALTILE_CACHE", str(tmp_path))
     monkeypatch.setattr(_helpers, "_included", {})
+    monkeypatch.setattr(_helpers, "_filed_texts", {})
     monkeypatch.setattr(_helpers, "_warned", False)
     monkeypatch.setattr(_cache, "_roots", {})
     return tmp_path / "cuda"
@@ -233,6 +235,17 @@ def test_a_changed_helpers_file_is_rebuilt_never_used(helpers_cache, monkeypatch
         again = _cuda_kernel("sdpa_multi_split")
     assert again.cuda_header == kernel.cuda_header
     assert Path(path).read_text(encoding="utf-8") == tr.translate_helpers(kernel.header)
+
+
+def test_a_helpers_file_removed_while_running_is_written_back(helpers_cache):
+    """A cache cleared under a running process: the next prepared launch puts the same
+    checked file back where the kernel's source names it, before MLX compiles it."""
+    kernel = _cuda_kernel("gated_rms_norm_row")
+    (path,) = re.findall(r'#include "(.+/helpers.cuh)"', kernel.cuda_header)
+    shutil.rmtree(helpers_cache.parent)
+    kernel.prepare_launch([None], [(4,)], [mx.float32], (32, 1, 1), (32, 1, 1), [])
+    assert Path(path).read_text(encoding="utf-8") == tr.translate_helpers(kernel.header)
+    assert Path(path).parent.parent.stat().st_mode & 0o077 == 0
 
 
 def test_an_unusable_cache_leaves_the_helpers_in_the_source(helpers_cache):

@@ -30,7 +30,7 @@ def _oracle(h, gate, weight, eps):
     return w * h * inv * g / (1.0 + np.exp(-g))
 
 
-@pytest.mark.parametrize("h_dtype,gate_dtype,w_dtype", itertools.product(DTYPES, repeat=3))
+@pytest.mark.parametrize("h_dtype,gate_dtype,w_dtype", list(itertools.product(DTYPES, repeat=3)))
 def test_gated_rms_norm_dtypes_as_mlx_lm(h_dtype, gate_dtype, w_dtype):
     mx.random.seed(1)
     h = mx.random.normal((3, 5, N)).astype(getattr(mx, h_dtype))

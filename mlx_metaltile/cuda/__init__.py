@@ -28,6 +28,7 @@ import mlx.core as mx
 from .._msl.constants import PACKABLE, known_bits, packed_form
 from .._msl.kernel import Launch, MetalKernel, binder
 from ._helpers import helpers_header
+from ._helpers import restore as restore_helpers
 from ._translate import (
     GRID_INPUT,
     PACKED_INPUT,
@@ -111,7 +112,8 @@ class CudaKernel(MetalKernel):
 
     def __init__(self, *args, launch_bounds: tuple[int, int] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.cuda_header = compat_include() + helpers_header(translate_helpers(self.header))
+        self.helpers = helpers_header(translate_helpers(self.header))
+        self.cuda_header = compat_include() + self.helpers
         self.max_threads = 1024
         if launch_bounds:  # KernelSpec.cuda_launch_bounds
             self.cuda_header += launch_bounds_directive(*launch_bounds)
@@ -131,6 +133,7 @@ class CudaKernel(MetalKernel):
         key = (kinds, guarded)
         entry = self._variants.get(key)
         if entry is None:
+            restore_helpers(self.helpers)
             body = self.translate([k != "a" for k in kinds], guarded,
                                   [None if k in ("a", "s") else k for k in kinds])
             suffix = "".join(k[0] if k in ("a", "s") else "p" + k[0] for k in kinds) + (
@@ -183,6 +186,7 @@ class CudaKernel(MetalKernel):
         guard and the call's options worked out once: per call only the arrays given
         (``inputs``' None entries) are examined."""
         self._check_threads(threadgroup)
+        restore_helpers(self.helpers)
         return _PreparedLaunch(self, inputs, dict(
             output_shapes=output_shapes, output_dtypes=output_dtypes, grid=grid,
             threadgroup=threadgroup, template=template or None, init_value=init_value,

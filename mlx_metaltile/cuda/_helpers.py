@@ -11,13 +11,15 @@ is checked before the file is used, and rebuilt when it does not match. Its name
 digest of its text, so MLX's on-disk PTX cache (keyed by the source's hash, which includes
 the path) never serves a module compiled from other helpers. Where the cache cannot be used,
 the helpers stay in the source (a warning says why, once per process), as the compat header
-does where the package is not a plain folder on disk.
+does where the package is not a plain folder on disk. A file removed while the process runs
+(a cleared cache) is written back when a launch is prepared (``restore``).
 """
 
 from __future__ import annotations
 
 import threading
 import warnings
+from pathlib import Path
 
 from ..emulator import _cache
 
@@ -28,6 +30,7 @@ MIN_FILED = 1024
 
 _lock = threading.Lock()
 _included: dict[tuple[object, str], str] = {}  # (configured folder, text) -> header text
+_filed_texts: dict[str, tuple[Path, str]] = {}  # include line -> (its file, the helpers)
 _warned = False
 
 
@@ -47,11 +50,8 @@ def helpers_header(text: str) -> str:
 
 def _filed(text: str) -> str:
     global _warned
-    digest = _cache.digest(text)
     try:
-        parent = _cache.folder("", area="cuda")
-        entry = _cache.entry(parent, f"helpers-{digest[:24]}", digest,
-                             lambda folder: (folder / FILE).write_text(text, encoding="utf-8"))
+        file = _cache_file(text, _cache.folder("", area="cuda"))
     except (_cache.CacheError, OSError) as e:
         if not _warned:
             _warned = True
@@ -59,7 +59,36 @@ def _filed(text: str) -> str:
                           f"on every launch): the cache cannot be used: {e}", RuntimeWarning,
                           stacklevel=4)
         return text
-    path = str(entry / FILE)
+    path = str(file)
     if any(c in path for c in '"\n\\'):  # not a path an #include line can spell
         return text
-    return f'#include "{path}"\n'
+    header = f'#include "{path}"\n'
+    _filed_texts[header] = (file, text)
+    return header
+
+
+def restore(header: str) -> None:
+    """Write back the file ``header`` (``helpers_header``'s) includes if it is gone (the
+    cache cleared while the process runs): the same text, checked, at the same path. Called
+    when a launch is prepared, before MLX compiles anything that includes it."""
+    filed = _filed_texts.get(header)
+    if filed is None or filed[0].is_file():
+        return
+    path, text = filed
+    with _lock:
+        try:
+            path.parent.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _cache.check_private(path.parent.parent)
+            _cache_file(text, path.parent.parent)
+        except (_cache.CacheError, OSError) as e:
+            raise RuntimeError(f"[cuda] the kernel helpers file {path} was removed and cannot "
+                               f"be written again: {e}") from None
+
+
+def _cache_file(text: str, parent: Path) -> Path:
+    """The checked cache file holding ``text`` in ``parent`` (written if missing or not
+    what its record says)."""
+    digest = _cache.digest(text)
+    entry = _cache.entry(parent, f"helpers-{digest[:24]}", digest,
+                         lambda folder: (folder / FILE).write_text(text, encoding="utf-8"))
+    return entry / FILE
