@@ -226,6 +226,27 @@ def test_kernel_helpers_come_from_a_checked_cache_file(helpers_cache):
     assert _cuda_kernel("expert_glu_shared_rows").cuda_header == kernel.cuda_header
 
 
+# The source MLX hashes per launch, at most (header and body; MLX adds its signature lines):
+# 11.4 KB for the largest kernel (sdpa_multi's split kernel) when this was written.
+MAX_SOURCE = 12_000
+
+
+def test_every_kernel_sends_a_short_source(helpers_cache):
+    """MLX hashes a kernel's whole source on every launch (about 3.5 us per 20 KB on an
+    H200): no kernel's may grow back to the 7 to 24 KB it was with the helpers and the
+    comments inline."""
+    sizes = {}
+    for spec in mt.kernels():
+        if "cuda" not in spec.backends:
+            continue
+        kernel = _cuda_kernel(spec.name)
+        body = kernel.translate([False] * len(spec.input_names)).source
+        sizes[spec.name] = len(tr.MLX_DEFAULT_HEADER + kernel.cuda_header + body)
+        assert "//" not in body.split("// ---- kernel body ----\n", 1)[1], spec.name
+    assert len(sizes) >= 25
+    assert max(sizes.values()) <= MAX_SOURCE, sizes
+
+
 def test_a_changed_helpers_file_is_rebuilt_never_used(helpers_cache, monkeypatch):
     kernel = _cuda_kernel("sdpa_multi_split")
     (path,) = re.findall(r'#include "(.+/helpers.cuh)"', kernel.cuda_header)
