@@ -77,12 +77,14 @@ def restore(header: str) -> None:
     path, text = filed
     with _lock:
         try:
-            path.parent.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            _cache.check_private(path.parent.parent)
-            _cache_file(text, path.parent.parent)
+            again = _cache_file(text, _cache.folder("", area="cuda"))
         except (_cache.CacheError, OSError) as e:
             raise RuntimeError(f"[cuda] the kernel helpers file {path} was removed and cannot "
                                f"be written again: {e}") from None
+    if again != path:
+        raise RuntimeError(f"[cuda] the kernel helpers file {path} was removed, and the cache "
+                           f"folder is now elsewhere ({again}): MLX_METALTILE_CACHE changed "
+                           "while the process ran; restart it")
 
 
 def _cache_file(text: str, parent: Path) -> Path:

@@ -125,10 +125,11 @@ def _open(want: Path, area: str) -> Path:
 
 
 def folder(name: str, area: str = "emulator") -> Path:
-    """A subfolder of ``area``'s cache (created private, checked, stale builds removed)."""
+    """A subfolder of ``area``'s cache (created private, checked, stale builds removed).
+    Made again, parents too, if the cache was cleared while the process runs."""
     path = root(area) / name if name else root(area)
     if not path.is_dir():
-        path.mkdir(mode=0o700, exist_ok=True)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
     check_private(path)
     _clean_stale(path)
     return path
