@@ -3,7 +3,7 @@ Compute, for comparing two revisions of a kernel on an NVIDIA GPU.
 
     ncu --csv --metrics gpu__time_duration.sum --profile-from-start off --log-file run.csv \\
         python bench/cuda_kernel_time.py [--op OP] [--shape TEXT] [--dtype NAME] [--calls 5] \\
-        > run.txt
+        [--native] > run.txt
     python bench/cuda_kernel_time.py --parse run.txt before=old.csv after=run.csv
 
     ncu ... python bench/cuda_kernel_time.py --arch gpt_oss [--layers 4] [--context 1024]
@@ -11,7 +11,8 @@ Compute, for comparing two revisions of a kernel on an NVIDIA GPU.
 
 ``bench`` times the evaluation of queued calls, which at decode sizes is mostly the host's
 launch; this script times the kernels alone. Per case (``cases()`` of the ops, as ``bench``
-selects them): inputs made and two untimed calls, then a marker kernel, ``--calls`` calls
+selects them; ``--native``: each case's native composite too, after ours, labelled
+``<id>-native``): inputs made and two untimed calls, then a marker kernel, ``--calls`` calls
 each evaluated, and another marker. Nsight Compute profiles what lies between
 ``cudaProfilerStart`` / ``Stop`` (through CuPy, where installed; without it drop
 ``--profile-from-start off`` and every kernel is profiled, the markers still delimit the
@@ -131,12 +132,17 @@ def run(args) -> None:
               and (not args.dtype or c.dtype_name in args.dtype)]
     if not chosen:
         sys.exit("cuda_kernel_time: no case matches")
-    for i, case in enumerate(chosen):
-        inputs = case.make(np.random.default_rng(i))
+    i = 0
+    for n, case in enumerate(chosen):
+        inputs = case.make(np.random.default_rng(n))
         mx.eval([v for v in inputs.values() if isinstance(v, mx.array)])
-        _timed_case(i, case.id, args.calls,
-                    lambda case=case, inputs=inputs: mx.eval(case.ours(**inputs)), zero,
-                    profiler)
+        sides = [("", case.ours)]
+        if args.native and case.native is not None:
+            sides.append(("-native", case.native))
+        for suffix, fn in sides:
+            _timed_case(i, case.id + suffix, args.calls,
+                        lambda fn=fn, inputs=inputs: mx.eval(fn(**inputs)), zero, profiler)
+            i += 1
 
 
 UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
@@ -210,6 +216,8 @@ def main(argv=None) -> None:
     p.add_argument("--shape", action="append", help="only labels containing TEXT")
     p.add_argument("--dtype", action="append", help="only this dtype (float16, ...)")
     p.add_argument("--calls", type=int, default=5, help="timed calls (steps) per case")
+    p.add_argument("--native", action="store_true",
+                   help="also each case's native composite (a case of its own, after ours)")
     p.add_argument("--arch", action="append",
                    help="model_bench's model: its decode and verify steps (repeatable)")
     p.add_argument("--layers", type=int, default=4, help="--arch: decoder layers")
