@@ -109,7 +109,7 @@ def legend(timed: bool, iters, batch, untimed_reason: str = "", unit: str = "us"
     if not timed:
         return f"not timed: {untimed_reason}.\n  {errs}"
     return (f"{unit} per call: median (min) of {iters} samples, each evaluating {batch} "
-            "queued call(s) on rotating input copies\n"
+            "queued call(s) on rotating input copies,\n  ours and native sampled in turns\n"
             "  ratio = native / ours (medians; > 1: ours is faster); GB/s = bytes the case "
             f"moves / ours median\n  {errs}")
 
@@ -244,14 +244,20 @@ def cmd_bench(args) -> int:
 
 
 def _timings(case, inputs, warmup, iters, batch, progress) -> dict:
-    ours = _measure.samples(case.ours, inputs, warmup, iters, batch)
+    """Ours and native timed in turns (``_measure.samples_in_turns``); ours alone where the
+    native op fails on this backend."""
     native = None
     if case.native is not None:
         try:
-            native = _measure.samples(case.native, inputs, warmup, iters, batch)
+            mx.eval(case.native(**inputs[0]))
         except Exception as exc:  # a native op missing on this backend is a result too
             progress.clear()
             print(f"{case.id}: native MLX failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        else:
+            ours, native = _measure.samples_in_turns([case.ours, case.native], inputs, warmup,
+                                                     iters, batch)
+    if native is None:
+        ours = _measure.samples(case.ours, inputs, warmup, iters, batch)
     t_ours = statistics.median(ours)
     t_native = statistics.median(native) if native else float("nan")
     us = [1e6 * t for t in ours]

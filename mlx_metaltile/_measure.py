@@ -25,17 +25,30 @@ def samples(fn, inputs: list[dict], warmup: int, iters: int, batch: int) -> list
     """Seconds per call, one per sample: each sample evaluates ``batch`` calls queued together
     (so launch latency overlaps as in model code), cycling through the input copies. Only the
     evaluation is timed: building the lazy graph is Python work a model overlaps with the GPU."""
-    for i in range(warmup):
-        mx.eval(fn(**inputs[i % len(inputs)]))
-    times, k = [], 0
-    for _ in range(iters):
-        outs = []
-        for _ in range(batch):
-            outs.append(fn(**inputs[k % len(inputs)]))
-            k += 1
-        start = time.perf_counter()
-        mx.eval(outs)
-        times.append((time.perf_counter() - start) / batch)
+    return samples_in_turns([fn], inputs, warmup, iters, batch)[0]
+
+
+def samples_in_turns(fns: list, inputs: list[dict], warmup: int, iters: int,
+                     batch: int) -> list[list[float]]:
+    """:func:`samples` of each function, taken in turns: each round one sample of each, in
+    order on even rounds and in reverse on odd ones, so that a slow spell of the machine
+    (another process, a clock change) falls on every side alike instead of on whichever was
+    being timed. The input copies rotate across all samples: no sample reads copies the one
+    before it has just brought into the cache (where the copies are more than a batch)."""
+    for fn in fns:
+        for i in range(warmup):
+            mx.eval(fn(**inputs[i % len(inputs)]))
+    times: list[list[float]] = [[] for _ in fns]
+    k = 0
+    for r in range(iters):
+        for j in (range(len(fns)) if r % 2 == 0 else reversed(range(len(fns)))):
+            outs = []
+            for _ in range(batch):
+                outs.append(fns[j](**inputs[k % len(inputs)]))
+                k += 1
+            start = time.perf_counter()
+            mx.eval(outs)
+            times[j].append((time.perf_counter() - start) / batch)
     return times
 
 

@@ -132,6 +132,45 @@ def test_reference_table_times_with_spread_legend_and_fitted_columns(tmp_path):
         table[1].split()[:3]
 
 
+def test_samples_in_turns_alternate_sides_and_rotate_copies_across_them():
+    """One sample per side per round, the order reversed every other round; the input
+    copies rotate across all samples (no side re-reads the copies the other just read)."""
+    from mlx_metaltile import _measure
+
+    calls = []
+
+    def side(name):
+        def fn(x):
+            calls.append((name, int(x.item())))
+            return x + 1
+        return fn
+
+    inputs = [{"x": mx.array(i)} for i in range(5)]
+    times = _measure.samples_in_turns([side("a"), side("b")], inputs, 1, 3, 2)
+    assert [len(t) for t in times] == [3, 3] and all(s > 0 for t in times for s in t)
+    timed = calls[2:]  # after one warmup call per side (copy 0)
+    assert calls[:2] == [("a", 0), ("b", 0)]
+    assert [n for n, _ in timed] == list("aabbbbaaaabb")
+    assert [c for _, c in timed] == [i % 5 for i in range(12)]
+
+
+def test_bench_times_ours_alone_when_native_fails(capsys):
+    """A native op that raises on this backend leaves ours timed and native empty, with a
+    message naming the case."""
+    case = cases("gated_rms_norm", quick=True)[0]
+
+    def broken(**inputs):
+        raise RuntimeError("no such op here")
+
+    case = replace(case, native=broken)
+    inputs = [case.make(np.random.default_rng(0))]
+    row = cli._timings(case, inputs, 1, 2, 1, cli.Progress())
+    assert len(row["ours_samples_us"]) == 2 and row["native_samples_us"] is None
+    assert np.isnan(row["native_us"])
+    assert f"{case.id}: native MLX failed: RuntimeError: no such op here" in \
+        capsys.readouterr().err
+
+
 def test_plot_from_saved_baselines(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "h200.png"
