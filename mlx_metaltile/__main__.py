@@ -127,6 +127,40 @@ def _print_table(meta: dict, results: list[dict], out=None) -> None:
     cols = _columns(timed, peak, unit)
     print(_show.Table([c for c, _ in cols], [_cells(r, timed, peak, scale) for r in results],
                       right=[r for _, r in cols]), file=out)
+    per_op = summary(results, peak) if timed else None
+    if per_op is not None:
+        print(f"\n{per_op}", file=out)
+
+
+def summary(results: list[dict], peak=None) -> _show.Table | None:
+    """Per op, over its timed rows with a native time: the number of cases, the geometric
+    mean of native / ours over all of them, over the forward cases and over the gradient
+    cases (shape ``grad-...``), how many are at least as fast as native, and the best GB/s
+    (with its % of ``peak``); None when no row has a ratio."""
+    per_op: dict[str, list[dict]] = {}
+    for row in results:
+        ratio = row.get("speedup")
+        if ratio is not None and math.isfinite(ratio) and ratio > 0:
+            per_op.setdefault(row["op"], []).append(row)
+    if not per_op:
+        return None
+
+    def geomean(rows):
+        if not rows:
+            return "-"
+        return f"{math.exp(sum(math.log(r['speedup']) for r in rows) / len(rows)):.2f}"
+
+    lines = []
+    for op, rows in per_op.items():
+        grad = [r for r in rows if r["shape"].startswith("grad-")]
+        forward = [r for r in rows if not r["shape"].startswith("grad-")]
+        best = max(r.get("gbps") or 0.0 for r in rows)
+        best_cell = _num(best) + (f" ({100 * best / peak:.0f}%)" if peak else "")
+        lines.append([op, str(len(rows)), geomean(rows), geomean(forward), geomean(grad),
+                      str(sum(r["speedup"] >= 1.0 for r in rows)), best_cell])
+    return _show.Table(["op", "cases", "all", "forward", "gradient", "ours >= native",
+                        "best GB/s"], lines, right=[False] + [True] * 6,
+                       title="per op: geometric mean of native / ours (> 1: ours is faster)")
 
 
 # ---- bench --------------------------------------------------------------------------------
@@ -236,6 +270,9 @@ def cmd_bench(args) -> int:
         print(_show.format_row(_cells(row, timed, peak, scale), widths, right), flush=True)
         del inputs, out
     progress.clear()
+    per_op = summary(results, peak) if timed else None
+    if per_op is not None:
+        print(f"\n{per_op}")
     if args.json:
         print(f"saved {len(results)} results to {args.json}")
     if args.plot:

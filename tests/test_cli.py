@@ -33,9 +33,17 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 def _table(stdout: str) -> list[str]:
+    """The case table's lines: from its header to the blank line before the per-op summary
+    (or the end)."""
     lines = stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("op "))
-    return [line for line in lines[start:] if line and not line.startswith("saved")]
+    table = []
+    for line in lines[start:]:
+        if not line:
+            break
+        if not line.startswith("saved"):
+            table.append(line)
+    return table
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -115,6 +123,7 @@ def test_reference_table_times_with_spread_legend_and_fitted_columns(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "\r" not in res.stdout + res.stderr
     assert "ratio = native / ours (medians; > 1: ours is faster)" in res.stdout
+    assert "per op: geometric mean of native / ours" in res.stdout
     assert "rel err = abs err / the largest magnitude" in res.stdout
     table = _table(res.stdout)
     assert "native ms (min)" in table[0] and "ours ms (min)" in table[0]
@@ -152,6 +161,21 @@ def test_samples_in_turns_alternate_sides_and_rotate_copies_across_them():
     assert calls[:2] == [("a", 0), ("b", 0)]
     assert [n for n, _ in timed] == list("aabbbbaaaabb")
     assert [c for _, c in timed] == [i % 5 for i in range(12)]
+
+
+def test_bench_summary_per_op_geometric_means():
+    """The per-op summary: geometric means over all, forward and gradient rows, rows
+    without a finite ratio left out, None when no row has one."""
+    def row(op, shape, ratio, gbps=1.0):
+        return dict(op=op, shape=shape, speedup=ratio, gbps=gbps)
+
+    rows = [row("a", "s1", 2.0, 10.0), row("a", "s2", 0.5, 480.0), row("a", "grad-s1", 4.0),
+            row("a", "s3", float("nan")), row("b", "s1", 1.0), row("c", "s1", None)]
+    table = cli.summary(rows, peak=4800)
+    assert table.header[:5] == ["op", "cases", "all", "forward", "gradient"]
+    assert table.rows == [["a", "3", "1.59", "1.00", "4.00", "2", "480.0 (10%)"],
+                          ["b", "1", "1.00", "1.00", "-", "1", "1.00 (0%)"]]
+    assert cli.summary([row("c", "s1", None)]) is None
 
 
 def test_bench_times_ours_alone_when_native_fails(capsys):
