@@ -731,9 +731,11 @@ def _kv_cache_class() -> type:
     return KVCache
 
 
-def sdpa_unserved(queries, keys, values, cache, mask, sinks) -> str | None:
+def sdpa_unserved(queries, keys, values, cache, mask, sinks, fetched=()) -> str | None:
     """None if one ``scaled_dot_product_attention`` call of mlx-lm can run on sdpa_multi
-    over the cache's whole buffer, else why not."""
+    over the cache's whole buffer, else why not. With a cache, ``fetched`` is the (keys,
+    values) its ``update_and_fetch`` returned in this attention call: only those very
+    arrays are the cache's first ``offset`` rows that sdpa_multi reads in their place."""
     if queries.shape[-2] not in sdpa_queries(queries.shape[-1]):
         return "queries per call outside sdpa_queries()"
     if sinks is not None and (not isinstance(sinks, mx.array)
@@ -756,8 +758,9 @@ def sdpa_unserved(queries, keys, values, cache, mask, sinks) -> str | None:
         return f"cache {_class_name(cache)}"
     if cache.keys is None or cache.keys.dtype != queries.dtype:
         return "dtype"
-    if keys.shape[-2] != cache.offset:
-        return "keys are not the cache's first offset rows"
+    if (len(fetched) != 2 or keys is not fetched[0] or values is not fetched[1]
+            or keys.shape[-2] != cache.offset):
+        return "keys or values are not the cache's own"
     return None
 
 

@@ -25,6 +25,7 @@ replaces linear layers by mlx's tensor-parallel ones, which a patch after shardi
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import html
 import sys
@@ -38,6 +39,10 @@ from . import nn as mtnn
 _SDPA_NAME = "scaled_dot_product_attention"
 _in_patched_attention: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "mlx_metaltile_patched_attention", default=False)
+# In a patched attention call with a KVCache: (the cache, the list its update_and_fetch
+# fills with the (keys, values) it returned in this call).
+_fetched: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
+    "mlx_metaltile_fetched", default=None)
 _patched_classes: dict[type, type] = {}
 
 
@@ -106,7 +111,9 @@ def _router(original):
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         if _in_patched_attention.get():
-            reason = mtnn.sdpa_unserved(queries, keys, values, cache, mask, sinks)
+            watched = _fetched.get()
+            fetched = watched[1] if watched is not None and watched[0] is cache else None
+            reason = mtnn.sdpa_unserved(queries, keys, values, cache, mask, sinks, fetched)
             if reason is None:
                 return mtnn.cached_attention(queries, keys, values, cache, scale, mask, sinks)
             mtnn.fallbacks["attention", reason] += 1
@@ -143,7 +150,11 @@ def _patched_class(cls: type, kind: str = "attention") -> type:
             def __call__(self, *args, **kwargs):
                 token = _in_patched_attention.set(True)
                 try:
-                    return cls.__call__(self, *args, **kwargs)
+                    cache = _kv_cache_arg(args, kwargs)
+                    if cache is None:
+                        return cls.__call__(self, *args, **kwargs)
+                    with _watch_fetch(cache):
+                        return cls.__call__(self, *args, **kwargs)
                 finally:
                     _in_patched_attention.reset(token)
 
@@ -152,6 +163,46 @@ def _patched_class(cls: type, kind: str = "attention") -> type:
                                           "_mlx_metaltile_kind": kind})
         _patched_classes[cls] = sub
     return sub
+
+
+def _kv_cache_arg(args, kwargs):
+    """The mlx-lm KVCache (that class exactly) an attention call was given, or None."""
+    cache = kwargs.get("cache")
+    if cache is None:
+        cache = next((a for a in args if type(a).__name__ == "KVCache"), None)
+    if cache is None or type(cache).__name__ != "KVCache":
+        return None
+    return cache if type(cache) is mtnn._kv_cache_class() else None
+
+
+@contextlib.contextmanager
+def _watch_fetch(cache):
+    """For the duration: ``cache.update_and_fetch`` records the (keys, values) it returns,
+    so that the router serves only calls given exactly those arrays, which are the first
+    ``offset`` rows of the cache's buffers that sdpa_multi reads in their place. An
+    attention that derives its keys or values from what the cache holds (DeepSeek's
+    multi-head latent attention caches a latent and a rotary key, then attends up-projected
+    keys and values) passes other arrays, and runs mlx-lm's sdpa. The instance attribute
+    shadows the class's method (the cache keeps its type) and is removed afterwards."""
+    own = cache.__dict__.get("update_and_fetch")  # normally none: the class's method
+    fetch = own if own is not None else type(cache).update_and_fetch.__get__(cache)
+    fetched: list = []
+
+    def update_and_fetch(keys, values):
+        out = fetch(keys, values)
+        fetched[:] = out
+        return out
+
+    cache.update_and_fetch = update_and_fetch
+    token = _fetched.set((cache, fetched))
+    try:
+        yield
+    finally:
+        _fetched.reset(token)
+        if own is None:
+            del cache.__dict__["update_and_fetch"]
+        else:
+            cache.update_and_fetch = own
 
 
 def _attention_left(module) -> str | None:
@@ -245,7 +296,8 @@ _SERVED_BY = {
                   "moe_gather_qmm (more)",
     "moe_block": "the router's matmul, then moe_route (top k <= 32) + expert_glu + "
                  f"expert_down_combine (< {mtnn.PREFILL_MIN_PAIRS} token-expert pairs)",
-    "attention": "sdpa_multi (KVCache or no cache, mask None/'causal'; others: mlx-lm)",
+    "attention": "sdpa_multi (the KVCache's own keys and values, or no cache; mask None, "
+                 "'causal' or an array over the keys; others: mlx-lm)",
 }
 
 

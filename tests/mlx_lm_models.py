@@ -44,6 +44,16 @@ CONFIGS = {
                        rms_norm_eps=1e-6, partial_rotary_factor=0.25,
                        shared_expert_intermediate_size=64, **_LINEAR_ATTN, **_QWEN_MOE,
                        **_ROPE),
+    # multi-head latent attention (DeepSeek-V3, Kimi-K2): the cache holds a latent and a
+    # rotary key; attention runs on keys and values derived from them (mlx-lm's sdpa, not
+    # sdpa_multi over the cache); the MoE block's grouped sigmoid routing is mlx-lm's
+    "deepseek_v3": dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                        n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5,
+                        kv_lora_rank=64, q_lora_rank=64, qk_rope_head_dim=64,
+                        v_head_dim=64, qk_nope_head_dim=64, n_group=2, topk_group=1,
+                        num_experts_per_tok=2, first_k_dense_replace=1,
+                        max_position_embeddings=512),
     "qwen3_5": dict(text_config=dict(
         model_type="qwen3_5", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
         num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=VOCAB,

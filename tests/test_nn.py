@@ -320,17 +320,43 @@ def test_sdpa_serves_array_masks_and_sinks():
     keys, values = cache.update_and_fetch(arr((1, 2, 4, 64)), arr((1, 2, 4, 64)))
     mask = mx.array(rng.random((4, 24)) < 0.7)
     sinks = arr((8,))
-    assert mtnn.sdpa_unserved(q, keys, values, cache, mask, sinks) is None
-    assert mtnn.sdpa_unserved(q, keys, values, cache, mask[:, :4], None) == "array mask"
+    fetched = (keys, values)
+    assert mtnn.sdpa_unserved(q, keys, values, cache, mask, sinks, fetched) is None
+    assert mtnn.sdpa_unserved(q, keys, values, cache, mask[:, :4], None,
+                              fetched) == "array mask"
     assert mtnn.sdpa_unserved(q, keys, values, cache, mx.zeros((4, 24), mx.complex64),
-                              None) == "array mask"
-    assert mtnn.sdpa_unserved(q, keys, values, cache, None, sinks[:4]) == "sinks"
-    assert mtnn.sdpa_unserved(q, keys, values, cache, "window", None) == "mask"
+                              None, fetched) == "array mask"
+    assert mtnn.sdpa_unserved(q, keys, values, cache, None, sinks[:4], fetched) == "sinks"
+    assert mtnn.sdpa_unserved(q, keys, values, cache, "window", None, fetched) == "mask"
     with backends.use_backend("reference"):
         got = mtnn.cached_attention(q, keys, values, cache, 0.125, mask, sinks)
     want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125, mask=mask,
                                                 sinks=sinks)
     assert mx.allclose(got, want, atol=1e-5).item()
+
+
+def test_sdpa_serves_only_the_cache_own_keys_and_values():
+    """With a cache, only the very arrays its update_and_fetch returned are served (they are
+    the buffer's first offset rows, which sdpa_multi reads instead): keys or values derived
+    from them, or of the same shape but other arrays, or nothing fetched, go to mlx-lm."""
+    from mlx_lm.models.cache import KVCache
+
+    rng = np.random.default_rng(2)
+
+    def arr(shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+    cache = KVCache()
+    q = arr((1, 4, 3, 64))
+    keys, values = cache.update_and_fetch(arr((1, 2, 3, 64)), arr((1, 2, 3, 64)))
+    fetched = (keys, values)
+    assert mtnn.sdpa_unserved(q, keys, values, cache, None, None, fetched) is None
+    own = "keys or values are not the cache's own"
+    assert mtnn.sdpa_unserved(q, keys * 2, values, cache, None, None, fetched) == own
+    assert mtnn.sdpa_unserved(q, keys, keys, cache, None, None, fetched) == own
+    assert mtnn.sdpa_unserved(q, keys, values, cache, None, None) == own
+    copy = cache.keys[..., :3, :]  # the same rows, another array: not provably the buffer's
+    assert mtnn.sdpa_unserved(q, copy, values, cache, None, None, fetched) == own
 
 
 def test_cached_attention_decode_reuses_one_plan():
@@ -354,7 +380,8 @@ def test_cached_attention_decode_reuses_one_plan():
         for _ in range(3):
             q = arr((1, 4, 1, 64))
             keys, values = cache.update_and_fetch(arr((1, 2, 1, 64)), arr((1, 2, 1, 64)))
-            assert mtnn.sdpa_unserved(q, keys, values, cache, None, None) is None
+            assert mtnn.sdpa_unserved(q, keys, values, cache, None, None,
+                                      (keys, values)) is None
             got = mtnn.cached_attention(q, keys, values, cache, 0.125, None)
             want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125)
             assert mx.allclose(got, want, atol=1e-5).item()
