@@ -161,12 +161,15 @@ def _check_float32(model, backend, op_calls, derived_kv: bool = False):
     try:
         assert report.replaced, str(report)
         refused = mtnn.fallbacks[NOT_OWN_KV]
+        caches = lmcache.make_prompt_cache(model)
         with mt.use_backend(backend):
             before = backends.launch_count(backend=backend)
             combined = backends.launch_count(COMBINE_KERNEL, backend)
-            got = forward(model)
+            got = forward(model, cache=caches)
             launched = backends.launch_count(backend=backend) - before
             combined = backends.launch_count(COMBINE_KERNEL, backend) - combined
+        # the caches' update_and_fetch was watched only during the attention calls
+        assert not any("update_and_fetch" in vars(c) for c in caches)
         ops = expected_ops(report)
         refused = mtnn.fallbacks[NOT_OWN_KV] - refused
         if derived_kv:  # every call of the prompt, 2 decode steps and the block, per layer
