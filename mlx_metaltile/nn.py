@@ -758,8 +758,8 @@ def sdpa_unserved(queries, keys, values, cache, mask, sinks, fetched=()) -> str 
         return f"cache {_class_name(cache)}"
     if cache.keys is None or cache.keys.dtype != queries.dtype:
         return "dtype"
-    if (len(fetched) != 2 or keys is not fetched[0] or values is not fetched[1]
-            or keys.shape[-2] != cache.offset):
+    if (not fetched or len(fetched) != 2 or keys is not fetched[0]
+            or values is not fetched[1] or keys.shape[-2] != cache.offset):
         return "keys or values are not the cache's own"
     return None
 

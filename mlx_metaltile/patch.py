@@ -112,7 +112,7 @@ def _router(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         if _in_patched_attention.get():
             watched = _fetched.get()
-            fetched = watched[1] if watched is not None and watched[0] is cache else None
+            fetched = watched[1] if watched is not None and watched[0] is cache else ()
             reason = mtnn.sdpa_unserved(queries, keys, values, cache, mask, sinks, fetched)
             if reason is None:
                 return mtnn.cached_attention(queries, keys, values, cache, scale, mask, sinks)
@@ -166,12 +166,14 @@ def _patched_class(cls: type, kind: str = "attention") -> type:
 
 
 def _kv_cache_arg(args, kwargs):
-    """The mlx-lm KVCache (that class exactly) an attention call was given, or None."""
+    """The mlx-lm KVCache (that class exactly) an attention call was given (as ``cache=``,
+    else the first such argument), or None."""
     cache = kwargs.get("cache")
-    if cache is None:
-        cache = next((a for a in args if type(a).__name__ == "KVCache"), None)
-    if cache is None or type(cache).__name__ != "KVCache":
-        return None
+    if type(cache).__name__ != "KVCache":
+        cache = next((a for a in (*args, *kwargs.values())
+                      if type(a).__name__ == "KVCache"), None)
+        if cache is None:
+            return None
     return cache if type(cache) is mtnn._kv_cache_class() else None
 
 

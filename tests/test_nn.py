@@ -355,6 +355,7 @@ def test_sdpa_serves_only_the_cache_own_keys_and_values():
     assert mtnn.sdpa_unserved(q, keys * 2, values, cache, None, None, fetched) == own
     assert mtnn.sdpa_unserved(q, keys, keys, cache, None, None, fetched) == own
     assert mtnn.sdpa_unserved(q, keys, values, cache, None, None) == own
+    assert mtnn.sdpa_unserved(q, keys, values, cache, None, None, None) == own
     copy = cache.keys[..., :3, :]  # the same rows, another array: not provably the buffer's
     assert mtnn.sdpa_unserved(q, copy, values, cache, None, None, fetched) == own
 

@@ -568,3 +568,21 @@ def test_sharded_fp4_linear_layers(backend, op_calls):
         assert mx.abs(a - b).max().item() <= logits_bound(report, a)
     assert all(type(m).__name__.startswith("Quantized") for _, m in model.named_modules()
                if "Sharded" in type(m).__name__)  # unpatch put mlx's layers back
+
+
+def test_the_kv_cache_an_attention_call_was_given():
+    """The cache watched during a patched attention call: the KVCache given as cache=, as
+    another keyword or by position; none for other cache classes (a subclass too: its
+    update_and_fetch may return other arrays) or no cache."""
+    mtpatch = importlib.import_module("mlx_metaltile.patch")
+
+    class Sub(lmcache.KVCache):
+        pass
+
+    cache, x = lmcache.KVCache(), mx.zeros((1,))
+    assert mtpatch._kv_cache_arg((x, None), {"cache": cache}) is cache
+    assert mtpatch._kv_cache_arg((x, None, cache), {}) is cache
+    assert mtpatch._kv_cache_arg((x,), {"mask": None, "kv_cache": cache}) is cache
+    assert mtpatch._kv_cache_arg((x,), {"cache": Sub()}) is None
+    assert mtpatch._kv_cache_arg((x,), {"cache": lmcache.RotatingKVCache(8)}) is None
+    assert mtpatch._kv_cache_arg((x,), {"cache": None}) is None
