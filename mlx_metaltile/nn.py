@@ -497,9 +497,13 @@ class MoERouting:
     :k]`` (Mixtral, OLMoE), else as ``argpartition(g, kth=-k)[..., -k:]``. ``norm``: the
     attribute that asks for scores renormalised to sum to one after the top k. ``shared``:
     (expert, gate) attributes of a shared expert added as ``sigmoid(gate(x)) * expert(x)``
-    (Qwen3-Next). ``flat``: the block runs on
+    (Qwen3-Next); (expert, None): a shared expert added as ``expert(x)`` where the block has
+    one (DeepSeek-V3's ``n_shared_experts``). ``flat``: the block runs on
     ``x.reshape(-1, D)`` (OLMoE). ``cast``: the score-weighted sum is cast to the experts'
-    output dtype (Qwen3-MoE).
+    output dtype (Qwen3-MoE). ``router_ids``: the router module returns the (ids, scores)
+    itself, by mlx-lm's code (DeepSeek-V3's gate: a grouped top k of sigmoid scores with a
+    correction bias, times a scaling factor); the experts' :meth:`SwitchGLU.combine` then
+    takes them (``top_k``, ``softmax_first``, ``negated`` and ``norm`` unused).
     """
 
     router: str
@@ -508,9 +512,10 @@ class MoERouting:
     softmax_first: bool
     negated: bool
     norm: str | None = None
-    shared: tuple[str, str] | None = None
+    shared: tuple[str, str | None] | None = None
     flat: bool = False
     cast: bool = False
+    router_ids: bool = False
 
     def normalize(self, block) -> bool:
         """Whether the k scores sum to one (moe_route's ``normalize``): a softmax over the
@@ -574,6 +579,14 @@ MOE_ROUTING = {
         "gate", "switch_mlp", "num_experts_per_tok", softmax_first=False, negated=True),
     "mlx_lm.models.gpt_oss.MLPBlock": MoERouting(
         "router", "experts", "num_experts_per_tok", softmax_first=False, negated=False),
+    # the router's own (ids, scores), the sum cast to the experts' dtype, a plain shared
+    # expert where configured: DeepSeek-V3 (and Kimi-K2.5, its classes), DeepSeek-V3.2,
+    # GLM-4.5 to 4.7 and GLM-4.7-Flash, whose blocks are the same code
+    **{f"mlx_lm.models.{name}": MoERouting(
+        "gate", "switch_mlp", "num_experts_per_tok", softmax_first=False, negated=False,
+        shared=("shared_experts", None), cast=True, router_ids=True)
+       for name in ("deepseek_v3.DeepseekV3MoE", "deepseek_v32.DeepseekV32MoE",
+                    "glm4_moe.MoE", "glm4_moe_lite.Glm4MoeLiteMoE")},
 }
 
 
@@ -596,7 +609,11 @@ def moe_block_unserved(module) -> str | None:
     if routing is None:
         return (f"{_class_name(module)}'s routing is not known: mlx-lm's block applies the "
                 "scores after SwitchGLU")
-    for name in (routing.router, routing.experts, *(routing.shared or ())):
+    shared = routing.shared or ()
+    optional = shared[0] if shared and shared[1] is None else None  # a plain shared expert
+    for name in (routing.router, routing.experts, *shared):
+        if name is None or (name == optional and getattr(module, name, None) is None):
+            continue
         if not isinstance(getattr(module, name, None), nn.Module):
             return f"no {name} module"
     if not isinstance(getattr(module, routing.top_k, None), int):
@@ -623,25 +640,41 @@ def moe_block(block, x: mx.array) -> mx.array:
     shape = x.shape
     if routing.flat:
         x = x.reshape(-1, shape[-1])
-    logits = getattr(block, routing.router)(x)
-    y = experts.route_combine(x, logits, getattr(block, routing.top_k),
-                              routing.normalize(block))
-    if y is None:
-        ids, scores = routing.route(block, logits)
-        if scores.dtype == x.dtype:  # else mlx-lm's product promotes: keep its form
-            y = experts.combine(x, ids, scores)
-        else:
-            rows = experts(x, ids)
-            y = (rows * scores[..., None]).sum(axis=-2)
-            y = y.astype(rows.dtype) if routing.cast else y
+    if routing.router_ids:  # the router gives the ids and scores; combine casts the sum
+        ids, scores = getattr(block, routing.router)(x)
+        y = experts.combine(x, ids, scores)
+    else:
+        y = _routed_sum(block, routing, experts, x)
     if routing.shared is not None:
-        expert, gate = (getattr(block, name) for name in routing.shared)
-        y = y + mx.sigmoid(gate(x)) * expert(x)
+        expert_name, gate_name = routing.shared
+        if gate_name is None:  # where configured (the block has one)
+            expert = getattr(block, expert_name, None)
+            if expert is not None:
+                y = y + expert(x)
+        else:
+            expert, gate = getattr(block, expert_name), getattr(block, gate_name)
+            y = y + mx.sigmoid(gate(x)) * expert(x)
     if routing.flat:
         y = y.reshape(shape)
     if group is not None:
         y = mx.distributed.all_sum(y, group=group)
     return y
+
+
+def _routed_sum(block, routing: MoERouting, experts: SwitchGLU, x: mx.array) -> mx.array:
+    """The experts' score-weighted sum for a block whose top k and scores are formed from
+    its router's logits (:meth:`MoERouting.route`)."""
+    logits = getattr(block, routing.router)(x)
+    y = experts.route_combine(x, logits, getattr(block, routing.top_k),
+                              routing.normalize(block))
+    if y is not None:
+        return y
+    ids, scores = routing.route(block, logits)
+    if scores.dtype == x.dtype:  # else mlx-lm's product promotes: keep its form
+        return experts.combine(x, ids, scores)
+    rows = experts(x, ids)
+    y = (rows * scores[..., None]).sum(axis=-2)
+    return y.astype(rows.dtype) if routing.cast else y
 
 
 # ---------------------------------------------------------------------------- fp4 linear

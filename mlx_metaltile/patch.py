@@ -247,7 +247,7 @@ def _visit(module, path: str, entries: list[PatchEntry]):
         return module
     if hasattr(type(module), "_mlx_metaltile_base"):  # attention or MoE block patched before
         kind = type(module)._mlx_metaltile_kind
-        entries.append(PatchEntry(path, kind, name, True, _SERVED_BY[kind]))
+        entries.append(PatchEntry(path, kind, name, True, _served_by(kind, module)))
         _walk(module, path, entries)
         return module
     if mtnn.moe_routing(type(module)) is not None or any(
@@ -256,7 +256,7 @@ def _visit(module, path: str, entries: list[PatchEntry]):
         if reason is None:
             module.__class__ = _patched_class(type(module), "moe_block")
         entries.append(PatchEntry(path, "moe_block", name, reason is None,
-                                  reason or _SERVED_BY["moe_block"]))
+                                  reason or _served_by("moe_block", module)))
         _walk(module, path, entries)
         return module
     if name == "Qwen3NextRMSNormGated":
@@ -301,6 +301,18 @@ _SERVED_BY = {
     "attention": "sdpa_multi (the KVCache's own keys and values, or no cache; mask None, "
                  "'causal' or an array over the keys; others: mlx-lm)",
 }
+# a block whose router gives the ids and scores itself (MoERouting.router_ids)
+_ROUTER_IDS_SERVED_BY = ("the router's own ids and scores (mlx-lm's code), then expert_glu + "
+                         f"expert_down_combine (< {mtnn.PREFILL_MIN_PAIRS} token-expert pairs)")
+
+
+def _served_by(kind: str, module) -> str:
+    """What serves a replaced module of ``kind`` (the report's detail)."""
+    if kind == "moe_block":
+        routing = mtnn.moe_routing(type(module))
+        if routing is not None and routing.router_ids:
+            return _ROUTER_IDS_SERVED_BY
+    return _SERVED_BY[kind]
 
 
 def _replace(module, path, kind, unserved, cls, entries):

@@ -28,7 +28,10 @@ LORA_KEYS = {
                    "linear_attn.out_proj"],
     "qwen3_moe": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                   "self_attn.o_proj"],
+    "deepseek_v3": ["self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.o_proj"],
 }
+# (index of an MoE layer, hidden size) of the tiny models whose MoE block's dx is checked
+MOE_LAYER = {"qwen3_moe": (0, 64), "deepseek_v3": (1, 128)}
 BATCH = mx.array([[1, 5, 9, 33, 2, 7, 100, 64, 3, 11], [4, 8, 15, 16, 23, 42, 0, 0, 0, 0]])
 LENGTHS = mx.array([[1, 9], [1, 5]])  # (first, last) scored target of each row
 # the two dispatches forward, then their backward's kernels (expert_qmv's, on kernel backends)
@@ -86,19 +89,22 @@ def test_lora_step_through_patched_model(arch, backend):
 
 
 @pytest.mark.parametrize("backend", ("reference", "emulator"))
-def test_lora_step_at_decode_through_patched_moe(backend):
+@pytest.mark.parametrize("arch", tuple(MOE_LAYER))
+def test_lora_step_at_decode_through_patched_moe(arch, backend):
     """Two tokens per row (fewer token-expert pairs than PREFILL_MIN_PAIRS): the patched
     MoE blocks take the decode path in two dispatches (expert_glu, then
     expert_down_combine); the loss, the LoRA gradients and the gradient w.r.t. the MoE
-    block's input x are the unpatched model's, nonzero."""
-    model = _lora_model("qwen3_moe")
+    block's input x are the unpatched model's, nonzero. DeepSeek-V3's x gradient also
+    flows through its router's float32 scores into expert_down_combine's score input."""
+    model = _lora_model(arch)
     batch, lengths = BATCH[:, :3], mx.array([[1, 2], [1, 2]])
-    x = mx.random.normal((2, 1, 64))  # hidden_size
+    layer, hidden = MOE_LAYER[arch]
+    x = mx.random.normal((2, 1, hidden))
     r = mx.random.normal(x.shape)
 
     def run():
         (loss, _), grads = nn.value_and_grad(model, default_loss)(model, batch, lengths)
-        dx = mx.grad(lambda x: (model.model.layers[0].mlp(x) * r).sum())(x)
+        dx = mx.grad(lambda x: (model.model.layers[layer].mlp(x) * r).sum())(x)
         mx.eval(loss, grads, dx)
         return loss, dict(tree_flatten(grads)), dx
 

@@ -42,6 +42,8 @@ MOE_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_next", "qwen3_5_
 # Attention on keys and values derived from what the cache holds (multi-head latent
 # attention): with a cache every call runs mlx-lm's sdpa, counted as this fallback.
 DERIVED_KV_ARCHS = ("deepseek_v3",)
+# MoE blocks whose router module gives the ids and scores itself (MoERouting.router_ids)
+ROUTER_IDS_ARCHS = ("deepseek_v3",)
 NOT_OWN_KV = ("attention", "keys or values are not the cache's own")
 BACKENDS = ("reference", "emulator")
 PROMPT = list(range(3, 35))  # 32 tokens x k=2 experts = 64 pairs: the sorted prefill path
@@ -260,7 +262,7 @@ def test_greedy_generation_identical(arch, op_calls):
     assert len(want) == 16 and got == want
     assert sum(op_calls.values()) > 0
     blocks = sum(e.kind == "moe_block" for e in report.replaced)
-    assert (blocks > 0) == (arch in MOE_ARCHS)
+    assert (blocks > 0) == (arch in MOE_ARCHS + ROUTER_IDS_ARCHS)
     # the prompt (9 tokens x k=2 < 64 pairs) and each decode step: the blocks' combine
     assert op_calls["expert_down_combine"] >= 16 * blocks
     if backend == "emulator":
@@ -430,6 +432,33 @@ def test_moe_block_dispatches_at_decode(arch):
     assert replaced["GatherQMM"] == 3 and replaced["ArgPartition"] == 1
     assert replaced.total() == (15 if arch == "gpt_oss" else 9) + ROUTE_DISPATCHES[arch]
     assert (native.total(), ours.total()) == BLOCK_DISPATCHES[arch], (native, ours)
+
+
+@pytest.mark.parametrize("arch", ROUTER_IDS_ARCHS)
+def test_router_ids_block_dispatches_at_decode(arch):
+    """A block whose router gives the ids and scores (DeepSeek-V3's grouped sigmoid top k)
+    keeps that code, mlx-lm's, and runs its experts and score sum as expert_glu +
+    expert_down_combine: in place of mlx-lm's three gather_qmm, activation, product and sum."""
+    from mlx_metaltile.moe_bench import dispatches
+
+    model = model_for(arch)
+    block = next(m for _, m in model.named_modules() if mtnn.moe_routing(type(m)))
+    assert mtnn.moe_routing(type(block)).router_ids
+    x = mx.random.normal((1, 1, CONFIGS[arch]["hidden_size"]))
+    mx.eval(x)
+    with mt.use_backend("emulator"):
+        native = dispatches(block, x)
+        mt.patch(model)
+        try:
+            ours = dispatches(block, x)
+        finally:
+            mt.unpatch(model)
+    kernels = Counter({k: v for k, v in ours.items() if k.startswith("kernel:")})
+    assert kernels == {"kernel:expert_glu": 1, "kernel:expert_down_combine": 1}, ours
+    shared = ours - kernels  # the router and the shared expert: mlx-lm's primitives
+    assert not shared - native, (shared, native)
+    replaced = native - shared
+    assert replaced["GatherQMM"] == 3 and ours.total() < native.total(), (native, ours)
 
 
 def test_unserved_cache_falls_back(op_calls):
