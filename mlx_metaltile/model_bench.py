@@ -47,6 +47,15 @@ _GPT_OSS = dict(  # gpt-oss-20b (mlx-lm's ModelArgs defaults are its shapes)
 _MIXTRAL = dict(  # Mixtral-8x7B
     hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
     num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, rope_theta=1e6)
+_GLM4_MOE = dict(  # GLM-4.5-Air: DeepSeek-V3's MoE block (the router's grouped top k, a
+    # shared expert, first layer dense) with standard attention
+    hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
+    num_attention_heads=96, num_key_value_heads=8, head_dim=128, n_routed_experts=128,
+    n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=1, n_group=1,
+    topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True, partial_rotary_factor=0.5,
+    rope_theta=1e6, rope_scaling=None, rms_norm_eps=1e-5, vocab_size=151552,
+    max_position_embeddings=131072, use_qk_norm=False, attention_bias=True,
+    tie_word_embeddings=False)
 
 # arch -> (config, experts' quantization, the other layers' quantization), as published:
 # mlx-community 4-bit affine (group 64); gpt-oss: mxfp4 experts, 8-bit affine elsewhere.
@@ -55,6 +64,7 @@ ARCHS = {
     "qwen3_next": (_QWEN3_NEXT, ("affine", 64, 4), ("affine", 64, 4)),
     "gpt_oss": (_GPT_OSS, ("mxfp4", 32, 4), ("affine", 64, 8)),
     "mixtral": (_MIXTRAL, ("affine", 64, 4), ("affine", 64, 4)),
+    "glm4_moe": (_GLM4_MOE, ("affine", 64, 4), ("affine", 64, 4)),
 }
 OPS = ("sdpa_multi", "expert_glu", "expert_qmv", "expert_down_combine", "moe_gather_qmm",
        "gated_rms_norm", "fp4_qmm")

@@ -39,15 +39,17 @@ TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 # arch -> mlx-lm's block class in mlx_lm.models.<arch>; shapes and quantization are
 # model_bench.ARCHS' (Qwen3-30B-A3B: 128 experts, k=8, 2048 -> 768, affine 4-bit group 64;
 # Qwen3-Next-80B-A3B: 512, k=10, 2048 -> 512 + a shared expert; gpt-oss-20b: 32, k=4,
-# 2880 -> 2880, mxfp4 experts with biases, SwigluOAI).
+# 2880 -> 2880, mxfp4 experts with biases, SwigluOAI; GLM-4.5-Air: 128, k=8, 4096 -> 1408
+# + a shared expert, the router's own grouped top k of sigmoid scores).
 BLOCKS = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "qwen3_next": "Qwen3NextSparseMoeBlock",
-          "gpt_oss": "MLPBlock"}
+          "gpt_oss": "MLPBlock", "glm4_moe": "MoE"}
 # --quick: the same blocks shrunk (experts and k kept where the CPU allows)
 QUICK = {
     "qwen3_moe": dict(hidden_size=128, moe_intermediate_size=64, num_experts=16),
     "qwen3_next": dict(hidden_size=128, moe_intermediate_size=64, num_experts=16,
                        shared_expert_intermediate_size=64),
     "gpt_oss": dict(hidden_size=128, intermediate_size=128, num_local_experts=8),
+    "glm4_moe": dict(hidden_size=128, moe_intermediate_size=64, n_routed_experts=16),
 }
 PATHS = ("native", "decode", "prefill")
 PIPELINED = ("native", "decode")  # also timed with each call handed over as it is built
@@ -166,6 +168,8 @@ def routed_apart(block: Block, xs) -> tuple[int, int]:
     index, and the block's outputs then differ by that expert's share of the token."""
     routing = mtnn.moe_routing(type(block.native))
     apart = tied = 0
+    if routing.router_ids:  # the router's own ids on both sides
+        return apart, tied
     for x in xs:
         logits = getattr(block.native, routing.router)(x)
         ours, _ = routing.route(block.native, logits)

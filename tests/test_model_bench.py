@@ -86,7 +86,7 @@ def test_moe_bench_runs_and_saves_json(tmp_path, capsys):
     assert "not kernel timings" in out and "native/best" in out
     data = json.loads(path.read_text())
     assert data["meta"]["kernel_timings"] is False and data["meta"]["quick"] is True
-    assert set(data["blocks"]) == {"qwen3_moe", "qwen3_next", "gpt_oss"}
+    assert set(data["blocks"]) == {"qwen3_moe", "qwen3_next", "gpt_oss", "glm4_moe"}
     for arch, block in data["blocks"].items():
         assert [r["tokens"] for r in block["rows"]] == [1, 16]
         k = block["rows"][0]["pairs"]
