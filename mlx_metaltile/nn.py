@@ -503,7 +503,8 @@ class MoERouting:
     output dtype (Qwen3-MoE). ``router_ids``: the router module returns the (ids, scores)
     itself, by mlx-lm's code (DeepSeek-V3's gate: a grouped top k of sigmoid scores with a
     correction bias, times a scaling factor); the experts' :meth:`SwitchGLU.combine` then
-    takes them (``top_k``, ``softmax_first``, ``negated`` and ``norm`` unused).
+    takes them (``top_k``, ``softmax_first``, ``negated`` and ``norm`` unused: the block
+    need not have a ``top_k`` attribute).
     """
 
     router: str
@@ -580,13 +581,22 @@ MOE_ROUTING = {
     "mlx_lm.models.gpt_oss.MLPBlock": MoERouting(
         "router", "experts", "num_experts_per_tok", softmax_first=False, negated=False),
     # the router's own (ids, scores), the sum cast to the experts' dtype, a plain shared
-    # expert where configured: DeepSeek-V3 (and Kimi-K2.5, its classes), DeepSeek-V3.2,
-    # GLM-4.5 to 4.7 and GLM-4.7-Flash, whose blocks are the same code
+    # expert where the block has one: DeepSeek-V3 (and Kimi-K2.5, its classes),
+    # DeepSeek-V3.2, GLM-4.5 to 4.7, GLM-4.7-Flash, MiMo-V2-Flash and EXAONE-MoE, whose
+    # blocks are the same code; Step-3.5 (its shared expert always there) and Granite-MoE
+    # (router "router", no shared expert) the same but for those names
     **{f"mlx_lm.models.{name}": MoERouting(
-        "gate", "switch_mlp", "num_experts_per_tok", softmax_first=False, negated=False,
-        shared=("shared_experts", None), cast=True, router_ids=True)
-       for name in ("deepseek_v3.DeepseekV3MoE", "deepseek_v32.DeepseekV32MoE",
-                    "glm4_moe.MoE", "glm4_moe_lite.Glm4MoeLiteMoE")},
+        router, "switch_mlp", top_k, softmax_first=False, negated=False,
+        shared=None if shared is None else (shared, None), cast=True, router_ids=True)
+       for name, router, top_k, shared in (
+           ("deepseek_v3.DeepseekV3MoE", "gate", "num_experts_per_tok", "shared_experts"),
+           ("deepseek_v32.DeepseekV32MoE", "gate", "num_experts_per_tok", "shared_experts"),
+           ("glm4_moe.MoE", "gate", "num_experts_per_tok", "shared_experts"),
+           ("glm4_moe_lite.Glm4MoeLiteMoE", "gate", "num_experts_per_tok", "shared_experts"),
+           ("mimo_v2_flash.MoE", "gate", "num_experts_per_tok", "shared_experts"),
+           ("exaone_moe.MoE", "gate", "num_experts_per_tok", "shared_experts"),
+           ("step3p5.Step3p5MoE", "gate", "num_experts_per_tok", "share_expert"),
+           ("granitemoe.GraniteMoeMoE", "router", "num_experts_per_tok", None))},
 }
 
 
@@ -616,7 +626,7 @@ def moe_block_unserved(module) -> str | None:
             continue
         if not isinstance(getattr(module, name, None), nn.Module):
             return f"no {name} module"
-    if not isinstance(getattr(module, routing.top_k, None), int):
+    if not routing.router_ids and not isinstance(getattr(module, routing.top_k, None), int):
         return f"no integer {routing.top_k}"
     experts = getattr(module, routing.experts)
     reason = None if isinstance(experts, SwitchGLU) else switch_glu_unserved(experts)

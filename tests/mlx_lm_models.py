@@ -54,6 +54,14 @@ CONFIGS = {
                         v_head_dim=64, qk_nope_head_dim=64, n_group=2, topk_group=1,
                         num_experts_per_tok=2, first_k_dense_replace=1,
                         max_position_embeddings=512),
+    # its router module gives the ids and scores (a softmax over the top k of the logits);
+    # no shared expert
+    "granitemoe": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=64,
+                       num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-6,
+                       logits_scaling=1.0, attention_multiplier=0.125,
+                       embedding_multiplier=1.0, residual_multiplier=1.0,
+                       max_position_embeddings=512, attention_bias=False, rope_theta=10000.0,
+                       num_local_experts=8, num_experts_per_tok=2),
     "qwen3_5": dict(text_config=dict(
         model_type="qwen3_5", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
         num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=VOCAB,

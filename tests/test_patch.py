@@ -44,8 +44,8 @@ MOE_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_next", "qwen3_5_
 DERIVED_KV_ARCHS = ("deepseek_v3",)
 # MoE blocks whose router module gives the ids and scores itself (MoERouting.router_ids),
 # and their dispatches at one decode token (mlx-lm's block, the patched block): the README's
-ROUTER_IDS_ARCHS = ("deepseek_v3",)
-ROUTER_IDS_DISPATCHES = {"deepseek_v3": (31, 24)}
+ROUTER_IDS_ARCHS = ("deepseek_v3", "granitemoe")
+ROUTER_IDS_DISPATCHES = {"deepseek_v3": (31, 24), "granitemoe": (13, 6)}
 NOT_OWN_KV = ("attention", "keys or values are not the cache's own")
 BACKENDS = ("reference", "emulator")
 PROMPT = list(range(3, 35))  # 32 tokens x k=2 experts = 64 pairs: the sorted prefill path
