@@ -580,6 +580,14 @@ MOE_ROUTING = {
         "gate", "switch_mlp", "num_experts_per_tok", softmax_first=False, negated=True),
     "mlx_lm.models.gpt_oss.MLPBlock": MoERouting(
         "router", "experts", "num_experts_per_tok", softmax_first=False, negated=False),
+    "mlx_lm.models.qwen2_moe.Qwen2MoeSparseMoeBlock": MoERouting(
+        "gate", "switch_mlp", "top_k", softmax_first=True, negated=True,
+        shared=("shared_expert", "shared_expert_gate")),
+    "mlx_lm.models.mellum.MellumSparseMoeBlock": MoERouting(
+        "gate", "switch_mlp", "top_k", softmax_first=True, negated=False,
+        norm="norm_topk_prob"),
+    "mlx_lm.models.jamba.JambaSparseMoeBlock": MoERouting(
+        "router", "switch_mlp", "num_experts_per_tok", softmax_first=False, negated=True),
     # the router's own (ids, scores), the sum cast to the experts' dtype, a plain shared
     # expert where the block has one: DeepSeek-V3 (and Kimi-K2.5, its classes),
     # DeepSeek-V3.2, GLM-4.5 to 4.7, GLM-4.7-Flash, MiMo-V2-Flash and EXAONE-MoE, whose

@@ -36,6 +36,11 @@ CONFIGS = {
                   num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5,
                   num_experts=8, num_experts_per_tok=2, rope_theta=10000.0,
                   max_position_embeddings=512),
+    # softmax over all experts, then the top k (no renormalisation); a gated shared expert
+    "qwen2_moe": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=128,
+                      num_attention_heads=2, num_key_value_heads=1, num_experts_per_tok=2,
+                      num_experts=8, moe_intermediate_size=64,
+                      shared_expert_intermediate_size=64, rms_norm_eps=1e-6),
     "gpt_oss": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=64, head_dim=64,
                     num_attention_heads=2, num_key_value_heads=1, num_local_experts=8,
                     num_experts_per_tok=2, sliding_window=8, rope_theta=10000),

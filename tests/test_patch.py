@@ -38,7 +38,8 @@ from mlx_lm_models import CONFIGS, VOCAB, tiny_model  # noqa: E402
 from support import replaced_modules  # noqa: E402
 
 ARCHS = tuple(CONFIGS)
-MOE_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_next", "qwen3_5_moe")
+MOE_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_next", "qwen3_5_moe",
+             "qwen2_moe")
 # Attention on keys and values derived from what the cache holds (multi-head latent
 # attention): with a cache every call runs mlx-lm's sdpa, counted as this fallback.
 DERIVED_KV_ARCHS = ("deepseek_v3",)
@@ -402,9 +403,10 @@ def test_moe_blocks_two_dispatches_and_unknown_blocks(op_calls):
 # code on both sides; mlx-lm's top k and scores take 4 or 5 dispatches and its experts and
 # score sum 9 (15 with gpt-oss's expert biases), ours 3 in all.
 BLOCK_DISPATCHES = {"qwen3_moe": (15, 4), "qwen3_next": (23, 12), "qwen3_5_moe": (23, 12),
-                    "gpt_oss": (20, 5), "mixtral": (14, 4), "olmoe": (14, 4)}
+                    "gpt_oss": (20, 5), "mixtral": (14, 4), "olmoe": (14, 4),
+                    "qwen2_moe": (22, 12)}
 ROUTE_DISPATCHES = {"qwen3_moe": 5, "qwen3_next": 5, "qwen3_5_moe": 5, "gpt_oss": 3,
-                    "mixtral": 4, "olmoe": 4}
+                    "mixtral": 4, "olmoe": 4, "qwen2_moe": 4}
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
