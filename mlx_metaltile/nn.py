@@ -497,8 +497,8 @@ class MoERouting:
     :k]`` (Mixtral, OLMoE), else as ``argpartition(g, kth=-k)[..., -k:]``. ``norm``: the
     attribute that asks for scores renormalised to sum to one after the top k. ``shared``:
     (expert, gate) attributes of a shared expert added as ``sigmoid(gate(x)) * expert(x)``
-    (Qwen3-Next); (expert, None): a shared expert added as ``expert(x)`` where the block has
-    one (DeepSeek-V3's ``n_shared_experts``). ``flat``: the block runs on
+    (Qwen3-Next). ``plain_shared``: the attribute of a shared expert added as ``expert(x)``
+    where the block has one (DeepSeek-V3's ``n_shared_experts``). ``flat``: the block runs on
     ``x.reshape(-1, D)`` (OLMoE). ``cast``: the score-weighted sum is cast to the experts'
     output dtype (Qwen3-MoE). ``router_ids``: the router module returns the (ids, scores)
     itself, by mlx-lm's code (DeepSeek-V3's gate: a grouped top k of sigmoid scores with a
@@ -513,7 +513,8 @@ class MoERouting:
     softmax_first: bool
     negated: bool
     norm: str | None = None
-    shared: tuple[str, str | None] | None = None
+    shared: tuple[str, str] | None = None
+    plain_shared: str | None = None
     flat: bool = False
     cast: bool = False
     router_ids: bool = False
@@ -594,17 +595,17 @@ MOE_ROUTING = {
     # blocks are the same code; Step-3.5 (its shared expert always there) and Granite-MoE
     # (router "router", no shared expert) the same but for those names
     **{f"mlx_lm.models.{name}": MoERouting(
-        router, "switch_mlp", top_k, softmax_first=False, negated=False,
-        shared=None if shared is None else (shared, None), cast=True, router_ids=True)
-       for name, router, top_k, shared in (
-           ("deepseek_v3.DeepseekV3MoE", "gate", "num_experts_per_tok", "shared_experts"),
-           ("deepseek_v32.DeepseekV32MoE", "gate", "num_experts_per_tok", "shared_experts"),
-           ("glm4_moe.MoE", "gate", "num_experts_per_tok", "shared_experts"),
-           ("glm4_moe_lite.Glm4MoeLiteMoE", "gate", "num_experts_per_tok", "shared_experts"),
-           ("mimo_v2_flash.MoE", "gate", "num_experts_per_tok", "shared_experts"),
-           ("exaone_moe.MoE", "gate", "num_experts_per_tok", "shared_experts"),
-           ("step3p5.Step3p5MoE", "gate", "num_experts_per_tok", "share_expert"),
-           ("granitemoe.GraniteMoeMoE", "router", "num_experts_per_tok", None))},
+        router, "switch_mlp", "num_experts_per_tok", softmax_first=False, negated=False,
+        plain_shared=shared, cast=True, router_ids=True)
+       for name, router, shared in (
+           ("deepseek_v3.DeepseekV3MoE", "gate", "shared_experts"),
+           ("deepseek_v32.DeepseekV32MoE", "gate", "shared_experts"),
+           ("glm4_moe.MoE", "gate", "shared_experts"),
+           ("glm4_moe_lite.Glm4MoeLiteMoE", "gate", "shared_experts"),
+           ("mimo_v2_flash.MoE", "gate", "shared_experts"),
+           ("exaone_moe.MoE", "gate", "shared_experts"),
+           ("step3p5.Step3p5MoE", "gate", "share_expert"),
+           ("granitemoe.GraniteMoeMoE", "router", None))},
 }
 
 
@@ -627,13 +628,12 @@ def moe_block_unserved(module) -> str | None:
     if routing is None:
         return (f"{_class_name(module)}'s routing is not known: mlx-lm's block applies the "
                 "scores after SwitchGLU")
-    shared = routing.shared or ()
-    optional = shared[0] if shared and shared[1] is None else None  # a plain shared expert
-    for name in (routing.router, routing.experts, *shared):
-        if name is None or (name == optional and getattr(module, name, None) is None):
-            continue
+    for name in (routing.router, routing.experts, *(routing.shared or ())):
         if not isinstance(getattr(module, name, None), nn.Module):
             return f"no {name} module"
+    plain = routing.plain_shared and getattr(module, routing.plain_shared, None)
+    if plain is not None and not isinstance(plain, nn.Module):  # absent or None: not used
+        return f"no {routing.plain_shared} module"
     if not routing.router_ids and not isinstance(getattr(module, routing.top_k, None), int):
         return f"no integer {routing.top_k}"
     experts = getattr(module, routing.experts)
@@ -664,14 +664,12 @@ def moe_block(block, x: mx.array) -> mx.array:
     else:
         y = _routed_sum(block, routing, experts, x)
     if routing.shared is not None:
-        expert_name, gate_name = routing.shared
-        if gate_name is None:  # where configured (the block has one)
-            expert = getattr(block, expert_name, None)
-            if expert is not None:
-                y = y + expert(x)
-        else:
-            expert, gate = getattr(block, expert_name), getattr(block, gate_name)
-            y = y + mx.sigmoid(gate(x)) * expert(x)
+        expert, gate = (getattr(block, name) for name in routing.shared)
+        y = y + mx.sigmoid(gate(x)) * expert(x)
+    if routing.plain_shared is not None:  # where the block has one
+        expert = getattr(block, routing.plain_shared, None)
+        if expert is not None:
+            y = y + expert(x)
     if routing.flat:
         y = y.reshape(shape)
     if group is not None:

@@ -409,14 +409,15 @@ ROUTE_DISPATCHES = {"qwen3_moe": 5, "qwen3_next": 5, "qwen3_5_moe": 5, "gpt_oss"
                     "mixtral": 4, "olmoe": 4, "qwen2_moe": 4}
 
 
-@pytest.mark.parametrize("arch", MOE_ARCHS)
-def test_moe_block_dispatches_at_decode(arch):
-    """The README's counts, from each block's graph (moe_bench.dispatches: on the emulator
-    our kernels run eagerly and are counted at launch, with the graph of their inputs)."""
+def _block_dispatches(model, arch: str, router_ids: bool = False):
+    """(native, ours, our kernels, native's replaced) dispatches of the model's first MoE
+    block at one decode token, unpatched then patched, on the emulator (moe_bench's
+    dispatches); everything of ours but the kernels must be mlx-lm's own (the router, a
+    shared expert)."""
     from mlx_metaltile.moe_bench import dispatches
 
-    model = model_for(arch, **({"mode": "mxfp4"} if arch == "gpt_oss" else {}))
     block = next(m for _, m in model.named_modules() if mtnn.moe_routing(type(m)))
+    assert mtnn.moe_routing(type(block)).router_ids == router_ids
     config = CONFIGS[arch].get("text_config", CONFIGS[arch])
     x = mx.random.normal((1, 1, config["hidden_size"]))
     mx.eval(x)
@@ -428,11 +429,20 @@ def test_moe_block_dispatches_at_decode(arch):
         finally:
             mt.unpatch(model)
     kernels = Counter({k: v for k, v in ours.items() if k.startswith("kernel:")})
+    shared = ours - kernels
+    assert not shared - native, (shared, native)
+    return native, ours, kernels, native - shared
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_block_dispatches_at_decode(arch):
+    """The README's counts, from each block's graph (moe_bench.dispatches: on the emulator
+    our kernels run eagerly and are counted at launch, with the graph of their inputs)."""
+    model = model_for(arch, **({"mode": "mxfp4"} if arch == "gpt_oss" else {}))
+    native, ours, kernels, replaced = _block_dispatches(model, arch)
     assert kernels == {"kernel:moe_route": 1, "kernel:expert_glu": 1,
                        "kernel:expert_down_combine": 1}, ours
-    shared = ours - kernels  # the router's matmul and shared expert: mlx-lm's primitives
-    assert not shared - native, (shared, native)
-    replaced = native - shared  # mlx-lm's top k, scores, experts and score sum
+    # replaced: mlx-lm's top k, scores, experts and score sum
     assert replaced["GatherQMM"] == 3 and replaced["ArgPartition"] == 1
     assert replaced.total() == (15 if arch == "gpt_oss" else 9) + ROUTE_DISPATCHES[arch]
     assert (native.total(), ours.total()) == BLOCK_DISPATCHES[arch], (native, ours)
@@ -443,25 +453,9 @@ def test_router_ids_block_dispatches_at_decode(arch):
     """A block whose router gives the ids and scores (DeepSeek-V3's grouped sigmoid top k)
     keeps that code, mlx-lm's, and runs its experts and score sum as expert_glu +
     expert_down_combine: in place of mlx-lm's three gather_qmm, activation, product and sum."""
-    from mlx_metaltile.moe_bench import dispatches
-
     model = model_for(arch)
-    block = next(m for _, m in model.named_modules() if mtnn.moe_routing(type(m)))
-    assert mtnn.moe_routing(type(block)).router_ids
-    x = mx.random.normal((1, 1, CONFIGS[arch]["hidden_size"]))
-    mx.eval(x)
-    with mt.use_backend("emulator"):
-        native = dispatches(block, x)
-        mt.patch(model)
-        try:
-            ours = dispatches(block, x)
-        finally:
-            mt.unpatch(model)
-    kernels = Counter({k: v for k, v in ours.items() if k.startswith("kernel:")})
+    native, ours, kernels, replaced = _block_dispatches(model, arch, router_ids=True)
     assert kernels == {"kernel:expert_glu": 1, "kernel:expert_down_combine": 1}, ours
-    shared = ours - kernels  # the router and the shared expert: mlx-lm's primitives
-    assert not shared - native, (shared, native)
-    replaced = native - shared
     assert replaced["GatherQMM"] == 3 and replaced.total() == 9, replaced
     assert (native.total(), ours.total()) == ROUTER_IDS_DISPATCHES[arch], (native, ours)
 
