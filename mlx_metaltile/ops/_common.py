@@ -245,6 +245,46 @@ def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
+# ---- float32 products on TF32 hardware ------------------------------------------------
+
+# MLX multiplies float32 matrices on TF32 tensor cores by default on NVIDIA GPUs (and M5-class
+# Apple GPUs; MLX_ENABLE_TF32=0 turns it off for the whole process): each operand keeps 11 of
+# its 24 significant bits, about 2^-11 relative error per product, where the tolerance table
+# allows float32 accumulation (2e-6 of the sum of |terms|). A value whose low 13 significand
+# bits are zero is exact in TF32, and TF32 products accumulate in float32.
+_TF32_MASK = 0xFFFFE000
+
+
+def tf32_split(a: mx.array) -> tuple[mx.array, mx.array]:
+    """float32 ``a`` as ``hi + lo``: hi exact in TF32 (a with its low 13 significand bits
+    cleared), lo = a - hi (exact in float32, at most 2^-10 of |a|: TF32 keeps its leading 11
+    bits, so lo's own TF32 error is about 2^-22 of |a|; below 2^-136 for a subnormal a).
+    Non-finite values stay in hi whole (lo 0): clearing a NaN's low bits could make it an
+    infinity."""
+    cut = mx.view(mx.view(a, mx.uint32) & _TF32_MASK, mx.float32)
+    finite = mx.isfinite(a)
+    hi = mx.where(finite, cut, a)
+    return hi, mx.where(finite, a - hi, 0.0)
+
+
+def float32_matmul(a: mx.array, b: mx.array, *, b_tf32_exact: bool) -> mx.array:
+    """``a @ b`` for float32 2-D ``a`` [M, N] and ``b`` [N, K] to float32 accuracy whether or
+    not MLX runs float32 products in TF32: ``a`` split by :func:`tf32_split` (both pieces in
+    one product, [hi; lo] @ b), and ``b`` too unless ``b_tf32_exact`` (its values exact in
+    TF32), the small terms added first: (a_lo b + a_hi b_lo) + a_hi b. The error: float32
+    accumulation, plus about 2^-22 of the sum of |terms| for the pieces' own TF32 rounding
+    and the a_lo b_lo term left out. Costs two products' work (three with b split) where
+    one would do without TF32."""
+    m = a.shape[0]
+    a_hi, a_lo = tf32_split(a)
+    if b_tf32_exact:
+        both = mx.matmul(mx.concatenate([a_hi, a_lo]), b)
+        return both[m:] + both[:m]
+    b_hi, b_lo = tf32_split(b)
+    both = mx.matmul(mx.concatenate([a_hi, a_lo]), b_hi)
+    return (both[m:] + mx.matmul(a_hi, b_lo)) + both[:m]
+
+
 # ---- quantized weights: mx.quantize's modes ------------------------------------------
 
 BITS = (4, 8)  # affine

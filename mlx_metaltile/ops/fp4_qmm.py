@@ -33,6 +33,7 @@ from ._common import (
     check_mode_arrays,
     choose_variant,
     dtype_name,
+    float32_matmul,
     memo_check,
     memo_plan,
     on_stream,
@@ -541,9 +542,17 @@ def _plan(x, w, scales, group_size, mode, variant, backend: str, stream) -> Call
         if dx_launch is not None:
             dx = dx_launch(g.reshape(m, n), w[None], scales[None], None, expert_ids, True)
             return dx.reshape(x_shape).astype(dtype)
+        # float32 to float32 accuracy where MLX multiplies float32 in TF32 (float32_matmul):
+        # 16-bit g and the uint8-scaled weights (at most 6 significant bits) are exact in
+        # TF32; float32 g and float-scaled weights are split.
         wdq = _dequantize(w, scales, group_size, scale_mode, WEIGHT_FACTOR)
-        dx = mx.matmul(g.astype(mx.float32), wdq) * (1.0 / WEIGHT_FACTOR)
-        return dx.astype(dtype)
+        gf = g.reshape(-1, n).astype(mx.float32)
+        w_exact = scale_mode != SCALE_FLOAT
+        if g.dtype == mx.float32 or not w_exact:
+            dx = float32_matmul(gf, wdq, b_tf32_exact=w_exact)
+        else:
+            dx = mx.matmul(gf, wdq)
+        return (dx * (1.0 / WEIGHT_FACTOR)).reshape(x_shape).astype(dtype)
 
     forward = run_on(stream, forward)  # MLX may trace it again later: the stream again
     call = x_vjp_function(OP, forward, run_on(stream, x_vjp), (True, True),

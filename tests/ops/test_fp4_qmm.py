@@ -22,7 +22,7 @@ from mlx_metaltile.cases.fp4_qmm import (
     run_and_check,
     run_and_check_dx,
 )
-from mlx_metaltile.ops._common import clear_plans, variant_reason
+from mlx_metaltile.ops._common import clear_plans, tf32_split, variant_reason
 
 op_module = importlib.import_module("mlx_metaltile.ops.fp4_qmm")
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -1144,6 +1144,66 @@ def test_dx_matches_oracle(any_backend, poisoned_outputs, rng, dtype, kind, grou
     w, s = make_w(rng, 96, 128), make_scales(rng, 96, 128, kind, group_size)
     g = make_x(rng, lead, 96, dtype)
     run_and_check_dx(x, w, s, g, kind, group_size, any_backend)
+
+
+@pytest.fixture
+def tf32_matmul(monkeypatch):
+    """mx.matmul as TF32 tensor cores run it (MLX's default for float32 on NVIDIA GPUs):
+    float32 operands keep their leading 11 significand bits, the products accumulate in
+    float32."""
+    real = mx.matmul
+
+    def cut(a):
+        if a.dtype != mx.float32:
+            return a
+        return mx.view(mx.view(a, mx.uint32) & 0xFFFFE000, mx.float32)
+
+    monkeypatch.setattr(mx, "matmul", lambda a, b, **kw: real(cut(a), cut(b), **kw))
+
+
+@pytest.mark.parametrize("kind, group_size", SCALE_KINDS[:4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_dx_composite_accurate_under_tf32(any_backend, tf32_matmul, rng, dtype, kind,
+                                          group_size):
+    """The composite's dx (more than DX_MAX_M rows) keeps the float32 tolerance where
+    mx.matmul runs float32 in TF32: float32 g and float-scaled weights are split into
+    TF32-exact pieces."""
+    lead = (op_module.DX_MAX_M + 25,)
+    x = make_x(rng, lead, 128, dtype)
+    w, s = make_w(rng, 96, 128), make_scales(rng, 96, 128, kind, group_size)
+    run_and_check_dx(x, w, s, make_x(rng, lead, 96, dtype), kind, group_size, any_backend)
+
+
+@pytest.mark.parametrize("kind, group_size", (SCALE_KINDS[0], SCALE_KINDS[2]))
+def test_dx_composite_tf32_negative_control(any_backend, tf32_matmul, rng, monkeypatch, kind,
+                                            group_size):
+    """One plain product in place of the split fails the float32 check under TF32: float32 g
+    (E8M0 weights), float32 g and float32-scaled weights."""
+    monkeypatch.setattr(op_module, "float32_matmul",
+                        lambda a, b, b_tf32_exact: mx.matmul(a, b))
+    lead = (op_module.DX_MAX_M + 25,)
+    x = make_x(rng, lead, 128, mx.float32)
+    w, s = make_w(rng, 96, 128), make_scales(rng, 96, 128, kind, group_size)
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check_dx(x, w, s, make_x(rng, lead, 96, mx.float32), kind, group_size,
+                         any_backend)
+
+
+def test_tf32_split_pieces(rng):
+    """hi has its low 13 significand bits clear, hi + lo == a exactly, |lo| <= 2^-10 |a|
+    (subnormal a: below 2^-136); infinities and NaNs stay whole in hi."""
+    a = np.concatenate([rng.standard_normal(4000).astype(np.float32) * 2.0 ** rng.integers(
+        -140, 120, 4000), np.array([0.0, -0.0, 3.4e38, -1e-45, np.inf, -np.inf, np.nan],
+                                   np.float32)]).astype(np.float32)
+    hi, lo = (np.array(v) for v in tf32_split(mx.array(a)))
+    fin = np.isfinite(a)
+    assert not np.any(hi[fin].view(np.uint32) & 0x1FFF)
+    np.testing.assert_array_equal(hi[fin].astype(np.float64) + lo[fin], a[fin])
+    normal = fin & (np.abs(a) >= 2.0 ** -126)
+    assert np.all(np.abs(lo[normal]) <= np.abs(a[normal]) * 2.0 ** -10)
+    assert np.all(np.abs(lo[fin & ~normal]) < 2.0 ** -136)  # subnormals: the low 13 bits
+    np.testing.assert_array_equal(hi[~fin], a[~fin])
+    assert not np.any(lo[~fin])
 
 
 @pytest.mark.parametrize("dtype", (mx.float32, mx.bfloat16), ids=dtype_id)
