@@ -114,7 +114,8 @@ def run_and_check(x, w, scales, kind, group_size, backend, variant=None, expect=
     dtype = x.dtype
     n, k = w.shape[0], w.shape[1] * 8
     m = x.size // k
-    spec = None if backend == "reference" else _choose(backend, m, variant)
+    spec = None if backend == "reference" else _choose(
+        backend, m, variant, dtype, fp4_module._scale_mode(scales, group_size))
     launches = 1
     if spec is not None and spec.variant.startswith("simdgroup") and \
             _split_k(m, n, k)[0] > 1:
@@ -198,6 +199,7 @@ VARIANT_CALLS = {
     "qmv_wfirst": _wfirst_call,
     "simdgroup": functools.partial(_variant_call, "simdgroup"),
     "mpp": functools.partial(_variant_call, "mpp"),
+    "decoded": functools.partial(_variant_call, "decoded"),
     "splitk_sum": functools.partial(_variant_call, "simdgroup"),
 }
 

@@ -267,20 +267,28 @@ def tf32_split(a: mx.array) -> tuple[mx.array, mx.array]:
     return hi, mx.where(finite, a - hi, 0.0)
 
 
-def float32_matmul(a: mx.array, b: mx.array, *, b_tf32_exact: bool) -> mx.array:
+def float32_matmul(a: mx.array, b: mx.array, *, a_exact: bool = False,
+                   b_exact: bool = False) -> mx.array:
     """``a @ b`` for float32 2-D ``a`` [M, N] and ``b`` [N, K] to float32 accuracy whether or
-    not MLX runs float32 products in TF32: ``a`` split by :func:`tf32_split` (both pieces in
-    one product, [hi; lo] @ b), and ``b`` too unless ``b_tf32_exact`` (its values exact in
-    TF32), the small terms added first: (a_lo b + a_hi b_lo) + a_hi b. The error: float32
-    accumulation, plus about 2^-22 of the sum of |terms| for the pieces' own TF32 rounding
-    and the a_lo b_lo term left out. Costs two products' work (three with b split) where
-    one would do without TF32."""
-    m = a.shape[0]
-    a_hi, a_lo = tf32_split(a)
-    if b_tf32_exact:
-        both = mx.matmul(mx.concatenate([a_hi, a_lo]), b)
+    not MLX runs float32 products in TF32: an operand not marked exact in TF32 (``a_exact``,
+    ``b_exact``: every value has at most 11 significant bits) is split by
+    :func:`tf32_split`, both pieces in one product where the other is exact ([hi; lo] @ b, or
+    a @ [hi, lo]), the small terms added first. The error: float32 accumulation, plus about
+    2^-22 of the sum of |terms| for the pieces' own TF32 rounding and the lo x lo term left
+    out. Costs two products' work (three with both split) where one would do without TF32."""
+    if a_exact and b_exact:
+        return mx.matmul(a, b)
+    if b_exact:
+        m = a.shape[0]
+        both = mx.matmul(mx.concatenate(tf32_split(a)), b)
         return both[m:] + both[:m]
     b_hi, b_lo = tf32_split(b)
+    if a_exact:
+        k = b.shape[1]
+        both = mx.matmul(a, mx.concatenate([b_hi, b_lo], axis=1))
+        return both[:, k:] + both[:, :k]
+    m = a.shape[0]
+    a_hi, a_lo = tf32_split(a)
     both = mx.matmul(mx.concatenate([a_hi, a_lo]), b_hi)
     return (both[m:] + mx.matmul(a_hi, b_lo)) + both[:m]
 

@@ -11,10 +11,16 @@ Kernels (``variant=``):
   simdgroup  32x32 output tiles on simdgroup matrices; every Apple GPU; auto for M > 8
   mpp        32x32 tiles on MetalPerformancePrimitives matmul2d (16, 16, 32); auto for M > 8
              on Metal when macOS >= 26.2 and the GPU generation is >= 17 (as MLX's NAX)
+  decoded    W decoded once by a kernel (fp4_qmm_decoded) into x's dtype, then MLX's
+             matmul (cuBLAS on cuda): bfloat16 x with uint8 scales, float16 x with E4M3
+             (there every weight is exact in x's dtype); auto from DECODED_MIN_M[backend]
+             rows (cuda only: a tuned GEMM library against the tile kernel's simdgroup-matrix
+             products, which NVIDIA runs at a few % of its peak)
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -69,6 +75,13 @@ TILE = 32  # BM = BN = BK of the tile kernels
 TILE_THREADS = 128
 SPLITK_TARGET_TGS = 512  # split K (simdgroup kernel) until about this many threadgroups run
 SUM_THREADS = 256
+# The decoded plan: auto on these backends from this many rows of x, where x's dtype holds
+# every weight exactly (_decoded_exact). A tuning constant: the same math either way (float32
+# accumulation rounded once; the GEMM's summation order is the library's). Measured on an
+# H200 (bfloat16, mxfp4, N K 4096, us, tile kernel / decoded): M 32 61.9 / 67.3, M 64 93.4 /
+# 62.7, M 512 553.8 / 100.8. Metal keeps its kernels until a Mac measures the plan there.
+DECODED_MIN_M = {"cuda": 64}
+DECODE_THREADS = 256
 FLOAT_SCALE_GROUPS = (16, 32, 64, 128)
 SCALE_FLOAT, SCALE_E8M0, SCALE_E4M3 = 0, 1, 2
 MODES = ("mxfp4", "nvfp4")  # MLX's fp4 modes (uint8 scales); mode=None reads the scales
@@ -157,7 +170,39 @@ QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC = register(
                  "the 8 rows of x streamed past them",
     ),
 )
-VARIANT_SPECS = {spec.variant: spec for spec in (QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC)}
+
+
+def _decoded_exact(dtype: mx.Dtype, scale_mode: int) -> bool:
+    """Whether x's ``dtype`` holds every weight of the scale format exactly, the decoded
+    plan's condition (fp4_qmm_decoded.metal): bfloat16 with E8M0 or E4M3 scales, float16
+    with E4M3 (E8M0 weights leave half's range; float scales add significant bits; float32
+    x would multiply in TF32 where MLX does so: not float32's accuracy)."""
+    return ((dtype == mx.bfloat16 and scale_mode != SCALE_FLOAT)
+            or (dtype == mx.float16 and scale_mode == SCALE_E4M3))
+
+
+def _decoded_bindings():
+    for t in FLOAT_TYPES:
+        for st, _, mode in _scale_formats():
+            if _decoded_exact(t, mode):
+                yield {"D": t, "ST": st, "SCALE_MODE": mode}
+
+
+(DECODED_SPEC,) = register(
+    KernelSpec(
+        op=OP, variant="decoded", template="fp4_qmm_decoded.metal",
+        inputs=(Arg("w", "uint32", 2), Arg("scales", "ST", 2),
+                *scalars("n_words", "k_words", "gs_shift"), Arg("factor", "float32")),
+        outputs=(Arg("out", "D", 2),), params=("D", "ST", "SCALE_MODE"),
+        bindings=_decoded_bindings,
+        geometry="one thread per word of w (8 weights): threadgroup (256, 1, 1), grid "
+                 "(round_up(N*K/8, 256), 1, 1); then MLX's matmul of x and the decoded W",
+        notes="template D (x's dtype: bfloat16 with uint8 scales, float16 with E4M3), ST, "
+              "SCALE_MODE; factor 1 (float16) or 2^-3 (runtime), undone after the matmul",
+    ),
+)
+VARIANT_SPECS = {spec.variant: spec
+                 for spec in (QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC, DECODED_SPEC)}
 # The x-VJP dx = g @ W for MLX's modes (uint8 E8M0 / E4M3 scales): moe_gather_qmm's dx
 # kernel with one expert, every row's id 0, and the float32 weights (ROUND false: the
 # forward's products use them unrounded). Float scales keep the composite.
@@ -337,16 +382,34 @@ def _reference(x, w, scales, group_size: int, scale_mode: int) -> mx.array:
 
 # ---- variant choice and launch --------------------------------------------------------
 
-def _auto(backend: str, m: int) -> str:
+def _auto(backend: str, m: int, dtype: mx.Dtype | None, scale_mode: int | None) -> str:
     """The variant ``auto`` picks: the GEMV for few rows, else mpp where the Metal device
-    has matrix units, else simdgroup."""
+    has matrix units, else decoded from DECODED_MIN_M[backend] rows, else simdgroup."""
     if m <= QMV_MAX_M:
         return "qmv"
-    return "mpp" if backend == "metal" and _device.metal_mpp_reason() is None else "simdgroup"
+    if backend == "metal" and _device.metal_mpp_reason() is None:
+        return "mpp"
+    if m >= DECODED_MIN_M.get(backend, math.inf) and _decoded_exact(dtype, scale_mode):
+        return "decoded"
+    return "simdgroup"
 
 
-def _choose(backend: str, m: int, variant) -> KernelSpec | None:
-    return choose_variant(OP, VARIANT_SPECS, variant, backend, lambda: _auto(backend, m))
+def _choose(backend: str, m: int, variant, dtype: mx.Dtype | None = None,
+            scale_mode: int | None = None) -> KernelSpec | None:
+    """The kernel for ``m`` rows of x of ``dtype`` with scales of ``scale_mode`` (these two
+    matter to the decoded plan only)."""
+    spec = choose_variant(OP, VARIANT_SPECS, variant, backend,
+                          lambda: _auto(backend, m, dtype, scale_mode))
+    if spec is DECODED_SPEC and dtype is not None and not _decoded_exact(dtype, scale_mode):
+        raise ValueError(
+            f"[{OP}] variant 'decoded' decodes W into x's dtype, which must hold every "
+            "weight exactly: bfloat16 x with uint8 (mxfp4 / nvfp4) scales or float16 x with "
+            f"E4M3 (nvfp4) scales; got {dtype_name(dtype)} x with "
+            f"{_SCALE_NAMES[scale_mode]} scales")
+    return spec
+
+
+_SCALE_NAMES = {SCALE_FLOAT: "float", SCALE_E8M0: "E8M0 (mxfp4)", SCALE_E4M3: "E4M3 (nvfp4)"}
 
 
 def _qmv_rows(m: int, backend: str) -> int:
@@ -469,6 +532,38 @@ def _launcher(spec: KernelSpec, m: int, n: int, k: int, mode: int, group_size: i
     return launch
 
 
+def _decoded_launcher(m: int, n: int, k: int, mode: int, group_size: int, dtype: mx.Dtype,
+                      scale_dtype: mx.Dtype, backend: str,
+                      out_shape: tuple[int, ...]) -> Callable:
+    """The decoded plan of x [..., k] (m rows) on ``backend``, prepared once: W decoded by
+    DECODED_SPEC's kernel into x's dtype (exact: _decoded_exact; times ``factor``), then
+    ``x @ W^T`` by MLX's matmul (float32 accumulation, rounded once to x's dtype), the
+    factor undone (a power of two: exact)."""
+    factor = 1.0 if dtype == mx.float16 else WEIGHT_FACTOR  # half: E4M3 weights <= 2688
+    words = n * k // 8
+    prepared = backends.prepare(
+        DECODED_SPEC, backend,
+        inputs={"w": None, "scales": None, "n_words": scalar(words, mx.uint32),
+                "k_words": scalar(k // 8, mx.uint32),
+                "gs_shift": scalar(group_size.bit_length() - 1, mx.uint32),
+                "factor": scalar(factor, mx.float32)},
+        template={"D": dtype, "ST": scale_dtype, "SCALE_MODE": mode},
+        outputs={"out": ((n, k), dtype)},
+        grid=(round_up(words, DECODE_THREADS), 1, 1), threadgroup=(DECODE_THREADS, 1, 1),
+    )
+
+    def launch(x, w, scales):
+        (wd,) = prepared(w, scales)
+        # x * 1 (exact) is a fresh buffer: MLX's CUDA matmul (cuBLASLt, MLX 0.32.4) raises on
+        # 16-bit operands that start off a 16-byte boundary, as a view of x may
+        y = mx.matmul((x * 1).reshape(m, k), wd.T)
+        if factor != 1.0:
+            y = y * (1.0 / factor)
+        return y.reshape(out_shape)
+
+    return launch
+
+
 def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | None = None,
             mode: str | None = None, variant: str | None = None, stream=None) -> mx.array:
     """``x @ dequantize(w, scales).T`` with fp4 (E2M1) weights, float32 accumulation.
@@ -518,11 +613,12 @@ def _plan(x, w, scales, group_size, mode, variant, backend: str, stream) -> Call
     ``run(x, w, scales)``. Reads no argument array but its shape and dtype."""
     m, n, k, scale_mode, group_size = _check_fp4_qmm(x, w, scales, group_size, mode)
     out_shape = (*x.shape[:-1], n)
-    spec = _choose(backend, m, variant)
+    spec = _choose(backend, m, variant, x.dtype, scale_mode)
     on_stream(OP, stream)  # refuses what is not a stream
     dtype, x_shape = x.dtype, tuple(x.shape)
-    launch = None if spec is None or m == 0 else _launcher(
-        spec, m, n, k, scale_mode, group_size, dtype, scales.dtype, backend, out_shape)
+    make = _decoded_launcher if spec is DECODED_SPEC else functools.partial(_launcher, spec)
+    launch = None if spec is None or m == 0 else make(
+        m, n, k, scale_mode, group_size, dtype, scales.dtype, backend, out_shape)
 
     def forward(x, w, scales):
         if spec is None:
@@ -547,11 +643,8 @@ def _plan(x, w, scales, group_size, mode, variant, backend: str, stream) -> Call
         # TF32; float32 g and float-scaled weights are split.
         wdq = _dequantize(w, scales, group_size, scale_mode, WEIGHT_FACTOR)
         gf = g.reshape(-1, n).astype(mx.float32)
-        w_exact = scale_mode != SCALE_FLOAT
-        if g.dtype == mx.float32 or not w_exact:
-            dx = float32_matmul(gf, wdq, b_tf32_exact=w_exact)
-        else:
-            dx = mx.matmul(gf, wdq)
+        dx = float32_matmul(gf, wdq, a_exact=g.dtype != mx.float32,
+                            b_exact=scale_mode != SCALE_FLOAT)
         return (dx * (1.0 / WEIGHT_FACTOR)).reshape(x_shape).astype(dtype)
 
     forward = run_on(stream, forward)  # MLX may trace it again later: the stream again

@@ -31,6 +31,9 @@ VARIANTS = tuple(op_module.VARIANT_SPECS)
 SCALE_KINDS = (("e8m0", 32), ("e4m3", 16), ("float32", 32), ("float16", 64),
                ("bfloat16", 128), ("float32", 16))
 dtype_id = lambda d: str(d).rsplit(".", 1)[-1]  # noqa: E731
+SCALE_MODES = {"e8m0": op_module.SCALE_E8M0, "e4m3": op_module.SCALE_E4M3, "float32":
+               op_module.SCALE_FLOAT, "float16": op_module.SCALE_FLOAT,
+               "bfloat16": op_module.SCALE_FLOAT}
 
 
 @pytest.fixture
@@ -39,8 +42,13 @@ def no_split(monkeypatch):
     monkeypatch.setattr(op_module, "SPLITK_TARGET_TGS", 1)
 
 
-def kernel_variant(backend: str, variant: str) -> None:
-    """Skip a variant the backend cannot run here (mpp needs an M5-class Mac or emulator MPP)."""
+def kernel_variant(backend: str, variant: str, dtype=None, kind: str = "e8m0") -> None:
+    """Skip a variant the backend cannot run here (mpp needs an M5-class Mac or emulator MPP),
+    or for x of ``dtype`` with ``kind`` scales (decoded: where x's dtype holds every weight
+    exactly; its refusal elsewhere is tested apart)."""
+    if variant == "decoded" and dtype is not None and not op_module._decoded_exact(
+            dtype, SCALE_MODES[kind]):
+        pytest.skip(f"decoded: {dtype_id(dtype)} x with {kind} scales is refused")
     if variant == "mpp":
         reason = variant_reason(op_module.MPP_SPEC, backend)
         if reason is not None:
@@ -54,7 +62,7 @@ def kernel_variant(backend: str, variant: str) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_variants_match_oracle(kernel_backend, poisoned_outputs, rng, variant, dtype, m, nk):
-    kernel_variant(kernel_backend, variant)
+    kernel_variant(kernel_backend, variant, dtype)
     x, w, s = make_case(rng, m, nk, nk, dtype)
     run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant, expect=variant)
 
@@ -74,7 +82,7 @@ def test_auto_matches_oracle(any_backend, poisoned_outputs, rng, m, nk):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_scale_formats(kernel_backend, poisoned_outputs, rng, variant, dtype, kind, group_size):
-    kernel_variant(kernel_backend, variant)
+    kernel_variant(kernel_backend, variant, dtype, kind)
     m = 5 if variant == "qmv" else 37
     x, w, s = make_case(rng, m, 64, 128, dtype, kind, group_size)
     run_and_check(x, w, s, kind, group_size, kernel_backend, variant=variant, expect=variant)
@@ -155,7 +163,7 @@ def test_float16_large_scales_do_not_overflow(kernel_backend, poisoned_outputs, 
     """W up to 6 * 2^16 (past half's range) against small half activations: results O(100).
 
     A kernel that staged scaled weights in half would produce inf here."""
-    kernel_variant(kernel_backend, variant)
+    kernel_variant(kernel_backend, variant, mx.float16)
     x = make_x(rng, (9,), 128, mx.float16, scale=2.0**-12)
     w = make_w(rng, 64, 128)
     s = mx.array((127 + rng.integers(12, 17, size=(64, 4))).astype(np.uint8))
@@ -166,7 +174,7 @@ def test_float16_large_scales_do_not_overflow(kernel_backend, poisoned_outputs, 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_scales_over_ninety_binades(kernel_backend, poisoned_outputs, rng, variant, dtype):
     """E8M0 exponents from 2^-60 to 2^30 in one matrix (float and bfloat16 ranges)."""
-    kernel_variant(kernel_backend, variant)
+    kernel_variant(kernel_backend, variant, dtype)
     x, w = make_x(rng, (11,), 128, dtype), make_w(rng, 64, 128)
     s = make_scales(rng, 64, 128, "e8m0", 32, spread=60)
     assert np.ptp(np.array(s).astype(int)) > 60
@@ -176,7 +184,8 @@ def test_scales_over_ninety_binades(kernel_backend, poisoned_outputs, rng, varia
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_leading_dims_and_non_contiguous_x(kernel_backend, poisoned_outputs, rng, variant):
     kernel_variant(kernel_backend, variant)
-    base = make_x(rng, (2, 64, 5), 1, mx.float16).reshape(2, 64, 5)
+    dtype = mx.bfloat16 if variant == "decoded" else mx.float16  # decoded: exact in x's dtype
+    base = make_x(rng, (2, 64, 5), 1, dtype).reshape(2, 64, 5)
     x = mx.swapaxes(mx.concatenate([base, base], axis=-1), 1, 2)  # [2, 10, 64], strided
     w, s = make_w(rng, 96, 64), make_scales(rng, 96, 64, "e8m0", 32)
     run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant, expect=variant)
@@ -191,7 +200,7 @@ def test_x_at_any_element_offset(kernel_backend, poisoned_outputs, rng, variant,
     """x a contiguous view starting `offset` elements into its buffer: the CUDA layer's
     wide loads of x (common.h's mt_load8 / mt_load_live) are taken only where the address
     is aligned, element by element elsewhere."""
-    kernel_variant(kernel_backend, variant)
+    kernel_variant(kernel_backend, variant, dtype)
     x, w, s = make_case(rng, m, 64, 128, dtype)
     flat = mx.concatenate([mx.zeros((offset,), dtype=dtype), x.reshape(-1)])
     run_and_check(flat[offset:].reshape(x.shape), w, s, "e8m0", 32, kernel_backend,
@@ -201,13 +210,16 @@ def test_x_at_any_element_offset(kernel_backend, poisoned_outputs, rng, variant,
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_non_contiguous_w_and_scales(kernel_backend, poisoned_outputs, rng, variant):
     """Strided views of w and scales (every other row of a bigger matrix; a transposed copy
-    transposed back) give the same results as their contiguous copies would."""
+    transposed back) give the same results as their contiguous copies would (decoded:
+    bfloat16 x and E8M0 scales, which it takes)."""
     kernel_variant(kernel_backend, variant)
     m = 3 if variant == "qmv" else 35
-    w_big, s_big = make_w(rng, 128, 128), make_scales(rng, 128, 128, "float16", 32)
+    kind, gs, dtype = ("e8m0", 32, mx.bfloat16) if variant == "decoded" else (
+        "float16", 32, mx.float32)
+    w_big, s_big = make_w(rng, 128, 128), make_scales(rng, 128, 128, kind, gs)
     w, s = w_big[::2], mx.swapaxes(mx.swapaxes(s_big, 0, 1)[:, 1::2], 0, 1)  # [64, 16], [64, 4]
-    x = make_x(rng, (m,), 128, mx.float32)
-    run_and_check(x, w, s, "float16", 32, kernel_backend, variant=variant, expect=variant)
+    x = make_x(rng, (m,), 128, dtype)
+    run_and_check(x, w, s, kind, gs, kernel_backend, variant=variant, expect=variant)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -291,11 +303,12 @@ def test_kernel_decode_equals_mlx_dequantize(kernel_backend, poisoned_outputs, r
     code 8 (present in the case)."""
     kernel_variant(kernel_backend, variant)
     w, s, gs = _decode_case(rng, kind)
-    x = mx.eye(64, dtype=mx.float32)
+    # decoded: bfloat16 x (each weight is exact in bfloat16, and 1 * w + 0s is w)
+    x = mx.eye(64, dtype=mx.bfloat16 if variant == "decoded" else mx.float32)
     out = mt.fp4_qmm(x, w, s, group_size=gs, variant=variant)
     mode = "mxfp4" if kind == "e8m0" else "nvfp4"
     theirs = np.array(mx.dequantize(w, s, group_size=gs, mode=mode, dtype=mx.float32))
-    got = np.ascontiguousarray(np.array(out).T)
+    got = np.ascontiguousarray(np.array(out.astype(mx.float32)).T)
     got_bits, their_bits = got.view(np.uint32), theirs.view(np.uint32)
     zero = theirs == 0
     assert (their_bits[zero] == 0x80000000).any() and (their_bits[zero] == 0).any()
@@ -334,7 +347,19 @@ def test_auto_choice_by_backend_and_m(monkeypatch):
     assert choose("emulator", 1, None) is op_module.QMV_SPEC
     assert choose("emulator", 8, None) is op_module.QMV_SPEC
     assert choose("emulator", 9, None) is op_module.SIMDGROUP_SPEC
-    assert choose("cuda", 512, None) is op_module.SIMDGROUP_SPEC
+    assert choose("emulator", 512, None) is op_module.SIMDGROUP_SPEC
+    low, e8m0, e4m3 = (op_module.DECODED_MIN_M["cuda"], op_module.SCALE_E8M0,
+                       op_module.SCALE_E4M3)
+    assert choose("cuda", 9, None, mx.bfloat16, e8m0) is op_module.SIMDGROUP_SPEC
+    assert choose("cuda", low - 1, None, mx.bfloat16, e8m0) is op_module.SIMDGROUP_SPEC
+    assert choose("cuda", low, None, mx.bfloat16, e8m0) is op_module.DECODED_SPEC
+    assert choose("cuda", low, None, mx.float16, e4m3) is op_module.DECODED_SPEC
+    for dtype, mode in ((mx.float16, e8m0), (mx.float32, e4m3),
+                        (mx.bfloat16, op_module.SCALE_FLOAT)):  # not exact in x's dtype
+        assert choose("cuda", 512, None, dtype, mode) is op_module.SIMDGROUP_SPEC
+    assert choose("cuda", 512, "simdgroup", mx.bfloat16, e8m0) is op_module.SIMDGROUP_SPEC
+    assert choose("emulator", 512, None, mx.bfloat16, e8m0) is op_module.SIMDGROUP_SPEC
+    assert choose("emulator", 9, "decoded", mx.bfloat16, e8m0) is op_module.DECODED_SPEC
     monkeypatch.setattr(_device, "metal_mpp_reason", lambda: None)
     assert choose("metal", 8, None) is op_module.QMV_SPEC
     assert choose("metal", 9, None) is op_module.MPP_SPEC
@@ -409,14 +434,15 @@ def test_sizes_do_not_rebuild(kernel_backend, rng, variant):
     # warm-up: every template class this variant can take (qmv: MB = 1, 2, 4, 8;
     # simdgroup: one pass (OT = T) and split (OT = float))
     warm = [(1, 32, 64), (2, 32, 64), (3, 32, 64), (5, 32, 64), (40, 64, 32), (9, 64, 64)]
+    dtype = mx.bfloat16 if variant == "decoded" else mx.float16  # decoded: exact in x's dtype
     for m, n, k in warm:
-        x, w, s = make_case(rng, m, n, k, mx.float16)
+        x, w, s = make_case(rng, m, n, k, dtype)
         run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant)
     built = backends.built_kernels()
     compiled = _emulator_instantiations()
     for m, n, k in [(1, 96, 160), (2, 64, 96), (4, 32, 128), (7, 96, 64), (8, 64, 224),
                     (33, 96, 160), (41, 32, 96), (64, 64, 128), (100, 96, 32)]:
-        x, w, s = make_case(rng, m, n, k, mx.float16)
+        x, w, s = make_case(rng, m, n, k, dtype)
         run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant)
     assert backends.built_kernels() == built
     assert _emulator_instantiations() == compiled
@@ -430,6 +456,9 @@ def test_instantiations_match_the_launches(launch_recorder, monkeypatch, rng):
         for kind, gs in SCALE_KINDS:
             x, w, s = make_case(rng, 40, 64, 128, dtype, kind, gs)
             for variant in VARIANTS:
+                if variant == "decoded" and not op_module._decoded_exact(
+                        dtype, SCALE_MODES[kind]):
+                    continue  # refused (test_decoded_refuses_what_x_dtype_cannot_hold)
                 for m in (1, 2, 3, 8, 40):
                     mt.fp4_qmm(x[:m], w, s, group_size=gs, variant=variant)
     names = {name for name, *_ in launch_recorder.seen}
@@ -477,12 +506,14 @@ def test_op_is_lazy_and_compiles(no_host_sync, rng, kind, group_size):
 # ---- negative controls: a deliberately wrong kernel must fail the harness ----------------
 
 # Each breaks one thing a weaker harness could miss: the decode's pair order (qmv), the
-# scale (simdgroup), the last k-slice of each step (mpp).
+# scale (simdgroup), the last k-slice of each step (mpp), each row's own scales (decoded:
+# row 0's for all).
 BREAKS = {
     "qmv": ("xr[m][8 * q + j] * v.x + xr[m][8 * q + j + 4] * v.y",
             "xr[m][8 * q + j] * v.y + xr[m][8 * q + j + 4] * v.x"),
     "simdgroup": ("float2(mt_e2m1x2(word >> (4 * j))) * s", "float2(mt_e2m1x2(word >> (4 * j)))"),
     "mpp": ("mt_e2m1x2(word >> (4 * j))", "mt_e2m1x2(word >> (4 * (j & 2)))"),
+    "decoded": ("size_t(row) * ((k_words * 8) >> gs_shift)", "size_t(0)"),
 }
 
 
@@ -491,7 +522,8 @@ def test_negative_control_broken_kernel(kernel_backend, broken_kernel, rng, vari
     kernel_variant(kernel_backend, variant)
     broken_kernel(op_module.VARIANT_SPECS[variant], BREAKS[variant])
     # qmv at M = 3: its held-x kernel on every backend (the w-first form has its own controls)
-    x, w, s = make_case(rng, 3 if variant == "qmv" else 33, 64, 64, mx.float32)
+    x, w, s = make_case(rng, 3 if variant == "qmv" else 33, 64, 64,
+                        mx.bfloat16 if variant == "decoded" else mx.float32)
     with pytest.raises(AssertionError, match="out of tolerance"):
         run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant)
 
@@ -1131,6 +1163,21 @@ def test_negative_control_half_tile_range(kernel_backend, broken_kernel, monkeyp
         check_staging("e8m0-half-underflow", kernel_backend)
 
 
+@pytest.mark.parametrize("dtype, kind, group_size, scales", [
+    (mx.float32, "e8m0", 32, "E8M0"), (mx.float32, "e4m3", 16, "E4M3"),
+    (mx.float16, "e8m0", 32, "E8M0"), (mx.float16, "float32", 32, "float"),
+    (mx.bfloat16, "float16", 64, "float")], ids=str)
+def test_decoded_refuses_what_x_dtype_cannot_hold(kernel_backend, rng, dtype, kind, group_size,
+                                                  scales):
+    """The decoded plan multiplies in x's dtype: forced where that dtype does not hold every
+    weight exactly (or would multiply float32 in TF32), it raises instead of rounding."""
+    x, w, s = make_case(rng, 40, 64, 128, dtype, kind, group_size)
+    with pytest.raises(ValueError, match=rf"^\[fp4_qmm\] variant 'decoded' decodes W into "
+                                         rf"x's dtype, .* got {dtype_id(dtype)} x with "
+                                         rf"{scales}"):
+        mt.fp4_qmm(x, w, s, group_size=group_size, variant="decoded")
+
+
 # ---- the x-VJP (dx = g @ W) -------------------------------------------------------------
 
 @pytest.mark.parametrize("lead", ((1,), (5,), (33,), (2, 3)), ids=("M1", "M5", "M33", "2x3"))
@@ -1180,7 +1227,7 @@ def test_dx_composite_tf32_negative_control(any_backend, tf32_matmul, rng, monke
     """One plain product in place of the split fails the float32 check under TF32: float32 g
     (E8M0 weights), float32 g and float32-scaled weights."""
     monkeypatch.setattr(op_module, "float32_matmul",
-                        lambda a, b, b_tf32_exact: mx.matmul(a, b))
+                        lambda a, b, **exact: mx.matmul(a, b))
     lead = (op_module.DX_MAX_M + 25,)
     x = make_x(rng, lead, 128, mx.float32)
     w, s = make_w(rng, 96, 128), make_scales(rng, 96, 128, kind, group_size)
