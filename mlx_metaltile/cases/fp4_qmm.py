@@ -142,16 +142,25 @@ def run_and_check(x, w, scales, kind, group_size, backend, variant=None, expect=
 
 def run_and_check_dx(x, w, scales, g, kind, group_size, backend):
     """The VJP of fp4_qmm w.r.t. x with cotangent ``g``: proves the dx kernel ran once on a
-    kernel backend for MLX's modes and at most DX_MAX_M rows (else the composite), compares
-    with the float64 gradient. Returns dx."""
+    kernel backend for MLX's modes and at most DX_MAX_M rows, the decode kernel for more
+    rows where x's dtype holds the weights (else the composite), compares with the float64
+    gradient. Returns dx."""
     dtype = x.dtype
-    name = "fp4_qmm_dx"
-    kernel = (backend != "reference" and scales.dtype == mx.uint8
-              and x.size // x.shape[-1] <= fp4_module.DX_MAX_M)
-    before = backends.launch_count(name, backend)
+    m = x.size // x.shape[-1]
+    mode = fp4_module._scale_mode(scales, group_size)
+    on_kernels = backend != "reference"
+    kernel = on_kernels and scales.dtype == mx.uint8 and m <= fp4_module.DX_MAX_M
+    # more rows where x's dtype holds the weights: W decoded for the product (the forward
+    # too where its plan is the decoded one)
+    decoded = int(on_kernels and m > fp4_module.DX_MAX_M and fp4_module._decoded_exact(
+        dtype, mode)) + int(on_kernels and _choose(backend, m, None, dtype, mode)
+                            is fp4_module.DECODED_SPEC)
+    names = ("fp4_qmm_dx", "fp4_qmm_decoded")
+    before = [backends.launch_count(name, backend) for name in names]
     _, (dx,) = mx.vjp(lambda x: mt.fp4_qmm(x, w, scales, group_size=group_size), [x], [g])
     mx.eval(dx)
-    assert backends.launch_count(name, backend) == before + int(kernel), name
+    for name, count, want in zip(names, before, (int(kernel), decoded), strict=True):
+        assert backends.launch_count(name, backend) == count + want, name
     assert dx.dtype == dtype and dx.shape == x.shape
     ((want, mag),) = grad_oracle(x, w, scales, g, kind, group_size)
     assert_close(dx, want, dtype, magnitude=mag,

@@ -20,7 +20,6 @@ Kernels (``variant=``):
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -532,14 +531,13 @@ def _launcher(spec: KernelSpec, m: int, n: int, k: int, mode: int, group_size: i
     return launch
 
 
-def _decoded_launcher(m: int, n: int, k: int, mode: int, group_size: int, dtype: mx.Dtype,
-                      scale_dtype: mx.Dtype, backend: str,
-                      out_shape: tuple[int, ...]) -> Callable:
-    """The decoded plan of x [..., k] (m rows) on ``backend``, prepared once: W decoded by
-    DECODED_SPEC's kernel into x's dtype (exact: _decoded_exact; times ``factor``), then
-    ``x @ W^T`` by MLX's matmul (float32 accumulation, rounded once to x's dtype), the
-    factor undone (a power of two: exact)."""
-    factor = 1.0 if dtype == mx.float16 else WEIGHT_FACTOR  # half: E4M3 weights <= 2688
+def _decoder(n: int, k: int, mode: int, group_size: int, dtype: mx.Dtype,
+             backend: str) -> tuple[Callable, float]:
+    """DECODED_SPEC's kernel for w [n, k / 8] on ``backend``, prepared once: returns
+    ``(decode, factor)``, ``decode(w, scales)`` giving W * factor [n, k] in ``dtype`` (exact
+    where _decoded_exact holds; factor 1 for float16, whose E4M3 weights stay <= 2688, else
+    WEIGHT_FACTOR, so that every E8M0-scaled weight stays finite)."""
+    factor = 1.0 if dtype == mx.float16 else WEIGHT_FACTOR
     words = n * k // 8
     prepared = backends.prepare(
         DECODED_SPEC, backend,
@@ -547,19 +545,34 @@ def _decoded_launcher(m: int, n: int, k: int, mode: int, group_size: int, dtype:
                 "k_words": scalar(k // 8, mx.uint32),
                 "gs_shift": scalar(group_size.bit_length() - 1, mx.uint32),
                 "factor": scalar(factor, mx.float32)},
-        template={"D": dtype, "ST": scale_dtype, "SCALE_MODE": mode},
+        template={"D": dtype, "ST": mx.uint8, "SCALE_MODE": mode},
         outputs={"out": ((n, k), dtype)},
         grid=(round_up(words, DECODE_THREADS), 1, 1), threadgroup=(DECODE_THREADS, 1, 1),
     )
 
+    def decode(w, scales):
+        return prepared(w, scales)[0]
+
+    return decode, factor
+
+
+def _product(a: mx.array, wd: mx.array, factor: float) -> mx.array:
+    """``a @ wd / factor`` in a's 16-bit dtype by MLX's matmul (float32 accumulation, rounded
+    once; the power-of-two factor undone exactly). ``a * 1`` (exact) is a fresh buffer: MLX's
+    CUDA matmul (cuBLASLt, MLX 0.32.4) raises on 16-bit operands that start off a 16-byte
+    boundary, as a view may."""
+    y = mx.matmul(a * 1, wd)
+    return y if factor == 1.0 else y * (1.0 / factor)
+
+
+def _decoded_launcher(m: int, n: int, k: int, mode: int, group_size: int, dtype: mx.Dtype,
+                      backend: str, out_shape: tuple[int, ...]) -> Callable:
+    """The decoded plan of x [..., k] (m rows) on ``backend``, prepared once: W decoded into
+    x's dtype (_decoder: exact where _decoded_exact holds), then ``x @ W^T`` (_product)."""
+    decode, factor = _decoder(n, k, mode, group_size, dtype, backend)
+
     def launch(x, w, scales):
-        (wd,) = prepared(w, scales)
-        # x * 1 (exact) is a fresh buffer: MLX's CUDA matmul (cuBLASLt, MLX 0.32.4) raises on
-        # 16-bit operands that start off a 16-byte boundary, as a view of x may
-        y = mx.matmul((x * 1).reshape(m, k), wd.T)
-        if factor != 1.0:
-            y = y * (1.0 / factor)
-        return y.reshape(out_shape)
+        return _product(x.reshape(m, k), decode(w, scales).T, factor).reshape(out_shape)
 
     return launch
 
@@ -616,9 +629,12 @@ def _plan(x, w, scales, group_size, mode, variant, backend: str, stream) -> Call
     spec = _choose(backend, m, variant, x.dtype, scale_mode)
     on_stream(OP, stream)  # refuses what is not a stream
     dtype, x_shape = x.dtype, tuple(x.shape)
-    make = _decoded_launcher if spec is DECODED_SPEC else functools.partial(_launcher, spec)
-    launch = None if spec is None or m == 0 else make(
-        m, n, k, scale_mode, group_size, dtype, scales.dtype, backend, out_shape)
+    launch = None
+    if spec is DECODED_SPEC and m > 0:
+        launch = _decoded_launcher(m, n, k, scale_mode, group_size, dtype, backend, out_shape)
+    elif spec is not None and m > 0:
+        launch = _launcher(spec, m, n, k, scale_mode, group_size, dtype, scales.dtype,
+                           backend, out_shape)
 
     def forward(x, w, scales):
         if spec is None:
@@ -632,12 +648,20 @@ def _plan(x, w, scales, group_size, mode, variant, backend: str, stream) -> Call
         dx_launch = dx_launcher(m, n, k, 1, group_size, 4, _DX_MODES[scale_mode], dtype,
                                 backend, DX_SPEC, rounded=False)
         expert_ids = mx.array(np.zeros(m, np.uint32))  # every row's expert: the one w
+    # More rows on a kernel backend, x's dtype holding every weight: W decoded by the decoded
+    # plan's kernel, the product in x's dtype (float32 accumulation, rounded once).
+    dx_decode = None
+    if spec is not None and m > DX_MAX_M and _decoded_exact(dtype, scale_mode):
+        dx_decode = _decoder(n, k, scale_mode, group_size, dtype, backend)
 
     def x_vjp(g, w, scales):  # run at backward time: the stream again
         # dx = g @ W: the transposed product on the forward's decoded weights, float32.
         if dx_launch is not None:
             dx = dx_launch(g.reshape(m, n), w[None], scales[None], None, expert_ids, True)
             return dx.reshape(x_shape).astype(dtype)
+        if dx_decode is not None and g.dtype == dtype:
+            decode, factor = dx_decode
+            return _product(g.reshape(m, n), decode(w, scales), factor).reshape(x_shape)
         # float32 to float32 accuracy where MLX multiplies float32 in TF32 (float32_matmul):
         # 16-bit g and the uint8-scaled weights (at most 6 significant bits) are exact in
         # TF32; float32 g and float-scaled weights are split.

@@ -1180,13 +1180,15 @@ def test_decoded_refuses_what_x_dtype_cannot_hold(kernel_backend, rng, dtype, ki
 
 # ---- the x-VJP (dx = g @ W) -------------------------------------------------------------
 
-@pytest.mark.parametrize("lead", ((1,), (5,), (33,), (2, 3)), ids=("M1", "M5", "M33", "2x3"))
+@pytest.mark.parametrize("lead", ((1,), (5,), (33,), (2, 3), (5, 7)),
+                         ids=("M1", "M5", "M33", "2x3", "5x7"))
 @pytest.mark.parametrize("kind, group_size", SCALE_KINDS[:3])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_dx_matches_oracle(any_backend, poisoned_outputs, rng, dtype, kind, group_size, lead):
     """MLX's modes run the dx kernel (one expert, every id 0; float32 weights) up to
-    DX_MAX_M rows, float scales and 33 rows the composite; all against the float64 gradient,
-    leading dimensions kept."""
+    DX_MAX_M rows; more rows the decoded product where x's dtype holds the weights, else
+    (and float scales) the composite; all against the float64 gradient, leading dimensions
+    kept."""
     x = make_x(rng, lead, 128, dtype)
     w, s = make_w(rng, 96, 128), make_scales(rng, 96, 128, kind, group_size)
     g = make_x(rng, lead, 96, dtype)
@@ -1267,6 +1269,16 @@ def test_dx_negative_control(kernel_backend, broken_kernel, rng):
     x, w, s = make_case(rng, 2, 64, 128, mx.float32)
     with pytest.raises(AssertionError, match="out of tolerance"):
         run_and_check_dx(x, w, s, make_x(rng, (2,), 64, mx.float32), "e8m0", 32,
+                         kernel_backend)
+
+
+def test_dx_decoded_negative_control(kernel_backend, broken_kernel, rng):
+    """More rows in bfloat16: the decode kernel without each row's own scales fails the
+    gradient check (so the decoded product is what ran)."""
+    broken_kernel(op_module.DECODED_SPEC, BREAKS["decoded"])
+    x, w, s = make_case(rng, 33, 64, 128, mx.bfloat16)
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        run_and_check_dx(x, w, s, make_x(rng, (33,), 64, mx.bfloat16), "e8m0", 32,
                          kernel_backend)
 
 
