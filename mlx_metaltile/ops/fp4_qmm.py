@@ -596,17 +596,20 @@ def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | Non
         Decoding follows MLX's Metal kernels bit for bit: E8M0 s -> 2^(s - 127) (0 -> 2^-127,
         255 -> inf); E4M3 without NaN (0x7F / 0xFF read as +-480, which mx.quantize never
         writes); nvfp4's optional global scale is not taken.
-      variant: None (auto) or "qmv", "simdgroup", "mpp" to force a kernel; a variant that
-        cannot run on the current backend raises ValueError. Kernel backends only.
+      variant: None (auto) or "qmv", "simdgroup", "mpp", "decoded" to force a kernel; a
+        variant that cannot run on the current backend raises ValueError, as "decoded" does
+        where x's dtype cannot hold every weight exactly. Kernel backends only.
       stream: MLX's StreamOrDevice (None, an mx.Stream, an mx.Device, mx.cpu / mx.gpu):
         where the composite's ops or the kernel run.
 
     Returns: ``[..., N]`` in x's dtype. N and K must be multiples of 32.
 
-    Differentiable with respect to x (``g @ W`` on the decoded weights, float32: on a kernel
-    backend with uint8 scales and at most DX_MAX_M (8) rows one launch of the
-    ``fp4_qmm_dx`` kernel, moe_gather_qmm's dx template with one expert; more rows, float
-    scales and the reference backend: the composite);
+    Differentiable with respect to x (``g @ W`` on the decoded weights, float32 accumulation:
+    on a kernel backend with uint8 scales and at most DX_MAX_M (8) rows one launch of the
+    ``fp4_qmm_dx`` kernel, moe_gather_qmm's dx template with one expert; more rows where x's
+    dtype holds every weight, W decoded by ``fp4_qmm_decoded`` and MLX's matmul in that
+    dtype; otherwise, float scales and the reference backend: the composite, kept float32
+    where MLX multiplies float32 in TF32);
     asking for the gradient of w or scales raises.
 
     Reference backend: ``mx.compile(shapeless=True)`` (any leading dims of x) and
