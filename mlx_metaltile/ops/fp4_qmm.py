@@ -193,7 +193,7 @@ def _decoded_bindings():
         inputs=(Arg("w", "uint32", 2), Arg("scales", "ST", 2),
                 *scalars("n_words", "k_words", "gs_shift"), Arg("factor", "float32")),
         outputs=(Arg("out", "D", 2),), params=("D", "ST", "SCALE_MODE"),
-        bindings=_decoded_bindings,
+        bindings=_decoded_bindings, dtypes=("float16", "bfloat16"),
         geometry="one thread per word of w (8 weights): threadgroup (256, 1, 1), grid "
                  "(round_up(N*K/8, 256), 1, 1); then MLX's matmul of x and the decoded W",
         notes="template D (x's dtype: bfloat16 with uint8 scales, float16 with E4M3), ST, "
