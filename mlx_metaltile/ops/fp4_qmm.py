@@ -15,7 +15,8 @@ Kernels (``variant=``):
              matmul (cuBLAS on cuda): bfloat16 x with uint8 scales, float16 x with E4M3
              (there every weight is exact in x's dtype); auto from DECODED_MIN_M[backend]
              rows (cuda only: a tuned GEMM library against the tile kernel's simdgroup-matrix
-             products, which NVIDIA runs at a few % of its peak)
+             products, which NVIDIA runs at a few % of its peak). The decoded W is a
+             transient N x K array in x's dtype (32 MiB at 4096 x 4096)
 """
 
 from __future__ import annotations
