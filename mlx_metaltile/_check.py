@@ -56,33 +56,37 @@ def check_variants(backend: str, cases=None,
             results[s.name] = VariantResult(s.name, "n/a", detail=f"runs on {s.backends}")
     for op in dict.fromkeys(s.op for s in specs):
         pending = {s.name: s for s in specs if s.op == op and s.name not in results}
-        smallest = {}  # one case per shape (its cheapest dtype), smallest shapes first
+        by_shape = {}  # each shape's cases, cheapest dtype first; smallest shapes first
         for c in sorted(cases(op), key=lambda c: c.nbytes):
-            smallest.setdefault(c.label, c)
-        op_cases = list(smallest.values())[:MAX_CASES]
+            by_shape.setdefault(c.label, []).append(c)
+        shapes = list(by_shape.values())[:MAX_CASES]
         # asked for by name first (no case picks the mpp variants by default), then as the
-        # launcher chooses
+        # launcher chooses. A variant asked for by name may refuse a dtype (fp4_qmm's
+        # decoded takes only the dtypes that hold its weights): the shape's next dtype then.
         wanted = [s.variant for s in pending.values()] + [None]
         for variant in wanted:
-            for case in op_cases:
-                if not pending or (variant is not None
-                                   and f"{op}_{variant}" not in pending):
+            name = f"{op}_{variant}"
+            for shape_cases in shapes:
+                if not pending or (variant is not None and name not in pending):
                     break
-                fn = case.ours
-                if variant is not None:
-                    if not _takes_variant(fn):
-                        break
-                    fn = functools.partial(fn, variant=variant)
-                progress(f"{op} {variant or ''} {case.id} ...")
-                _run(case, fn, backend, pending, results)
+                if variant is not None and not _takes_variant(shape_cases[0].ours):
+                    break
+                for case in shape_cases if variant is not None else shape_cases[:1]:
+                    fn = case.ours if variant is None else functools.partial(
+                        case.ours, variant=variant)
+                    progress(f"{op} {variant or ''} {case.id} ...")
+                    if _run(case, fn, backend, pending, results):
+                        break  # not refused: this shape is done
         for name in pending:
             results[name] = VariantResult(name, "unchecked", detail="no benchmark case "
                                           f"launches it on {backend} (tried "
-                                          f"{len(op_cases)} shapes)")
+                                          f"{len(shapes)} shapes)")
     return [results[s.name] for s in specs]
 
 
-def _run(case, fn, backend, pending, results) -> None:
+def _run(case, fn, backend, pending, results) -> bool:
+    """Run one case; False where the call was refused (a ValueError before any pending kernel
+    launched), True otherwise."""
     rng = np.random.default_rng(0)
     inputs = case.make(rng)
     before = {n: backends.launch_count(n, backend) for n in pending}
@@ -92,24 +96,25 @@ def _run(case, fn, backend, pending, results) -> None:
             mx.eval(out)
     except ValueError as exc:
         if not _launched(pending, backend, before):  # refused: this variant cannot take it
-            return
+            return False
         for n in _launched(pending, backend, before):
             results[n] = VariantResult(n, "FAIL", case.id, detail=f"{type(exc).__name__}: "
                                        f"{exc}")
             del pending[n]
-        return
+        return True
     except Exception as exc:  # a crashing kernel is a failure of what it launched
         names = _launched(pending, backend, before) or list(pending)
         for n in names:
             results[n] = VariantResult(n, "FAIL", case.id, detail=f"{type(exc).__name__}: "
                                        f"{exc}")
             del pending[n]
-        return
+        return True
     for n in _launched(pending, backend, before):
         tol = _registry.TOLERANCES[case.dtype_name]
         err = _measure.error(case, out, inputs)
         results[n] = VariantResult(n, "pass" if err.ok else "FAIL", case.id, err, tol)
         del pending[n]
+    return True
 
 
 def table(results: list[VariantResult]) -> _show.Table:

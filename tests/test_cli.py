@@ -249,6 +249,28 @@ def test_check_reports_unchecked_and_failures_never_as_passes():
     assert not any(r.status == "pass" for r in results.values())
 
 
+@needs_emulator
+def test_check_tries_each_dtype_of_a_shape_for_a_variant_asked_by_name():
+    """fp4_qmm's decoded variant refuses float16 x with mxfp4 scales: check moves on to the
+    same shape's bfloat16 case and checks the variant there (at a small size here)."""
+    def small(rng, dtype):
+        w, scales = mx.quantize(mx.array(rng.standard_normal((64, 128), dtype=np.float32)),
+                                mode="mxfp4")[:2]
+        x = mx.array(rng.standard_normal((9, 128), dtype=np.float32)).astype(dtype)
+        return dict(x=x, w=w, scales=scales)
+
+    shape = [c for c in cases("fp4_qmm") if c.label == "M1-N4096-K4096"
+             and c.dtype in (mx.float16, mx.bfloat16)]
+    fake = [replace(c, make=lambda rng, d=c.dtype: small(rng, d),
+                    nbytes=1 if c.dtype == mx.float16 else 2) for c in shape]
+    assert len(fake) == 2
+    results = {r.kernel: r for r in _check.check_variants(
+        "emulator", lambda op=None, quick=False: fake if op == "fp4_qmm" else [])}
+    decoded = results["fp4_qmm_decoded"]
+    assert decoded.status == "pass" and decoded.case.endswith("bfloat16"), decoded
+    assert results["fp4_qmm_simdgroup"].case.endswith("float16")  # the cheapest dtype first
+
+
 def test_plot_is_refused_before_an_untimed_or_unplottable_run(capsys, monkeypatch):
     if EMULATOR is None:
         with pytest.raises(SystemExit) as exc:
