@@ -56,6 +56,7 @@ def check_variants(backend: str, cases=None,
             results[s.name] = VariantResult(s.name, "n/a", detail=f"runs on {s.backends}")
     for op in dict.fromkeys(s.op for s in specs):
         pending = {s.name: s for s in specs if s.op == op and s.name not in results}
+        runnable = tuple(pending)  # the op's kernels on this backend, checked or not
         by_shape = {}  # each shape's cases, cheapest dtype first; smallest shapes first
         for c in sorted(cases(op), key=lambda c: c.nbytes):
             by_shape.setdefault(c.label, []).append(c)
@@ -75,7 +76,7 @@ def check_variants(backend: str, cases=None,
                     fn = case.ours if variant is None else functools.partial(
                         case.ours, variant=variant)
                     progress(f"{op} {variant or ''} {case.id} ...")
-                    if _run(case, fn, backend, pending, results):
+                    if _run(case, fn, backend, pending, results, runnable):
                         break  # not refused: this shape is done
         for name in pending:
             results[name] = VariantResult(name, "unchecked", detail="no benchmark case "
@@ -84,12 +85,14 @@ def check_variants(backend: str, cases=None,
     return [results[s.name] for s in specs]
 
 
-def _run(case, fn, backend, pending, results) -> bool:
+def _run(case, fn, backend, pending, results, runnable=()) -> bool:
     """Run one case; False where the call was refused (a ValueError before any pending kernel
-    launched), True otherwise."""
+    launched), True otherwise. A crash is a failure of the kernels the call launched, checked
+    already or not (``runnable``: the op's kernels on this backend); only when it launched
+    none is it laid to the pending ones."""
     rng = np.random.default_rng(0)
     inputs = case.make(rng)
-    before = {n: backends.launch_count(n, backend) for n in pending}
+    before = {n: backends.launch_count(n, backend) for n in {*pending, *runnable}}
     try:
         with backends.use_backend(backend):
             out = fn(**inputs)
@@ -103,11 +106,11 @@ def _run(case, fn, backend, pending, results) -> bool:
             del pending[n]
         return True
     except Exception as exc:  # a crashing kernel is a failure of what it launched
-        names = _launched(pending, backend, before) or list(pending)
+        names = _launched(before, backend, before) or list(pending)
         for n in names:
             results[n] = VariantResult(n, "FAIL", case.id, detail=f"{type(exc).__name__}: "
                                        f"{exc}")
-            del pending[n]
+            pending.pop(n, None)
         return True
     for n in _launched(pending, backend, before):
         tol = _registry.TOLERANCES[case.dtype_name]

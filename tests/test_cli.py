@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import mlx_metaltile as mt
 from mlx_metaltile import __main__ as cli
 from mlx_metaltile import _check, backends
 from mlx_metaltile.cases import cases
@@ -269,6 +270,31 @@ def test_check_tries_each_dtype_of_a_shape_for_a_variant_asked_by_name():
     decoded = results["fp4_qmm_decoded"]
     assert decoded.status == "pass" and decoded.case.endswith("bfloat16"), decoded
     assert results["fp4_qmm_simdgroup"].case.endswith("float16")  # the cheapest dtype first
+
+
+@needs_emulator
+def test_check_lays_a_crash_to_the_kernels_it_launched():
+    """A case that crashes after launching a kernel checked already fails that kernel; a
+    kernel no case launches stays unchecked rather than taking the blame."""
+    def small(rng, m):
+        w, scales = mx.quantize(mx.array(rng.standard_normal((64, 128), dtype=np.float32)),
+                                mode="mxfp4")[:2]
+        x = mx.array(rng.standard_normal((m, 128), dtype=np.float32)).astype(mx.bfloat16)
+        return dict(x=x, w=w, scales=scales)
+
+    def crashes(**inputs):
+        mx.eval(mt.fp4_qmm(**inputs))  # the auto choice at 40 rows: the tile kernel
+        raise RuntimeError("boom")
+
+    base = next(c for c in cases("fp4_qmm") if c.dtype == mx.bfloat16)
+    fake = [replace(base, label="small", make=lambda rng: small(rng, 9), nbytes=1),
+            replace(base, label="crash", make=lambda rng: small(rng, 40), nbytes=2,
+                    ours=crashes)]
+    results = {r.kernel: r for r in _check.check_variants(
+        "emulator", lambda op=None, quick=False: fake if op == "fp4_qmm" else [])}
+    tile = results["fp4_qmm_simdgroup"]
+    assert tile.status == "FAIL" and "boom" in tile.detail and "crash" in tile.case, tile
+    assert results["fp4_qmm_qmv_wfirst"].status == "unchecked"
 
 
 def test_plot_is_refused_before_an_untimed_or_unplottable_run(capsys, monkeypatch):
