@@ -106,7 +106,7 @@ def _run(case, fn, backend, pending, results, runnable=()) -> bool:
             del pending[n]
         return True
     except Exception as exc:  # a crashing kernel is a failure of what it launched
-        names = _launched(before, backend, before) or list(pending)
+        names = _launched(list(before), backend, before) or list(pending)
         for n in names:
             results[n] = VariantResult(n, "FAIL", case.id, detail=f"{type(exc).__name__}: "
                                        f"{exc}")

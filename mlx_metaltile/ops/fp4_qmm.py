@@ -566,18 +566,6 @@ def _product(a: mx.array, wd: mx.array, factor: float) -> mx.array:
     return y if factor == 1.0 else y * (1.0 / factor)
 
 
-def _decoded_launcher(m: int, n: int, k: int, mode: int, group_size: int, dtype: mx.Dtype,
-                      backend: str, out_shape: tuple[int, ...]) -> Callable:
-    """The decoded plan of x [..., k] (m rows) on ``backend``, prepared once: W decoded into
-    x's dtype (_decoder: exact where _decoded_exact holds), then ``x @ W^T`` (_product)."""
-    decode, factor = _decoder(n, k, mode, group_size, dtype, backend)
-
-    def launch(x, w, scales):
-        return _product(x.reshape(m, k), decode(w, scales).T, factor).reshape(out_shape)
-
-    return launch
-
-
 def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | None = None,
             mode: str | None = None, variant: str | None = None, stream=None) -> mx.array:
     """``x @ dequantize(w, scales).T`` with fp4 (E2M1) weights, float32 accumulation.
@@ -633,9 +621,18 @@ def _plan(x, w, scales, group_size, mode, variant, backend: str, stream) -> Call
     spec = _choose(backend, m, variant, x.dtype, scale_mode)
     on_stream(OP, stream)  # refuses what is not a stream
     dtype, x_shape = x.dtype, tuple(x.shape)
+    # The decode kernel (prepared once) serves the decoded plan's forward and, past DX_MAX_M
+    # rows, the x-VJP's product in x's dtype, wherever x's dtype holds every weight.
+    decoder = None
+    if spec is not None and m > DX_MAX_M and _decoded_exact(dtype, scale_mode):
+        decoder = _decoder(n, k, scale_mode, group_size, dtype, backend)
     launch = None
     if spec is DECODED_SPEC and m > 0:
-        launch = _decoded_launcher(m, n, k, scale_mode, group_size, dtype, backend, out_shape)
+        decode, factor = decoder if decoder is not None else _decoder(
+            n, k, scale_mode, group_size, dtype, backend)
+
+        def launch(x, w, scales):  # W decoded into x's dtype, then x @ W^T (_product)
+            return _product(x.reshape(m, k), decode(w, scales).T, factor).reshape(out_shape)
     elif spec is not None and m > 0:
         launch = _launcher(spec, m, n, k, scale_mode, group_size, dtype, scales.dtype,
                            backend, out_shape)
@@ -652,19 +649,14 @@ def _plan(x, w, scales, group_size, mode, variant, backend: str, stream) -> Call
         dx_launch = dx_launcher(m, n, k, 1, group_size, 4, _DX_MODES[scale_mode], dtype,
                                 backend, DX_SPEC, rounded=False)
         expert_ids = mx.array(np.zeros(m, np.uint32))  # every row's expert: the one w
-    # More rows on a kernel backend, x's dtype holding every weight: W decoded by the decoded
-    # plan's kernel, the product in x's dtype (float32 accumulation, rounded once).
-    dx_decode = None
-    if spec is not None and m > DX_MAX_M and _decoded_exact(dtype, scale_mode):
-        dx_decode = _decoder(n, k, scale_mode, group_size, dtype, backend)
 
     def x_vjp(g, w, scales):  # run at backward time: the stream again
         # dx = g @ W: the transposed product on the forward's decoded weights, float32.
         if dx_launch is not None:
             dx = dx_launch(g.reshape(m, n), w[None], scales[None], None, expert_ids, True)
             return dx.reshape(x_shape).astype(dtype)
-        if dx_decode is not None and g.dtype == dtype:
-            decode, factor = dx_decode
+        if decoder is not None and g.dtype == dtype:  # the product in x's dtype
+            decode, factor = decoder
             return _product(g.reshape(m, n), decode(w, scales), factor).reshape(x_shape)
         # float32 to float32 accuracy where MLX multiplies float32 in TF32 (float32_matmul):
         # 16-bit g and the uint8-scaled weights (at most 6 significant bits) are exact in
