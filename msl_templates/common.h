@@ -72,6 +72,34 @@ inline uint mt_frag_col(uint lane) {
 }
 #endif
 
+// Product helpers: mt_sg_bmatrix<T>, a simdgroup_matrix<T, 8, 8> that only serves as the B
+// side of products (never read through thread_elements()), loaded by mt_sg_load_b (as
+// simdgroup_load); mt_mma_pair(d0, a0, d1, a1, b): d0 = a0 * b + d0 and d1 = a1 * b + d1 (d0
+// and d1 distinct), each as simdgroup_multiply_accumulate gives it. The CUDA layer
+// (MT_MMA_HELPERS, mt_cuda/matrix.cuh) keeps a half or bfloat B in the tensor cores' layout
+// (no transpose per product) and runs a pair as one instruction of 16 rows.
+#ifndef MT_MMA_HELPERS
+template <typename T>
+using mt_sg_bmatrix = simdgroup_matrix<T, 8, 8>;
+
+template <typename T>
+inline void mt_sg_load_b(thread simdgroup_matrix<T, 8, 8>& d, const threadgroup T* src,
+                         ulong elements_per_row, ulong2 matrix_origin = ulong2(0),
+                         bool transpose_matrix = false) {
+  simdgroup_load(d, src, elements_per_row, matrix_origin, transpose_matrix);
+}
+
+template <typename TD, typename TA, typename TB>
+inline void mt_mma_pair(thread simdgroup_matrix<TD, 8, 8>& d0,
+                        thread const simdgroup_matrix<TA, 8, 8>& a0,
+                        thread simdgroup_matrix<TD, 8, 8>& d1,
+                        thread const simdgroup_matrix<TA, 8, 8>& a1,
+                        thread const simdgroup_matrix<TB, 8, 8>& b) {
+  simdgroup_multiply_accumulate(d0, a0, b, d0);
+  simdgroup_multiply_accumulate(d1, a1, b, d1);
+}
+#endif
+
 // Elements row[col .. col + 8) as floats, zeros from column n on (a ragged row's last chunk
 // goes element by element; a whole chunk through mt_load8), and 8 floats stored there up to
 // column n (rounded to T).

@@ -234,6 +234,63 @@ simdgroup_store(e, F, 8, ulong2(0, 0), true);
     templates=FLOATS,
 )
 
+# common.h's product helpers: mt_sg_bmatrix loaded by mt_sg_load_b (plain, and transposed
+# from a transposed copy, with origins), products with it into float and T accumulators,
+# and mt_mma_pair with either kind of B: P = C + A B (a pair), Q = A B in T (a pair), E =
+# A's top rows times B (one product), R = A B (a pair with a plain simdgroup_matrix B).
+PRODUCT_HELPERS = Feature(
+    name="product_helpers",
+    header="#include <metal_stdlib>\nusing namespace metal;\n\n" + read_text("common.h"),
+    source="""
+const uint lane = thread_index_in_simdgroup;
+constexpr uint LD = 20;  // padded row stride of the staged tiles
+threadgroup T xa[16 * LD];   // A [16, 8]
+threadgroup T xb[8 * LD];    // B [8, 16]
+threadgroup T xbt[16 * LD];  // B^T: xbt[n * LD + k] = B[k][n]
+for (uint i = lane; i < 128; i += 32) {
+  xa[(i / 8) * LD + i % 8] = A[i];
+  xb[(i / 16) * LD + i % 16] = B[i];
+  xbt[(i % 16) * LD + i / 16] = B[i];
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+simdgroup_matrix<T, 8, 8> a0;
+simdgroup_matrix<T, 8, 8> a1;
+simdgroup_load(a0, xa, LD);
+simdgroup_load(a1, xa, LD, ulong2(0, 8));
+for (uint bj = 0; bj < 2; ++bj) {
+  mt_sg_bmatrix<T> b;
+  mt_sg_bmatrix<T> bt;
+  mt_sg_load_b(b, xb, LD, ulong2(8 * bj, 0));
+  mt_sg_load_b(bt, xbt, LD, ulong2(0, 8 * bj), true);  // the same block of B
+  simdgroup_float8x8 p0;
+  simdgroup_float8x8 p1;
+  simdgroup_load(p0, C, 16, ulong2(8 * bj, 0));
+  simdgroup_load(p1, C, 16, ulong2(8 * bj, 8));
+  mt_mma_pair(p0, a0, p1, a1, b);
+  simdgroup_store(p0, P, 16, ulong2(8 * bj, 0));
+  simdgroup_store(p1, P, 16, ulong2(8 * bj, 8));
+  simdgroup_matrix<T, 8, 8> h0 = make_filled_simdgroup_matrix<T, 8, 8>(T(0));
+  simdgroup_matrix<T, 8, 8> h1 = make_filled_simdgroup_matrix<T, 8, 8>(T(0));
+  mt_mma_pair(h0, a0, h1, a1, bt);
+  simdgroup_store(h0, Q, 16, ulong2(8 * bj, 0));
+  simdgroup_store(h1, Q, 16, ulong2(8 * bj, 8));
+  simdgroup_float8x8 e = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  simdgroup_multiply_accumulate(e, a0, bt, e);
+  simdgroup_store(e, E, 16, ulong2(8 * bj, 0));
+  simdgroup_matrix<T, 8, 8> bm;
+  simdgroup_load(bm, xb, LD, ulong2(8 * bj, 0));
+  simdgroup_float8x8 r0 = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  simdgroup_float8x8 r1 = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  mt_mma_pair(r0, a0, r1, a1, bm);
+  simdgroup_store(r0, R, 16, ulong2(8 * bj, 0));
+  simdgroup_store(r1, R, 16, ulong2(8 * bj, 8));
+}
+""",
+    inputs=(("A", "T", 2), ("B", "T", 2), ("C", mx.float32, 2)),
+    outputs=(("P", mx.float32), ("Q", "T"), ("E", mx.float32), ("R", mx.float32)),
+    templates=FLOATS,
+)
+
 # half / bfloat arithmetic with MSL's promotions, vectors, as_type, select, math.
 SCALARS = Feature(
     name="scalars_vectors_math",
@@ -392,4 +449,4 @@ out[i] = f.x + 2.0f * f.y + 4.0f * f.z + float(sizeof(packed_float3));
     refused_by=frozenset({"cuda"}),
 )
 
-FEATURES = (SIMD, RECONVERGE, MATRIX, MMA, SCALARS, ATOMIC_OUT, EDGE, HEADER, SWIZZLES, PACKED)
+FEATURES = (SIMD, RECONVERGE, MATRIX, MMA, PRODUCT_HELPERS, SCALARS, ATOMIC_OUT, EDGE, HEADER, SWIZZLES, PACKED)

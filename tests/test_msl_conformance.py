@@ -21,6 +21,7 @@ from msl_features import (
     MATRIX,
     MMA,
     PACKED,
+    PRODUCT_HELPERS,
     RECONVERGE,
     SCALARS,
     SIMD,
@@ -249,6 +250,31 @@ def test_simdgroup_products(executor, rng, dtype, kind):
     lane3 = np.arange(32) % 3 == 0
     marks[rows[lane3], cols[lane3] + 1] = 1.0
     expect("F", (3 * e + marks).T, "float32", (3 * e_mag + marks).T)
+
+
+# mt_sg_bmatrix / mt_sg_load_b / mt_mma_pair (common.h): on CUDA a half or bfloat B in the
+# tensor cores' layout and a pair as one 16-row product; the same sums everywhere.
+@pytest.mark.parametrize("kind", ["quarters", "wide"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_product_helpers(executor, rng, dtype, kind):
+    a = _values(rng, kind, dtype, (16, 8))
+    b = _values(rng, kind, dtype, (8, 16))
+    c = quarters(rng, (16, 16), -40, 40) if kind == "quarters" else rng.standard_normal(
+        (16, 16)).astype(np.float32)
+    got = run(executor, PRODUCT_HELPERS, (("T", DTYPES[dtype]),),
+              [as_dtype(a, dtype), as_dtype(b, dtype), mx.array(c)],
+              grid=(32, 1, 1), threadgroup=(32, 1, 1), init_value=float("nan"),
+              shapes=[(16, 16), (16, 16), (8, 16), (16, 16)])
+    c64 = c.astype(np.float64)
+    ab, mag = a @ b, np.abs(a) @ np.abs(b)
+    q = to_f64(as_dtype((ab).astype(np.float32), dtype))  # A B rounded once to T
+    for name, want, out_dtype, magnitude in (
+            ("P", ab + c64, "float32", mag + np.abs(c64)), ("Q", q, dtype, mag),
+            ("E", ab[:8], "float32", mag[:8]), ("R", ab, "float32", mag)):
+        if kind == "quarters":  # every sum exact in float32
+            np.testing.assert_array_equal(got[name], want, err_msg=name)
+        else:
+            assert_close(got[name], want, out_dtype, magnitude, what=name)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

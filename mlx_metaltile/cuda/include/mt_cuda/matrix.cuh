@@ -11,7 +11,8 @@ namespace metal {
 // lane layout of thread_elements() to the implementation; Apple's (lane bits b4..b0: row
 // 4 b4 + 2 b2 + b1, columns 4 b3 + 2 b0 + {0, 1}) is what Metal and the emulator give. A
 // product of half or bfloat fragments then needs no permutation of A, C or D, and one
-// movmatrix for B (sm_80+, below), where Apple's layout took 5 shuffles per product. Kernels
+// movmatrix for B (sm_80+, below; none for a B loaded as common.h's mt_sg_bmatrix), where
+// Apple's layout took 5 shuffles per product. Kernels
 // that read thread_elements() find their row and column through common.h's mt_frag_row /
 // mt_frag_col and the row's lanes through MT_FRAG_ROW_XOR0 / 1 (defined here for CUDA, with
 // MT_FRAG_LAYOUT, and in common.h in Apple's layout for Metal and the emulator).
@@ -137,32 +138,49 @@ MT_FN uint mt_tc_transpose(uint bits) {
   return out;
 }
 
-// p = A * B: rows 0..7 of one m16n8k8 (A rows 8..15 zero), f32 accumulation from zero.
+// p = A * B for one m16n8k8, A's rows 0..7 in a_lo and rows 8..15 in a_hi; f32 accumulation
+// from zero.
 template <class U>
-MT_FN void mt_tc_m16n8k8(float (&p)[4], uint a_lo, uint b) {
+MT_FN void mt_tc_m16n8k8(float (&p)[4], uint a_lo, uint a_hi, uint b) {
   if constexpr (cuda::std::is_same_v<U, __half>) {
     asm volatile(
         "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
         "{%7, %7, %7, %7};"
         : "=f"(p[0]), "=f"(p[1]), "=f"(p[2]), "=f"(p[3])
-        : "r"(a_lo), "r"(0u), "r"(b), "f"(0.0f));
+        : "r"(a_lo), "r"(a_hi), "r"(b), "f"(0.0f));
   } else {
     asm volatile(
         "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
         "{%7, %7, %7, %7};"
         : "=f"(p[0]), "=f"(p[1]), "=f"(p[2]), "=f"(p[3])
-        : "r"(a_lo), "r"(0u), "r"(b), "f"(0.0f));
+        : "r"(a_lo), "r"(a_hi), "r"(b), "f"(0.0f));
   }
+}
+
+// d += p's rows 0..7 (lo) or 8..15 (hi), c's elements added in float (the FMA path's sum).
+template <class TD, class TC>
+MT_FN void mt_tc_add(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TC, 8, 8>& c,
+                     float p0, float p1) {
+  d.elems = vec<TD, 2>(mt_cast<TD>(mt_cast<float>(c.elems[0]) + p0),
+                       mt_cast<TD>(mt_cast<float>(c.elems[1]) + p1));
 }
 
 template <class TD, class U, class TC>
 MT_FN void mt_sg_mma_tc(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<U, 8, 8>& a,
                         const simdgroup_matrix<U, 8, 8>& b, const simdgroup_matrix<TC, 8, 8>& c) {
   float p[4];
-  mt_tc_m16n8k8<U>(p, mt_tc_bits(a.elems), mt_tc_transpose(mt_tc_bits(b.elems)));
-  d.elems = vec<TD, 2>(mt_cast<TD>(mt_cast<float>(c.elems[0]) + p[0]),
-                       mt_cast<TD>(mt_cast<float>(c.elems[1]) + p[1]));
+  mt_tc_m16n8k8<U>(p, mt_tc_bits(a.elems), 0u, mt_tc_transpose(mt_tc_bits(b.elems)));
+  mt_tc_add(d, c, p[0], p[1]);
 }
+
+// A half or bfloat matrix M loaded for the B side of products (common.h's mt_sg_bmatrix):
+// the lane holds its pair of row g of M^T (mma.sync's B fragment), read from memory in that
+// layout, so its products need no movmatrix. It has no thread_elements(): it feeds products
+// only.
+template <class T>
+struct mt_tc_bfrag {
+  vec<T, 2> elems;  // M^T(g, 2t), M^T(g, 2t + 1)
+};
 #endif  // __CUDA_ARCH__ >= 800
 
 // D = A * B + C over the whole SIMD-group (all 32 lanes must call it), in float.
@@ -179,6 +197,82 @@ MT_FN void simdgroup_multiply_accumulate(simdgroup_matrix<TD, 8, 8>& d,
 #endif
   mt_sg_mma_fma(d, a, b, c);
 }
+
+// ---- common.h's product helpers (MT_MMA_HELPERS) -------------------------------------------
+// mt_sg_bmatrix<T>: a matrix that only serves as B; mt_tc_bfrag for half and bfloat on
+// sm_80+, else simdgroup_matrix. mt_sg_load_b: simdgroup_load into it.
+// mt_mma_pair: d0 = a0 * b + d0 and d1 = a1 * b + d1 (d0 and d1 distinct); half or bfloat
+// fragments as one m16n8k8, a0 its rows 0..7 and a1 its rows 8..15 (the rows are summed
+// apart: the same results as two products).
+#define MT_MMA_HELPERS 1
+
+template <class T, class U>
+MT_FN void mt_sg_load_b(simdgroup_matrix<T, 8, 8>& d, const U* src, ulong elements_per_row = 8,
+                        ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) {
+  simdgroup_load(d, src, elements_per_row, matrix_origin, transpose_matrix);
+}
+
+template <class TD, class TA, class TB>
+MT_FN void mt_mma_pair(simdgroup_matrix<TD, 8, 8>& d0, const simdgroup_matrix<TA, 8, 8>& a0,
+                       simdgroup_matrix<TD, 8, 8>& d1, const simdgroup_matrix<TA, 8, 8>& a1,
+                       const simdgroup_matrix<TB, 8, 8>& b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (mt_half_like<TA>::value && cuda::std::is_same_v<TA, TB>) {
+    float p[4];
+    mt_tc_m16n8k8<TA>(p, mt_tc_bits(a0.elems), mt_tc_bits(a1.elems),
+                      mt_tc_transpose(mt_tc_bits(b.elems)));
+    mt_tc_add(d0, d0, p[0], p[1]);
+    mt_tc_add(d1, d1, p[2], p[3]);
+    return;
+  }
+#endif
+  simdgroup_multiply_accumulate(d0, a0, b, d0);
+  simdgroup_multiply_accumulate(d1, a1, b, d1);
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+template <class T>
+using mt_sg_bmatrix = cuda::std::conditional_t<mt_half_like<T>::value, mt_tc_bfrag<T>,
+                                               simdgroup_matrix<T, 8, 8>>;
+
+// Element (r, c) of M as simdgroup_load reads it; the lane's pair is (2t + j, g).
+template <class T, class U>
+MT_FN void mt_sg_load_b(mt_tc_bfrag<T>& d, const U* src, ulong elements_per_row = 8,
+                        ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) {
+  const uint lane = mt_lane();
+  const ulong row = mt_frag_row(lane), col = mt_frag_col(lane);
+  const U* base = src + matrix_origin.y * elements_per_row + matrix_origin.x;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const ulong r = transpose_matrix ? row : col + j;
+    const ulong c = transpose_matrix ? col + j : row;
+    d.elems[j] = mt_cast<T>(base[r * elements_per_row + c]);
+  }
+}
+
+template <class TD, class U, class TC>
+MT_FN void simdgroup_multiply_accumulate(simdgroup_matrix<TD, 8, 8>& d,
+                                         const simdgroup_matrix<U, 8, 8>& a,
+                                         const mt_tc_bfrag<U>& b,
+                                         const simdgroup_matrix<TC, 8, 8>& c) {
+  float p[4];
+  mt_tc_m16n8k8<U>(p, mt_tc_bits(a.elems), 0u, mt_tc_bits(b.elems));
+  mt_tc_add(d, c, p[0], p[1]);
+}
+
+template <class TD, class U>
+MT_FN void mt_mma_pair(simdgroup_matrix<TD, 8, 8>& d0, const simdgroup_matrix<U, 8, 8>& a0,
+                       simdgroup_matrix<TD, 8, 8>& d1, const simdgroup_matrix<U, 8, 8>& a1,
+                       const mt_tc_bfrag<U>& b) {
+  float p[4];
+  mt_tc_m16n8k8<U>(p, mt_tc_bits(a0.elems), mt_tc_bits(a1.elems), mt_tc_bits(b.elems));
+  mt_tc_add(d0, d0, p[0], p[1]);
+  mt_tc_add(d1, d1, p[2], p[3]);
+}
+#else
+template <class T>
+using mt_sg_bmatrix = simdgroup_matrix<T, 8, 8>;
+#endif
 
 template <class TD, class TA, class TB>
 MT_FN void simdgroup_multiply(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>& a,
