@@ -79,20 +79,21 @@
 //     float fragments; S 4; P 4 x PT T fragments; PF 1: D/16 vec<T, 4> pieces of the next
 //     block.
 //   CUDA (nvcc sm_90 --resource-usage, no mask / bool / additive; fragments in mma.sync's
-//     layout, mt_cuda/matrix.cuh), PF 0: half D 64 89 / 95 / 96 registers per thread, D 96
-//     108 / 103 / 117, D 128 135 / 127 / 130, D 256 242 / 237 / 255; bfloat D 64 101 / 95 /
-//     96, D 96 108 / 105 / 170, D 128 129 / 124 / 130, D 256 242 / 237 / 255. PF 1 (q from
-//     its tile): half D 64 80 / 88 / 96, D 96 96 / 110 / 107, D 128 109 / 166 / 168; bfloat
-//     D 64 96 / 88 / 88, D 96 114 / 111 / 170, D 128 168 / 168 / 168: at D 128 three
-//     4-simdgroup threadgroups per SM (<= 168) either way. (In Apple's layout, before: PF 0
-//     D 128 176-181, fitting two; PF 1 D 128 156-163.) No spills, no stack (the unrolled
-//     loops below: without them nvcc kept q and o in local memory), except D 256 with an
-//     additive mask: 76 (half) / 84 (bfloat) bytes of spill stores, none in Apple's layout
-//     (not timed; such calls are rare: an additive mask array at head dim 256). With launch
-//     bounds (128, 3) (MMA_BOUNDED in ops/sdpa_multi.py: PF 0, no mask, D 128), in Apple's
-//     layout: half 147, bfloat 153, no spills; with a mask they spill. Products of half /
-//     bfloat fragments run on the tensor cores (mt_cuda/matrix.cuh: one mma.sync m16n8k8
-//     and one movmatrix each).
+//     layout, K and V as mt_sg_bmatrix, mt_cuda/matrix.cuh), PF 0: half D 64 88 / 96 / 96
+//     registers per thread, D 96 108 / 102 / 117, D 128 132 / 128 / 130, D 256 199 / 238 /
+//     255; bfloat D 64 87 / 95 / 96, D 96 108 / 105 / 170, D 128 129 / 124 / 130, D 256 211 /
+//     237 / 255. PF 1 (q from its tile): half D 64 72 / 83 / 94, D 96 92 / 110 / 105, D 128
+//     146 / 160 / 166; bfloat D 64 94 / 84 / 86, D 96 106 / 109 / 158, D 128 140 / 162 /
+//     166: at D 128 three 4-simdgroup threadgroups per SM (<= 168) either way. (In Apple's
+//     layout, before: PF 0 D 128 176-181, fitting two; PF 1 D 128 156-163.) No spills, no
+//     stack (the unrolled loops below: without them nvcc kept q and o in local memory),
+//     except D 256 with an additive mask: 76 to 84 bytes of spill stores (not timed; such
+//     calls are rare: an additive mask array at head dim 256). With launch bounds (128, 3)
+//     (MMA_BOUNDED in ops/sdpa_multi.py: PF 0, no mask, D 128), in Apple's layout: half 147,
+//     bfloat 153, no spills; with a mask they spill. Products of half / bfloat fragments run
+//     on the tensor cores: one mma.sync m16n8k8 each, K and V read in its B layout (no
+//     movmatrix), and P V's terms 0 and 1 paired in one (mt_mma_pair: PT m16n8k8 per V
+//     fragment become PT - 1).
 //
 // TRAFFIC per call: each visible K/V row is read once per row tile (ceil(G*L / TR) times;
 //   once when G*L <= 32); a causal tile stops at the last key its rows see, and a simdgroup
@@ -100,7 +101,8 @@
 //   row past that last key: the same bytes). q is read once per slice, the partials written
 //   once (as sdpa_multi.metal).
 //   Work per 32-key block and simdgroup (8 rows): 4 * D/8 products for S and PT * 4 * D/8
-//   for P V, against the staged path's 8 * 32 * 2D scalar FMAs per row group.
+//   for P V (on CUDA (PT - 1) * 4 * D/8 instructions, above), against the staged path's
+//   8 * 32 * 2D scalar FMAs per row group.
 //
 // REDUCTION ORDER: a score sums d in fragments of 8 in increasing order (the order inside
 //   a product is the hardware's); a block's max and sum over the row's 4 lanes by the xor
@@ -209,7 +211,7 @@ constexpr int TS = D + 8;    // kv_tile row stride: 16 bytes of padding (fragmen
                              // 8 rows hit 8 different 4-bank groups)
 constexpr float TERM_SCALE = PT == 2 ? 2048.0f : 1.0f;  // t_i's weight is TERM_SCALE^-i
 static_assert(D % 32 == 0, "head dim");
-static_assert(PT >= 1 && PT <= 3, "probability terms");
+static_assert(PT >= 2 && PT <= 3, "probability terms");
 constexpr int PF_N = D / 16;  // PF 1: pieces per slot of a fetched block
 constexpr bool KV_APART = 2 * 32 * TS * int(sizeof(T)) <= 32 * 1024;  // K and V tiles
 static_assert(PF == 0 || KV_APART, "PF 1 keeps K, V and q in tiles of their own");
@@ -326,9 +328,8 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
         simdgroup_load(qi, q_tile + sg * 8u * TS + uint(i * 8), TS);
         #pragma clang loop unroll(full)
         for (int j = 0; j < 4; ++j) {
-          simdgroup_matrix<T, 8, 8> kf;
-          simdgroup_load(kf, kv_tile + uint(j * 8) * TS + uint(i * 8), TS, ulong2(0, 0),
-                         true);
+          mt_sg_bmatrix<T> kf;
+          mt_sg_load_b(kf, kv_tile + uint(j * 8) * TS + uint(i * 8), TS, ulong2(0, 0), true);
           simdgroup_multiply_accumulate(sf[j], qi, kf, sf[j]);
         }
       }
@@ -338,9 +339,8 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
         sf[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
         #pragma clang loop unroll(full)
         for (int i = 0; i < DF; ++i) {
-          simdgroup_matrix<T, 8, 8> kf;
-          simdgroup_load(kf, kv_tile + uint(j * 8) * TS + uint(i * 8), TS, ulong2(0, 0),
-                         true);
+          mt_sg_bmatrix<T> kf;
+          mt_sg_load_b(kf, kv_tile + uint(j * 8) * TS + uint(i * 8), TS, ulong2(0, 0), true);
           simdgroup_multiply_accumulate(sf[j], qf[i], kf, sf[j]);
         }
       }
@@ -429,11 +429,11 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
       simdgroup_matrix<float, 8, 8> lo = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
       #pragma clang loop unroll(full)
       for (int j = 0; j < 4; ++j) {
-        simdgroup_matrix<T, 8, 8> vf;
-        simdgroup_load(vf, v_tile + uint(j * 8) * TS + uint(i * 8), TS);
-        simdgroup_multiply_accumulate(of[i], pf[0][j], vf, of[i]);
+        mt_sg_bmatrix<T> vf;
+        mt_sg_load_b(vf, v_tile + uint(j * 8) * TS + uint(i * 8), TS);
+        mt_mma_pair(of[i], pf[0][j], lo, pf[1][j], vf);  // terms 0 and 1: one product on CUDA
         #pragma clang loop unroll(full)
-        for (int t = 1; t < PT; ++t) {
+        for (int t = 2; t < PT; ++t) {
           simdgroup_multiply_accumulate(lo, pf[t][j], vf, lo);
         }
       }
