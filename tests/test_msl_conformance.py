@@ -386,8 +386,8 @@ def test_refusals_need_no_device(name):
 
 
 def test_every_feature_has_a_conformance_test():
-    tested = (SIMD, RECONVERGE, MATRIX, MMA, SCALARS, ATOMIC_OUT, EDGE, HEADER, SWIZZLES,
-              PACKED)
+    tested = (SIMD, RECONVERGE, MATRIX, MMA, PRODUCT_HELPERS, SCALARS, ATOMIC_OUT, EDGE, HEADER,
+              SWIZZLES, PACKED)
     assert sorted(f.name for f in FEATURES) == sorted(f.name for f in tested)
 
 
