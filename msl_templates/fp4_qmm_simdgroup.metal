@@ -245,27 +245,23 @@ for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
   for (uint kk = 0; kk < BK; kk += 8) {
     if (tile_in_t) {
       simdgroup_matrix<TS, 8, 8> a[2];
-      simdgroup_matrix<TS, 8, 8> b[2];
+      mt_sg_bmatrix<TS> b[2];
       for (uint i = 0; i < 2; ++i) {
         simdgroup_load(a[i], xs_t + (sm + 8 * i) * LD + kk, LD);
-        simdgroup_load(b[i], ws_t + (sn + 8 * i) * LD + kk, LD, ulong2(0, 0), true);
+        mt_sg_load_b(b[i], ws_t + (sn + 8 * i) * LD + kk, LD, ulong2(0, 0), true);
       }
-      for (uint i = 0; i < 2; ++i) {
-        for (uint j = 0; j < 2; ++j) {
-          simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
-        }
+      for (uint j = 0; j < 2; ++j) {
+        mt_mma_pair(acc[0][j], a[0], acc[1][j], a[1], b[j]);
       }
     } else {
       simdgroup_matrix<S, 8, 8> a[2];
-      simdgroup_matrix<S, 8, 8> b[2];
+      mt_sg_bmatrix<S> b[2];
       for (uint i = 0; i < 2; ++i) {
         simdgroup_load(a[i], xs + (sm + 8 * i) * LD + kk, LD);
-        simdgroup_load(b[i], ws + (sn + 8 * i) * LD + kk, LD, ulong2(0, 0), true);
+        mt_sg_load_b(b[i], ws + (sn + 8 * i) * LD + kk, LD, ulong2(0, 0), true);
       }
-      for (uint i = 0; i < 2; ++i) {
-        for (uint j = 0; j < 2; ++j) {
-          simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
-        }
+      for (uint j = 0; j < 2; ++j) {
+        mt_mma_pair(acc[0][j], a[0], acc[1][j], a[1], b[j]);
       }
     }
   }
