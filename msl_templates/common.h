@@ -74,10 +74,11 @@ inline uint mt_frag_col(uint lane) {
 
 // Product helpers: mt_sg_bmatrix<T>, a simdgroup_matrix<T, 8, 8> that only serves as the B
 // side of products (never read through thread_elements()), loaded by mt_sg_load_b (as
-// simdgroup_load); mt_mma_pair(d0, a0, d1, a1, b): d0 = a0 * b + d0 and d1 = a1 * b + d1 (d0
-// and d1 distinct), each as simdgroup_multiply_accumulate gives it. The CUDA layer
-// (MT_MMA_HELPERS, mt_cuda/matrix.cuh) keeps a half or bfloat B in the tensor cores' layout
-// (no transpose per product) and runs a pair as one instruction of 16 rows.
+// simdgroup_load) or mt_sg_load4 (four blocks); mt_mma_pair(d0, a0, d1, a1, b): d0 = a0 * b +
+// d0 and d1 = a1 * b + d1 (d0 and d1 distinct), each as simdgroup_multiply_accumulate gives
+// it. The CUDA layer (MT_MMA_HELPERS, mt_cuda/matrix.cuh) keeps a half or bfloat B in the
+// tensor cores' layout (no transpose per product) and runs a pair as one instruction of 16
+// rows.
 #ifndef MT_MMA_HELPERS
 template <typename T>
 using mt_sg_bmatrix = simdgroup_matrix<T, 8, 8>;
@@ -87,6 +88,18 @@ inline void mt_sg_load_b(thread simdgroup_matrix<T, 8, 8>& d, const threadgroup 
                          ulong elements_per_row, ulong2 matrix_origin = ulong2(0),
                          bool transpose_matrix = false) {
   simdgroup_load(d, src, elements_per_row, matrix_origin, transpose_matrix);
+}
+
+// Blocks m = 0..3 at src + m * step, each as simdgroup_load (mt_sg_load_b) of one block at
+// that address: d[m] a simdgroup_matrix or an mt_sg_bmatrix. The caller promises src,
+// elements_per_row and step multiples of 16 bytes (the CUDA layer reads half and bfloat
+// blocks with one ldmatrix .x4, which needs it).
+template <typename M, typename T>
+inline void mt_sg_load4(thread M* d, const threadgroup T* src, uint elements_per_row, uint step,
+                        bool transpose_matrix = false) {
+  for (uint m = 0; m < 4; ++m) {
+    simdgroup_load(d[m], src + m * step, elements_per_row, ulong2(0), transpose_matrix);
+  }
 }
 
 template <typename TD, typename TA, typename TB>

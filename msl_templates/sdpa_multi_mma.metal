@@ -69,7 +69,9 @@
 //     both (D 256: 16,896 bytes): q's TR rows first, then each block's K and V, staged
 //     together (two barriers per block), or K then V (four). PF 1: a third tile for q's TR
 //     rows (D 128: 26,112 bytes in all), K and V as PREFETCH. Rows past the block's keys are
-//     zero-filled (0 * NaN would poison o). Every thread reaches every barrier.
+//     zero-filled (0 * NaN would poison o). Every thread reaches every barrier. Rows of
+//     (D + 8) * sizeof(T) bytes and fragment columns at multiples of 8: each 4-fragment read
+//     (mt_sg_load4) starts 16-byte aligned, as it promises.
 //   Lane l of a simdgroup holds row fm = mt_frag_row(l) and columns fn, fn + 1, fn =
 //     mt_frag_col(l), of each 8x8 fragment (common.h: the executor's thread_elements() layout,
 //     Apple's on Metal and the emulator, mma.sync's on CUDA): its row's scores of a block are
@@ -79,21 +81,24 @@
 //     float fragments; S 4; P 4 x PT T fragments; PF 1: D/16 vec<T, 4> pieces of the next
 //     block.
 //   CUDA (nvcc sm_90 --resource-usage, no mask / bool / additive; fragments in mma.sync's
-//     layout, K and V as mt_sg_bmatrix, mt_cuda/matrix.cuh), PF 0: half D 64 88 / 96 / 96
-//     registers per thread, D 96 108 / 102 / 117, D 128 132 / 128 / 130, D 256 199 / 238 /
-//     255; bfloat D 64 87 / 95 / 96, D 96 108 / 105 / 170, D 128 129 / 124 / 130, D 256 211 /
-//     237 / 255. PF 1 (q from its tile): half D 64 72 / 83 / 94, D 96 92 / 110 / 105, D 128
-//     146 / 160 / 166; bfloat D 64 94 / 84 / 86, D 96 106 / 109 / 158, D 128 140 / 162 /
-//     166: at D 128 three 4-simdgroup threadgroups per SM (<= 168) either way. (In Apple's
-//     layout, before: PF 0 D 128 176-181, fitting two; PF 1 D 128 156-163.) No spills, no
-//     stack (the unrolled loops below: without them nvcc kept q and o in local memory),
-//     except D 256 with an additive mask: 76 to 84 bytes of spill stores (not timed; such
-//     calls are rare: an additive mask array at head dim 256). With launch bounds (128, 3)
-//     (MMA_BOUNDED in ops/sdpa_multi.py: PF 0, no mask, D 128), in Apple's layout: half 147,
-//     bfloat 153, no spills; with a mask they spill. Products of half / bfloat fragments run
-//     on the tensor cores: one mma.sync m16n8k8 each, K and V read in its B layout (no
-//     movmatrix), and P V's terms 0 and 1 paired in one (mt_mma_pair: PT m16n8k8 per V
-//     fragment become PT - 1).
+//     layout, K and V as mt_sg_bmatrix, mt_cuda/matrix.cuh), PF 0: half D 64 88 / 86 / 96
+//     registers per thread, D 96 93 / 106 / 104, D 128 132 / 130 / 132, D 256 242 / 236 /
+//     255; bfloat D 64 101 / 87 / 96, D 96 105 / 107 / 156, D 128 133 / 130 / 128, D 256 242
+//     / 236 / 255. PF 1 (q from its tile): half D 64 88 / 84 / 88, D 96 92 / 110 / 105, D 128
+//     152 / 158 / 158; bfloat D 64 94 / 88 / 88, D 96 112 / 166 / 180, D 128 148 / 162 /
+//     160: at D 128 three 4-simdgroup threadgroups per SM (<= 168) either way (PF 1 reads
+//     q's fragments one at a time: four at once took 208 with an additive mask). No spills,
+//     no stack (the unrolled loops below: without them nvcc kept q and o in local memory),
+//     except D 256 with an additive mask: 84 (half) / 92 (bfloat) bytes of spill stores (not
+//     timed; such calls are rare: an additive mask array at head dim 256). With launch
+//     bounds (128, 3) (MMA_BOUNDED in ops/sdpa_multi.py: PF 0, no mask, D 128), in Apple's
+//     layout: half 147, bfloat 153, no spills; with a mask they spill. Products of half /
+//     bfloat fragments run on the tensor cores: one mma.sync m16n8k8 each, K and V read in
+//     its B layout by one ldmatrix per 4 fragments (mt_sg_load4: the tiles' 16-byte rows),
+//     no movmatrix, and P V's terms 0 and 1 paired in one (mt_mma_pair: PT m16n8k8 per V
+//     fragment become PT - 1). Per bfloat D 128 block and simdgroup, PTX: 192 mma, 32
+//     ldmatrix and 32 scalar shared loads (q), against 256 mma, 256 movmatrix and 288
+//     scalar shared loads before.
 //
 // TRAFFIC per call: each visible K/V row is read once per row tile (ceil(G*L / TR) times;
 //   once when G*L <= 32); a causal tile stops at the last key its rows see, and a simdgroup
@@ -280,8 +285,8 @@ mt_sdpa_mma_stage<T, D, TS>(q_tile, q + (q_row0 + tile_row0) * D, tile_valid, ti
 threadgroup_barrier(mem_flags::mem_threadgroup);
 simdgroup_matrix<T, 8, 8> qf[PF ? 1 : DF];
 #pragma clang loop unroll(full)
-for (int i = 0; i < (PF ? 0 : DF); ++i) {
-  simdgroup_load(qf[i], kv_tile + sg * 8u * TS + uint(i * 8), TS);
+for (int i = 0; i < (PF ? 0 : DF); i += 4) {
+  mt_sg_load4(qf + i, kv_tile + sg * 8u * TS + uint(i * 8), TS, 8u);
 }
 
 // Running softmax state of row fm (the same in its 4 lanes); o kept divided by its lsum.
@@ -316,33 +321,23 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
     // S = Q K^T: key fragment j from K's rows 8j .. 8j + 7, read transposed.
     // (PF 1: q's fragment i loaded once for the 4 key fragments; every sf[j] still sums
     // its D/8 products in increasing i, as PF 0 does.)
+    // (Column block i of K's 4 key fragments read at once; PF 1 reads q's fragment i from
+    // its tile; every sf[j] sums its D/8 products in increasing i.)
     simdgroup_matrix<float, 8, 8> sf[4];
-    if (PF) {
+    #pragma clang loop unroll(full)
+    for (int j = 0; j < 4; ++j) {
+      sf[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    }
+    #pragma clang loop unroll(full)
+    for (int i = 0; i < DF; ++i) {
+      if (PF) {
+        simdgroup_load(qf[0], q_tile + sg * 8u * TS + uint(i * 8), TS);
+      }
+      mt_sg_bmatrix<T> kf[4];
+      mt_sg_load4(kf, kv_tile + uint(i * 8), TS, 8u * TS, true);
       #pragma clang loop unroll(full)
       for (int j = 0; j < 4; ++j) {
-        sf[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-      }
-      #pragma clang loop unroll(full)
-      for (int i = 0; i < DF; ++i) {
-        simdgroup_matrix<T, 8, 8> qi;
-        simdgroup_load(qi, q_tile + sg * 8u * TS + uint(i * 8), TS);
-        #pragma clang loop unroll(full)
-        for (int j = 0; j < 4; ++j) {
-          mt_sg_bmatrix<T> kf;
-          mt_sg_load_b(kf, kv_tile + uint(j * 8) * TS + uint(i * 8), TS, ulong2(0, 0), true);
-          simdgroup_multiply_accumulate(sf[j], qi, kf, sf[j]);
-        }
-      }
-    } else {
-      #pragma clang loop unroll(full)
-      for (int j = 0; j < 4; ++j) {
-        sf[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-        #pragma clang loop unroll(full)
-        for (int i = 0; i < DF; ++i) {
-          mt_sg_bmatrix<T> kf;
-          mt_sg_load_b(kf, kv_tile + uint(j * 8) * TS + uint(i * 8), TS, ulong2(0, 0), true);
-          simdgroup_multiply_accumulate(sf[j], qf[i], kf, sf[j]);
-        }
+        simdgroup_multiply_accumulate(sf[j], qf[PF ? 0 : i], kf[j], sf[j]);
       }
     }
 
@@ -427,14 +422,14 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
     #pragma clang loop unroll(full)
     for (int i = 0; i < DF; ++i) {
       simdgroup_matrix<float, 8, 8> lo = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      mt_sg_bmatrix<T> vf[4];
+      mt_sg_load4(vf, v_tile + uint(i * 8), TS, 8u * TS);  // V's rows 8j .. 8j + 7
       #pragma clang loop unroll(full)
       for (int j = 0; j < 4; ++j) {
-        mt_sg_bmatrix<T> vf;
-        mt_sg_load_b(vf, v_tile + uint(j * 8) * TS + uint(i * 8), TS);
-        mt_mma_pair(of[i], pf[0][j], lo, pf[1][j], vf);  // terms 0 and 1: one product on CUDA
+        mt_mma_pair(of[i], pf[0][j], lo, pf[1][j], vf[j]);  // terms 0, 1: one product on CUDA
         #pragma clang loop unroll(full)
         for (int t = 2; t < PT; ++t) {
-          simdgroup_multiply_accumulate(lo, pf[t][j], vf, lo);
+          simdgroup_multiply_accumulate(lo, pf[t][j], vf[j], lo);
         }
       }
       if (PT > 1) {

@@ -237,7 +237,8 @@ simdgroup_store(e, F, 8, ulong2(0, 0), true);
 # common.h's product helpers: mt_sg_bmatrix loaded by mt_sg_load_b (plain, and transposed
 # from a transposed copy, with origins), products with it into float and T accumulators,
 # and mt_mma_pair with either kind of B: P = C + A B (a pair), Q = A B in T (a pair), E =
-# A's top rows times B (one product), R = A B (a pair with a plain simdgroup_matrix B).
+# A's top rows times B (one product), R = A B (a pair with a plain simdgroup_matrix B);
+# mt_sg_load4 of A and B blocks, plain and transposed (WA, WAT, WB, WBT).
 PRODUCT_HELPERS = Feature(
     name="product_helpers",
     header="#include <metal_stdlib>\nusing namespace metal;\n\n" + read_text("common.h"),
@@ -285,9 +286,37 @@ for (uint bj = 0; bj < 2; ++bj) {
   simdgroup_store(r0, R, 16, ulong2(8 * bj, 0));
   simdgroup_store(r1, R, 16, ulong2(8 * bj, 8));
 }
+// mt_sg_load4: W [8, 32] in a tile of 16-byte rows, its four column blocks (step 8) read as
+// A and as B blocks, plainly and transposed; the B blocks come out as I * B.
+constexpr uint LW = 40;
+threadgroup T wt[8 * LW];
+for (uint i = lane; i < 256; i += 32) {
+  wt[(i / 32) * LW + i % 32] = W[i];
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+simdgroup_matrix<T, 8, 8> wa[4];
+simdgroup_matrix<T, 8, 8> wat[4];
+mt_sg_bmatrix<T> wb[4];
+mt_sg_bmatrix<T> wbt[4];
+mt_sg_load4(wa, wt, LW, 8u);
+mt_sg_load4(wat, wt, LW, 8u, true);
+mt_sg_load4(wb, wt, LW, 8u);
+mt_sg_load4(wbt, wt, LW, 8u, true);
+const simdgroup_matrix<T, 8, 8> eye(T(1));
+for (uint m = 0; m < 4; ++m) {
+  simdgroup_store(wa[m], WA, 32, ulong2(8 * m, 0));
+  simdgroup_store(wat[m], WAT, 32, ulong2(8 * m, 0));
+  simdgroup_float8x8 ib = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  simdgroup_float8x8 ibt = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  simdgroup_multiply_accumulate(ib, eye, wb[m], ib);
+  simdgroup_multiply_accumulate(ibt, eye, wbt[m], ibt);
+  simdgroup_store(ib, WB, 32, ulong2(8 * m, 0));
+  simdgroup_store(ibt, WBT, 32, ulong2(8 * m, 0));
+}
 """,
-    inputs=(("A", "T", 2), ("B", "T", 2), ("C", mx.float32, 2)),
-    outputs=(("P", mx.float32), ("Q", "T"), ("E", mx.float32), ("R", mx.float32)),
+    inputs=(("A", "T", 2), ("B", "T", 2), ("C", mx.float32, 2), ("W", "T", 2)),
+    outputs=(("P", mx.float32), ("Q", "T"), ("E", mx.float32), ("R", mx.float32),
+             ("WA", "T"), ("WAT", "T"), ("WB", mx.float32), ("WBT", mx.float32)),
     templates=FLOATS,
 )
 

@@ -77,7 +77,7 @@ def test_threadgroup_arrays_become_shared_and_pointers_lose_address_spaces():
     assert "MT_THREADGROUP_ARRAY(counter, , uint);" in src
     assert "float* p = &tile[0][0];" in src
     assert not re.search(r"\bthreadgroup\b", src)
-    assert "__shared__ __VA_ARGS__ name dims" in cuda.compat_header()
+    assert "__shared__ __align__(16) __VA_ARGS__ name dims" in cuda.compat_header()
 
 
 def test_scalar_inputs_are_references_to_the_first_element():

@@ -261,10 +261,14 @@ def test_product_helpers(executor, rng, dtype, kind):
     b = _values(rng, kind, dtype, (8, 16))
     c = quarters(rng, (16, 16), -40, 40) if kind == "quarters" else rng.standard_normal(
         (16, 16)).astype(np.float32)
+    w = _values(rng, kind, dtype, (8, 32))
     got = run(executor, PRODUCT_HELPERS, (("T", DTYPES[dtype]),),
-              [as_dtype(a, dtype), as_dtype(b, dtype), mx.array(c)],
+              [as_dtype(a, dtype), as_dtype(b, dtype), mx.array(c), as_dtype(w, dtype)],
               grid=(32, 1, 1), threadgroup=(32, 1, 1), init_value=float("nan"),
-              shapes=[(16, 16), (16, 16), (8, 16), (16, 16)])
+              shapes=[(16, 16), (16, 16), (8, 16), (16, 16)] + [(8, 32)] * 4)
+    blocks_t = np.concatenate([w[:, 8 * m:8 * m + 8].T for m in range(4)], axis=1)
+    for name, want in (("WA", w), ("WAT", blocks_t), ("WB", w), ("WBT", blocks_t)):
+        np.testing.assert_array_equal(got[name], want, err_msg=name)  # moved, not summed
     c64 = c.astype(np.float64)
     ab, mag = a @ b, np.abs(a) @ np.abs(b)
     q = to_f64(as_dtype((ab).astype(np.float32), dtype))  # A B rounded once to T

@@ -495,9 +495,9 @@ def test_negative_control_one_term(kernel_backend, mma_path, broken_kernel, rng,
     """Probabilities rounded once to T (the terms after the first dropped) must fail: the
     split of PROBABILITIES IN T is what keeps the MMA path inside the tolerance table."""
     broken_kernel(op_module.MMA_SPEC,
-                  ("mt_mma_pair(of[i], pf[0][j], lo, pf[1][j], vf);",
-                   "simdgroup_multiply_accumulate(of[i], pf[0][j], vf, of[i]);"),
-                  ("simdgroup_multiply_accumulate(lo, pf[t][j], vf, lo);", "(void)t;"))
+                  ("mt_mma_pair(of[i], pf[0][j], lo, pf[1][j], vf[j]);",
+                   "simdgroup_multiply_accumulate(of[i], pf[0][j], vf[j], of[i]);"),
+                  ("simdgroup_multiply_accumulate(lo, pf[t][j], vf[j], lo);", "(void)t;"))
     q, k, v = make_inputs(rng, 1, 8, 2, 4, 300, 64, dtype)
     with pytest.raises(AssertionError, match="out of tolerance"):
         run_and_check(q, k, v, scale=0.125, causal=False, kv_len=300, backend=kernel_backend)

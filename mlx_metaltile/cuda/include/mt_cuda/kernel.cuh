@@ -21,11 +21,12 @@ MT_FN T mt_unpack_scalar(uint32_t bits) {
 
 // ---- MSL spellings that are not C++ ------------------------------------------------------
 
-// Kernel-scope threadgroup arrays, as the shared pre-pass writes them. (The address-space
+// Kernel-scope threadgroup arrays, as the shared pre-pass writes them, 16-byte aligned (as
+// Metal aligns threadgroup memory; common.h's mt_sg_load4 relies on it). (The address-space
 // words device / constant / thread / threadgroup are erased from the source text by the
 // translation, not by macros here: `device` and `constant` are also spelled inside CUDA's
 // own __device__ / __constant__ macros.)
-#define MT_THREADGROUP_ARRAY(name, dims, ...) __shared__ __VA_ARGS__ name dims
+#define MT_THREADGROUP_ARRAY(name, dims, ...) __shared__ __align__(16) __VA_ARGS__ name dims
 
 // Half and bfloat literals (1.0h, 2bf), as the shared literal rewrite writes them.
 #define MT_HALF_LITERAL(x) (::__half(float(x)))

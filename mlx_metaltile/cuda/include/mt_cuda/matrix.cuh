@@ -181,6 +181,29 @@ template <class T>
 struct mt_tc_bfrag {
   vec<T, 2> elems;  // M^T(g, 2t), M^T(g, 2t + 1)
 };
+
+// Four 8x8 blocks of 16-bit elements, block m's row r at src + m * step + r *
+// elements_per_row (threadgroup memory, 16-byte aligned rows), into d[m].elems: the lane's
+// pair of row g (trans: of the block's transpose). Lane l gives the address of row l % 8 of
+// block l / 8.
+template <class F, class T>
+MT_FN void mt_tc_ldmatrix4(F* d, const T* src, uint elements_per_row, uint step, bool trans) {
+  const uint lane = mt_lane();
+  const T* row = src + (lane >> 3) * step + (lane & 7u) * elements_per_row;
+  const uint addr = static_cast<uint>(__cvta_generic_to_shared(row));
+  uint r0, r1, r2, r3;
+  if (trans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+  }
+  memcpy(&d[0].elems, &r0, 4);
+  memcpy(&d[1].elems, &r1, 4);
+  memcpy(&d[2].elems, &r2, 4);
+  memcpy(&d[3].elems, &r3, 4);
+}
 #endif  // __CUDA_ARCH__ >= 800
 
 // D = A * B + C over the whole SIMD-group (all 32 lanes must call it), in float.
@@ -210,6 +233,32 @@ template <class T, class U>
 MT_FN void mt_sg_load_b(simdgroup_matrix<T, 8, 8>& d, const U* src, ulong elements_per_row = 8,
                         ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) {
   simdgroup_load(d, src, elements_per_row, matrix_origin, transpose_matrix);
+}
+
+// mt_sg_load4: blocks m = 0..3 at src + m * step, as simdgroup_load (mt_sg_load_b) of each;
+// for half and bfloat (sm_80+) one ldmatrix.x4 (the caller's promise: src, elements_per_row
+// and step multiples of 16 bytes, in threadgroup memory).
+template <class M, class T>
+MT_FN void mt_sg_load4_each(M* d, const T* src, uint elements_per_row, uint step,
+                            bool transpose_matrix) {
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    mt_sg_load_b(d[m], src + m * step, elements_per_row, ulong2(0), transpose_matrix);
+  }
+}
+
+template <class T>
+MT_FN void mt_sg_load4(simdgroup_matrix<T, 8, 8>* d, const T* src, uint elements_per_row,
+                       uint step, bool transpose_matrix = false) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (mt_half_like<T>::value) {
+    // A layout: the lane's pair of row g of M is row g of the block read plainly, of M^T
+    // (a transposed read) the .trans pair.
+    mt_tc_ldmatrix4(d, src, elements_per_row, step, transpose_matrix);
+    return;
+  }
+#endif
+  mt_sg_load4_each(d, src, elements_per_row, step, transpose_matrix);
 }
 
 template <class TD, class TA, class TB>
@@ -248,6 +297,14 @@ MT_FN void mt_sg_load_b(mt_tc_bfrag<T>& d, const U* src, ulong elements_per_row 
     const ulong c = transpose_matrix ? col + j : row;
     d.elems[j] = mt_cast<T>(base[r * elements_per_row + c]);
   }
+}
+
+// B layout: the lane's pair of row g of M^T, the .trans pair of the block read plainly, or
+// row g of the block where M is read transposed.
+template <class T>
+MT_FN void mt_sg_load4(mt_tc_bfrag<T>* d, const T* src, uint elements_per_row, uint step,
+                       bool transpose_matrix = false) {
+  mt_tc_ldmatrix4(d, src, elements_per_row, step, !transpose_matrix);
 }
 
 template <class TD, class U, class TC>
