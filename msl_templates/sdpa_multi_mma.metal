@@ -97,7 +97,7 @@
 //     its B layout by one ldmatrix per 4 fragments (mt_sg_load4: the tiles' 16-byte rows),
 //     no movmatrix, and P V's terms 0 and 1 paired in one (mt_mma_pair: PT m16n8k8 per V
 //     fragment become PT - 1). Per bfloat D 128 block and simdgroup, PTX: 192 mma, 32
-//     ldmatrix and 32 scalar shared loads (q), against 256 mma, 256 movmatrix and 288
+//     ldmatrix and 16 shared loads (q), against 256 mma, 256 movmatrix and 288
 //     scalar shared loads before.
 //
 // TRAFFIC per call: each visible K/V row is read once per row tile (ceil(G*L / TR) times;

@@ -256,3 +256,68 @@ def nvrtc_compile_units(units: Mapping[str, str], *, jobs: int | None = None,
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         results = pool.map(lambda item: nvrtc_compile(item[0], item[1], options), units.items())
         return {r.unit: r for r in results}
+
+
+# ---- PTX: what a kernel's CUDA translation issues ----------------------------------------
+
+PTX_OPS = ("mma", "movmatrix", "ldmatrix", "ld.shared", "st.shared", "ld.global", "shfl",
+           "add.f32", "bar")
+
+
+def ptx_text(unit: str, *, arch: str = DEFAULT_ARCH, nvcc: str | None = None) -> str:
+    """The PTX nvcc makes of one translation unit (raises on a compile error)."""
+    nvcc = nvcc or find_nvcc()
+    if nvcc is None:
+        raise FileNotFoundError("[cuda] nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)")
+    with tempfile.TemporaryDirectory(prefix="mt_ptx_") as tmp:
+        source, out = Path(tmp, "unit.cu"), Path(tmp, "unit.ptx")
+        source.write_text(unit, encoding="utf-8")
+        cmd = [nvcc, f"-arch={arch}", "-std=c++17", "-ptx", "-o", str(out),
+               f"-I{device_include_dir()}", str(source)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"[cuda] nvcc -ptx failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+        return out.read_text(encoding="utf-8")
+
+
+def ptx_counts(ptx: str) -> list[dict[str, int]]:
+    """Per kernel (.entry) of ``ptx``, how many instructions start with each of PTX_OPS (a
+    kernel's unrolled loops count once per unrolled copy)."""
+    kernels = []
+    for body in ptx.split(".entry ")[1:]:
+        ops = []
+        for line in body.splitlines():
+            words = line.split()
+            if not words or words[0].startswith(("//", ".", "{", "}", "$", ")", "(")):
+                continue
+            if words[0].startswith("@"):  # a guard predicate
+                words = words[1:]
+            if words:
+                ops.append(words[0])
+        kernels.append({op: sum(o.startswith(op) for o in ops) for op in PTX_OPS})
+    return kernels
+
+
+def spec_instance(spec: KernelSpec, **template) -> KernelInstance:
+    """The declared instance of ``spec`` whose template has these values (dtypes by name)."""
+    def matches(inst):
+        t = dict(inst.template)
+        return all(str(t.get(k)).rsplit(".", 1)[-1] == str(v) for k, v in template.items())
+    found = [inst for inst in instantiations(spec) if matches(inst)]
+    if not found:
+        raise ValueError(f"no instance of {spec.name} with {template}")
+    return found[0]
+
+
+if __name__ == "__main__":
+    # python tests/nvcc_check.py OP SPEC_NAME [KEY=VALUE ...]: PTX instruction counts of one
+    # declared instance as the ops launch it, e.g.
+    #   python tests/nvcc_check.py sdpa_multi MMA_SPEC T=bfloat16 D=128 PF=1 MASK_KIND=0
+    import importlib
+
+    op, spec_name, *pairs = sys.argv[1:]
+    spec = getattr(importlib.import_module(f"mlx_metaltile.ops.{op}"), spec_name)
+    inst = spec_instance(spec, **dict(p.split("=", 1) for p in pairs))
+    counts = ptx_counts(ptx_text(spec_unit(spec, [inst])))[0]
+    print(spec.name, dict(inst.template))
+    print("  ".join(f"{k} {v}" for k, v in counts.items()))

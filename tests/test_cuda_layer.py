@@ -501,6 +501,48 @@ def test_launch_bounds_are_in_the_compiled_kernel(tmp_path):
         assert ptx.count(".minnctapersm 2") == (entries if expected else 0)
 
 
+def _mma_kernel_ptx(dtype: str, D: int, pf: int) -> dict[str, int]:
+    """PTX instruction counts of sdpa_multi's MMA kernel (no mask) as the op launches it."""
+    sdpa = sys.modules["mlx_metaltile.ops.sdpa_multi"]
+    inst = nvcc_check.spec_instance(sdpa.MMA_SPEC, T=dtype, D=D, PF=pf, MASK_KIND=0)
+    return nvcc_check.ptx_counts(nvcc_check.ptx_text(nvcc_check.spec_unit(sdpa.MMA_SPEC,
+                                                                          [inst])))[0]
+
+
+@pytest.mark.skipif(nvcc_check.find_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME)")
+@pytest.mark.parametrize("dtype, D, pf", [("float16", 128, 1), ("bfloat16", 128, 1),
+                                          ("bfloat16", 256, 0)])
+def test_mma_kernel_reads_b_operands_in_the_tensor_core_layout(dtype, D, pf):
+    """sdpa_multi's MMA kernel on CUDA (its block loop unrolled: one copy in the PTX): K and V
+    as mt_sg_bmatrix read by ldmatrix (no movmatrix), P V's terms 0 and 1 paired: 4 D/8
+    m16n8k8 for S and (PT - 1) 4 D/8 for P V."""
+    import mlx_metaltile.ops.sdpa_multi  # noqa: F401 (the module, not the op)
+
+    terms = {"float16": 2, "bfloat16": 3}[dtype]
+    counts = _mma_kernel_ptx(dtype, D, pf)
+    assert counts["movmatrix"] == 0
+    assert counts["mma"] == 4 * (D // 8) + (terms - 1) * 4 * (D // 8)
+    assert counts["ldmatrix"] >= 2 * (D // 8)  # K's and V's 4-fragment reads
+
+
+@pytest.mark.skipif(nvcc_check.find_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME)")
+def test_mma_kernel_negative_control_plain_fragments():
+    """The same counts with V read as a plain simdgroup_matrix and the terms unpaired: one
+    movmatrix per P V product and PT products per V fragment (what the test above rules
+    out)."""
+    import mlx_metaltile.ops.sdpa_multi  # noqa: F401 (the module, not the op)
+
+    sdpa = sys.modules["mlx_metaltile.ops.sdpa_multi"]
+    with backends.template_override(
+            sdpa.MMA_SPEC, ("mt_sg_bmatrix<T> vf[4];", "simdgroup_matrix<T, 8, 8> vf[4];"),
+            ("mt_mma_pair(of[i], pf[0][j], lo, pf[1][j], vf[j]);",
+             "simdgroup_multiply_accumulate(of[i], pf[0][j], vf[j], of[i]); "
+             "simdgroup_multiply_accumulate(lo, pf[1][j], vf[j], lo);")):
+        counts = _mma_kernel_ptx("bfloat16", 128, 1)
+    assert counts["movmatrix"] == 3 * 4 * 16
+    assert counts["mma"] == 4 * 16 + 3 * 4 * 16
+
+
 def test_prepared_launch_keeps_its_latest_layouts(monkeypatch):
     """A prepared launch given a new host-known scalar each call (a decode loop's kv_len)
     packs each call's own bits, and keeps only its latest layouts (one per value)."""
