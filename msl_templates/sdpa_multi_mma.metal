@@ -216,6 +216,7 @@ constexpr int TS = D + 8;    // kv_tile row stride: 16 bytes of padding (fragmen
                              // 8 rows hit 8 different 4-bank groups)
 constexpr float TERM_SCALE = PT == 2 ? 2048.0f : 1.0f;  // t_i's weight is TERM_SCALE^-i
 static_assert(D % 32 == 0, "head dim");
+static_assert(TS * sizeof(T) % 16 == 0, "mt_sg_load4 reads 16-byte aligned rows");
 static_assert(PT >= 2 && PT <= 3, "probability terms");
 constexpr int PF_N = D / 16;  // PF 1: pieces per slot of a fetched block
 constexpr bool KV_APART = 2 * 32 * TS * int(sizeof(T)) <= 32 * 1024;  // K and V tiles
