@@ -101,7 +101,8 @@
 //   per threadgroup (one barrier more, before the K loop, for half x with E8M0).
 // ONLY CHECKABLE ON A MAC: simdgroup_load with transpose from a padded threadgroup float,
 //   half or bfloat array, products of half / bfloat fragments into float accumulators,
-//   the overloads of mt_fp4_out_tile, the compiler's register allocation for 4 accumulators,
+//   the overloads of mt_fp4_out_tile, common.h's mt_sg_bmatrix (an alias template) and
+//   mt_mma_pair, the compiler's register allocation for 4 accumulators,
 //   that float -> bfloat conversion keeps the subnormal weights of E8M0 bytes 1..3 (as
 //   the float staging needs float32 subnormals kept), that __METAL_VERSION__ >= 310 is
 //   where MLX's bfloat16_t is Metal's bfloat (the guard of the bfloat staging), the float

@@ -119,9 +119,10 @@
 // Checked only on a Mac: that Apple's compiler accepts the body as written (half and bfloat
 //   simdgroup_matrix loads from threadgroup memory, transposed loads, products of T fragments
 //   into float fragments, thread_elements() in the lane layout above, the vec<T, 4> loads
-//   and threadgroup stores, PF 1's thread array of vec<T, 4> passed by pointer; bfloat needs
-//   Metal 3.1's bfloat), that nothing spills (PF 1's registers included), and the speed of
-//   each PF. The emulator checks the semantics, the lane layout, barriers, races on
+//   and threadgroup stores, PF 1's thread array of vec<T, 4> passed by pointer, common.h's
+//   product helpers: the alias template mt_sg_bmatrix, mt_sg_load4 taking a thread array of
+//   fragments by pointer and a templated fragment type; bfloat needs Metal 3.1's bfloat),
+//   that nothing spills (PF 1's registers included), and the speed of each PF. The emulator checks the semantics, the lane layout, barriers, races on
 //   threadgroup memory (strict mode) and the device traffic; nvcc the CUDA translation and
 //   its registers.
 #include "common.h"
