@@ -91,9 +91,9 @@ inline void mt_sg_load_b(thread simdgroup_matrix<T, 8, 8>& d, const threadgroup 
 }
 
 // Blocks m = 0..3 at src + m * step, each as simdgroup_load (mt_sg_load_b) of one block at
-// that address: d[m] a simdgroup_matrix or an mt_sg_bmatrix. The caller promises src,
-// elements_per_row and step multiples of 16 bytes (the CUDA layer reads half and bfloat
-// blocks with one ldmatrix .x4, which needs it).
+// that address: d[m] a simdgroup_matrix or an mt_sg_bmatrix. The caller promises src in
+// threadgroup memory, and src, elements_per_row and step multiples of 16 bytes (the CUDA
+// layer reads half and bfloat blocks with one ldmatrix .x4, which needs both).
 template <typename M, typename T>
 inline void mt_sg_load4(thread M* d, const threadgroup T* src, uint elements_per_row, uint step,
                         bool transpose_matrix = false) {

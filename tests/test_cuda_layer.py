@@ -15,6 +15,7 @@ from msl_features import FEATURES, Feature
 
 import mlx_metaltile as mt
 from mlx_metaltile import backends, cuda
+from mlx_metaltile._templates import read_text
 from mlx_metaltile.cuda import _helpers
 from mlx_metaltile.cuda import _translate as tr
 from mlx_metaltile.emulator import _cache
@@ -541,6 +542,31 @@ def test_mma_kernel_negative_control_plain_fragments():
         counts = _mma_kernel_ptx("bfloat16", 128, 1)
     assert counts["movmatrix"] == 3 * 4 * 16
     assert counts["mma"] == 4 * 16 + 3 * 4 * 16
+
+
+@pytest.mark.skipif(nvcc_check.find_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME)")
+def test_ldmatrix_reads_only_threadgroup_memory():
+    """mt_sg_load4 is one ldmatrix on CUDA, which reads shared memory only, and the translation
+    erases address spaces: given device memory the kernel traps (a loud launch error, never
+    a read of the wrong memory). Where the tile is provably threadgroup memory (sdpa_multi's
+    MMA kernel) nvcc drops the check."""
+    misuse = Feature(
+        name="ldmatrix_device_pointer",
+        header="#include <metal_stdlib>\nusing namespace metal;\n\n" + read_text("common.h"),
+        source="""
+simdgroup_matrix<half, 8, 8> a[4];
+mt_sg_load4(a, (const threadgroup half*)(A), 40u, 8u);
+simdgroup_store(a[0], D, 8);
+""",
+        inputs=(("A", mx.float16, 2),), outputs=(("D", mx.float16),))
+    ptx = nvcc_check.ptx_text(feature_unit(misuse))
+    assert "ldmatrix" in ptx and "trap" in ptx
+    import mlx_metaltile.ops.sdpa_multi  # noqa: F401 (the module, not the op)
+
+    sdpa = sys.modules["mlx_metaltile.ops.sdpa_multi"]
+    inst = nvcc_check.spec_instance(sdpa.MMA_SPEC, T="bfloat16", D=128, PF=1, MASK_KIND=0)
+    ptx = nvcc_check.ptx_text(nvcc_check.spec_unit(sdpa.MMA_SPEC, [inst]))
+    assert "ldmatrix" in ptx and "trap" not in ptx and "isspacep" not in ptx
 
 
 def test_prepared_launch_keeps_its_latest_layouts(monkeypatch):

@@ -190,6 +190,9 @@ template <class F, class T>
 MT_FN void mt_tc_ldmatrix4(F* d, const T* src, uint elements_per_row, uint step, bool trans) {
   const uint lane = mt_lane();
   const T* row = src + (lane >> 3) * step + (lane & 7u) * elements_per_row;
+  if (!__isShared(row)) {
+    __trap();  // not threadgroup memory (the translation erases address spaces): fail loudly
+  }
   const uint addr = static_cast<uint>(__cvta_generic_to_shared(row));
   uint r0, r1, r2, r3;
   if (trans) {
