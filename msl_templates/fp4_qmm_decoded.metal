@@ -5,16 +5,15 @@
 //   e2m1 -> {+-0, 0.5, 1, 1.5, 2, 3, 4, 6}; scale = mt_fp4_scale<SCALE_MODE>(scales[n, g]);
 //   factor: a power of two (1 or 2^-3, the wrapper's; 2^-3 keeps every E8M0-scaled weight
 //   finite in float32 / bfloat: |code| <= 6 < 8). The float32 product is exact for E8M0 / E4M3
-//   scales and one float32 rounding for float scales, as the tile kernel's weights
-//   (fp4_qmm_simdgroup.metal). The wrapper picks D so that the conversion is exact: float32,
-//   or x's half / bfloat type where every weight of the scale format is a value of it
-//   (bfloat: E8M0 and E4M3; half: E4M3 with factor 1; ops/fp4_qmm.py, _decoded_dtype).
+//   scales, as the tile kernel's weights (fp4_qmm_simdgroup.metal). D is x's half / bfloat
+//   type, declared only where every weight of the scale format is a value of it, so the
+//   conversion is exact (bfloat: E8M0 and E4M3; half: E4M3 with factor 1; ops/fp4_qmm.py,
+//   _decoded_exact).
 //
 // LAYOUT (row-contiguous): w [N, K / 8] uint32 (code j of a word at bits [4j, 4j + 4));
 //   scales [N, K / GS] ST; out [N, K] D. n_words (N K / 8), k_words (K / 8), gs_shift (log2 GS,
 //   GS in 16 .. 128): 0-d uint32 runtime inputs; factor: 0-d float32.
-// TEMPLATE: D (output dtype: float32, float16 or bfloat16), ST (uint8, or float: the wrapper
-//   passes float16 / bfloat16 scales as float32), SCALE_MODE (0 float, 1 E8M0, 2 E4M3).
+// TEMPLATE: D (output dtype: float16 or bfloat16), ST (uint8), SCALE_MODE (1 E8M0, 2 E4M3).
 //
 // DESIGN: thread t decodes word t (row t / k_words): its 8 codes with mt_e2m1x2 (two at a time:
 //   codes j and j + 4), times the word's group scale (8 | GS: one scale a word), stored as 8

@@ -272,8 +272,8 @@ def ptx_text(unit: str, *, arch: str = DEFAULT_ARCH, nvcc: str | None = None) ->
     with tempfile.TemporaryDirectory(prefix="mt_ptx_") as tmp:
         source, out = Path(tmp, "unit.cu"), Path(tmp, "unit.ptx")
         source.write_text(unit, encoding="utf-8")
-        cmd = [nvcc, f"-arch={arch}", "-std=c++17", "-ptx", "-o", str(out),
-               f"-I{device_include_dir()}", str(source)]
+        cmd = nvcc_command(nvcc, source, out, arch)
+        cmd[cmd.index("-cubin")] = "-ptx"
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(f"[cuda] nvcc -ptx failed:\n{(proc.stdout + proc.stderr)[-4000:]}")

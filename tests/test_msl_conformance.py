@@ -199,14 +199,28 @@ def _values(rng, kind: str, dtype: str, shape) -> np.ndarray:
     return to_f64(as_dtype(rng.standard_normal(shape).astype(np.float32), dtype))
 
 
+def _accumulator(rng, kind: str) -> np.ndarray:
+    """C of a product test: quarters (sums exact in float32) or float32 normals."""
+    if kind == "quarters":
+        return quarters(rng, (16, 16), -40, 40)
+    return rng.standard_normal((16, 16)).astype(np.float32)
+
+
+def _expect(got, kind, name, want, out_dtype, magnitude):
+    """Exact for quarters, else within the tolerance table with float32 accumulation."""
+    if kind == "quarters":
+        np.testing.assert_array_equal(got[name], want, err_msg=name)
+    else:
+        assert_close(got[name], want, out_dtype, magnitude, what=name)
+
+
 # half and bfloat products run on tensor cores on CUDA (sm_80+), float ones on FMAs.
 @pytest.mark.parametrize("kind", ["quarters", "wide"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_simdgroup_products(executor, rng, dtype, kind):
     a = _values(rng, kind, dtype, (16, 16))
     b = _values(rng, kind, dtype, (16, 16))
-    c = quarters(rng, (16, 16), -40, 40) if kind == "quarters" else rng.standard_normal(
-        (16, 16)).astype(np.float32)
+    c = _accumulator(rng, kind)
     got = run(executor, MMA, (("T", DTYPES[dtype]),),
               [as_dtype(a, dtype), as_dtype(b, dtype), mx.array(c)],
               grid=(32, 1, 1), threadgroup=(32, 1, 1), init_value=float("nan"),
@@ -220,10 +234,7 @@ def test_simdgroup_products(executor, rng, dtype, kind):
     mag = np.abs(a) @ np.abs(b)
 
     def expect(name, want, out_dtype, magnitude):
-        if exact:
-            np.testing.assert_array_equal(got[name], want, err_msg=name)
-        else:
-            assert_close(got[name], want, out_dtype, magnitude, what=name)
+        _expect(got, kind, name, want, out_dtype, magnitude)
 
     expect("P", a @ b + c64, "float32", mag + np.abs(c64))
     # Q: two products into a T accumulator, rounded to T after each.
@@ -259,8 +270,7 @@ def test_simdgroup_products(executor, rng, dtype, kind):
 def test_product_helpers(executor, rng, dtype, kind):
     a = _values(rng, kind, dtype, (16, 8))
     b = _values(rng, kind, dtype, (8, 16))
-    c = quarters(rng, (16, 16), -40, 40) if kind == "quarters" else rng.standard_normal(
-        (16, 16)).astype(np.float32)
+    c = _accumulator(rng, kind)
     w = _values(rng, kind, dtype, (8, 32))
     got = run(executor, PRODUCT_HELPERS, (("T", DTYPES[dtype]),),
               [as_dtype(a, dtype), as_dtype(b, dtype), mx.array(c), as_dtype(w, dtype)],
@@ -275,10 +285,7 @@ def test_product_helpers(executor, rng, dtype, kind):
     for name, want, out_dtype, magnitude in (
             ("P", ab + c64, "float32", mag + np.abs(c64)), ("Q", q, dtype, mag),
             ("E", ab[:8], "float32", mag[:8]), ("R", ab, "float32", mag)):
-        if kind == "quarters":  # every sum exact in float32
-            np.testing.assert_array_equal(got[name], want, err_msg=name)
-        else:
-            assert_close(got[name], want, out_dtype, magnitude, what=name)
+        _expect(got, kind, name, want, out_dtype, magnitude)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

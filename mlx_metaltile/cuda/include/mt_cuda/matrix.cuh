@@ -241,15 +241,6 @@ MT_FN void mt_sg_load_b(simdgroup_matrix<T, 8, 8>& d, const U* src, ulong elemen
 // mt_sg_load4: blocks m = 0..3 at src + m * step, as simdgroup_load (mt_sg_load_b) of each;
 // for half and bfloat (sm_80+) one ldmatrix.x4 (the caller's promise: src, elements_per_row
 // and step multiples of 16 bytes, in threadgroup memory).
-template <class M, class T>
-MT_FN void mt_sg_load4_each(M* d, const T* src, uint elements_per_row, uint step,
-                            bool transpose_matrix) {
-#pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    mt_sg_load_b(d[m], src + m * step, elements_per_row, ulong2(0), transpose_matrix);
-  }
-}
-
 template <class T>
 MT_FN void mt_sg_load4(simdgroup_matrix<T, 8, 8>* d, const T* src, uint elements_per_row,
                        uint step, bool transpose_matrix = false) {
@@ -261,7 +252,10 @@ MT_FN void mt_sg_load4(simdgroup_matrix<T, 8, 8>* d, const T* src, uint elements
     return;
   }
 #endif
-  mt_sg_load4_each(d, src, elements_per_row, step, transpose_matrix);
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    simdgroup_load(d[m], src + m * step, elements_per_row, ulong2(0), transpose_matrix);
+  }
 }
 
 template <class TD, class TA, class TB>
