@@ -72,6 +72,15 @@ inline uint mt_frag_col(uint lane) {
 }
 #endif
 
+// mt_and_or(a, mask, bits) = (a & mask) | bits, the decoders' way of masking a code in place
+// into a float's mantissa. The CUDA layer (MT_BIT_HELPERS, mt_cuda/scalar.cuh) issues it as
+// one lop3: ptxas otherwise keeps both constants as immediates, two instructions per code.
+#ifndef MT_BIT_HELPERS
+inline uint mt_and_or(uint a, uint mask, uint bits) {
+  return (a & mask) | bits;
+}
+#endif
+
 // Product helpers: mt_sg_bmatrix<T>, a simdgroup_matrix<T, 8, 8> that only serves as the B
 // side of products (never read through thread_elements()), loaded by mt_sg_load_b (as
 // simdgroup_load) or mt_sg_load4 (four blocks); mt_mma_pair(d0, a0, d1, a1, b): d0 = a0 * b +

@@ -79,9 +79,10 @@
 // LAUNCH PLANS: Metal: S = 1, threadgroup (64, 1, 1) as before: each SIMD-group walks the k
 //   slots of its 4 rows, no barrier (the plan measured against MLX's Metal kernels; whether
 //   S > 1 pays on Apple GPUs is for a Mac to measure, so it is left unchanged). cuda: the k
-//   slots spread evenly over S = ceil(k / ceil(k / 8)) slot groups (k = 8: 8 groups of one
-//   slot): Qwen3-30B-A3B decode (D = 2048, one token) runs 256 threadgroups of 16 warps
-//   (4096 warps) instead of 512 warps that each walk 8 experts one after another.
+//   slots spread evenly over S = ceil(k / ceil(k / 4)) slot groups (k = 8: 4 groups of two
+//   slots; CUDA_SLOT_GROUPS in ops/expert_down_combine.py says why 4 and not 8):
+//   Qwen3-30B-A3B decode (D = 2048, one token) runs 256 threadgroups of 8 warps, two per
+//   SM, one wave, instead of 512 warps that each walk 8 experts one after another.
 //   SHARE (ops/expert_down_combine.py SHARE_TOKENS, SHARE_MIN_TOKENS, _share_plan; one token
 //   stays per token): from 2 tokens, TB = min(SHARE_TOKENS, 32 // k, T) tokens per
 //   threadgroup. cuda: TB up to 8 (a call of up to 8 decode or verify tokens is one block
@@ -113,10 +114,11 @@
 //   row (16 per lane; nvfp4 2 of each row), 4 group uints, WORDS * PACK activations. WORDS stays 4 (not
 //   expert_glu's 2 per projection): Qwen3-30B-A3B's down rows (N = 768: 96 words) are one
 //   step, all of a slot's loads in flight at once, where 2 would take two dependent trips;
-//   the cuda plan's 512-thread threadgroups hold one per H100 SM at up to 128 registers
-//   either way.
+//   the cuda plan's threadgroups (256 threads per token, 512 for SHARE) hold as many per
+//   SM either way.
 //   Registers (CUDA, ptxas for bf16 4-bit affine GS 64, the three kernels MLX builds): per
-//   token 120-123 (114-119 before SHARE; its loads as they were: CHUNK_WORDS), SHARE
+//   token 126 with size_t row offsets (as expert_glu.metal's; 120-123 before them,
+//   114-119 before SHARE; its loads as they were: CHUNK_WORDS), SHARE
 //   95-104; over every SHARE instantiation 87-127 (float32 8-bit the most), none spilling
 //   (a 512-thread threadgroup needs 128 or fewer).
 //
@@ -271,7 +273,7 @@ for (uint item = 0; item < items; ++item) {  // fixed order over the items
       const auto w_step = w_rows + word0 + lane;
       for (uint r = 0; r < ROWS; ++r) {
         for (int wi = 0; wi < WORDS; ++wi) {
-          words[r][wi] = in_row[wi] && r < rows ? w_step[r * words_per_row + 32 * wi] : 0u;
+          words[r][wi] = in_row[wi] && r < rows ? w_step[size_t(r) * words_per_row + 32 * wi] : 0u;
         }
       }
       const bool loads_group = lane < STEP_GROUPS && group0 + lane < groups_per_row;
@@ -283,7 +285,7 @@ for (uint item = 0; item < items; ++item) {  // fixed order over the items
         group[r] = 0u;
         bias_apart[r] = 0.0f;
         if (loads_group && r < rows) {
-          const uint at = r * groups_per_row;
+          const size_t at = size_t(r) * groups_per_row;
           if constexpr (MODE == 0) {
             const T b = b_step[at];
             group[r] = mt_group_bits<MODE>(s_step[at], b);

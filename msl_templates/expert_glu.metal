@@ -103,10 +103,14 @@
 // LOADS: each 32-lane step issues all of its loads first (2 words of each of the 4 rows of
 //   both projections: 16 words per lane, 8 group uints, 16 activations), then shuffles and
 //   computes: the loads of a step overlap their latencies.
-//   Registers (CUDA, ptxas for bf16 4-bit affine GS 64): 72 (118 before the word mapping,
-//   the packed group uints and the shift-free dot): 7 threadgroups of 4 warps per H100 SM
-//   instead of 4, so Qwen3-30B-A3B's 768 threadgroups run in one wave.
-//   SHARE 0 unchanged (packed-scalar kernels: bf16 affine 4-bit 72, 8-bit 64, mxfp4
+//   Addresses: a row's offsets are size_t, so word wi of a row is its lane's first word plus
+//   a constant (on NVIDIA one address per row and step instead of three instructions per
+//   load; with mt_and_or's single lop3 per code, SASS per step 1054 -> 876 instructions,
+//   bf16 4-bit affine).
+//   Registers (CUDA, ptxas for bf16 4-bit affine GS 64): 77 (72 before the size_t offsets;
+//   118 before the word mapping, the packed group uints and the shift-free dot): 6
+//   threadgroups of 4 warps per H100 SM, so Qwen3-30B-A3B's 768 threadgroups run in one wave.
+//   SHARE 0 before the size_t offsets (packed-scalar kernels: bf16 affine 4-bit 72, 8-bit 64, mxfp4
 //   swiglu_oai 72, float32 affine 4-bit 93). SHARE 1: 118 (bf16 affine 4-bit; 8-bit 118,
 //   mxfp4 swiglu_oai 123, float32 119): 4 pairs' accumulators (32 floats) and the pass's
 //   activation loads the compiler keeps in flight; 16 warps per H100 SM instead of 28 for
@@ -262,14 +266,16 @@ for (uint pass = 0;; ++pass) {
     }
     // 1. Every load of the step, none waiting for another (LOADS): the words of all rows of
     //    both projections, the step's scales (and biases) one group per lane, x.
+    //    Offsets in size_t: a row's word wi is then its lane's first word plus a constant
+    //    (one address per row and step, not one per load, on NVIDIA).
     uint words_g[ROWS][WORDS];
     uint words_u[ROWS][WORDS];
     for (uint r = 0; r < ROWS; ++r) {
+      const size_t at = size_t(r) * words_per_row + word0 + lane;
       for (int wi = 0; wi < WORDS; ++wi) {
         const bool here = in_row[wi] && r < rows;
-        const uint at = r * words_per_row + word0 + 32 * wi + lane;
-        words_g[r][wi] = here ? wg_rows[at] : 0u;
-        words_u[r][wi] = here ? wu_rows[at] : 0u;
+        words_g[r][wi] = here ? wg_rows[at + 32 * wi] : 0u;
+        words_u[r][wi] = here ? wu_rows[at + 32 * wi] : 0u;
       }
     }
     const bool loads_group = lane < STEP_GROUPS && group0 + lane < groups_per_row;
@@ -279,7 +285,7 @@ for (uint pass = 0;; ++pass) {
       group_g[r] = group_u[r] = 0u;
       bias_g[r] = bias_u[r] = 0.0f;
       if (loads_group && r < rows) {
-        const uint at = r * groups_per_row + group0 + lane;
+        const size_t at = size_t(r) * groups_per_row + group0 + lane;
         if constexpr (MODE == 0) {
           const T bg = bg_rows[at];
           const T bu = bu_rows[at];
@@ -306,7 +312,7 @@ for (uint pass = 0;; ++pass) {
       const auto x_row = x + size_t(x_of) * K;
       float xv[VALS];
       for (int wi = 0; wi < WORDS; ++wi) {
-        const auto x_word = x_row + (word0 + 32 * wi + lane) * PACK;  // the word's activations
+        const auto x_word = x_row + (size_t(word0) + lane + 32 * wi) * PACK;  // the word's activations
         for (uint i = 0; i < PACK; ++i) {
           xv[wi * PACK + i] = in_row[wi] ? float(x_word[i]) : 0.0f;
         }

@@ -157,7 +157,7 @@ inline float mt_qmv_word_dot(uint word, thread const float* xv) {
     for (int h = 0; h < 2; ++h) {
       const uint part = h == 0 ? word : word >> 16;
       for (int j = 0; j < HALF; ++j) {
-        const uint code = (part & (MASK << (BITS * j))) | 0x4B000000u;  // 2^23 + c * 2^(BITS*j)
+        const uint code = mt_and_or(part, MASK << (BITS * j), 0x4B000000u);  // 2^23 + c * 2^(BITS*j)
         dot += (as_type<float>(code) - 8388608.0f) * xv[h * HALF + j];
       }
     }
@@ -284,7 +284,7 @@ for (uint step = k_group; step < n_steps; step += k_groups) {
   const auto w_step = w_rows + word0 + lane;
   for (uint r = 0; r < ROWS; ++r) {
     for (int wi = 0; wi < WORDS; ++wi) {
-      words[r][wi] = in_row[wi] && r < rows ? w_step[r * words_per_row + 32 * wi] : 0u;
+      words[r][wi] = in_row[wi] && r < rows ? w_step[size_t(r) * words_per_row + 32 * wi] : 0u;
     }
   }
   const bool loads_group = lane < STEP_GROUPS && group0 + lane < groups_per_row;
@@ -296,7 +296,7 @@ for (uint step = k_group; step < n_steps; step += k_groups) {
     group[r] = 0u;
     bias_apart[r] = 0.0f;
     if (loads_group && r < rows) {
-      const uint at = r * groups_per_row;
+      const size_t at = size_t(r) * groups_per_row;
       if constexpr (MODE == 0) {
         const S b = b_step[at];
         group[r] = mt_group_bits<MODE>(s_step[at], b);

@@ -537,6 +537,30 @@ def test_mma_kernel_negative_control_plain_fragments():
     assert counts["mma"] == 4 * 16 + 3 * 4 * 16
 
 
+def _qmv_lop3_counts() -> list[int]:
+    """Per kernel of expert_qmv's bfloat16 4-bit affine instance: its PTX's lop3.b32 count."""
+    qmv = sys.modules["mlx_metaltile.ops.expert_qmv"]
+    inst = nvcc_check.spec_instance(qmv.SPEC, T="bfloat16", BITS=4, GROUP_SIZE=64, MODE=0)
+    ptx = nvcc_check.ptx_text(nvcc_check.spec_unit(qmv.SPEC, [inst]))
+    return [body.count("lop3.b32") for body in ptx.split(".entry ")[1:]]
+
+
+@pytest.mark.skipif(nvcc_check.find_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME)")
+def test_and_or_is_one_lop3():
+    """mt_and_or is one lop3 on CUDA: expert_qmv's affine decode issues one per code, at least
+    16 words x 8 codes per step of its loop (ptxas would otherwise make two LOP3s of the
+    plain expression, both constants immediates); the plain expression gives none in PTX."""
+    import mlx_metaltile.ops.expert_qmv  # noqa: F401 (the module, not the op)
+
+    counts = _qmv_lop3_counts()
+    assert counts and all(c >= 16 * 8 for c in counts)
+    qmv = sys.modules["mlx_metaltile.ops.expert_qmv"]
+    with backends.template_override(
+            qmv.SPEC, ("mt_and_or(part, MASK << (BITS * j), 0x4B000000u)",
+                       "(part & (MASK << (BITS * j))) | 0x4B000000u")):
+        assert _qmv_lop3_counts() == [0] * len(counts)
+
+
 @pytest.mark.skipif(nvcc_check.find_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME)")
 def test_ldmatrix_reads_only_threadgroup_memory():
     """mt_sg_load4 is one ldmatrix on CUDA, which reads shared memory only, and the translation

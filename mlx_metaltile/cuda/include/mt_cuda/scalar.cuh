@@ -28,6 +28,16 @@ struct mt_identity {
 template <class T>
 using mt_id_t = typename mt_identity<T>::type;  // keeps a parameter out of deduction
 
+// common.h's bit helper (MT_BIT_HELPERS): (a & mask) | bits as one lop3 (LUT 0xEA = (a & b) | c).
+// Written as C, ptxas emits two LOP3s where mask and bits are both constants (one immediate
+// each); given one lop3 it keeps one constant in a register, hoisted out of the loops.
+#define MT_BIT_HELPERS 1
+MT_FN uint mt_and_or(uint a, uint mask, uint bits) {
+  uint d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(mask), "r"(bits));
+  return d;
+}
+
 // Conversion between any two scalar types; half <-> bfloat and half -> integer go through
 // float (CUDA has no direct path for all of them).
 template <class To, class From>
