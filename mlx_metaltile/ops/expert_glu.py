@@ -60,6 +60,13 @@ __all__ = ["expert_glu", "expert_glu_reference"]
 ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
 SWIGLU_OAI_ALPHA = 1.702  # mlx-lm's SwigluOAI defaults
 SWIGLU_OAI_LIMIT = 7.0
+# cuda plan: K is split (expert_qmv's _k_groups) only below this many warps. A warp here
+# carries both projections' rows, twice expert_qmv's work per step, and the split's combine
+# (a barrier, threadgroup partials, more SIMD-group sums) cost more than its warps gained:
+# on an H200 (kernel time, Nsight Compute) the unsplit kernel took 21.3 / 21.4 / 40.1 us at
+# the Qwen3-30B-A3B / Qwen3-Next-80B-A3B / gpt-oss-20b one-token shapes against 22.3 / 25.7 /
+# 43.2 split for expert_qmv's 4096 warps. Small grids (a few rows) still split.
+TARGET_WARPS = 1024
 
 
 # The sharing form (the template's SHARE 1, SHARING: each distinct expert's gate and up rows
@@ -177,7 +184,7 @@ def _launcher(info: dict, backend: str, dtype: mx.Dtype) -> Callable:
         idx_shape = (*lead, k)
         dims = _bcast_dims({**info, "x_lead": lead, "idx_lead": lead})
     tg = backends.SIMD_WIDTH * SIMDGROUPS * _k_groups(
-        n_out, n_in, pairs, info["bits"], info["group_size"], 2, backend)
+        n_out, n_in, pairs, info["bits"], info["group_size"], 2, TARGET_WARPS, backend)
     share = _shares(info, dims, backend)
     prepared = backends.prepare(
         SHARED_SPEC if share else SPEC, backend,

@@ -284,10 +284,10 @@ TARGET_WARPS = 4096
 
 
 def _k_groups(n_out: int, n_in: int, pairs: int, bits: int, group_size: int, words: int,
-              backend: str) -> int:
+              target_warps: int, backend: str) -> int:
     """The launch plan's S: SIMD-groups sharing one row block's K steps (the template's
     DISPATCH INVARIANTS; ``words``: the template's words per lane per step, at most). Metal
-    keeps one. cuda splits K where the grid is small, for about TARGET_WARPS warps, at most
+    keeps one. cuda splits K where the grid is small, for about ``target_warps`` warps, at most
     one per 32-lane step of K and MAX_K_GROUPS, the steps dealt evenly (the group with the
     most steps sets the time), and only where N is a multiple of 8 (no row block past N:
     every thread of a threadgroup reaches the combine's barrier)."""
@@ -296,7 +296,7 @@ def _k_groups(n_out: int, n_in: int, pairs: int, bits: int, group_size: int, wor
     lane_values = min(words, group_size * bits // 32) * (32 // bits)
     steps = -(-(n_in // lane_values) // backends.SIMD_WIDTH)
     warps = SIMDGROUPS * (n_out // ROWS_PER_THREADGROUP) * pairs
-    wanted = max(1, min(MAX_K_GROUPS, steps, -(-TARGET_WARPS // warps)))
+    wanted = max(1, min(MAX_K_GROUPS, steps, -(-target_warps // warps)))
     per_group = -(-steps // wanted)
     return -(-steps // per_group)
 
@@ -318,7 +318,7 @@ def _launcher(info: dict, backend: str, dtype: mx.Dtype,
         idx_shape = (*lead, k)
         dims = _bcast_dims({**info, "x_lead": lead, "idx_lead": lead})
     tg = backends.SIMD_WIDTH * SIMDGROUPS * _k_groups(
-        n_out, n_in, pairs, info["bits"], info["group_size"], 4, backend)
+        n_out, n_in, pairs, info["bits"], info["group_size"], 4, TARGET_WARPS, backend)
     prepared = backends.prepare(
         SPEC, backend,
         inputs={"x": None, "w": None, "scales": None, "biases": None, "indices": None,

@@ -374,11 +374,13 @@ def _gemv_launcher(M: int, N: int, K: int, E: int, group_size: int, bits: int, m
     from .expert_qmv import (  # expert_qmv imports this module
         ROWS_PER_THREADGROUP,
         SIMDGROUPS,
+        TARGET_WARPS,
         _bcast_input,
         _k_groups,
     )
 
-    tg = backends.SIMD_WIDTH * SIMDGROUPS * _k_groups(N, K, M, bits, group_size, 4, backend)
+    tg = backends.SIMD_WIDTH * SIMDGROUPS * _k_groups(N, K, M, bits, group_size, 4,
+                                                      TARGET_WARPS, backend)
     prepared = backends.prepare(
         GEMV_SPEC, backend,
         inputs={"x": None, "w": None, "scales": None, "biases": None, "indices": None,

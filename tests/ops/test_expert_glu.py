@@ -292,6 +292,25 @@ def test_emulator_strict_shuffled(emulated, poisoned_outputs, rng, seed, share):
 
 # ---- cuda's launch plan (a row block's K steps over S SIMD-groups), run on the emulator ----
 
+def test_k_groups_of_the_cuda_plan():
+    """cuda splits expert_glu's K only below its TARGET_WARPS (1024): the one-token grids of
+    the MoE models run unsplit, a grid of a few row blocks still splits."""
+    from mlx_metaltile.ops.expert_qmv import TARGET_WARPS as QMV_TARGET_WARPS
+
+    assert op_module.TARGET_WARPS == 1024 < QMV_TARGET_WARPS
+
+    def plan(n_out, n_in, pairs, bits, group_size):
+        return op_module._k_groups(n_out, n_in, pairs, bits, group_size, 2,
+                                   op_module.TARGET_WARPS, "cuda")
+
+    assert plan(768, 2048, 8, 4, 64) == 1  # Qwen3-30B-A3B, one token
+    assert plan(512, 2048, 10, 4, 64) == 1  # Qwen3-Next-80B-A3B
+    assert plan(2880, 2880, 4, 4, 32) == 1  # gpt-oss-20b, mxfp4
+    assert plan(16, 2048, 2, 4, 64) == 4  # 8 warps: K split over its 4 steps
+    assert plan(20, 2048, 2, 4, 64) == 1  # N % 8 != 0
+
+
+
 @pytest.fixture
 def k_plan(monkeypatch):
     """The emulator launched with the cuda backend's plan (expert_qmv's _k_groups)."""
