@@ -90,7 +90,7 @@
 //   rows, at 8 ~20.5 instead of 32; k = 8: blocks of 4, Qwen3-30B-A3B ~28.4 of 32), S =
 //   min(8, TB * k): 512-thread threadgroups, the most a threadgroup holds at up to 128
 //   registers, so the warps resident per SM stay those of the per-token plan (one
-//   threadgroup of 16 warps per H100 SM, against two of 8 for gpt-oss per token): the grid
+//   threadgroup of 16 warps per H100 SM, against two of 8 per token): the grid
 //   has TB times fewer threadgroups, each slot group walking ~distinct / S experts (gpt-oss
 //   4 tokens: 360 threadgroups of 16 warps, 1 or 2 experts each, against 1440 of 8 warps
 //   with one pair each). Metal: TB = 4, S = TB, the per-token plan's SIMD-groups per token
