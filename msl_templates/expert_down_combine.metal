@@ -119,8 +119,8 @@
 //   Registers (CUDA, ptxas for bf16 4-bit affine GS 64, the three kernels MLX builds): per
 //   token 126 with size_t row offsets (as expert_glu.metal's; 120-123 before them,
 //   114-119 before SHARE; its loads as they were: CHUNK_WORDS), SHARE
-//   95-104; over every SHARE instantiation 87-127 (float32 8-bit the most), none spilling
-//   (a 512-thread threadgroup needs 128 or fewer).
+//   95-104 (before the size_t offsets); over every instantiation, after them, at most 128,
+//   none spilling (a 512-thread threadgroup needs 128 or fewer).
 //
 // TRAFFIC PER CALL: per token: each valid token's k experts' down rows once; SHARE: each
 //   block's distinct experts of valid tokens' down rows once per pass (one, unless more
@@ -273,7 +273,8 @@ for (uint item = 0; item < items; ++item) {  // fixed order over the items
       const auto w_step = w_rows + word0 + lane;
       for (uint r = 0; r < ROWS; ++r) {
         for (int wi = 0; wi < WORDS; ++wi) {
-          words[r][wi] = in_row[wi] && r < rows ? w_step[size_t(r) * words_per_row + 32 * wi] : 0u;
+          words[r][wi] =
+              in_row[wi] && r < rows ? w_step[size_t(r) * words_per_row + 32 * wi] : 0u;
         }
       }
       const bool loads_group = lane < STEP_GROUPS && group0 + lane < groups_per_row;

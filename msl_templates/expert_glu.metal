@@ -108,8 +108,9 @@
 //   load; with mt_and_or's single lop3 per code, SASS per step 1054 -> 876 instructions,
 //   bf16 4-bit affine).
 //   Registers (CUDA, ptxas for bf16 4-bit affine GS 64): 77 (72 before the size_t offsets;
-//   118 before the word mapping, the packed group uints and the shift-free dot): 6
-//   threadgroups of 4 warps per H100 SM, so Qwen3-30B-A3B's 768 threadgroups run in one wave.
+//   118 before the word mapping, the packed group uints and the shift-free dot): an H100 SM
+//   holds 12 threadgroups of 2 warps (the unsplit plan cuda runs at the models' shapes), so
+//   Qwen3-30B-A3B's 768 threadgroups run in one wave.
 //   SHARE 0 before the size_t offsets (packed-scalar kernels: bf16 affine 4-bit 72, 8-bit 64, mxfp4
 //   swiglu_oai 72, float32 affine 4-bit 93). SHARE 1: 118 (bf16 affine 4-bit; 8-bit 118,
 //   mxfp4 swiglu_oai 123, float32 119): 4 pairs' accumulators (32 floats) and the pass's
