@@ -313,7 +313,8 @@ for (uint pass = 0;; ++pass) {
       const auto x_row = x + size_t(x_of) * K;
       float xv[VALS];
       for (int wi = 0; wi < WORDS; ++wi) {
-        const auto x_word = x_row + (size_t(word0) + lane + 32 * wi) * PACK;  // the word's activations
+        // the word's activations
+        const auto x_word = x_row + (size_t(word0) + lane + 32 * wi) * PACK;
         for (uint i = 0; i < PACK; ++i) {
           xv[wi * PACK + i] = in_row[wi] ? float(x_word[i]) : 0.0f;
         }

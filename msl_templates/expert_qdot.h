@@ -16,9 +16,9 @@
 // 2^-(BITS*j) (mt_expert_prescale; exact: a power of two, |x| >= 2^-114 stays normal), so
 // each product, and hence each fma, is bitwise that of c * x. Per code: one and-or
 // (mt_and_or: one LOP3 on NVIDIA, where ptxas made two of the plain expression), one
-// subtract, one fma, all full-rate; plus one shift per word. The plain form costs a shift, a mask, an int -> float conversion (on NVIDIA a conversion-pipe
-// instruction, listed far below the FP32 rate) and the fma: 4 instructions per code become
-// 3 full-rate ones. Range: the pre-scaling is exact while |x| * 2^-12 (8-bit: 2^-8) stays
+// subtract, one fma, all full-rate; plus one shift per word. The plain form costs a shift,
+// a mask, an int -> float conversion (on NVIDIA a conversion-pipe instruction, listed far
+// below the FP32 rate) and the fma: 4 instructions per code become 3 full-rate ones. Range: the pre-scaling is exact while |x| * 2^-12 (8-bit: 2^-8) stays
 // a float32 normal, i.e. |x| >= 2^-114 (8-bit: 2^-118); an activation below that is rounded
 // to a subnormal, or flushed to zero where float32 subnormals are (Apple's fast math).
 // MLX's Metal qmv pre-scales x by 16^-i the same way (then converts), with the same range.
@@ -42,7 +42,8 @@ inline float mt_expert_word_dot(uint word, thread const float* xv) {
     for (int h = 0; h < 2; ++h) {
       const uint part = h == 0 ? word : word >> 16;
       for (int j = 0; j < HALF; ++j) {
-        const uint code = mt_and_or(part, MASK << (BITS * j), 0x4B000000u);  // 2^23 + c * 2^(BITS*j)
+        // 2^23 + c * 2^(BITS*j)
+        const uint code = mt_and_or(part, MASK << (BITS * j), 0x4B000000u);
         dot += (as_type<float>(code) - 8388608.0f) * xv[h * HALF + j];
       }
     }

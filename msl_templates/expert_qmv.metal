@@ -157,7 +157,8 @@ inline float mt_qmv_word_dot(uint word, thread const float* xv) {
     for (int h = 0; h < 2; ++h) {
       const uint part = h == 0 ? word : word >> 16;
       for (int j = 0; j < HALF; ++j) {
-        const uint code = mt_and_or(part, MASK << (BITS * j), 0x4B000000u);  // 2^23 + c * 2^(BITS*j)
+        // 2^23 + c * 2^(BITS*j)
+        const uint code = mt_and_or(part, MASK << (BITS * j), 0x4B000000u);
         dot += (as_type<float>(code) - 8388608.0f) * xv[h * HALF + j];
       }
     }

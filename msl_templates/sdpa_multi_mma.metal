@@ -122,9 +122,9 @@
 //   and threadgroup stores, PF 1's thread array of vec<T, 4> passed by pointer, common.h's
 //   product helpers: the alias template mt_sg_bmatrix, mt_sg_load4 taking a thread array of
 //   fragments by pointer and a templated fragment type; bfloat needs Metal 3.1's bfloat),
-//   that nothing spills (PF 1's registers included), and the speed of each PF. The emulator checks the semantics, the lane layout, barriers, races on
-//   threadgroup memory (strict mode) and the device traffic; nvcc the CUDA translation and
-//   its registers.
+//   that nothing spills (PF 1's registers included), and the speed of each PF. The emulator
+//   checks the semantics, the lane layout, barriers, races on threadgroup memory (strict
+//   mode) and the device traffic; nvcc the CUDA translation and its registers.
 #include "common.h"
 #include "sdpa_multi.h"
 
@@ -320,11 +320,9 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
 
   simdgroup_matrix<T, 8, 8> pf[PT][4];  // the block's weights w_j as PT terms
   if (live) {
-    // S = Q K^T: key fragment j from K's rows 8j .. 8j + 7, read transposed.
-    // (PF 1: q's fragment i loaded once for the 4 key fragments; every sf[j] still sums
-    // its D/8 products in increasing i, as PF 0 does.)
-    // (Column block i of K's 4 key fragments read at once; PF 1 reads q's fragment i from
-    // its tile; every sf[j] sums its D/8 products in increasing i.)
+    // S = Q K^T: key fragment j from K's rows 8j .. 8j + 7, read transposed (column block i
+    // of the 4 key fragments at once; PF 1 reads q's fragment i from its tile; every sf[j]
+    // sums its D/8 products in increasing i).
     simdgroup_matrix<float, 8, 8> sf[4];
     #pragma clang loop unroll(full)
     for (int j = 0; j < 4; ++j) {
