@@ -81,6 +81,35 @@ inline uint mt_and_or(uint a, uint mask, uint bits) {
 }
 #endif
 
+// Converged SIMD-group functions: mt_shuffle_converged(v, lane) = simd_shuffle(v, lane),
+// mt_shuffle_xor_converged(v, mask) = simd_shuffle_xor(v, mask), mt_sum_converged(v) =
+// simd_sum(v) and mt_max_converged(v) = simd_max(v), where the caller promises all 32 lanes
+// of its SIMD-group active at the call (a full SIMD-group, no lane returned early, every branch around the call
+// uniform over it). The CUDA layer (MT_SIMD_HELPERS, mt_cuda/simd.cuh) then shuffles under a
+// constant full mask: no activemask vote and divergence branch per call. The emulator's own
+// versions (mt_emu/simd.h) check the promise at every call.
+#ifndef MT_SIMD_HELPERS
+template <typename U>
+inline U mt_shuffle_converged(U v, ushort lane) {
+  return simd_shuffle(v, lane);
+}
+
+template <typename U>
+inline U mt_shuffle_xor_converged(U v, ushort mask) {
+  return simd_shuffle_xor(v, mask);
+}
+
+template <typename U>
+inline U mt_sum_converged(U v) {
+  return simd_sum(v);
+}
+
+template <typename U>
+inline U mt_max_converged(U v) {
+  return simd_max(v);
+}
+#endif
+
 // Product helpers: mt_sg_bmatrix<T>, a simdgroup_matrix<T, 8, 8> that only serves as the B
 // side of products (never read through thread_elements()), loaded by mt_sg_load_b (as
 // simdgroup_load) or mt_sg_load4 (four blocks); mt_mma_pair(d0, a0, d1, a1, b): d0 = a0 * b +

@@ -73,8 +73,10 @@
 //   one barrier) only when S > 1. The only early return (per token, an invalid id) is
 //   uniform over the threadgroup.
 //   K % GS == 0 (a group never straddles the row end; a partial last step masks the words
-//   and groups past it). Every branch around a simd_shuffle / simd_sum is uniform over the
-//   SIMD-group.
+//   and groups past it). Every branch around a SIMD-group function is uniform over the
+//   SIMD-group, and threadgroups hold whole SIMD-groups: the per-token path's group
+//   shuffles and row sums keep common.h's converged promise (mt_shuffle_converged,
+//   mt_sum_converged; the emulator checks it).
 //
 // LAUNCH PLANS: Metal: S = 1, threadgroup (64, 1, 1) as before: each SIMD-group walks the k
 //   slots of its 4 rows, no barrier (the plan measured against MLX's Metal kernels; whether
@@ -325,11 +327,11 @@ for (uint item = 0; item < items; ++item) {  // fixed order over the items
             const int wi = c0 + c;
             // The lane holding word wi's group: (32 * wi + l) / GROUP_WORDS.
             const ushort src = ushort((32 * wi + lane) / GROUP_WORDS);
-            const uint g = simd_shuffle(group[r], src);
+            const uint g = mt_shuffle_converged(group[r], src);
             const float s = mt_group_scale<MODE, T>(g);
             float b = 0.0f;
             if constexpr (BIAS_APART) {
-              b = simd_shuffle(bias_apart[r], src);
+              b = mt_shuffle_converged(bias_apart[r], src);
             } else if constexpr (MODE == 0) {
               b = mt_group_bias<T>(g);
             }
@@ -405,14 +407,14 @@ if constexpr (SHARE != 0) {
     if (r >= rows) {
       break;  // uniform over the SIMD-group
     }
-    const float total = simd_sum(acc[r]);
+    const float total = mt_sum_converged(acc[r]);
     if (lane == 0) {
       out_rows[r] = T(total);
     }
   }
 } else {
   for (uint r = 0; r < ROWS; ++r) {
-    const float total = simd_sum(acc[r]);  // 0 for rows past D
+    const float total = mt_sum_converged(acc[r]);  // 0 for rows past D
     if (lane == 0) {
       partials[(slot_group * SIMDGROUPS + row_block) * ROWS + r] = total;
     }

@@ -94,7 +94,9 @@
 //   lane j; GS / PACK words per group divides 32, so a step holds whole groups), and x_p
 //   once per row block for both projections. K % GS == 0 (a group never straddles the row
 //   end; a partial last step masks words and groups past it). Every early return and every
-//   branch around a simd_shuffle / simd_sum is uniform over the SIMD-group.
+//   branch around a SIMD-group function is uniform over the SIMD-group, and threadgroups
+//   hold whole SIMD-groups: the group shuffles and row sums of a step keep common.h's
+//   converged promise (mt_shuffle_converged, mt_sum_converged; the emulator checks it).
 //   SHARE 1: per pass instead of per pair (SHARING); the pairs of a pass go through the
 //   K groups' combine one after another (a barrier between two: `partials` stays sized for
 //   one pair, 512 bytes), and a pass after the first starts with a barrier (group 0 has read
@@ -336,15 +338,15 @@ for (uint pass = 0;; ++pass) {
         for (int wi = 0; wi < WORDS; ++wi) {
           // The lane holding word wi's group: (32 * wi + l) / GROUP_WORDS.
           const ushort src = ushort((32 * wi + lane) / GROUP_WORDS);
-          const uint gg = simd_shuffle(group_g[r], src);
-          const uint gu = simd_shuffle(group_u[r], src);
+          const uint gg = mt_shuffle_converged(group_g[r], src);
+          const uint gu = mt_shuffle_converged(group_u[r], src);
           const float sg = mt_group_scale<MODE, T>(gg);
           const float su = mt_group_scale<MODE, T>(gu);
           float bg = 0.0f;
           float bu = 0.0f;
           if constexpr (BIAS_APART) {
-            bg = simd_shuffle(bias_g[r], src);
-            bu = simd_shuffle(bias_u[r], src);
+            bg = mt_shuffle_converged(bias_g[r], src);
+            bu = mt_shuffle_converged(bias_u[r], src);
           } else if constexpr (MODE == 0) {
             bg = mt_group_bias<T>(gg);
             bu = mt_group_bias<T>(gu);
@@ -377,8 +379,8 @@ for (uint pass = 0;; ++pass) {
         threadgroup_barrier(mem_flags::mem_threadgroup);  // pair s - 1's sums are read
       }
       for (uint r = 0; r < ROWS; ++r) {
-        const float g_sum = simd_sum(acc_g[s][r]);
-        const float u_sum = simd_sum(acc_u[s][r]);
+        const float g_sum = mt_sum_converged(acc_g[s][r]);
+        const float u_sum = mt_sum_converged(acc_u[s][r]);
         if (lane == 0) {
           const uint at = ((k_group * SIMDGROUPS + row_block) * ROWS + r) * 2;
           partials[at] = g_sum;
@@ -424,8 +426,8 @@ for (uint pass = 0;; ++pass) {
       if (s >= n_share) {
         break;  // uniform over the threadgroup
       }
-      float g = simd_sum(acc_g[s][r]);
-      float u = simd_sum(acc_u[s][r]);
+      float g = mt_sum_converged(acc_g[s][r]);
+      float u = mt_sum_converged(acc_u[s][r]);
       if (lane == 0) {
         if (has_bias != 0u) {
           g += bias_g;

@@ -79,15 +79,16 @@
 //   one lane, and each word/scale/bias of the selected expert's rows is read by exactly one
 //   lane, of the one K group holding that step: word w0 + 32 * wi + l of a step by lane l,
 //   group g0 + j of a step by lane j (a step of 32 * WORDS words holds whole groups, at most
-//   32: WORDS <= GS / PACK), passed to the lanes of its words by simd_shuffle.
+//   32: WORDS <= GS / PACK), passed to the lanes of its words by mt_shuffle_converged.
 //   S > 1 only where N % (SIMDGROUPS * ROWS) == 0: no row block lies past N, so no thread
 //   returns before the combine's barrier (the only other early return, an invalid id, is
 //   uniform over the threadgroup). Threadgroup memory: MAX_K_GROUPS * 8 floats, used only
 //   when S > 1.
 //   K % GS == 0 (a group never straddles the row end; a partial last step masks the words
 //   and groups past it; nvfp4's K need only be a multiple of 16).
-//   Every early return is uniform over a SIMD-group, so simd_sum / simd_shuffle always see a
-//   full SIMD-group.
+//   Every early return is uniform over a SIMD-group and threadgroups hold whole SIMD-groups,
+//   so the group shuffles and row sums always see a full SIMD-group: common.h's converged
+//   promise (mt_shuffle_converged, mt_sum_converged; the emulator checks it).
 //
 // LAUNCH PLANS: Metal: S = 1, threadgroup (64, 1, 1), no barrier: the plan measured against
 //   MLX's Metal qmv (2 SIMD-groups x 4 rows, as MLX's own); whether S > 1 pays on Apple
@@ -334,13 +335,13 @@ for (uint step = k_group; step < n_steps; step += k_groups) {
     for (int wi = 0; wi < WORDS; ++wi) {
       // The lane holding word wi's group: (32 * wi + l) / GROUP_WORDS.
       const ushort src = ushort((32 * wi + lane) / GROUP_WORDS);
-      const uint g = simd_shuffle(group[r], src);
+      const uint g = mt_shuffle_converged(group[r], src);
       float s;
       float b = 0.0f;
       if constexpr (MODE == 0) {
         s = mt_group_scale<MODE, S>(g);
         if constexpr (BIAS_APART) {
-          b = simd_shuffle(bias_apart[r], src);
+          b = mt_shuffle_converged(bias_apart[r], src);
         } else {
           b = mt_group_bias<S>(g);
         }
@@ -366,14 +367,14 @@ if (k_groups == 1u) {  // uniform over the threadgroup
     if (r >= rows) {
       break;  // uniform over the SIMD-group
     }
-    const float total = simd_sum(acc[r]);
+    const float total = mt_sum_converged(acc[r]);
     if (lane == 0) {
       out_rows[r] = T(total);
     }
   }
 } else {  // every row block holds ROWS rows here (DISPATCH INVARIANTS): no thread returned
   for (uint r = 0; r < ROWS; ++r) {
-    const float total = simd_sum(acc[r]);
+    const float total = mt_sum_converged(acc[r]);
     if (lane == 0) {
       partials[(k_group * SIMDGROUPS + row_block) * ROWS + r] = total;
     }

@@ -76,6 +76,28 @@ anyall[i] = (simd_any(v > T(100)) ? 1u : 0u) | (simd_all(v > T(-100)) ? 2u : 0u)
     templates=FLOATS,
 )
 
+# common.h's converged helpers on full SIMD-groups (every lane active: the helpers' promise),
+# as simd_sum, simd_max, simd_shuffle and simd_shuffle_xor give them; a float and a uint
+# shuffled.
+CONVERGED = Feature(
+    name="converged_helpers",
+    header="#include <metal_stdlib>\nusing namespace metal;\n\n" + read_text("common.h"),
+    source="""
+const uint i = thread_position_in_grid.x;
+const uint lane = thread_index_in_simdgroup;
+const T v = x[i];
+sum[i] = float(mt_sum_converged(v));
+mx[i] = float(mt_max_converged(v));
+shf[i] = float(mt_shuffle_converged(v, ushort((lane * 5 + 3) % 32)));
+xr[i] = float(mt_shuffle_xor_converged(v, ushort(5)));
+bits[i] = mt_shuffle_converged(i * 7u, ushort(31 - lane));
+""",
+    inputs=(("x", "T", 1),),
+    outputs=(("sum", mx.float32), ("mx", mx.float32), ("shf", mx.float32), ("xr", mx.float32),
+             ("bits", mx.uint32)),
+    templates=FLOATS,
+)
+
 # Reconvergence: after an if-block that some lanes of each SIMD-group took (running SIMD-group
 # functions inside it), every lane takes part in the next SIMD-group function or barrier, each
 # kind in turn, a helper's too. `active` splits the lanes; in-block sums alternate sides.
@@ -478,4 +500,4 @@ out[i] = f.x + 2.0f * f.y + 4.0f * f.z + float(sizeof(packed_float3));
     refused_by=frozenset({"cuda"}),
 )
 
-FEATURES = (SIMD, RECONVERGE, MATRIX, MMA, PRODUCT_HELPERS, SCALARS, ATOMIC_OUT, EDGE, HEADER, SWIZZLES, PACKED)
+FEATURES = (SIMD, CONVERGED, RECONVERGE, MATRIX, MMA, PRODUCT_HELPERS, SCALARS, ATOMIC_OUT, EDGE, HEADER, SWIZZLES, PACKED)

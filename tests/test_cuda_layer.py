@@ -537,12 +537,34 @@ def test_mma_kernel_negative_control_plain_fragments():
     assert counts["mma"] == 4 * 16 + 3 * 4 * 16
 
 
-def _qmv_lop3_counts() -> list[int]:
-    """Per kernel of expert_qmv's bfloat16 4-bit affine instance: its PTX's lop3.b32 count."""
+def _qmv_ptx_counts(what: str) -> list[int]:
+    """Per kernel of expert_qmv's bfloat16 4-bit affine instance: how often its PTX holds
+    `what`."""
     qmv = sys.modules["mlx_metaltile.ops.expert_qmv"]
     inst = nvcc_check.spec_instance(qmv.SPEC, T="bfloat16", BITS=4, GROUP_SIZE=64, MODE=0)
     ptx = nvcc_check.ptx_text(nvcc_check.spec_unit(qmv.SPEC, [inst]))
-    return [body.count("lop3.b32") for body in ptx.split(".entry ")[1:]]
+    return [body.count(what) for body in ptx.split(".entry ")[1:]]
+
+
+def _qmv_lop3_counts() -> list[int]:
+    return _qmv_ptx_counts("lop3.b32")
+
+
+@pytest.mark.skipif(nvcc_check.find_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME)")
+def test_converged_shuffles_take_the_full_mask():
+    """common.h's converged helpers shuffle under the constant full mask on CUDA: expert_qmv,
+    whose SIMD-group calls are all converged ones, asks for no active mask; its group shuffle
+    as a plain simd_shuffle asks for one per call site."""
+    import mlx_metaltile.ops.expert_qmv  # noqa: F401 (the module, not the op)
+
+    shuffles = _qmv_ptx_counts("shfl.sync")
+    assert shuffles and all(c > 0 for c in shuffles)
+    assert _qmv_ptx_counts("activemask") == [0] * len(shuffles)
+    qmv = sys.modules["mlx_metaltile.ops.expert_qmv"]
+    with backends.template_override(
+            qmv.SPEC, ("const uint g = mt_shuffle_converged(group[r], src);",
+                       "const uint g = simd_shuffle(group[r], src);")):
+        assert all(c > 0 for c in _qmv_ptx_counts("activemask"))
 
 
 @pytest.mark.skipif(nvcc_check.find_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME)")

@@ -267,6 +267,36 @@ def test_inactive_source_lane_gives_poison_or_strict_hazard():
         em.configure(**vars(previous))
 
 
+def test_converged_helpers_on_a_full_group():
+    """common.h's converged helpers: simd_sum's and simd_shuffle's results where every lane
+    of the SIMD-group is active (their promise)."""
+    v = 100.0 + LANES
+    np.testing.assert_array_equal(per_lane("mt_sum_converged(v)"), per_lane("simd_sum(v)"))
+    assert np.all(per_lane("mt_sum_converged(v)") == v.sum())
+    assert np.all(per_lane("mt_max_converged(v)") == v.max())
+    np.testing.assert_array_equal(
+        per_lane("mt_shuffle_converged(v, ushort((lane * 5 + 3) % 32))"), v[(LANES * 5 + 3) % 32])
+    np.testing.assert_array_equal(per_lane("mt_shuffle_xor_converged(v, ushort(6))"),
+                                  v[LANES ^ 6])
+
+
+@pytest.mark.parametrize("expr, n, missing", [
+    ("lane < 16 ? mt_sum_converged(v) : -1.0f", 32, 16),  # a divergent branch
+    ("lane == 3 ? -1.0f : mt_shuffle_converged(v, ushort(0))", 32, 3),
+    ("mt_shuffle_converged(v, ushort(0))", 16, 16),  # a partial SIMD-group
+    ("lane >= 8 ? mt_max_converged(v) : 0.0f", 32, 0),
+    ("lane < 31 ? mt_shuffle_xor_converged(v, ushort(1)) : 0.0f", 32, 31),
+], ids=("branch", "one_lane", "partial_group", "max", "xor"))
+def test_converged_helpers_refuse_a_missing_lane(expr, n, missing):
+    """The converged promise is checked at every call: a missing lane is a hazard (where
+    simd_sum / simd_shuffle would take the active lanes, CUDA's constant mask would not)."""
+    with pytest.raises(em.InvalidSimdLane,
+                       match=f"lane {missing} is not active at this call; the converged"):
+        per_lane(expr, n=n)
+    plain = expr.replace("mt_", "simd_").replace("simd_shuffle_converged", "simd_shuffle")
+    per_lane(plain.replace("_converged", ""), n=n)  # the plain calls run
+
+
 def test_fiber_order_permutation_exposes_order_dependence():
     # the last writer of a shared slot wins: depends on the order threads run in
     src = """

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from msl_features import (
     ATOMIC_OUT,
+    CONVERGED,
     EDGE,
     FEATURES,
     HEADER,
@@ -105,6 +106,25 @@ def test_simd_functions(executor, rng, dtype):
             "first": np.where(lanes < active, v[0], -1.0),
             "anyall": np.full(32, 2.0),
         }
+        for name, expected in want.items():
+            np.testing.assert_array_equal(got[name][part], expected, err_msg=f"{name} warp {w}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_converged_helpers(executor, rng, dtype):
+    """common.h's converged helpers on full SIMD-groups (the CUDA layer's constant-mask
+    versions on cuda, the checking ones on the emulator)."""
+    n = 128
+    x = quarters(rng, (n,))
+    got = run(executor, CONVERGED, (("T", DTYPES[dtype]),), [as_dtype(x, dtype)],
+              grid=(n, 1, 1), threadgroup=(64, 1, 1), shapes=[(n,)] * len(CONVERGED.outputs))
+    lanes = np.arange(32)
+    for w in range(n // 32):
+        part = slice(32 * w, 32 * w + 32)
+        v = x[part].astype(np.float64)
+        want = {"sum": np.full(32, v.sum()), "mx": np.full(32, v.max()),
+                "shf": v[(lanes * 5 + 3) % 32], "xr": v[lanes ^ 5],
+                "bits": (32 * w + 31 - lanes) * 7}
         for name, expected in want.items():
             np.testing.assert_array_equal(got[name][part], expected, err_msg=f"{name} warp {w}")
 
@@ -397,7 +417,7 @@ def test_refusals_need_no_device(name):
 
 
 def test_every_feature_has_a_conformance_test():
-    tested = (SIMD, RECONVERGE, MATRIX, MMA, PRODUCT_HELPERS, SCALARS, ATOMIC_OUT, EDGE, HEADER,
+    tested = (SIMD, CONVERGED, RECONVERGE, MATRIX, MMA, PRODUCT_HELPERS, SCALARS, ATOMIC_OUT, EDGE, HEADER,
               SWIZZLES, PACKED)
     assert sorted(f.name for f in FEATURES) == sorted(f.name for f in tested)
 

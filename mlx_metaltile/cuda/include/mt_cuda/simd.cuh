@@ -205,6 +205,35 @@ MT_FN T quad_shuffle_up(T v, ushort delta) {
   return mt_shfl(__activemask(), v, int((lane & 3u) >= delta ? lane - delta : lane));
 }
 
+// common.h's converged helpers (MT_SIMD_HELPERS): the caller promises all 32 lanes active,
+// so the mask is the constant full one. ptxas then issues a plain SHFL per shuffle, where
+// __activemask() costs a vote, a uniform-register move and a divergence branch per call
+// (2 to 8% of the MoE decode kernels' time on an H200). The sum and max are
+// mt_group_reduce's all-lanes butterflies: the same order, the same results.
+#define MT_SIMD_HELPERS 1
+template <class T>
+MT_FN T mt_shuffle_converged(T v, ushort lane) { return mt_shfl(0xffffffffu, v, lane & 31); }
+template <class T>
+MT_FN T mt_shuffle_xor_converged(T v, ushort mask) {
+  return mt_shfl(0xffffffffu, v, int((mt_lane() ^ mask) & 31));
+}
+template <class T>
+MT_FN T mt_sum_converged(T v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    v = T(v + mt_shfl(0xffffffffu, v, int(mt_lane() ^ off)));
+  }
+  return v;
+}
+template <class T>
+MT_FN T mt_max_converged(T v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    v = T(max(v, mt_shfl(0xffffffffu, v, int(mt_lane() ^ off))));
+  }
+  return v;
+}
+
 struct simd_vote {
   using vote_t = ulong;
   vote_t bits;

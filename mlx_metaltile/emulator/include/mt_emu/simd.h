@@ -286,6 +286,47 @@ MT_AI T collective(const std::source_location& loc, int op, int width, const T& 
   return result;
 }
 
+// A collective whose caller promises every lane of the SIMD-group active (common.h's
+// converged helpers): a hazard naming the first missing lane, else resolve<T>'s result.
+inline const char* converged_name(int op) {
+  return op == OP_SUM           ? "mt_sum_converged"
+         : op == OP_MAX         ? "mt_max_converged"
+         : op == OP_XOR_SHUFFLE ? "mt_shuffle_xor_converged"
+                                : "mt_shuffle_converged";
+}
+
+template <class T> int resolve_converged(mt_coll* const* L, char* err, size_t err_len) {
+  for (int l = 0; l < 32; ++l) {
+    if (!L[l]) {
+      int lead = 0;
+      while (!L[lead]) ++lead;
+      snprintf(err, err_len,
+               "%s: lane %d is not active at this call; the converged helpers promise all "
+               "32 lanes of the SIMD-group",
+               converged_name(L[lead]->op), l);
+      return lead + 256 * MT_HZ_SIMD_LANE;
+    }
+  }
+  return resolve<T>(L, err, err_len);
+}
+
+template <class T>
+MT_AI T converged(const std::source_location& loc, int op, const T& x, int64_t arg) {
+  T result;
+  mt_coll c;
+  c.op = op;
+  c.width = 32;
+  c.arg = arg;
+  c.in = &x;
+  c.in2 = nullptr;
+  c.in3 = nullptr;
+  c.out = &result;
+  c.resolve = &resolve_converged<T>;
+  c.site = site_of(loc);
+  mt_collective(&c);
+  return result;
+}
+
 template <class R> MT_AI R vote(const std::source_location& loc, int op, int width, bool x) {
   R result{};
   bool in = x;
@@ -426,6 +467,29 @@ template <class T> MT_AI T quad_or(T x, MT_LOC) {
 template <class T> MT_AI T quad_xor(T x, MT_LOC) {
   MT_SIMD_TI(quad_xor);
   return mt::collective(mt_loc, mt::OP_XOR, 4, x);
+}
+// common.h's converged helpers (MT_SIMD_HELPERS): simd_shuffle and simd_sum whose caller
+// promises all 32 lanes of its SIMD-group active at the call. The promise is checked at every
+// call: a lane that is not there (returned, elsewhere, or past a partial SIMD-group) is a
+// hazard, where simd_shuffle / simd_sum would have taken the active lanes.
+#define MT_SIMD_HELPERS 1
+template <class T> MT_AI T mt_shuffle_converged(T x, ushort lane, MT_LOC) {
+  MT_SIMD_T(mt_shuffle_converged);
+  mt::check_lane_arg(mt::OP_SHUFFLE, 32, lane, "lane");
+  return mt::converged(mt_loc, mt::OP_SHUFFLE, x, lane);
+}
+template <class T> MT_AI T mt_shuffle_xor_converged(T x, ushort mask, MT_LOC) {
+  MT_SIMD_T(mt_shuffle_xor_converged);
+  mt::check_lane_arg(mt::OP_XOR_SHUFFLE, 32, mask, "mask");
+  return mt::converged(mt_loc, mt::OP_XOR_SHUFFLE, x, mask);
+}
+template <class T> MT_AI T mt_sum_converged(T x, MT_LOC) {
+  MT_SIMD_T(mt_sum_converged);
+  return mt::converged(mt_loc, mt::OP_SUM, x, 0);
+}
+template <class T> MT_AI T mt_max_converged(T x, MT_LOC) {
+  MT_SIMD_T(mt_max_converged);
+  return mt::converged(mt_loc, mt::OP_MAX, x, 0);
 }
 #undef MT_SIMD_FAMILY
 #undef MT_SIMD_REDUCE
