@@ -76,6 +76,9 @@
 //   threadgroup memory: kv_tile, 32 * (DC + 4 / sizeof(T)) elements of T (<= 16.5 KiB), and
 //   p_tile, 32 x 32 floats (each simdgroup's rows of probabilities of the current block).
 //   Every thread reaches every barrier: loop bounds are uniform over the threadgroup.
+//   Both paths' SIMD-group functions run with all 32 lanes of whole SIMD-groups (loop
+//   bounds uniform over a SIMD-group, no early return): common.h's converged promise
+//   (mt_shuffle_converged and its kin; the emulator checks it at every call).
 //
 // TRAFFIC per call: each visible key/value row is read by exactly one threadgroup per row
 //   tile (ceil(G*L / 32) times in all; once when G*L <= 32). Causal slices stop at the last
@@ -322,7 +325,7 @@ if (DC == 0) {
       for (int i = 0; i < h; ++i) {
         const float give = upper ? sv[i] : sv[i + h];
         const float keep = upper ? sv[i + h] : sv[i];
-        sv[i] = keep + simd_shuffle_xor(give, ushort(h));
+        sv[i] = keep + mt_shuffle_xor_converged(give, ushort(h));
       }
     }
 
@@ -336,14 +339,14 @@ if (DC == 0) {
     sc = ok ? sc : -INFINITY;
     float bmax = sc;
     for (int h = 1; h < KB; h *= 2) {
-      bmax = max(bmax, simd_shuffle_xor(bmax, ushort(h)));
+      bmax = max(bmax, mt_shuffle_xor_converged(bmax, ushort(h)));
     }
     const float m_new = max(m_l, bmax);  // -INFINITY while no key was visible
     const float alpha = m_l == m_new ? 1.0f : exp2(unit * (m_l - m_new));
     const float p = ok ? exp2(unit * (sc - m_new)) : 0.0f;
     float bsum = p;
     for (int h = 1; h < KB; h *= 2) {
-      bsum += simd_shuffle_xor(bsum, ushort(h));
+      bsum += mt_shuffle_xor_converged(bsum, ushort(h));
     }
     const float l_old = l_l * alpha;
     const float l_new = l_old + bsum;
@@ -356,7 +359,7 @@ if (DC == 0) {
     // o = keep * o + sum_j wgt_j v_j: each row's weights come from its lanes by shuffle.
     for (int rr = 0; rr < RS; ++rr) {
       if (uint(rr) < nr) {  // uniform over the simdgroup
-        const float kr = simd_shuffle(keep, ushort(rr * KB));
+        const float kr = mt_shuffle_converged(keep, ushort(rr * KB));
         for (int c = 0; c < DPL; ++c) {
           ov[rr][c] *= kr;
         }
@@ -366,7 +369,7 @@ if (DC == 0) {
       if (uint(j) < nk) {
         for (int rr = 0; rr < RS; ++rr) {
           if (uint(rr) < nr) {
-            const float pj = simd_shuffle(wgt, ushort(rr * KB + j));
+            const float pj = mt_shuffle_converged(wgt, ushort(rr * KB + j));
             for (int w = 0; w < NV; ++w) {
               for (int e = 0; e < VW; ++e) {
                 ov[rr][w * VW + e] += pj * float(vf[j][w][e]);
@@ -496,7 +499,7 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
           }
           for (int rr = 0; rr < RS; ++rr) {
             if (uint(rr) < nr) {
-              const qvec qs = simd_shuffle(qr[rr][w], src);
+              const qvec qs = mt_shuffle_converged(qr[rr][w], src);
               for (int e = 0; e < QV; ++e) {
                 s[rr] += qs[e] * kval[e];
               }
@@ -518,11 +521,11 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
                                        mask_unit, ok);
       }
       sc = ok ? sc : -INFINITY;
-      const float m_new = max(m[rr], simd_max(sc));  // -INFINITY while no key was visible
+      const float m_new = max(m[rr], mt_max_converged(sc));  // -INFINITY while no key was visible
       const float alpha = m[rr] == m_new ? 1.0f : exp2(unit * (m[rr] - m_new));
       const float p = ok ? exp2(unit * (sc - m_new)) : 0.0f;
       const float l_old = l_sum[rr] * alpha;
-      const float l_new = l_old + simd_sum(p);
+      const float l_new = l_old + mt_sum_converged(p);
       const float inv_l = l_new > 0.0f ? 1.0f / l_new : 0.0f;  // 0 until a key was visible
       p_rows[uint(rr) * 32u + lane] = p * inv_l;
       const float keep = l_old * inv_l;  // weight of the old o: keep + sum_j p_j / l_new = 1

@@ -342,7 +342,8 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
     }
 
     // Online softmax of row fm over the block (base 2), as sdpa_multi.metal: masked keys
-    // get probability exactly 0; the row's 4 lanes reduce by xor over lane bits 0 and 3.
+    // get probability exactly 0; the row's 4 lanes reduce by xor over lane bits 0 and 3
+    // (converged: the products above already needed the whole SIMD-group).
     float sc[8];
     bool ok[8];
     float bmax = -INFINITY;
@@ -361,8 +362,8 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
         bmax = max(bmax, sc[j * 2 + e]);
       }
     }
-    bmax = max(bmax, simd_shuffle_xor(bmax, ushort(MT_FRAG_ROW_XOR0)));
-    bmax = max(bmax, simd_shuffle_xor(bmax, ushort(MT_FRAG_ROW_XOR1)));
+    bmax = max(bmax, mt_shuffle_xor_converged(bmax, ushort(MT_FRAG_ROW_XOR0)));
+    bmax = max(bmax, mt_shuffle_xor_converged(bmax, ushort(MT_FRAG_ROW_XOR1)));
     const float m_new = max(m_run, bmax);  // -INFINITY while no key was visible
     const float alpha = m_run == m_new ? 1.0f : exp2(unit * (m_run - m_new));
     float p[8];
@@ -372,8 +373,8 @@ for (uint kb = k_begin; kb < k_end; kb += 32u) {
       p[c] = ok[c] ? exp2(unit * (sc[c] - m_new)) : 0.0f;
       bsum += p[c];
     }
-    bsum += simd_shuffle_xor(bsum, ushort(MT_FRAG_ROW_XOR0));
-    bsum += simd_shuffle_xor(bsum, ushort(MT_FRAG_ROW_XOR1));
+    bsum += mt_shuffle_xor_converged(bsum, ushort(MT_FRAG_ROW_XOR0));
+    bsum += mt_shuffle_xor_converged(bsum, ushort(MT_FRAG_ROW_XOR1));
     const float l_old = l_run * alpha;
     const float l_new = l_old + bsum;
     const float inv_l = l_new > 0.0f ? 1.0f / l_new : 0.0f;  // 0 until a key was visible

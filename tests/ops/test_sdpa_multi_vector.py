@@ -270,8 +270,8 @@ def test_negative_control_traffic(launches, vector_path, broken_kernel, rng):
 
 def test_negative_control_reduce_scatter(kernel_backend, vector_path, broken_kernel, rng):
     """A reduction that drops the partner's half of the scores must fail the oracle."""
-    broken_kernel(op_module.SPLIT_SPEC, ("sv[i] = keep + simd_shuffle_xor(give, ushort(h));",
-                                         "sv[i] = keep + 0.0f * simd_shuffle_xor(give, ushort(h));"))
+    broken_kernel(op_module.SPLIT_SPEC, ("sv[i] = keep + mt_shuffle_xor_converged(give, ushort(h));",
+                                         "sv[i] = keep + 0.0f * mt_shuffle_xor_converged(give, ushort(h));"))
     q, k, v = make_inputs(rng, 1, 4, 2, 1, 300, 64, mx.float32)
     with pytest.raises(AssertionError, match="out of tolerance"):
         run_and_check(q, k, v, scale=0.125, causal=False, kv_len=300, backend=kernel_backend)
