@@ -28,7 +28,8 @@
 //   any E < 2^31. Lane l holds experts l + 32 j (j < N_REG) in registers; experts from
 //   32 * N_REG on are read again from memory each round (E > 512). No threadgroup memory
 //   and no barrier: a SIMD-group whose row is past n_rows returns as a whole (uniform), so
-//   every simd_max / simd_min / simd_sum sees all 32 lanes.
+//   every max / min / sum over the lanes sees all 32 of them: common.h's converged promise
+//   (mt_max_converged, mt_min_converged, mt_sum_converged; the emulator checks it).
 // TRAFFIC: the row read once for E <= 512 (beyond, experts from 512 on once per round and once
 //   more for the sum over all E: cache-resident), (4 + sizeof(T)) k bytes
 //   per row written (ids uint32, scores T).
@@ -107,8 +108,8 @@ for (uint r = 0; r < k; ++r) {
       best_idx = i;
     }
   }
-  prev_key = simd_max(best_key);
-  prev_idx = simd_min(best_key == prev_key ? best_idx : 0xFFFFFFFFu);
+  prev_key = mt_max_converged(best_key);
+  prev_idx = mt_min_converged(best_key == prev_key ? best_idx : 0xFFFFFFFFu);
   if (r == 0u) {
     max_key = prev_key;
   }
@@ -123,7 +124,7 @@ const float m = finite_max ? mt_route_value(max_key) : 0.0f;
 const float e = (finite_max && lane < k) ? mt_route_exp(my_key, m) : 0.0f;
 float denom;
 if (over_k != 0u) {
-  denom = simd_sum(e);
+  denom = mt_sum_converged(e);
 } else {
   float part = 0.0f;
   if (finite_max) {
@@ -136,7 +137,7 @@ if (over_k != 0u) {
       part += mt_route_exp(mt_route_key(float(logits[base + i])), m);
     }
   }
-  denom = simd_sum(part);
+  denom = mt_sum_converged(part);
 }
 
 if (lane < k) {

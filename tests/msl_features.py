@@ -77,7 +77,7 @@ anyall[i] = (simd_any(v > T(100)) ? 1u : 0u) | (simd_all(v > T(-100)) ? 2u : 0u)
 )
 
 # common.h's converged helpers on full SIMD-groups (every lane active: the helpers' promise),
-# as simd_sum, simd_max, simd_shuffle and simd_shuffle_xor give them; a float and a uint
+# as simd_sum, simd_max, simd_min, simd_shuffle and simd_shuffle_xor give them; a float and a uint
 # shuffled.
 CONVERGED = Feature(
     name="converged_helpers",
@@ -88,13 +88,14 @@ const uint lane = thread_index_in_simdgroup;
 const T v = x[i];
 sum[i] = float(mt_sum_converged(v));
 mx[i] = float(mt_max_converged(v));
+mn[i] = float(mt_min_converged(v));
 shf[i] = float(mt_shuffle_converged(v, ushort((lane * 5 + 3) % 32)));
 xr[i] = float(mt_shuffle_xor_converged(v, ushort(5)));
 bits[i] = mt_shuffle_converged(i * 7u, ushort(31 - lane));
 """,
     inputs=(("x", "T", 1),),
-    outputs=(("sum", mx.float32), ("mx", mx.float32), ("shf", mx.float32), ("xr", mx.float32),
-             ("bits", mx.uint32)),
+    outputs=(("sum", mx.float32), ("mx", mx.float32), ("mn", mx.float32), ("shf", mx.float32),
+             ("xr", mx.float32), ("bits", mx.uint32)),
     templates=FLOATS,
 )
 

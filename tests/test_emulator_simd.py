@@ -274,6 +274,7 @@ def test_converged_helpers_on_a_full_group():
     np.testing.assert_array_equal(per_lane("mt_sum_converged(v)"), per_lane("simd_sum(v)"))
     assert np.all(per_lane("mt_sum_converged(v)") == v.sum())
     assert np.all(per_lane("mt_max_converged(v)") == v.max())
+    assert np.all(per_lane("mt_min_converged(uint(i) ^ 5u)", dtype=mx.uint32) == 0)
     np.testing.assert_array_equal(
         per_lane("mt_shuffle_converged(v, ushort((lane * 5 + 3) % 32))"), v[(LANES * 5 + 3) % 32])
     np.testing.assert_array_equal(per_lane("mt_shuffle_xor_converged(v, ushort(6))"),
@@ -285,8 +286,9 @@ def test_converged_helpers_on_a_full_group():
     ("lane == 3 ? -1.0f : mt_shuffle_converged(v, ushort(0))", 32, 3),
     ("mt_shuffle_converged(v, ushort(0))", 16, 16),  # a partial SIMD-group
     ("lane >= 8 ? mt_max_converged(v) : 0.0f", 32, 0),
+    ("lane != 7 ? mt_min_converged(v) : 0.0f", 32, 7),
     ("lane < 31 ? mt_shuffle_xor_converged(v, ushort(1)) : 0.0f", 32, 31),
-], ids=("branch", "one_lane", "partial_group", "max", "xor"))
+], ids=("branch", "one_lane", "partial_group", "max", "min", "xor"))
 def test_converged_helpers_refuse_a_missing_lane(expr, n, missing):
     """The converged promise is checked at every call: a missing lane is a hazard (where
     simd_sum / simd_shuffle would take the active lanes, CUDA's constant mask would not)."""

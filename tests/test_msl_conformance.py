@@ -122,7 +122,7 @@ def test_converged_helpers(executor, rng, dtype):
     for w in range(n // 32):
         part = slice(32 * w, 32 * w + 32)
         v = x[part].astype(np.float64)
-        want = {"sum": np.full(32, v.sum()), "mx": np.full(32, v.max()),
+        want = {"sum": np.full(32, v.sum()), "mx": np.full(32, v.max()), "mn": np.full(32, v.min()),
                 "shf": v[(lanes * 5 + 3) % 32], "xr": v[lanes ^ 5],
                 "bits": (32 * w + 31 - lanes) * 7}
         for name, expected in want.items():

@@ -208,7 +208,7 @@ MT_FN T quad_shuffle_up(T v, ushort delta) {
 // common.h's converged helpers (MT_SIMD_HELPERS): the caller promises all 32 lanes active,
 // so the mask is the constant full one. ptxas then issues a plain SHFL per shuffle, where
 // __activemask() costs a vote, a uniform-register move and a divergence branch per call
-// (2 to 8% of the MoE decode kernels' time on an H200). The sum and max are
+// (2 to 8% of the MoE decode kernels' time on an H200). The sum, max and min are
 // mt_group_reduce's all-lanes butterflies: the same order, the same results.
 #define MT_SIMD_HELPERS 1
 template <class T>
@@ -230,6 +230,14 @@ MT_FN T mt_max_converged(T v) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
     v = T(max(v, mt_shfl(0xffffffffu, v, int(mt_lane() ^ off))));
+  }
+  return v;
+}
+template <class T>
+MT_FN T mt_min_converged(T v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    v = T(min(v, mt_shfl(0xffffffffu, v, int(mt_lane() ^ off))));
   }
   return v;
 }

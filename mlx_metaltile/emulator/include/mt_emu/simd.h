@@ -291,6 +291,7 @@ MT_AI T collective(const std::source_location& loc, int op, int width, const T& 
 inline const char* converged_name(int op) {
   return op == OP_SUM           ? "mt_sum_converged"
          : op == OP_MAX         ? "mt_max_converged"
+         : op == OP_MIN         ? "mt_min_converged"
          : op == OP_XOR_SHUFFLE ? "mt_shuffle_xor_converged"
                                 : "mt_shuffle_converged";
 }
@@ -490,6 +491,10 @@ template <class T> MT_AI T mt_sum_converged(T x, MT_LOC) {
 template <class T> MT_AI T mt_max_converged(T x, MT_LOC) {
   MT_SIMD_T(mt_max_converged);
   return mt::converged(mt_loc, mt::OP_MAX, x, 0);
+}
+template <class T> MT_AI T mt_min_converged(T x, MT_LOC) {
+  MT_SIMD_T(mt_min_converged);
+  return mt::converged(mt_loc, mt::OP_MIN, x, 0);
 }
 #undef MT_SIMD_FAMILY
 #undef MT_SIMD_REDUCE
