@@ -84,10 +84,11 @@ inline uint mt_and_or(uint a, uint mask, uint bits) {
 // Converged SIMD-group functions: mt_shuffle_converged(v, lane) = simd_shuffle(v, lane),
 // mt_shuffle_xor_converged(v, mask) = simd_shuffle_xor(v, mask), mt_sum_converged(v) =
 // simd_sum(v), mt_max_converged(v) = simd_max(v) and mt_min_converged(v) = simd_min(v), where
-// the caller promises all 32 lanes of its SIMD-group active at the call (a full SIMD-group, no lane returned early, every branch around the call
-// uniform over it). The CUDA layer (MT_SIMD_HELPERS, mt_cuda/simd.cuh) then shuffles under a
-// constant full mask: no activemask vote and divergence branch per call. The emulator's own
-// versions (mt_emu/simd.h) check the promise at every call.
+// the caller promises all 32 lanes of its SIMD-group active at the call (a full SIMD-group,
+// no lane returned early, every branch around the call uniform over it). The CUDA layer
+// (MT_SIMD_HELPERS, mt_cuda/simd.cuh) then shuffles under a constant full mask: no
+// activemask vote and divergence branch per call. The emulator's own versions
+// (mt_emu/simd.h) check the promise at every call.
 #ifndef MT_SIMD_HELPERS
 template <typename U>
 inline U mt_shuffle_converged(U v, ushort lane) {
