@@ -43,8 +43,9 @@ class BarrierDivergence(KernelHazard):
 
 
 class InvalidSimdLane(KernelHazard):
-    """A SIMD-group function got a lane / delta / mask outside the SIMD-group, or (strict
-    mode) read a lane that is not active."""
+    """A SIMD-group function got a lane / delta / mask outside the SIMD-group, read a lane that
+    is not active (strict mode), or ran as a converged helper (common.h) without all 32 lanes
+    of its SIMD-group."""
 
 
 class SimdgroupMatrixHazard(KernelHazard):

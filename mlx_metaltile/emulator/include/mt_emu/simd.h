@@ -469,10 +469,11 @@ template <class T> MT_AI T quad_xor(T x, MT_LOC) {
   MT_SIMD_TI(quad_xor);
   return mt::collective(mt_loc, mt::OP_XOR, 4, x);
 }
-// common.h's converged helpers (MT_SIMD_HELPERS): simd_shuffle and simd_sum whose caller
-// promises all 32 lanes of its SIMD-group active at the call. The promise is checked at every
-// call: a lane that is not there (returned, elsewhere, or past a partial SIMD-group) is a
-// hazard, where simd_shuffle / simd_sum would have taken the active lanes.
+// common.h's converged helpers (MT_SIMD_HELPERS): simd_shuffle, simd_shuffle_xor, simd_sum,
+// simd_max and simd_min whose caller promises all 32 lanes of its SIMD-group active at the
+// call. The promise is checked at every call: a lane that is not there (returned, elsewhere,
+// or past a partial SIMD-group) is a hazard, where the simd_ function would have taken the
+// active lanes.
 #define MT_SIMD_HELPERS 1
 template <class T> MT_AI T mt_shuffle_converged(T x, ushort lane, MT_LOC) {
   MT_SIMD_T(mt_shuffle_converged);
