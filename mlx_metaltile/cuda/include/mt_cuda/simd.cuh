@@ -217,29 +217,23 @@ template <class T>
 MT_FN T mt_shuffle_xor_converged(T v, ushort mask) {
   return mt_shfl(0xffffffffu, v, int((mt_lane() ^ mask) & 31));
 }
-template <class T>
-MT_FN T mt_sum_converged(T v) {
+template <class T, class Op>
+MT_FN T mt_converged_reduce(T v, Op op) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
-    v = T(v + mt_shfl(0xffffffffu, v, int(mt_lane() ^ off)));
+    v = op(v, mt_shfl(0xffffffffu, v, int(mt_lane() ^ off)));
   }
   return v;
 }
 template <class T>
+MT_FN T mt_sum_converged(T v) { return mt_converged_reduce(v, [](T a, T b) { return T(a + b); }); }
+template <class T>
 MT_FN T mt_max_converged(T v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    v = T(max(v, mt_shfl(0xffffffffu, v, int(mt_lane() ^ off))));
-  }
-  return v;
+  return mt_converged_reduce(v, [](T a, T b) { return T(max(a, b)); });
 }
 template <class T>
 MT_FN T mt_min_converged(T v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    v = T(min(v, mt_shfl(0xffffffffu, v, int(mt_lane() ^ off))));
-  }
-  return v;
+  return mt_converged_reduce(v, [](T a, T b) { return T(min(a, b)); });
 }
 
 struct simd_vote {

@@ -268,9 +268,10 @@ template <class T> int resolve(mt_coll* const* L, char* err, size_t err_len) {
   return -1;
 }
 
+// `how`: resolve<T>, or resolve_converged<T> below for the converged helpers.
 template <class T>
 MT_AI T collective(const std::source_location& loc, int op, int width, const T& x,
-                   int64_t arg = 0, const T* x2 = nullptr) {
+                   int64_t arg = 0, const T* x2 = nullptr, mt_resolve_fn how = &resolve<T>) {
   T result;
   mt_coll c;
   c.op = op;
@@ -280,7 +281,7 @@ MT_AI T collective(const std::source_location& loc, int op, int width, const T& 
   c.in2 = x2;
   c.in3 = nullptr;
   c.out = &result;
-  c.resolve = &resolve<T>;
+  c.resolve = how;
   c.site = site_of(loc);
   mt_collective(&c);
   return result;
@@ -313,19 +314,7 @@ template <class T> int resolve_converged(mt_coll* const* L, char* err, size_t er
 
 template <class T>
 MT_AI T converged(const std::source_location& loc, int op, const T& x, int64_t arg) {
-  T result;
-  mt_coll c;
-  c.op = op;
-  c.width = 32;
-  c.arg = arg;
-  c.in = &x;
-  c.in2 = nullptr;
-  c.in3 = nullptr;
-  c.out = &result;
-  c.resolve = &resolve_converged<T>;
-  c.site = site_of(loc);
-  mt_collective(&c);
-  return result;
+  return collective<T>(loc, op, 32, x, arg, nullptr, &resolve_converged<T>);
 }
 
 template <class R> MT_AI R vote(const std::source_location& loc, int op, int width, bool x) {
