@@ -115,7 +115,7 @@ def run_and_check(x, w, scales, kind, group_size, backend, variant=None, expect=
     n, k = w.shape[0], w.shape[1] * 8
     m = x.size // k
     spec = None if backend == "reference" else _choose(
-        backend, m, variant, dtype, fp4_module._scale_mode(scales, group_size))
+        backend, m, variant, dtype, fp4_module._scale_mode(scales, group_size), group_size)
     launches = 1
     if spec is not None and spec.variant.startswith("simdgroup") and \
             _split_k(m, n, k)[0] > 1:
@@ -153,7 +153,7 @@ def run_and_check_dx(x, w, scales, g, kind, group_size, backend):
     # more rows where x's dtype holds the weights: W decoded for the product (the forward
     # too where its plan is the decoded one)
     decoded = int(on_kernels and m > fp4_module.DX_MAX_M and fp4_module._decoded_exact(
-        dtype, mode)) + int(on_kernels and _choose(backend, m, None, dtype, mode)
+        dtype, mode)) + int(on_kernels and _choose(backend, m, None, dtype, mode, group_size)
                             is fp4_module.DECODED_SPEC)
     names = ("fp4_qmm_dx", "fp4_qmm_decoded")
     before = [backends.launch_count(name, backend) for name in names]

@@ -9,6 +9,10 @@ Kernels (``variant=``):
   qmv        GEMV-shaped, for small M (decode); auto for M <= 8 (on cuda at M = 5..8 as
              its w-first kernel, fp4_qmm_qmv_wfirst: w read once)
   simdgroup  32x32 output tiles on simdgroup matrices; every Apple GPU; auto for M > 8
+  skinny     few rows on 8x8 simdgroup matrices of half / bfloat (fp4_qmm_skinny: w streamed
+             once per 32 rows of x, decoded straight into fragments, no threadgroup barrier
+             in the K loop); auto on cuda for SKINNY_M[backend] rows (tensor cores there),
+             half and bfloat x, every scale format but float scales of group 16
   mpp        32x32 tiles on MetalPerformancePrimitives matmul2d (16, 16, 32); auto for M > 8
              on Metal when macOS >= 26.2 and the GPU generation is >= 17 (as MLX's NAX)
   decoded    W decoded once by a kernel (fp4_qmm_decoded) into x's dtype, then MLX's
@@ -82,6 +86,13 @@ SUM_THREADS = 256
 # 62.7, M 512 553.8 / 100.8. Metal keeps its kernels until a Mac measures the plan there.
 DECODED_MIN_M = {"cuda": 64}
 DECODE_THREADS = 256
+# The skinny kernel (fp4_qmm_skinny.metal): auto on these backends for these rows of x
+# (half / bfloat x, _skinny_fits); its K slices for about SKINNY_TARGET_WARPS warps (the
+# template's LAUNCH PLAN). Tuning constants: the same math whichever kernel runs.
+SKINNY_M = {"cuda": range(2, 9)}
+SKINNY_TARGET_WARPS = 4096
+SKINNY_ROWS = 32  # rows of w per threadgroup
+SKINNY_MAX_SLICES = 8  # the template's MAX_SLICES
 FLOAT_SCALE_GROUPS = (16, 32, 64, 128)
 SCALE_FLOAT, SCALE_E8M0, SCALE_E4M3 = 0, 1, 2
 MODES = ("mxfp4", "nvfp4")  # MLX's fp4 modes (uint8 scales); mode=None reads the scales
@@ -172,6 +183,38 @@ QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC = register(
 )
 
 
+def _skinny_fits(dtype: mx.Dtype | None, scale_mode: int | None,
+                 group_size: int | None) -> bool:
+    """Whether the skinny kernel takes x of ``dtype`` with these scales: half or bfloat x
+    (its fragments) and a step of 32 codes in one scale group or each word's weights exact
+    in x's dtype (float scales of group 16 are neither)."""
+    return (dtype in (mx.float16, mx.bfloat16)
+            and not (scale_mode == SCALE_FLOAT and group_size == 16))
+
+
+def _skinny_bindings():
+    formats = ((mx.uint8, SCALE_E8M0), (mx.uint8, SCALE_E4M3), (mx.float32, SCALE_FLOAT))
+    for t in (mx.float16, mx.bfloat16):
+        for st, mode in formats:  # the group size is a runtime input
+            for mf in (1, 2, 4):
+                yield {"T": t, "ST": st, "SCALE_MODE": mode, "MF": mf}
+
+
+(SKINNY_SPEC,) = register(
+    KernelSpec(
+        op=OP, variant="skinny", template="fp4_qmm_skinny.metal",
+        inputs=(*_ARGS, *scalars("gs_shift")), outputs=_OUT,
+        params=("T", "ST", "SCALE_MODE", "MF"),
+        bindings=_skinny_bindings, dtypes=("float16", "bfloat16"),
+        geometry="threadgroup (32 S, 1, 1): S K slices of 32 rows of w and 8 MF rows of x; "
+                 "grid (32 S, N / 32, ceil(M / (8 MF))); S for ~SKINNY_TARGET_WARPS warps, "
+                 "<= 8",
+        notes="template T (half / bfloat), ST, SCALE_MODE (float scales of group >= 32), MF "
+              "(1, 2, 4: 8 MF rows of x per threadgroup); group size and S runtime",
+    ),
+)
+
+
 def _decoded_exact(dtype: mx.Dtype, scale_mode: int) -> bool:
     """Whether x's ``dtype`` holds every weight of the scale format exactly, the decoded
     plan's condition (fp4_qmm_decoded.metal): bfloat16 with E8M0 or E4M3 scales, float16
@@ -202,7 +245,7 @@ def _decoded_bindings():
     ),
 )
 VARIANT_SPECS = {spec.variant: spec
-                 for spec in (QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC, DECODED_SPEC)}
+                 for spec in (QMV_SPEC, SIMDGROUP_SPEC, MPP_SPEC, DECODED_SPEC, SKINNY_SPEC)}
 # The x-VJP dx = g @ W for MLX's modes (uint8 E8M0 / E4M3 scales): moe_gather_qmm's dx
 # kernel with one expert, every row's id 0, and the float32 weights (ROUND false: the
 # forward's products use them unrounded). Float scales keep the composite.
@@ -382,9 +425,13 @@ def _reference(x, w, scales, group_size: int, scale_mode: int) -> mx.array:
 
 # ---- variant choice and launch --------------------------------------------------------
 
-def _auto(backend: str, m: int, dtype: mx.Dtype | None, scale_mode: int | None) -> str:
-    """The variant ``auto`` picks: the GEMV for few rows, else mpp where the Metal device
-    has matrix units, else decoded from DECODED_MIN_M[backend] rows, else simdgroup."""
+def _auto(backend: str, m: int, dtype: mx.Dtype | None, scale_mode: int | None,
+          group_size: int | None = None) -> str:
+    """The variant ``auto`` picks: skinny for SKINNY_M[backend] rows where it takes the
+    arguments, else the GEMV for few rows, else mpp where the Metal device has matrix units,
+    else decoded from DECODED_MIN_M[backend] rows, else simdgroup."""
+    if m in SKINNY_M.get(backend, ()) and _skinny_fits(dtype, scale_mode, group_size):
+        return "skinny"
     if m <= QMV_MAX_M:
         return "qmv"
     if backend == "metal" and _device.metal_mpp_reason() is None:
@@ -395,11 +442,19 @@ def _auto(backend: str, m: int, dtype: mx.Dtype | None, scale_mode: int | None) 
 
 
 def _choose(backend: str, m: int, variant, dtype: mx.Dtype | None = None,
-            scale_mode: int | None = None) -> KernelSpec | None:
-    """The kernel for ``m`` rows of x of ``dtype`` with scales of ``scale_mode`` (these two
-    matter to the decoded plan only)."""
+            scale_mode: int | None = None, group_size: int | None = None
+            ) -> KernelSpec | None:
+    """The kernel for ``m`` rows of x of ``dtype`` with scales of ``scale_mode`` and
+    ``group_size`` (these matter to the decoded and skinny plans only)."""
     spec = choose_variant(OP, VARIANT_SPECS, variant, backend,
-                          lambda: _auto(backend, m, dtype, scale_mode))
+                          lambda: _auto(backend, m, dtype, scale_mode, group_size))
+    if spec is SKINNY_SPEC and dtype is not None and not _skinny_fits(
+            dtype, scale_mode, group_size):
+        raise ValueError(
+            f"[{OP}] variant 'skinny' takes float16 or bfloat16 x with uint8 (mxfp4 / "
+            "nvfp4) scales or float scales of group_size >= 32; got "
+            f"{dtype_name(dtype)} x with {_SCALE_NAMES[scale_mode]} scales of group_size "
+            f"{group_size}")
     if spec is DECODED_SPEC and dtype is not None and not _decoded_exact(dtype, scale_mode):
         raise ValueError(
             f"[{OP}] variant 'decoded' decodes W into x's dtype, which must hold every "
@@ -451,6 +506,22 @@ def _qmv_slices(m: int, n: int, k: int, mb: int, backend: str) -> int:
     return -(-steps // per_slice)
 
 
+def _skinny_rows(m: int) -> int:
+    """MF of the skinny kernel: 8-row fragments of x per threadgroup (1, 2 or 4)."""
+    return 1 << (min(-(-m // 8), 4) - 1).bit_length()
+
+
+def _skinny_slices(m: int, n: int, k: int, mf: int) -> int:
+    """The skinny launch plan's S (the template's LAUNCH PLAN): K slices for about
+    SKINNY_TARGET_WARPS warps, at most one per 32-wide step and the template's MAX_SLICES,
+    the steps dealt evenly."""
+    steps = k // 32
+    tgs = (n // SKINNY_ROWS) * -(-m // (8 * mf))
+    wanted = max(1, min(SKINNY_MAX_SLICES, steps, -(-SKINNY_TARGET_WARPS // tgs)))
+    per_slice = -(-steps // wanted)
+    return -(-steps // per_slice)
+
+
 def _split_k(m: int, n: int, k: int) -> tuple[int, int]:
     """(parts, Kp): how the simdgroup kernel splits K. As MLX's qmm_splitk, about
     SPLITK_TARGET_TGS threadgroups; each part is Kp = a whole number of 32-wide K steps, the
@@ -483,7 +554,15 @@ def _launcher(spec: KernelSpec, m: int, n: int, k: int, mode: int, group_size: i
               "n_cols": scalar(n, mx.uint32), "k_cols": scalar(k, mx.uint32)}
     parts, out_dtype = 1, t
     gs_shift = scalar(group_size.bit_length() - 1, mx.uint32)
-    if spec.variant == "qmv":
+    if spec.variant == "skinny":
+        mf = _skinny_rows(m)
+        threads = backends.SIMD_WIDTH * _skinny_slices(m, n, k, mf)
+        template["MF"] = mf
+        inputs["gs_shift"] = gs_shift
+        grid = (threads, n // SKINNY_ROWS, -(-m // (8 * mf)))
+        threadgroup = (threads, 1, 1)
+        tg_mem = SKINNY_MAX_SLICES * SKINNY_ROWS * 8 * mf * 4  # the template's regions
+    elif spec.variant == "qmv":
         mb = _qmv_rows(m, backend)
         threads = backends.SIMD_WIDTH * QMV_SIMDGROUPS * _qmv_slices(m, n, k, mb, backend)
         wfirst = _qmv_wfirst(mb, backend)
@@ -585,9 +664,10 @@ def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | Non
         Decoding follows MLX's Metal kernels bit for bit: E8M0 s -> 2^(s - 127) (0 -> 2^-127,
         255 -> inf); E4M3 without NaN (0x7F / 0xFF read as +-480, which mx.quantize never
         writes); nvfp4's optional global scale is not taken.
-      variant: None (auto) or "qmv", "simdgroup", "mpp", "decoded" to force a kernel; a
-        variant that cannot run on the current backend raises ValueError, as "decoded" does
-        where x's dtype cannot hold every weight exactly. Kernel backends only.
+      variant: None (auto) or "qmv", "skinny", "simdgroup", "mpp", "decoded" to force a
+        kernel; a variant that cannot run on the current backend raises ValueError, as
+        "decoded" does where x's dtype cannot hold every weight exactly and "skinny" for
+        float32 x or float scales of group 16. Kernel backends only.
       stream: MLX's StreamOrDevice (None, an mx.Stream, an mx.Device, mx.cpu / mx.gpu):
         where the composite's ops or the kernel run.
 
@@ -618,7 +698,7 @@ def _plan(x, w, scales, group_size, mode, variant, backend: str, stream) -> Call
     ``run(x, w, scales)``. Reads no argument array but its shape and dtype."""
     m, n, k, scale_mode, group_size = _check_fp4_qmm(x, w, scales, group_size, mode)
     out_shape = (*x.shape[:-1], n)
-    spec = _choose(backend, m, variant, x.dtype, scale_mode)
+    spec = _choose(backend, m, variant, x.dtype, scale_mode, group_size)
     on_stream(OP, stream)  # refuses what is not a stream
     dtype, x_shape = x.dtype, tuple(x.shape)
     # The decode kernel (prepared once) serves the decoded plan's forward and, past DX_MAX_M

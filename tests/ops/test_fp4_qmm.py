@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import math
 
 import mlx.core as mx
 import numpy as np
@@ -43,13 +42,18 @@ def no_split(monkeypatch):
     monkeypatch.setattr(op_module, "SPLITK_TARGET_TGS", 1)
 
 
-def kernel_variant(backend: str, variant: str, dtype=None, kind: str = "e8m0") -> None:
+def kernel_variant(backend: str, variant: str, dtype=None, kind: str = "e8m0",
+                   group_size: int = 32) -> None:
     """Skip a variant the backend cannot run here (mpp needs an M5-class Mac or emulator MPP),
-    or for x of ``dtype`` with ``kind`` scales (decoded: where x's dtype holds every weight
-    exactly; its refusal elsewhere is tested apart)."""
+    or for x of ``dtype`` with ``kind`` scales of ``group_size`` (decoded: where x's dtype
+    holds every weight exactly; skinny: half / bfloat x, no float scales of group 16; their
+    refusals elsewhere are tested apart)."""
     if variant == "decoded" and dtype is not None and not op_module._decoded_exact(
             dtype, SCALE_MODES[kind]):
         pytest.skip(f"decoded: {dtype_id(dtype)} x with {kind} scales is refused")
+    if variant == "skinny" and dtype is not None and not op_module._skinny_fits(
+            dtype, SCALE_MODES[kind], group_size):
+        pytest.skip(f"skinny: {dtype_id(dtype)} x with {kind}/{group_size} scales is refused")
     if variant == "mpp":
         reason = variant_reason(op_module.MPP_SPEC, backend)
         if reason is not None:
@@ -75,8 +79,7 @@ def test_auto_matches_oracle(any_backend, poisoned_outputs, rng, m, nk):
     x, w, s = make_case(rng, m, nk, nk, mx.bfloat16)
     expect = None
     if any_backend in ("emulator", "cuda"):
-        decoded = m >= op_module.DECODED_MIN_M.get(any_backend, math.inf)
-        expect = "qmv" if m <= 8 else "decoded" if decoded else "simdgroup"
+        expect = op_module._auto(any_backend, m, mx.bfloat16, op_module.SCALE_E8M0, 32)
     run_and_check(x, w, s, "e8m0", 32, any_backend, expect=expect)
 
 
@@ -84,7 +87,7 @@ def test_auto_matches_oracle(any_backend, poisoned_outputs, rng, m, nk):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_scale_formats(kernel_backend, poisoned_outputs, rng, variant, dtype, kind, group_size):
-    kernel_variant(kernel_backend, variant, dtype, kind)
+    kernel_variant(kernel_backend, variant, dtype, kind, group_size)
     m = 5 if variant == "qmv" else 37
     x, w, s = make_case(rng, m, 64, 128, dtype, kind, group_size)
     run_and_check(x, w, s, kind, group_size, kernel_backend, variant=variant, expect=variant)
@@ -217,7 +220,7 @@ def test_non_contiguous_w_and_scales(kernel_backend, poisoned_outputs, rng, vari
     kernel_variant(kernel_backend, variant)
     m = 3 if variant == "qmv" else 35
     kind, gs, dtype = ("e8m0", 32, mx.bfloat16) if variant == "decoded" else (
-        "float16", 32, mx.float32)
+        "float16", 32, mx.float16 if variant == "skinny" else mx.float32)
     w_big, s_big = make_w(rng, 128, 128), make_scales(rng, 128, 128, kind, gs)
     w, s = w_big[::2], mx.swapaxes(mx.swapaxes(s_big, 0, 1)[:, 1::2], 0, 1)  # [64, 16], [64, 4]
     x = make_x(rng, (m,), 128, dtype)
@@ -305,8 +308,8 @@ def test_kernel_decode_equals_mlx_dequantize(kernel_backend, poisoned_outputs, r
     code 8 (present in the case)."""
     kernel_variant(kernel_backend, variant)
     w, s, gs = _decode_case(rng, kind)
-    # decoded: bfloat16 x (each weight is exact in bfloat16, and 1 * w + 0s is w)
-    x = mx.eye(64, dtype=mx.bfloat16 if variant == "decoded" else mx.float32)
+    # decoded, skinny: bfloat16 x (each weight is exact in bfloat16, and 1 * w + 0s is w)
+    x = mx.eye(64, dtype=mx.bfloat16 if variant in ("decoded", "skinny") else mx.float32)
     out = mt.fp4_qmm(x, w, s, group_size=gs, variant=variant)
     mode = "mxfp4" if kind == "e8m0" else "nvfp4"
     theirs = np.array(mx.dequantize(w, s, group_size=gs, mode=mode, dtype=mx.float32))
@@ -352,7 +355,19 @@ def test_auto_choice_by_backend_and_m(monkeypatch):
     assert choose("emulator", 512, None) is op_module.SIMDGROUP_SPEC
     low, e8m0, e4m3 = (op_module.DECODED_MIN_M["cuda"], op_module.SCALE_E8M0,
                        op_module.SCALE_E4M3)
-    assert choose("cuda", 9, None, mx.bfloat16, e8m0) is op_module.SIMDGROUP_SPEC
+    skinny = op_module.SKINNY_M["cuda"]
+    assert choose("cuda", 1, None, mx.bfloat16, e8m0, 32) is op_module.QMV_SPEC
+    for m in (skinny[0], skinny[len(skinny) // 2], skinny[-1]):
+        assert choose("cuda", m, None, mx.bfloat16, e8m0, 32) is op_module.SKINNY_SPEC
+        assert choose("cuda", m, None, mx.float16, e4m3, 16) is op_module.SKINNY_SPEC
+        assert choose("cuda", m, None, mx.float16, op_module.SCALE_FLOAT, 64) is \
+            op_module.SKINNY_SPEC
+        # float32 x, float scales of group 16: the kernels before
+        assert choose("cuda", m, None, mx.float32, e8m0, 32) is not op_module.SKINNY_SPEC
+        assert choose("cuda", m, None, mx.bfloat16, op_module.SCALE_FLOAT, 16) is not \
+            op_module.SKINNY_SPEC
+    assert choose("emulator", 8, None, mx.bfloat16, e8m0, 32) is op_module.QMV_SPEC
+    assert choose("cuda", skinny[-1] + 1, None, mx.bfloat16, e8m0) is op_module.SIMDGROUP_SPEC
     assert choose("cuda", low - 1, None, mx.bfloat16, e8m0) is op_module.SIMDGROUP_SPEC
     assert choose("cuda", low, None, mx.bfloat16, e8m0) is op_module.DECODED_SPEC
     assert choose("cuda", low, None, mx.float16, e4m3) is op_module.DECODED_SPEC
@@ -461,7 +476,10 @@ def test_instantiations_match_the_launches(launch_recorder, monkeypatch, rng):
                 if variant == "decoded" and not op_module._decoded_exact(
                         dtype, SCALE_MODES[kind]):
                     continue  # refused (test_decoded_refuses_what_x_dtype_cannot_hold)
-                for m in (1, 2, 3, 8, 40):
+                if variant == "skinny" and not op_module._skinny_fits(
+                        dtype, SCALE_MODES[kind], gs):
+                    continue  # refused (test_skinny_refuses_what_it_cannot_take)
+                for m in (1, 2, 3, 8, 9, 17, 40):
                     mt.fp4_qmm(x[:m], w, s, group_size=gs, variant=variant)
     names = {name for name, *_ in launch_recorder.seen}
     assert names == {f"fp4_qmm_{v}" for v in (*VARIANTS, "splitk_sum")}
@@ -469,20 +487,22 @@ def test_instantiations_match_the_launches(launch_recorder, monkeypatch, rng):
 
 
 def test_instantiations_match_the_cuda_launches(launch_recorder, monkeypatch, rng):
-    """The same for cuda's qmv plan (MB 8 w-first, its own kernel), and MB 8 held x forced."""
+    """The same for cuda's plans: qmv (MB 8 w-first, its own kernel; MB 8 held x forced) and
+    skinny (M 2..32, half / bfloat x)."""
     monkeypatch.setattr(backends, "resolve_backend", lambda name=None: "cuda")
     clear_plans()
     for dtype in DTYPES:
         for kind, gs in SCALE_KINDS:
-            x, w, s = make_case(rng, 8, 64, 128, dtype, kind, gs)
+            x, w, s = make_case(rng, 32, 64, 128, dtype, kind, gs)
             for wfirst in (None, False):
                 monkeypatch.setattr(op_module, "QMV_WFIRST", wfirst)
                 clear_plans()
-                for m in (1, 2, 3, 5, 8):
+                for m in (1, 2, 3, 5, 8, 9, 17, 32):
                     mt.fp4_qmm(x[:m], w, s, group_size=gs)
     clear_plans()
     names = {name for name, *_ in launch_recorder.seen}
-    assert names == {"fp4_qmm_qmv", "fp4_qmm_qmv_wfirst"}
+    assert names == {"fp4_qmm_qmv", "fp4_qmm_qmv_wfirst", "fp4_qmm_skinny",
+                     "fp4_qmm_simdgroup", "fp4_qmm_splitk_sum"}
     launch_recorder.assert_declared()
 
 
@@ -516,6 +536,8 @@ BREAKS = {
     "simdgroup": ("float2(mt_e2m1x2(word >> (4 * j))) * s", "float2(mt_e2m1x2(word >> (4 * j)))"),
     "mpp": ("mt_e2m1x2(word >> (4 * j))", "mt_e2m1x2(word >> (4 * (j & 2)))"),
     "decoded": ("size_t(row) * ((k_words * 8) >> gs_shift)", "size_t(0)"),
+    # skinny: x staged in plain K order, not the permutation its w fragments take
+    "skinny": ("xt[m * XS + 8u * (p & 3u) + 2u * i + (p >> 2)]", "xt[m * XS + 8u * i + p]"),
 }
 
 
@@ -525,7 +547,7 @@ def test_negative_control_broken_kernel(kernel_backend, broken_kernel, rng, vari
     broken_kernel(op_module.VARIANT_SPECS[variant], BREAKS[variant])
     # qmv at M = 3: its held-x kernel on every backend (the w-first form has its own controls)
     x, w, s = make_case(rng, 3 if variant == "qmv" else 33, 64, 64,
-                        mx.bfloat16 if variant == "decoded" else mx.float32)
+                        {"decoded": mx.bfloat16, "skinny": mx.float16}.get(variant, mx.float32))
     with pytest.raises(AssertionError, match="out of tolerance"):
         run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant=variant)
 
@@ -568,6 +590,10 @@ UNGUARDED = {
                        ("(m_tile + lr)", "k0, true, xv")),
     "mpp-load": ("mpp", "a[i] = row < M ? x[", "a[i] = true ? x["),
     "mpp-store": ("mpp", "    if (row < M) {\n      out", "    if (true) {\n      out"),
+    "skinny-load": ("skinny", ("size_t(live ? m0 + m : 0u)", "live, v);"),
+                    ("size_t(m0 + m)", "true, v);")),
+    "skinny-store": ("skinny", "  if (m0 + m < M) {\n    float total",
+                     "  if (true) {\n    float total"),
 }
 
 
@@ -581,7 +607,8 @@ def test_negative_control_unguarded_rows_fault_on_the_emulator(broken_kernel, rn
 
     edits = zip(old, new, strict=True) if isinstance(old, tuple) else [(old, new)]
     broken_kernel(op_module.VARIANT_SPECS[variant], *edits)
-    x, w, s = make_case(rng, 5 if variant == "qmv" else 33, 32, 64, mx.float32)
+    x, w, s = make_case(rng, 5 if variant == "qmv" else 33, 32, 64,
+                        mx.float16 if variant == "skinny" else mx.float32)
     with backends.use_backend("emulator"), pytest.raises(emulator.OutOfBoundsAccess):
         mx.eval(mt.fp4_qmm(x, w, s, variant=variant))
 
@@ -1178,6 +1205,53 @@ def test_decoded_refuses_what_x_dtype_cannot_hold(kernel_backend, rng, dtype, ki
                                          rf"x's dtype, .* got {dtype_id(dtype)} x with "
                                          rf"{scales}"):
         mt.fp4_qmm(x, w, s, group_size=group_size, variant="decoded")
+
+
+@pytest.mark.parametrize("target", (1, 10**6), ids=("S1", "Smax"))
+@pytest.mark.parametrize("m, k", ((2, 96), (16, 160), (31, 512), (33, 64), (70, 288)))
+@pytest.mark.parametrize("kind, group_size", (("e8m0", 32), ("e4m3", 16), ("float16", 128)))
+def test_skinny_slices_and_row_blocks(kernel_backend, poisoned_outputs, monkeypatch, rng,
+                                      target, m, k, kind, group_size):
+    """The skinny kernel's plans: one K slice, or as many as the steps allow (ragged: 5 or
+    9 steps over 8 slices), M past one block of 32 rows (two and three blocks, the last
+    ragged), every scale format it takes."""
+    if k % group_size:
+        pytest.skip("K must hold whole groups")
+    monkeypatch.setattr(op_module, "SKINNY_TARGET_WARPS", target)
+    clear_plans()
+    x, w, s = make_case(rng, m, 96, k, mx.bfloat16 if m % 2 else mx.float16, kind,
+                        group_size)
+    run_and_check(x, w, s, kind, group_size, kernel_backend, variant="skinny",
+                  expect="skinny")
+    clear_plans()
+
+
+@pytest.mark.parametrize("dtype, kind, group_size, scales", [
+    (mx.float32, "e8m0", 32, "E8M0"), (mx.float32, "float32", 64, "float"),
+    (mx.float16, "float32", 16, "float"), (mx.bfloat16, "bfloat16", 16, "float")], ids=str)
+def test_skinny_refuses_what_it_cannot_take(kernel_backend, rng, dtype, kind, group_size,
+                                            scales):
+    """The skinny kernel multiplies half / bfloat fragments, a 32-wide K step under one
+    scale (or each word's weights exact in x's dtype): forced on float32 x or float scales
+    of group 16, it raises naming what it got."""
+    x, w, s = make_case(rng, 8, 64, 128, dtype, kind, group_size)
+    with pytest.raises(ValueError, match=rf"^\[fp4_qmm\] variant 'skinny' takes float16 or "
+                                         rf"bfloat16 x .* got {dtype_id(dtype)} x with "
+                                         rf"{scales}.* scales of group_size {group_size}$"):
+        mt.fp4_qmm(x, w, s, group_size=group_size, variant="skinny")
+
+
+def test_negative_control_skinny_step_scales(broken_kernel, rng):
+    """The skinny kernel scales each 32-wide step by its own group's scale: applying the
+    slice's first step's scale to every step fails the oracle (groups of 32 differ)."""
+    require_backend("emulator")
+    broken_kernel(op_module.SKINNY_SPEC, ("sc[i] = sq[i];",
+                                          "sc[i] = u == u_begin ? sq[i] : sc[i];"))
+    x, w, s = make_case(rng, 9, 64, 1024, mx.bfloat16, "e8m0", 32)  # 4 steps a slice
+    assert op_module._skinny_slices(9, 64, 1024, 2) == 8
+    with backends.use_backend("emulator"), pytest.raises(AssertionError,
+                                                         match="out of tolerance"):
+        run_and_check(x, w, s, "e8m0", 32, "emulator", variant="skinny", expect="skinny")
 
 
 # ---- the x-VJP (dx = g @ W) -------------------------------------------------------------
