@@ -40,9 +40,10 @@
 //   x's B fragment (mt_mma_pair: one m16n8k8 of 16 rows on CUDA, none wasted). E8M0 / float:
 //   the step's products go to zeroed sums d, then acc += c * d per element (the lane's row
 //   is one row of w: its scale). E4M3: straight into acc.
-//   Loads in flight: the next step's 4 words (and scales) are loaded before this step's x is
-//   staged and multiplied. Combine: each SIMD-group stores its accumulators ([s][n][m]
-//   floats); after one barrier, thread t adds the S slices of outputs t, t + 32 S, ...
+//   Loads in flight: each step's 4 words (and scales) are loaded two steps ahead of their
+//   products; x's values a and a + 4 of a unit (adjacent columns) go out in one 4-byte
+//   store. Combine: each SIMD-group stores its accumulators ([s][n][m] floats); after one
+//   barrier, thread t adds the S slices of outputs t, t + 32 S, ...
 //   Why for NVIDIA: the GEMV-shaped kernel (fp4_qmm_qmv.metal) spends 2 conversions and an
 //   FMA per code and row of x on the CUDA cores at M = 5..8; here the tensor cores take the
 //   products (8 MF mma per 32-wide step of 32 rows) and the CUDA cores decode each code once.
@@ -111,15 +112,18 @@ for (uint i = 0; i < 4; ++i) {
   }
 }
 
-// The step's words and scales (E8M0 / float: the step's group; E4M3: the word's group).
-uint wq[4];
-float sq[4];
-if (u_begin < u_end) {
+// The words and scales of the next two steps (E8M0 / float: the step's group; E4M3: the
+// word's group), loaded two steps ahead of their products.
+uint wq[2][4];
+float sq[2][4];
+for (uint h = 0; h < 2; ++h) {
+  const uint u = u_begin + h;
   for (uint i = 0; i < 4; ++i) {
-    wq[i] = w[w_row0 + size_t(8 * i) * k_words + 4u * u_begin];
-    const uint g = STEP_SCALED ? ((32u * u_begin) >> gs_shift)
-                               : ((32u * u_begin + 8u * q) >> gs_shift);
-    sq[i] = mt_fp4_scale<SCALE_MODE>(scales[s_row0 + size_t(8 * i) * k_groups + g]);
+    if (u < u_end) {
+      wq[h][i] = w[w_row0 + size_t(8 * i) * k_words + 4u * u];
+      const uint g = STEP_SCALED ? ((32u * u) >> gs_shift) : ((32u * u + 8u * q) >> gs_shift);
+      sq[h][i] = mt_fp4_scale<SCALE_MODE>(scales[s_row0 + size_t(8 * i) * k_groups + g]);
+    }
   }
 }
 threadgroup float* mine = regions + slice * REGION;
@@ -128,15 +132,17 @@ for (uint u = u_begin; u < u_end; ++u) {
   uint wc[4];
   float sc[4];
   for (uint i = 0; i < 4; ++i) {
-    wc[i] = wq[i];
-    sc[i] = sq[i];
+    wc[i] = wq[0][i];
+    sc[i] = sq[0][i];
+    wq[0][i] = wq[1][i];
+    sq[0][i] = sq[1][i];
   }
-  if (u + 1u < u_end) {  // the next step's loads, in flight during this one
+  if (u + 2u < u_end) {  // the loads two steps ahead, in flight during this one
     for (uint i = 0; i < 4; ++i) {
-      wq[i] = w[w_row0 + size_t(8 * i) * k_words + 4u * (u + 1u)];
-      const uint g = STEP_SCALED ? ((32u * (u + 1u)) >> gs_shift)
-                                 : ((32u * (u + 1u) + 8u * q) >> gs_shift);
-      sq[i] = mt_fp4_scale<SCALE_MODE>(scales[s_row0 + size_t(8 * i) * k_groups + g]);
+      wq[1][i] = w[w_row0 + size_t(8 * i) * k_words + 4u * (u + 2u)];
+      const uint g = STEP_SCALED ? ((32u * (u + 2u)) >> gs_shift)
+                                 : ((32u * (u + 2u) + 8u * q) >> gs_shift);
+      sq[1][i] = mt_fp4_scale<SCALE_MODE>(scales[s_row0 + size_t(8 * i) * k_groups + g]);
     }
   }
   // x's XR x 32 values of the step, in PERMUTATION order: lane l takes units l + 32 j
@@ -148,8 +154,9 @@ for (uint u = u_begin; u < u_end; ++u) {
     const bool live = m0 + m < M;
     float v[8];
     mt_load_live<8>(x + size_t(live ? m0 + m : 0u) * K + 32u * u + 8u * i, live, v);
-    for (uint p = 0; p < 8; ++p) {
-      xt[m * XS + 8u * (p & 3u) + 2u * i + (p >> 2)] = T(v[p]);  // exact: x is T
+    for (uint a = 0; a < 4; ++a) {  // values a and a + 4: columns 2 i, 2 i + 1 of fragment a
+      *reinterpret_cast<threadgroup vec<T, 2>*>(xt + m * XS + 8u * a + 2u * i) =
+          vec<T, 2>(T(v[a]), T(v[a + 4]));  // exact: x is T
     }
   }
   simdgroup_barrier(mem_flags::mem_threadgroup);

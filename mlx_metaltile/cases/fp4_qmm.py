@@ -209,6 +209,7 @@ VARIANT_CALLS = {
     "simdgroup": functools.partial(_variant_call, "simdgroup"),
     "mpp": functools.partial(_variant_call, "mpp"),
     "decoded": functools.partial(_variant_call, "decoded"),
+    "skinny": functools.partial(_variant_call, "skinny"),
     "splitk_sum": functools.partial(_variant_call, "simdgroup"),
 }
 

@@ -89,10 +89,15 @@ DECODE_THREADS = 256
 # The skinny kernel (fp4_qmm_skinny.metal): auto on these backends for these rows of x
 # (half / bfloat x, _skinny_fits); its K slices for about SKINNY_TARGET_WARPS warps (the
 # template's LAUNCH PLAN). Tuning constants: the same math whichever kernel runs.
-SKINNY_M = {"cuda": range(2, 9)}
+SKINNY_M = {"cuda": range(2, 33)}
 SKINNY_TARGET_WARPS = 4096
 SKINNY_ROWS = 32  # rows of w per threadgroup
 SKINNY_MAX_SLICES = 8  # the template's MAX_SLICES
+# 8-row fragments of x per threadgroup, at most (the template's MF): 2, measured on an H200
+# (mxfp4, N = K = 4096, us, MF at most 4 / 2): bfloat16 M 24 62.3-64.6 / 54.8-60.1, M 32
+# 62.5-64.3 / 54.1-61.2; float16 M 24 57.0-66.1 / 52.3-53.2, M 32 61.5-66.5 / 47.9 (two
+# blocks of 16 rows, w read twice, against one of 32 whose products and staging double).
+SKINNY_MAX_MF = 2
 FLOAT_SCALE_GROUPS = (16, 32, 64, 128)
 SCALE_FLOAT, SCALE_E8M0, SCALE_E4M3 = 0, 1, 2
 MODES = ("mxfp4", "nvfp4")  # MLX's fp4 modes (uint8 scales); mode=None reads the scales
@@ -507,8 +512,9 @@ def _qmv_slices(m: int, n: int, k: int, mb: int, backend: str) -> int:
 
 
 def _skinny_rows(m: int) -> int:
-    """MF of the skinny kernel: 8-row fragments of x per threadgroup (1, 2 or 4)."""
-    return 1 << (min(-(-m // 8), 4) - 1).bit_length()
+    """MF of the skinny kernel: 8-row fragments of x per threadgroup (1, 2 or 4; at most
+    SKINNY_MAX_MF)."""
+    return 1 << (min(-(-m // 8), SKINNY_MAX_MF) - 1).bit_length()
 
 
 def _skinny_slices(m: int, n: int, k: int, mf: int) -> int:

@@ -537,7 +537,7 @@ BREAKS = {
     "mpp": ("mt_e2m1x2(word >> (4 * j))", "mt_e2m1x2(word >> (4 * (j & 2)))"),
     "decoded": ("size_t(row) * ((k_words * 8) >> gs_shift)", "size_t(0)"),
     # skinny: x staged in plain K order, not the permutation its w fragments take
-    "skinny": ("xt[m * XS + 8u * (p & 3u) + 2u * i + (p >> 2)]", "xt[m * XS + 8u * i + p]"),
+    "skinny": ("vec<T, 2>(T(v[a]), T(v[a + 4]))", "vec<T, 2>(T(v[a + 4]), T(v[a]))"),
 }
 
 
@@ -1207,16 +1207,18 @@ def test_decoded_refuses_what_x_dtype_cannot_hold(kernel_backend, rng, dtype, ki
         mt.fp4_qmm(x, w, s, group_size=group_size, variant="decoded")
 
 
+@pytest.mark.parametrize("mf", (2, 4), ids=("MF2", "MF4"))
 @pytest.mark.parametrize("target", (1, 10**6), ids=("S1", "Smax"))
 @pytest.mark.parametrize("m, k", ((2, 96), (16, 160), (31, 512), (33, 64), (70, 288)))
 @pytest.mark.parametrize("kind, group_size", (("e8m0", 32), ("e4m3", 16), ("float16", 128)))
 def test_skinny_slices_and_row_blocks(kernel_backend, poisoned_outputs, monkeypatch, rng,
-                                      target, m, k, kind, group_size):
+                                      mf, target, m, k, kind, group_size):
     """The skinny kernel's plans: one K slice, or as many as the steps allow (ragged: 5 or
-    9 steps over 8 slices), M past one block of 32 rows (two and three blocks, the last
-    ragged), every scale format it takes."""
+    9 steps over 8 slices), M past one block of rows (blocks of 16 or 32 rows: MF 2, the
+    plan's, or 4; the last block ragged), every scale format it takes."""
     if k % group_size:
         pytest.skip("K must hold whole groups")
+    monkeypatch.setattr(op_module, "SKINNY_MAX_MF", mf)
     monkeypatch.setattr(op_module, "SKINNY_TARGET_WARPS", target)
     clear_plans()
     x, w, s = make_case(rng, m, 96, k, mx.bfloat16 if m % 2 else mx.float16, kind,
@@ -1242,11 +1244,12 @@ def test_skinny_refuses_what_it_cannot_take(kernel_backend, rng, dtype, kind, gr
 
 
 def test_negative_control_skinny_step_scales(broken_kernel, rng):
-    """The skinny kernel scales each 32-wide step by its own group's scale: applying the
-    slice's first step's scale to every step fails the oracle (groups of 32 differ)."""
+    """The skinny kernel scales each 32-wide step by its own group's scale: the next step's
+    scale in its place (for one element of each pair) fails the oracle (groups of 32
+    differ)."""
     require_backend("emulator")
-    broken_kernel(op_module.SKINNY_SPEC, ("sc[i] = sq[i];",
-                                          "sc[i] = u == u_begin ? sq[i] : sc[i];"))
+    broken_kernel(op_module.SKINNY_SPEC, ("acc[i][f].thread_elements()[0] += sc[i] *",
+                                          "acc[i][f].thread_elements()[0] += sq[0][i] *"))
     x, w, s = make_case(rng, 9, 64, 1024, mx.bfloat16, "e8m0", 32)  # 4 steps a slice
     assert op_module._skinny_slices(9, 64, 1024, 2) == 8
     with backends.use_backend("emulator"), pytest.raises(AssertionError,
