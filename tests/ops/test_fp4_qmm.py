@@ -1209,12 +1209,12 @@ def test_decoded_refuses_what_x_dtype_cannot_hold(kernel_backend, rng, dtype, ki
 
 @pytest.mark.parametrize("mf", (2, 4), ids=("MF2", "MF4"))
 @pytest.mark.parametrize("target", (1, 10**6), ids=("S1", "Smax"))
-@pytest.mark.parametrize("m, k", ((2, 96), (16, 160), (31, 512), (33, 64), (70, 288)))
+@pytest.mark.parametrize("m, k", ((2, 96), (16, 160), (31, 512), (33, 64), (70, 544)))
 @pytest.mark.parametrize("kind, group_size", (("e8m0", 32), ("e4m3", 16), ("float16", 128)))
 def test_skinny_slices_and_row_blocks(kernel_backend, poisoned_outputs, monkeypatch, rng,
                                       mf, target, m, k, kind, group_size):
-    """The skinny kernel's plans: one K slice, or as many as the steps allow (ragged: 5 or
-    9 steps over 8 slices), M past one block of rows (blocks of 16 or 32 rows: MF 2, the
+    """The skinny kernel's plans: one K slice, or as many as the steps allow (K = 544: 17
+    steps over 9 slices, the last one shorter), M past one block of rows (blocks of 16 or 32 rows: MF 2, the
     plan's, or 4; the last block ragged), every scale format it takes."""
     if k % group_size:
         pytest.skip("K must hold whole groups")
@@ -1250,8 +1250,8 @@ def test_negative_control_skinny_step_scales(broken_kernel, rng):
     require_backend("emulator")
     broken_kernel(op_module.SKINNY_SPEC, ("acc[i][f].thread_elements()[0] += sc[i] *",
                                           "acc[i][f].thread_elements()[0] += sq[0][i] *"))
-    x, w, s = make_case(rng, 9, 64, 1024, mx.bfloat16, "e8m0", 32)  # 4 steps a slice
-    assert op_module._skinny_slices(9, 64, 1024, 2) == 8
+    x, w, s = make_case(rng, 9, 64, 2048, mx.bfloat16, "e8m0", 32)  # 4 steps a slice
+    assert op_module._skinny_slices(9, 64, 2048, 2) == 16
     with backends.use_backend("emulator"), pytest.raises(AssertionError,
                                                          match="out of tolerance"):
         run_and_check(x, w, s, "e8m0", 32, "emulator", variant="skinny", expect="skinny")
