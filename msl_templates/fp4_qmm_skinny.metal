@@ -53,7 +53,7 @@
 //   threadgroup (N / 32 times in all, from cache), 8 values per mt_load_live; out once.
 //
 // DISPATCH INVARIANTS (the wrapper derives them from validated shapes):
-//   threadgroup = (32 S, 1, 1), S in [1, MAX_SLICES] (16; 8 at MF 4);
+//   threadgroup = (32 S, 1, 1), S in [1, MAX_SLICES = 8];
 //   grid = (32 S, N / 32, ceil(M / XR)): threadgroup_position_in_grid.y is the block of 32
 //   rows of w, .z the block of XR rows of x.
 //   N % 32 == 0 and K % 32 == 0 (checked): no row or K tail. GS divides K, GS >= 32 for E8M0
@@ -61,16 +61,17 @@
 //   GS = 16 for E4M3 (a word in one group). A K slice may hold no step (S > steps): its sums
 //   are 0. Rows of x past M are staged as zeros (not read) and their outputs not written.
 //   No thread returns early: every thread reaches the combine's barrier.
-//   Threadgroup memory: a region of 32 x XR floats per K slice (MAX_SLICES of them: 16 KiB
-//   at MF 1, 32 KiB at MF 2 and 4), its x tile (XR x XS T) in the loop and its sums after. Regions of 128 XR bytes,
+//   Threadgroup memory: a region of 32 x XR floats per K slice (MAX_SLICES of them: 8 KiB
+//   per MF), its x tile (XR x XS T) in the loop and its sums after. Regions of 128 XR bytes,
 //   tile rows of XS = 40 T (80 bytes) and fragment offsets of 8 T: the 16-byte alignment
 //   mt_sg_load4 promises.
 //
-// LAUNCH PLAN (ops/fp4_qmm.py, _skinny_slices and _skinny_rows): MF = 1 up to 8 rows of x,
+// LAUNCH PLAN (ops/fp4_qmm.py, _skinny_rows and _skinny_slices): MF = 1 up to 8 rows of x,
 //   else 2 (SKINNY_MAX_MF: blocks of 16 rows); S = min(MAX_SLICES, steps, ceil(4096 / the
-//   grid's threadgroups)), lowered to deal the steps evenly. Auto on cuda only (SKINNY_M,
-//   2 to 32 rows of half / bfloat x): on Metal the tile kernels keep these rows until a Mac
-//   measures this one.
+//   grid's threadgroups)), lowered to deal the steps evenly (16 slices, in regions of 32 KiB
+//   at MF 2, measured no faster on an H200: M 8 bfloat16 23.1-23.3 us at 8, 24.5-25.9 at 16).
+//   Auto on cuda only (SKINNY_M, 2 to 32 rows of half / bfloat x): on Metal the tile
+//   kernels keep these rows until a Mac measures this one.
 //
 // ONLY CHECKABLE ON A MAC: that Apple's compiler accepts the fragments written through
 //   thread_elements() as the A side of products with transposed B fragments from
@@ -79,7 +80,7 @@
 // ---- kernel body ----
 constexpr uint XR = 8 * MF;                  // rows of x per threadgroup
 constexpr uint XS = 40;                      // a staged row of x: 32 values + 8 padding
-constexpr uint MAX_SLICES = MF == 4 ? 8 : 16;  // regions within 32 KiB
+constexpr uint MAX_SLICES = 8;
 constexpr uint REGION = 32 * XR;             // floats of one K slice's region
 constexpr bool STEP_SCALED = SCALE_MODE != 2;  // c(n, u) scales the step's sums
 static_assert(XS * sizeof(T) % 16 == 0, "mt_sg_load4 reads 16-byte aligned rows");

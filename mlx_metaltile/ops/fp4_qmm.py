@@ -92,7 +92,7 @@ DECODE_THREADS = 256
 SKINNY_M = {"cuda": range(2, 33)}
 SKINNY_TARGET_WARPS = 4096
 SKINNY_ROWS = 32  # rows of w per threadgroup
-SKINNY_MAX_SLICES = 16  # K slices, at most (the template's MAX_SLICES: 16, 8 at MF 4)
+SKINNY_MAX_SLICES = 8  # the template's MAX_SLICES
 # 8-row fragments of x per threadgroup, at most (the template's MF): 2, measured on an H200
 # (mxfp4, N = K = 4096, us, MF at most 4 / 2): bfloat16 M 24 62.3-64.6 / 54.8-60.1, M 32
 # 62.5-64.3 / 54.1-61.2; float16 M 24 57.0-66.1 / 52.3-53.2, M 32 61.5-66.5 / 47.9 (two
@@ -213,7 +213,7 @@ def _skinny_bindings():
         bindings=_skinny_bindings, dtypes=("float16", "bfloat16"),
         geometry="threadgroup (32 S, 1, 1): S K slices of 32 rows of w and 8 MF rows of x; "
                  "grid (32 S, N / 32, ceil(M / (8 MF))); S for ~SKINNY_TARGET_WARPS warps, "
-                 "<= 16 (8 at MF 4)",
+                 "<= 8",
         notes="template T (half / bfloat), ST, SCALE_MODE (float scales of group >= 32), MF "
               "(1, 2, 4: 8 MF rows of x per threadgroup); group size and S runtime",
     ),
@@ -517,19 +517,13 @@ def _skinny_rows(m: int) -> int:
     return 1 << (min(-(-m // 8), SKINNY_MAX_MF) - 1).bit_length()
 
 
-def _skinny_template_slices(mf: int) -> int:
-    """The template's MAX_SLICES at MF (its regions within 32 KiB)."""
-    return 8 if mf == 4 else 16
-
-
 def _skinny_slices(m: int, n: int, k: int, mf: int) -> int:
     """The skinny launch plan's S (the template's LAUNCH PLAN): K slices for about
     SKINNY_TARGET_WARPS warps, at most one per 32-wide step and the template's MAX_SLICES,
     the steps dealt evenly."""
     steps = k // 32
     tgs = (n // SKINNY_ROWS) * -(-m // (8 * mf))
-    most = min(SKINNY_MAX_SLICES, _skinny_template_slices(mf))
-    wanted = max(1, min(most, steps, -(-SKINNY_TARGET_WARPS // tgs)))
+    wanted = max(1, min(SKINNY_MAX_SLICES, steps, -(-SKINNY_TARGET_WARPS // tgs)))
     per_slice = -(-steps // wanted)
     return -(-steps // per_slice)
 
@@ -573,7 +567,7 @@ def _launcher(spec: KernelSpec, m: int, n: int, k: int, mode: int, group_size: i
         inputs["gs_shift"] = gs_shift
         grid = (threads, n // SKINNY_ROWS, -(-m // (8 * mf)))
         threadgroup = (threads, 1, 1)
-        tg_mem = _skinny_template_slices(mf) * SKINNY_ROWS * 8 * mf * 4  # its regions
+        tg_mem = SKINNY_MAX_SLICES * SKINNY_ROWS * 8 * mf * 4  # the template's regions
     elif spec.variant == "qmv":
         mb = _qmv_rows(m, backend)
         threads = backends.SIMD_WIDTH * QMV_SIMDGROUPS * _qmv_slices(m, n, k, mb, backend)
