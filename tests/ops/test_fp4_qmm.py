@@ -720,6 +720,29 @@ def test_emulator_traffic(poisoned_outputs, no_split, rng, variant, m):
     assert stats.bytes_written["out"] == m * n * 2  # ideal
 
 
+@pytest.mark.parametrize("kind, group_size", (("e8m0", 32), ("e4m3", 16)))
+@pytest.mark.parametrize("m", (5, 9, 20))
+def test_emulator_traffic_skinny(poisoned_outputs, rng, m, kind, group_size):
+    """The skinny kernel: w once per block of 8 MF rows of x (once at M <= 8 and M <= 16);
+    x once per threadgroup (N / 32 times), only its live rows; each scale byte by the 4
+    lanes of a fragment row, once per 32-wide step (E8M0: the step's group; E4M3: each
+    lane's word's), i.e. n k / 8 bytes per block; out once."""
+    require_backend("emulator")
+    from mlx_metaltile import emulator
+
+    n, k = 64, 512
+    x, w, s = make_case(rng, m, n, k, mx.bfloat16, kind, group_size)
+    with backends.use_backend("emulator"):
+        run_and_check(x, w, s, kind, group_size, "emulator", variant="skinny", expect="skinny")
+    stats = emulator.last_launch_stats()
+    m_blocks = -(-m // (8 * op_module._skinny_rows(m)))
+    assert m_blocks == (1 if m <= 16 else 2)
+    assert stats.bytes_read["w"] == m_blocks * n * k // 2  # ideal: n * k / 2 per block
+    assert stats.bytes_read["scales"] == m_blocks * n * k // 8
+    assert stats.bytes_read["x"] == n // 32 * m * k * 2
+    assert stats.bytes_written["out"] == m * n * 2 and stats.bytes_read["out"] == 0
+
+
 def test_emulator_traffic_half_tiles(poisoned_outputs, no_split, rng):
     """Half x with E8M0 scales: a tile's scale bytes are read once more, by the check that
     picks its staging (n k / 32 bytes per block of 32 rows); w, x and out as for bfloat16."""
