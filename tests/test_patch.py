@@ -29,6 +29,7 @@ import mlx_metaltile as mt
 from mlx_metaltile import backends
 from mlx_metaltile import nn as mtnn
 from mlx_metaltile._registry import TOLERANCES
+from mlx_metaltile.ops._common import clear_plans
 
 pytest.importorskip("mlx_lm")
 from mlx_lm.generate import speculative_generate_step, stream_generate  # noqa: E402
@@ -223,6 +224,40 @@ def test_half_precision_distance(arch, dtype):
     assert got_med <= HALF_FACTOR * want_med, (arch, dtype, got_med, want_med)
     outliers = (patched > HALF_FACTOR * native.max()).sum().item()
     assert outliers * HALF_OUTLIER_ROWS <= patched.size, (arch, dtype, outliers)
+
+
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+@pytest.mark.parametrize("mode", ("mxfp4", "nvfp4"))
+def test_fp4_linear_layers_half_on_cuda_plan(mode, dtype, monkeypatch):
+    """fp4 linear layers of a half-precision model on the emulator with cuda's fp4_qmm plan
+    (the skinny kernel from 2 to 32 rows: the L=3 verification block here): within the
+    half-precision distance of the float32 model that mlx-lm's own layers keep."""
+    fp4 = importlib.import_module("mlx_metaltile.ops.fp4_qmm")
+    exact = forward(model_for("qwen3", linear_mode=mode))
+    model = tiny_model("qwen3", linear_mode=mode)
+    model.set_dtype(getattr(mx, dtype))
+
+    def row_distances(outs):
+        return mx.concatenate([mx.abs(o.astype(mx.float32) - e).max(-1).flatten()
+                               for o, e in zip(outs, exact, strict=True)])
+
+    native = row_distances(forward(model))
+    monkeypatch.setitem(fp4.SKINNY_M, "emulator", fp4.SKINNY_M["cuda"])
+    clear_plans()  # plans read SKINNY_M once
+    mt.patch(model)
+    try:
+        with mt.use_backend("emulator"):
+            before = backends.launch_count("fp4_qmm_skinny", "emulator")
+            patched = row_distances(forward(model))
+            assert backends.launch_count("fp4_qmm_skinny", "emulator") > before
+    finally:
+        mt.unpatch(model)
+        monkeypatch.undo()
+        clear_plans()
+    got_med, want_med = mx.median(patched).item(), mx.median(native).item()
+    assert got_med <= HALF_FACTOR * want_med, (mode, dtype, got_med, want_med)
+    outliers = (patched > HALF_FACTOR * native.max()).sum().item()
+    assert outliers * HALF_OUTLIER_ROWS <= patched.size, (mode, dtype, outliers)
 
 
 class _IdTokens:

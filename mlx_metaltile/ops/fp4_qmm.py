@@ -6,13 +6,15 @@ floating-point scale per group (float32 / float16 / bfloat16; groups of 16, 32, 
 ``mode=`` names MLX's mode; without it the format is read from the scales (dtype and groups).
 
 Kernels (``variant=``):
-  qmv        GEMV-shaped, for small M (decode); auto for M <= 8 (on cuda at M = 5..8 as
-             its w-first kernel, fp4_qmm_qmv_wfirst: w read once)
+  qmv        GEMV-shaped, for small M (decode); auto for M <= 8 (on cuda: at M = 1, and for
+             float32 x or float scales of group 16 up to 8 rows, at M = 5..8 as its w-first
+             kernel, fp4_qmm_qmv_wfirst: w read once)
   simdgroup  32x32 output tiles on simdgroup matrices; every Apple GPU; auto for M > 8
   skinny     few rows on 8x8 simdgroup matrices of half / bfloat (fp4_qmm_skinny: w streamed
-             once per 32 rows of x, decoded straight into fragments, no threadgroup barrier
-             in the K loop); auto on cuda for SKINNY_M[backend] rows (tensor cores there),
-             half and bfloat x, every scale format but float scales of group 16
+             once per block of 8 or 16 rows of x, decoded straight into fragments, no
+             threadgroup barrier in the K loop); auto on cuda for SKINNY_M[backend] rows (2
+             to 32: tensor cores there), half and bfloat x, every scale format but float
+             scales of group 16
   mpp        32x32 tiles on MetalPerformancePrimitives matmul2d (16, 16, 32); auto for M > 8
              on Metal when macOS >= 26.2 and the GPU generation is >= 17 (as MLX's NAX)
   decoded    W decoded once by a kernel (fp4_qmm_decoded) into x's dtype, then MLX's
