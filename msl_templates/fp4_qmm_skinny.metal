@@ -77,7 +77,9 @@
 //
 // ONLY CHECKABLE ON A MAC: that Apple's compiler accepts the fragments written through
 //   thread_elements() as the A side of products with transposed B fragments from
-//   threadgroup memory, and the speed.
+//   threadgroup memory, the float regions viewed as T through a threadgroup pointer cast,
+//   the 4-byte vec<T, 2> stores into them, common.h's mt_sg_load4 and mt_mma_pair on these
+//   types; registers and speed (whether it beats the tile kernels there at 2 to 32 rows).
 #include "common.h"
 // ---- kernel body ----
 constexpr uint XR = 8 * MF;                  // rows of x per threadgroup
