@@ -251,7 +251,8 @@ def test_empty_x_returns_empty_without_dispatch(any_backend, rng, lead):
 
 
 @pytest.mark.parametrize("variant, m, target", [("qmv", 5, None), ("simdgroup", 33, None),
-                                               ("simdgroup", 9, 6), ("mpp", 33, None)])
+                                               ("simdgroup", 9, 6), ("mpp", 33, None),
+                                               ("skinny", 20, None)])
 @pytest.mark.parametrize("seed", (1, 2))
 def test_emulator_strict_shuffled(poisoned_outputs, monkeypatch, rng, variant, m, target, seed):
     """Strict mode (reads of threadgroup memory nobody wrote, races between barriers) with
@@ -264,6 +265,20 @@ def test_emulator_strict_shuffled(poisoned_outputs, monkeypatch, rng, variant, m
     x, w, s = make_case(rng, m, 64, 160, mx.float16, "e4m3", 16)
     with strict_emulator(seed), backends.use_backend("emulator"):
         run_and_check(x, w, s, "e4m3", 16, "emulator", variant=variant, expect=variant)
+
+
+def test_negative_control_skinny_tile_barrier(broken_kernel, rng):
+    """Without the SIMD-group barrier at the end of each step, a lane restages (or stores
+    its sums over) the x tile that other lanes still read: strict mode reports the race."""
+    require_backend("emulator")
+    from mlx_metaltile import emulator
+
+    broken_kernel(op_module.SKINNY_SPEC, (
+        "  simdgroup_barrier(mem_flags::mem_threadgroup);  // the tile is read before", "  //"))
+    x, w, s = make_case(rng, 20, 64, 160, mx.float16, "e4m3", 16)
+    with strict_emulator(1), backends.use_backend("emulator"), pytest.raises(
+            emulator.ThreadgroupRace, match=r"^\[mt_fp4_qmm_skinny\w*\] strict mode: data race"):
+        mx.eval(mt.fp4_qmm(x, w, s, group_size=16, variant="skinny"))
 
 
 def test_vector_x(any_backend, rng):
