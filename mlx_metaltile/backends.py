@@ -35,8 +35,8 @@ GPU_BACKENDS = ("metal", "cuda")
 MAX_THREADS_PER_THREADGROUP = 1024
 MAX_THREADGROUP_MEMORY = 32 * 1024
 SIMD_WIDTH = 32
-# Threadgroups along a grid's z axis, at most (CUDA's gridDim.z; Metal allows more): ops that
-# split work over z keep within it.
+# Threadgroups along a grid's y or z axis, at most (CUDA's gridDim.y and .z; Metal allows
+# more): ops that split work over z keep within it, and prepare refuses more on cuda.
 MAX_GRID_Z = 65535
 
 _default = "auto"
@@ -248,6 +248,20 @@ def check_geometry(op: str, grid: Sequence[int], threadgroup: Sequence[int],
                          f"at most {MAX_THREADGROUP_MEMORY}")
 
 
+def check_cuda_grid(op: str, grid: Sequence[int], threadgroup: Sequence[int]) -> None:
+    """Refuse a grid that CUDA cannot launch: more than MAX_GRID_Z threadgroups along y or z
+    (CUDA's gridDim.y / .z; x may hold 2^31 - 1). Metal has no such limit, so an op's shape
+    that fits Metal's grid may not fit here: the message says which axis and by how much."""
+    for i, axis in ((1, "y"), (2, "z")):
+        blocks = -(-int(grid[i]) // int(threadgroup[i]))
+        if blocks > MAX_GRID_Z:
+            raise ValueError(
+                f"[{op}] problem too large for one launch on cuda: {blocks} threadgroups "
+                f"along the grid's {axis} axis, at most {MAX_GRID_Z} (CUDA's gridDim.{axis}; "
+                f"grid {tuple(grid)}, threadgroup {tuple(threadgroup)}); split the call "
+                "into smaller ones (fewer rows, tokens or heads per call)")
+
+
 _TRACING_MESSAGE = "during function transformations"  # MLX's eval refusal under compile/vmap
 
 
@@ -292,6 +306,8 @@ def prepare(spec: KernelSpec, backend: str, *, inputs: Mapping[str, mx.array | N
             f"{tuple(inputs)}, {tuple(template)} and {tuple(outputs)}")
     grid, threadgroup = tuple(grid), tuple(threadgroup)
     _geometry_checked(spec.op, grid, threadgroup, threadgroup_memory)
+    if backend == "cuda":
+        check_cuda_grid(spec.op, grid, threadgroup)
     return Prepared(spec, backend, dict(inputs), dict(template), grid, threadgroup,
                     [tuple(map(int, o[0])) for o in outputs.values()],
                     [o[1] for o in outputs.values()], init_value)

@@ -117,6 +117,46 @@ def test_geometry_guard(grid, tg, mem, match):
         backends.check_geometry("op", grid, tg, mem)
 
 
+@pytest.mark.parametrize("grid, tg, ok", [
+    ((32, 65535, 1), (32, 1, 1), True), ((32, 1, 65535), (32, 1, 1), True),
+    ((32, 8 * 65535, 1), (32, 8, 1), True), ((32, 65536, 1), (32, 1, 1), False),
+    ((32, 8 * 65535 + 1, 1), (32, 8, 1), False), ((32, 1, 65536), (32, 1, 1), False),
+    ((32 * 2**20, 1, 1), (32, 1, 1), True)])
+def test_cuda_grid_guard(grid, tg, ok):
+    """CUDA launches at most 65535 threadgroups along y and z (x far more); Metal's grid has
+    no such limit, so the check is cuda's alone."""
+    if ok:
+        backends.check_cuda_grid("op", grid, tg)
+        return
+    axis = "y" if grid[1] // tg[1] > 1 else "z"
+    with pytest.raises(ValueError, match=rf"^\[op\] problem too large for one launch on "
+                                         rf"cuda: \d+ threadgroups along the grid's {axis} "
+                                         r"axis, at most 65535"):
+        backends.check_cuda_grid("op", grid, tg)
+
+
+def test_cuda_grid_guard_at_the_op(monkeypatch, rng):
+    """An op call whose grid CUDA cannot launch is refused when it is built (here
+    gated_rms_norm's SIMD-rows kernel at 8 * 65535 + 8 rows: 65536 threadgroups along y),
+    naming the op; at 8 * 65535 rows it is built (the call is recorded, not run)."""
+    from mlx_metaltile.ops._common import clear_plans
+
+    monkeypatch.setattr(backends, "resolve_backend", lambda name=None: "cuda")
+    monkeypatch.setattr(backends.Prepared, "__call__",
+                        lambda self, *arrays: [mx.zeros(s, d) for s, d in
+                                               zip(self._shapes, self._dtypes, strict=True)])
+    clear_plans()
+    try:
+        w = mx.ones((128,))
+        mt.gated_rms_norm(mx.zeros((8 * 65535, 128)), mx.zeros((8 * 65535, 128)), w)
+        y = mx.zeros((8 * 65535 + 8, 128))
+        with pytest.raises(ValueError, match=r"^\[gated_rms_norm\] problem too large for "
+                                             r"one launch on cuda: 65536 threadgroups"):
+            mt.gated_rms_norm(y, y, w)
+    finally:
+        clear_plans()
+
+
 HOST_READS = {  # each way of reading an array on the host, applied to a lazy 0-d int32 array
     "eval": lambda a: mx.eval(a),
     "async_eval": lambda a: (mx.async_eval(a), mx.synchronize()),
