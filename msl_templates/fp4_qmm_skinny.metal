@@ -73,7 +73,7 @@
 //   Auto on cuda only (SKINNY_M, 2 to 32 rows of half / bfloat x): on Metal the tile
 //   kernels keep these rows until a Mac measures this one.
 //   Registers per thread (nvcc sm_90 --resource-usage, every scale format, no spills): MF 1
-//   72-77, MF 2 100-101, MF 4 133-138 (MF 4 only where SKINNY_MAX_MF allows it).
+//   72-76, MF 2 90-102, MF 4 133-140 (MF 4 only where SKINNY_MAX_MF allows it).
 //
 // ONLY CHECKABLE ON A MAC: that Apple's compiler accepts the fragments written through
 //   thread_elements() as the A side of products with transposed B fragments from
@@ -81,6 +81,19 @@
 //   the 4-byte vec<T, 2> stores into them, common.h's mt_sg_load4 and mt_mma_pair on these
 //   types; registers and speed (whether it beats the tile kernels there at 2 to 32 rows).
 #include "common.h"
+
+// Step u's word of each of a lane's 4 rows of w (wr: its row n0 + fm at its word q; the rows
+// 8 apart) and the scale that goes with it (sr: that row's scales): E8M0 / float, the step's
+// group; E4M3, the group of the lane's word.
+template <int SCALE_MODE, typename WP, typename SP>
+inline void mt_skinny_fetch(WP wr, SP sr, uint k_words, uint k_groups, uint gs_shift, uint q,
+                            uint u, thread uint* wq, thread float* sq) {
+  const uint g = SCALE_MODE != 2 ? ((32u * u) >> gs_shift) : ((32u * u + 8u * q) >> gs_shift);
+  for (uint i = 0; i < 4; ++i) {
+    wq[i] = wr[size_t(8 * i) * k_words + 4u * u];
+    sq[i] = mt_fp4_scale<SCALE_MODE>(sr[size_t(8 * i) * k_groups + g]);
+  }
+}
 // ---- kernel body ----
 constexpr uint XR = 8 * MF;                  // rows of x per threadgroup
 constexpr uint XS = 40;                      // a staged row of x: 32 values + 8 padding
@@ -109,8 +122,8 @@ const uint u_end = steps * (slice + 1u) / slices;
 const uint fm = mt_frag_row(lane);
 const uint q = mt_frag_col(lane) / 2u;
 // This lane's rows of w: n0 + 8 i + fm, i = 0..3.
-const size_t w_row0 = size_t(n0 + fm) * k_words + q;
-const size_t s_row0 = size_t(n0 + fm) * k_groups;
+const auto w_row = w + size_t(n0 + fm) * k_words + q;
+const auto s_row = scales + size_t(n0 + fm) * k_groups;
 
 simdgroup_matrix<float, 8, 8> acc[4][MF];
 for (uint i = 0; i < 4; ++i) {
@@ -119,18 +132,13 @@ for (uint i = 0; i < 4; ++i) {
   }
 }
 
-// The words and scales of the next two steps (E8M0 / float: the step's group; E4M3: the
-// word's group), loaded two steps ahead of their products.
+// The words and scales of the next two steps, loaded two steps ahead of their products.
 uint wq[2][4];
 float sq[2][4];
 for (uint h = 0; h < 2; ++h) {
-  const uint u = u_begin + h;
-  for (uint i = 0; i < 4; ++i) {
-    if (u < u_end) {
-      wq[h][i] = w[w_row0 + size_t(8 * i) * k_words + 4u * u];
-      const uint g = STEP_SCALED ? ((32u * u) >> gs_shift) : ((32u * u + 8u * q) >> gs_shift);
-      sq[h][i] = mt_fp4_scale<SCALE_MODE>(scales[s_row0 + size_t(8 * i) * k_groups + g]);
-    }
+  if (u_begin + h < u_end) {
+    mt_skinny_fetch<SCALE_MODE>(w_row, s_row, k_words, k_groups, gs_shift, q, u_begin + h,
+                                wq[h], sq[h]);
   }
 }
 threadgroup float* mine = regions + slice * REGION;
@@ -145,12 +153,8 @@ for (uint u = u_begin; u < u_end; ++u) {
     sq[0][i] = sq[1][i];
   }
   if (u + 2u < u_end) {  // the loads two steps ahead, in flight during this one
-    for (uint i = 0; i < 4; ++i) {
-      wq[1][i] = w[w_row0 + size_t(8 * i) * k_words + 4u * (u + 2u)];
-      const uint g = STEP_SCALED ? ((32u * (u + 2u)) >> gs_shift)
-                                 : ((32u * (u + 2u) + 8u * q) >> gs_shift);
-      sq[1][i] = mt_fp4_scale<SCALE_MODE>(scales[s_row0 + size_t(8 * i) * k_groups + g]);
-    }
+    mt_skinny_fetch<SCALE_MODE>(w_row, s_row, k_words, k_groups, gs_shift, q, u + 2u,
+                                wq[1], sq[1]);
   }
   // x's XR x 32 values of the step, in PERMUTATION order: lane l takes units l + 32 j
   // (row t / 4, values 8 (t % 4) .. + 8 of the step).
