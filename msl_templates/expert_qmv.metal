@@ -79,7 +79,7 @@
 //   one lane, and each word/scale/bias of the selected expert's rows is read by exactly one
 //   lane, of the one K group holding that step: word w0 + 32 * wi + l of a step by lane l,
 //   group g0 + j of a step by lane j (a step of 32 * WORDS words holds whole groups, at most
-//   32: WORDS <= GS / PACK), passed to the lanes of its words by mt_shuffle_converged.
+//   32: WORDS <= GS / PACK), passed to the lanes of its words by mt_qmv_shuffle.
 //   S > 1 only where N % (SIMDGROUPS * ROWS) == 0: no row block lies past N, so no thread
 //   returns before the combine's barrier (the only other early return, an invalid id, is
 //   uniform over the threadgroup). Threadgroup memory: MAX_K_GROUPS * 8 floats, used only
@@ -88,7 +88,8 @@
 //   and groups past it; nvfp4's K need only be a multiple of 16).
 //   Every early return is uniform over a SIMD-group and threadgroups hold whole SIMD-groups,
 //   so the group shuffles and row sums always see a full SIMD-group: common.h's converged
-//   promise (mt_shuffle_converged, mt_sum_converged; the emulator checks it).
+//   promise (mt_shuffle_converged, mt_sum_converged; the emulator checks it), kept by every
+//   instantiation; PLAIN_SHUFFLES below says which take the plain calls instead.
 //
 // LAUNCH PLANS: Metal: S = 1, threadgroup (64, 1, 1), no barrier: the plan measured against
 //   MLX's Metal qmv (2 SIMD-groups x 4 rows, as MLX's own); whether S > 1 pays on Apple
@@ -200,6 +201,27 @@ inline float mt_qmv_word_dot_rounded(uint word, thread const float* xv, float s,
   }
   return dot;
 }
+// PLAIN_SHUFFLES (the 4-bit affine ROUND instantiations: moe_gather_qmm's rows) shuffle and
+// sum through the plain simd_shuffle / simd_sum, the others through common.h's converged
+// helpers. The same values and the same order either way. Measured on an H200 (CUDA;
+// moe_gather_qmm bfloat16, 4-bit, us per call, converged / plain): M 32 N 768 K 2048 85.4 /
+// 57.6, M 128 253.4 / 135.1, the revision before the converged helpers 132.5 at M 128;
+// 8-bit ROUND 148.5 / 153.4 and expert_qmv's own 4-bit rows (Mixtral up 78.2 / 74.4)
+// within the run's noise, so they keep the converged calls (2 to 8% of the MoE decode
+// kernels' time when they came). On CUDA the plain calls ask for __activemask() per call,
+// and ptxas (sm_90) then builds this instantiation in 72 registers and a 96-byte stack
+// frame instead of 100 registers: 28 warps per SM instead of 20. On Metal both are
+// simd_shuffle / simd_sum.
+template <bool PLAIN, typename V>
+inline V mt_qmv_shuffle(V v, ushort src) {
+  return PLAIN ? simd_shuffle(v, src) : mt_shuffle_converged(v, src);
+}
+
+template <bool PLAIN>
+inline float mt_qmv_sum(float v) {
+  return PLAIN ? simd_sum(v) : mt_sum_converged(v);
+}
+
 // ---- kernel body ----
 constexpr uint SIMDGROUPS = 2;         // SIMD-groups per threadgroup
 constexpr uint ROWS = 4;               // output rows per SIMD-group
@@ -215,6 +237,7 @@ constexpr int SCALE_FORMAT = MODE == 3 ? 1 : MODE;  // mt_fp4_scale's: mxfp8 sca
 // Affine biases of a float S do not fit beside their scales in one shuffled uint.
 constexpr bool BIAS_APART = MODE == 0 && sizeof(S) == 4;
 constexpr uint MAX_K_GROUPS = 8;       // SIMD-groups sharing one row block's K, at most
+constexpr bool PLAIN_SHUFFLES = ROUND && MODE == 0 && BITS == 4;  // mt_qmv_shuffle's
 
 // Per (K group, row block, row): a K group's sum, combined in K-group order (S > 1 only).
 threadgroup float partials[MAX_K_GROUPS * SIMDGROUPS * ROWS];
@@ -335,13 +358,13 @@ for (uint step = k_group; step < n_steps; step += k_groups) {
     for (int wi = 0; wi < WORDS; ++wi) {
       // The lane holding word wi's group: (32 * wi + l) / GROUP_WORDS.
       const ushort src = ushort((32 * wi + lane) / GROUP_WORDS);
-      const uint g = mt_shuffle_converged(group[r], src);
+      const uint g = mt_qmv_shuffle<PLAIN_SHUFFLES>(group[r], src);
       float s;
       float b = 0.0f;
       if constexpr (MODE == 0) {
         s = mt_group_scale<MODE, S>(g);
         if constexpr (BIAS_APART) {
-          b = mt_shuffle_converged(bias_apart[r], src);
+          b = mt_qmv_shuffle<PLAIN_SHUFFLES>(bias_apart[r], src);
         } else {
           b = mt_group_bias<S>(g);
         }
@@ -367,14 +390,14 @@ if (k_groups == 1u) {  // uniform over the threadgroup
     if (r >= rows) {
       break;  // uniform over the SIMD-group
     }
-    const float total = mt_sum_converged(acc[r]);
+    const float total = mt_qmv_sum<PLAIN_SHUFFLES>(acc[r]);
     if (lane == 0) {
       out_rows[r] = T(total);
     }
   }
 } else {  // every row block holds ROWS rows here (DISPATCH INVARIANTS): no thread returned
   for (uint r = 0; r < ROWS; ++r) {
-    const float total = mt_sum_converged(acc[r]);
+    const float total = mt_qmv_sum<PLAIN_SHUFFLES>(acc[r]);
     if (lane == 0) {
       partials[(k_group * SIMDGROUPS + row_block) * ROWS + r] = total;
     }

@@ -537,12 +537,12 @@ def test_mma_kernel_negative_control_plain_fragments():
     assert counts["mma"] == 4 * 16 + 3 * 4 * 16
 
 
-def _qmv_ptx_counts(what: str) -> list[int]:
-    """Per kernel of expert_qmv's bfloat16 4-bit affine instance: how often its PTX holds
-    `what`."""
-    qmv = sys.modules["mlx_metaltile.ops.expert_qmv"]
-    inst = nvcc_check.spec_instance(qmv.SPEC, T="bfloat16", BITS=4, GROUP_SIZE=64, MODE=0)
-    ptx = nvcc_check.ptx_text(nvcc_check.spec_unit(qmv.SPEC, [inst]))
+def _qmv_ptx_counts(what: str, spec=None, bits: int = 4) -> list[int]:
+    """Per kernel of expert_qmv.metal's bfloat16 affine instance of ``spec`` (default
+    expert_qmv's own) at ``bits``: how often its PTX holds `what`."""
+    spec = spec or sys.modules["mlx_metaltile.ops.expert_qmv"].SPEC
+    inst = nvcc_check.spec_instance(spec, T="bfloat16", BITS=bits, GROUP_SIZE=64, MODE=0)
+    ptx = nvcc_check.ptx_text(nvcc_check.spec_unit(spec, [inst]))
     return [body.count(what) for body in ptx.split(".entry ")[1:]]
 
 
@@ -562,9 +562,21 @@ def test_converged_shuffles_take_the_full_mask():
     assert _qmv_ptx_counts("activemask") == [0] * len(shuffles)
     qmv = sys.modules["mlx_metaltile.ops.expert_qmv"]
     with backends.template_override(
-            qmv.SPEC, ("const uint g = mt_shuffle_converged(group[r], src);",
-                       "const uint g = simd_shuffle(group[r], src);")):
+            qmv.SPEC, ("constexpr bool PLAIN_SHUFFLES = ROUND && MODE == 0 && BITS == 4;",
+                       "constexpr bool PLAIN_SHUFFLES = true;")):
         assert all(c > 0 for c in _qmv_ptx_counts("activemask"))
+
+
+@pytest.mark.skipif(nvcc_check.find_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME)")
+def test_gemv_rows_plain_shuffles_at_four_bits():
+    """expert_qmv.metal's PLAIN_SHUFFLES: moe_gather_qmm's GEMV rows (ROUND) at 4 bits take
+    the plain simd_shuffle / simd_sum (an active mask per call, measured faster on an H200),
+    at 8 bits the converged ones, as expert_qmv's own rows."""
+    from mlx_metaltile.ops.moe_gather_qmm import GEMV_SPEC
+
+    assert all(c > 0 for c in _qmv_ptx_counts("activemask", GEMV_SPEC, 4))
+    assert _qmv_ptx_counts("activemask", GEMV_SPEC, 8) == [0] * len(
+        _qmv_ptx_counts("shfl.sync", GEMV_SPEC, 8))
 
 
 @pytest.mark.skipif(nvcc_check.find_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME)")

@@ -483,8 +483,8 @@ def test_empty_does_not_dispatch(kernel_backend, rng):
     ("acc[r] += s * dot + b * x_sum[wi];", "acc[r] += s * dot;"),  # forgets the biases
     ("const ushort src = ushort((32 * wi + lane) / GROUP_WORDS);",
      "const ushort src = ushort((32 * wi + lane) / GROUP_WORDS / 2);"),  # wrong scale group
-    ("const uint g = mt_shuffle_converged(group[r], src);",
-     "const uint g = mt_shuffle_converged(group[r], ushort(0));"),  # every lane takes lane 0's scale
+    ("const uint g = mt_qmv_shuffle<PLAIN_SHUFFLES>(group[r], src);",
+     "const uint g = mt_qmv_shuffle<PLAIN_SHUFFLES>(group[r], ushort(0));"),  # lane 0's scale
     ("const uint rows = metal::min(ROWS, n_rows_total - row0);",
      "const uint rows = metal::min(ROWS - 1, n_rows_total - row0);"),  # leaves rows unwritten
 ], ids=("no_bias", "wrong_group", "wrong_shuffle", "unwritten_rows"))

@@ -1069,6 +1069,20 @@ def test_gemv_negative_control_unrounded_weights(broken_kernel, poisoned_outputs
         run_and_check(case, gs, bits, mx.bfloat16, "emulator", None)
 
 
+@pytest.mark.parametrize("bits", (4, 8))
+def test_gemv_negative_control_wrong_shuffle(broken_kernel, poisoned_outputs, rng, bits):
+    """Every lane taking lane 0's group scale fails the oracle on both shuffle paths
+    (PLAIN_SHUFFLES: 4-bit rows through simd_shuffle, 8-bit through the converged one)."""
+    require_backend("emulator")
+    broken_kernel(op_module.GEMV_SPEC,
+                  ("const uint g = mt_qmv_shuffle<PLAIN_SHUFFLES>(group[r], src);",
+                   "const uint g = mt_qmv_shuffle<PLAIN_SHUFFLES>(group[r], ushort(0));"))
+    case = make_case(rng, 4, 5, 64, 256, 32, bits, mx.bfloat16, np.array([0, 3, 1, 3, 2]))
+    with backends.use_backend("emulator"), gemv_plan("emulator", 1e9), pytest.raises(
+            AssertionError, match="out of tolerance"):
+        run_and_check(case, 32, bits, mx.bfloat16, "emulator", None)
+
+
 def test_gemv_traffic(rng):
     """Emulator counters: each valid row reads its expert's words, scales and biases once
     (in any order: no sort), a row with an out-of-range id reads none, out written once."""
