@@ -100,7 +100,8 @@ def override(filename: str, *edits: tuple[str, str]) -> Iterator[None]:
     """Inside: template ``filename`` reads as its text with each (old, new) edit applied in
     turn (each ``old`` must occur; every occurrence is replaced). An ``old`` found only in a
     header the template includes edits that header's text inlined into the template (the
-    other kernels including the header keep it as it is). Nests."""
+    other kernels including the header keep it as it is). Nests. The text only: a kernel
+    object built before is still launched; ``backends.override_template`` sets those aside."""
     text = read_text(filename)
     for old, new in edits:
         if old not in text:

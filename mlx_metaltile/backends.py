@@ -25,7 +25,7 @@ import mlx.core as mx
 from . import _templates
 from ._msl.kernel import MetalKernel, binder
 from ._msl.source import compact
-from ._registry import KernelSpec
+from ._registry import _REGISTRY, KernelSpec
 from ._templates import render
 
 BACKENDS = ("auto", "metal", "cuda", "emulator", "reference")
@@ -192,20 +192,35 @@ def kernel_text(spec: KernelSpec, backend: str) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def template_override(spec: KernelSpec, *edits: tuple[str, str]) -> Iterator[KernelSpec]:
-    """Inside: ``spec``'s kernels are built from its template with each (old, new) edit
-    applied (each ``old`` must occur in it); outside, the real ones again. The seam of the
-    negative controls: a deliberately broken kernel must fail the harness. The op keeps
-    launching ``spec`` itself (same name, same launch counters)."""
-    with _templates.override(spec.template, *edits):
+def override_template(filename: str, *edits: tuple[str, str]) -> Iterator[None]:
+    """Inside: every kernel of template ``filename`` (of each spec built from it: several
+    may share one) is built from its text with each (old, new) edit applied (each ``old``
+    must occur in it); the kernels of it built before are set aside, those built inside
+    forgotten at the end, and the set-aside ones launched again. The seam of the negative
+    controls and of A/B timings of a template's variants. (``_templates.override`` alone
+    changes the text only: a kernel built before it would still be launched.)"""
+    def built_from_file(key) -> bool:
+        spec = _REGISTRY.get(key[1])
+        return spec is not None and spec.template == filename
+
+    with _templates.override(filename, *edits):
         saved = {key: _kernel_cache.pop(key) for key in list(_kernel_cache)
-                 if key[1] == spec.name}
+                 if built_from_file(key)}
         try:
-            yield spec
+            yield
         finally:
-            for key in [key for key in _kernel_cache if key[1] == spec.name]:
+            for key in [key for key in _kernel_cache if built_from_file(key)]:
                 del _kernel_cache[key]
             _kernel_cache.update(saved)
+
+
+@contextlib.contextmanager
+def template_override(spec: KernelSpec, *edits: tuple[str, str]) -> Iterator[KernelSpec]:
+    """``override_template`` of ``spec``'s template: inside, ``spec``'s kernels (and those of
+    any spec sharing its template) are built with the edits; outside, the real ones again.
+    The op keeps launching ``spec`` itself (same name, same launch counters)."""
+    with override_template(spec.template, *edits):
+        yield spec
 
 
 def built_kernels() -> tuple[tuple[str, str], ...]:

@@ -29,6 +29,7 @@ class _Made:
             self.calls.append((name, source))
             return [mx.zeros(s, dtype=d)
                     for s, d in zip(output_shapes, output_dtypes, strict=True)]
+        call.name, call.source = name, source  # as the cuda executor's kernel objects
         return call
 
 
@@ -74,6 +75,26 @@ def test_template_override_takes_effect_per_call(stand_in):
     assert len(names) == 4 and names[0] == names[3] != names[1] == names[2]
     assert "_override" in names[1] and "_override" not in names[0]
     assert [("mt_silu(" in source) for _, source in made.calls] == [True, False, False, True]
+
+
+def test_template_override_reaches_every_spec_of_the_template(stand_in):
+    """expert_qmv.metal builds two specs (expert_qmv's own, moe_gather_qmm's GEMV rows). An
+    override through one builds the other's kernel from the edited text too, even where it
+    was built before; afterwards the kernel built before is launched again, nothing of the
+    override left behind."""
+    qmv = importlib.import_module("mlx_metaltile.ops.expert_qmv")
+    gemv_spec = importlib.import_module("mlx_metaltile.ops.moe_gather_qmm").GEMV_SPEC
+    assert gemv_spec.template == qmv.SPEC.template
+    backend, _ = stand_in
+    before = backends.get_kernel(gemv_spec, backend)
+    edit = ("constexpr bool PLAIN_SHUFFLES = ROUND && MODE == 0 && BITS == 4;",
+            "constexpr bool PLAIN_SHUFFLES = true;")
+    with backends.template_override(qmv.SPEC, edit):
+        inside = backends.get_kernel(gemv_spec, backend)
+    after = backends.get_kernel(gemv_spec, backend)
+    assert inside is not before and after is before
+    assert "_override" in inside.name and "PLAIN_SHUFFLES = true" in inside.source
+    assert "_override" not in after.name and "PLAIN_SHUFFLES = true" not in after.source
 
 
 def test_cpu_default_device_is_refused_while_a_gpu_exists(stand_in, monkeypatch):
