@@ -113,3 +113,39 @@ def test_cuda_kernel_time_parses_nsight_compute_csv(tmp_path):
     assert out.stdout.splitlines()[3:] == [
         "old fp4_qmm-M1-N4096-K4096-bfloat16: custom_kernel_mt_op 5.0",
         "old expert_qmv-x-float16: custom_kernel_mt_op 3.0"]
+
+
+def test_template_ab_times_each_variant_on_its_own_kernels():
+    """bench/template_ab.py's time_variants: every side sampled each round, and each
+    variant's timed calls launch kernels built from its own edits (the emulator runs a kernel
+    when the op is called): a variant that keeps the math reads no difference from the
+    reference, one that drops silu reads one, from the calls it timed."""
+    import mlx.core as mx
+    import numpy as np
+
+    import mlx_metaltile as mt
+    from mlx_metaltile import backends
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import template_ab as ab
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    rng = np.random.default_rng(0)
+    y, z, w = (mx.array(rng.standard_normal(s).astype(np.float32)) for s in ((4, 64),) * 2
+               + ((64,),))
+
+    def edits(old, new):  # both of the plan's small-row kernels
+        return [(f, old, new) for f in ("gated_rms_norm.metal", "gated_rms_norm_simd_rows.metal")]
+
+    variants = {"as is": [], "same": edits("mt_silu(z_reg[j])", "mt_silu(z_reg[j] + 0.0f)"),
+                "no silu": edits("mt_silu(z_reg[j])", "(z_reg[j])")}
+    with backends.use_backend("emulator"):
+        before = mt.gated_rms_norm(y, z, w)
+        times, diffs = ab.time_variants(
+            lambda y, z, w: mt.gated_rms_norm(y, z, w), None, [{"y": y, "z": z, "w": w}],
+            variants, rounds=2, batch=2)
+        after = mt.gated_rms_norm(y, z, w)  # no variant's kernel outlives the timing
+    assert {side: len(t) for side, t in times.items()} == dict.fromkeys(variants, 2)
+    assert diffs["as is"] == diffs["same"] == 0.0 and diffs["no silu"] > 0.1
+    assert mx.array_equal(after, before)

@@ -1,0 +1,142 @@
+"""Variants of kernel templates timed against each other and native MLX on a GPU backend,
+each variant's kernels built from its edited template text.
+
+    python bench/template_ab.py --variants FILE [--op OP] [--shape TEXT] [--dtype NAME] \\
+        [--rounds 10]
+
+FILE is Python that defines ``VARIANTS = {name: [(template file, old, new), ...]}``, the
+first variant the reference (an empty list: the templates as they are). Per bench case
+(``cases()`` of the ops, selected as ``bench`` selects them) and round, each side in turn (the
+order reversed every other round, as ``bench``): the op's plans forgotten, the variant's
+edits applied through ``backends.override_template`` (every kernel of an edited template,
+built before or not, is built from the edited text), one untimed call, then one sample of 8
+queued calls evaluated, timed inside the override, so that the sample launches that
+variant's kernels. (Applied with ``_templates.override`` alone, or timed after the override
+ends, a sample would launch the kernels built before: every variant would time the same.)
+Printed per case: native's median us, each variant's, and each variant's largest |difference|
+from the reference's output on the same inputs, taken from its timed calls (the check that
+an edit meant to keep the results does, and that the variant ran). Speed only: ``bench`` checks results against the float64 oracles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import runpy
+import sys
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
+
+BATCH = 8  # calls per sample, as bench on a GPU
+
+
+def applied(edits) -> contextlib.ExitStack:
+    """A context holding ``edits`` ((template, old, new) triples) through
+    ``backends.override_template``, one per template."""
+    from mlx_metaltile import backends
+
+    per_file: dict[str, list[tuple[str, str]]] = {}
+    for filename, old, new in edits:
+        per_file.setdefault(filename, []).append((old, new))
+    stack = contextlib.ExitStack()
+    for filename, pairs in per_file.items():
+        stack.enter_context(backends.override_template(filename, *pairs))
+    return stack
+
+
+def max_diff(a, b) -> float:
+    """max |a - b|, a NaN on both sides counting as equal (an out-of-range id's row), on one
+    side only as NaN."""
+    import mlx.core as mx
+
+    both = mx.isnan(a) & mx.isnan(b)
+    return float(mx.max(mx.where(both, 0.0, mx.abs(a - b))).item())
+
+
+def first_output(result):
+    import mlx.core as mx
+
+    out = result[0] if isinstance(result, (list, tuple)) else result
+    return out.astype(mx.float32)
+
+
+def time_variants(ours, native, inputs: list[dict], variants: dict, rounds: int,
+                  batch: int = BATCH) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """({side: seconds per call, one per round}, {variant: max |output - reference's|}):
+    ``native`` (None: not timed) and each variant of ``variants`` (name -> edits) calling
+    ``ours``, in turns, on the input sets ``inputs`` (rotating). A variant's difference is
+    taken from the first call of each of its timed samples against the reference variant's
+    output for the same inputs: from the calls timed, not from a call made apart."""
+    import mlx.core as mx
+
+    from mlx_metaltile.ops import _common
+
+    names = list(variants)
+    with applied(variants[names[0]]):
+        _common.clear_plans()  # plans hold prepared launches of the kernels
+        refs = [first_output(ours(**arrays)) for arrays in inputs]
+        mx.eval(refs)
+    sides = ([] if native is None else ["native"]) + names
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    diffs = dict.fromkeys(names, 0.0)
+    k = 0
+    for r in range(rounds):
+        for side in sides if r % 2 == 0 else sides[::-1]:
+            fn = native if side == "native" else ours
+            with applied(variants.get(side, ())):
+                if side != "native":
+                    _common.clear_plans()
+                mx.eval(fn(**inputs[k % len(inputs)]))  # the plan and kernels, untimed
+                first, outs = k % len(inputs), []
+                for _ in range(batch):
+                    outs.append(fn(**inputs[k % len(inputs)]))
+                    k += 1
+                start = time.perf_counter()
+                mx.eval(outs)
+                times[side].append((time.perf_counter() - start) / batch)
+            if side != "native":
+                d = max_diff(first_output(outs[0]), refs[first])
+                diffs[side] = math.nan if math.isnan(d) else max(diffs[side], d)
+    _common.clear_plans()  # none built under a variant outlives it
+    return times, diffs
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", required=True, help="Python file defining VARIANTS")
+    parser.add_argument("--op", action="append", help="ops (default: all)")
+    parser.add_argument("--shape", action="append", help="cases whose label holds this text")
+    parser.add_argument("--dtype", action="append", help="cases of this dtype name")
+    parser.add_argument("--rounds", type=int, default=10)
+    args = parser.parse_args(argv)
+
+    import numpy as np
+
+    from mlx_metaltile import _measure, backends
+    from mlx_metaltile.cases import cases
+
+    if backends.resolve_backend() not in ("cuda", "metal"):
+        sys.exit("template_ab: needs a GPU backend (metal, or cuda: MLX's CUDA build)")
+    variants = runpy.run_path(args.variants)["VARIANTS"]
+    chosen = [c for c in cases() if (not args.op or c.op in args.op)
+              and (not args.shape or any(t in c.label for t in args.shape))
+              and (not args.dtype or c.dtype_name in args.dtype)]
+    if not chosen:
+        sys.exit("template_ab: no case matches")
+    print("case | native | " + " | ".join(variants) + " | max |d| from "
+          + next(iter(variants)))
+    for n, case in enumerate(chosen):
+        inputs = _measure.copies(case.make(np.random.default_rng(n)), case.nbytes, 2, True)
+        times, diffs = time_variants(case.ours, case.native, inputs, variants, args.rounds)
+        medians = [f"{np.median(t) * 1e6:.1f}" for t in times.values()]
+        if case.native is None:
+            medians.insert(0, "-")
+        print(f"{case.id} | " + " | ".join(medians) + " | "
+              + " ".join(f"{d:.1e}" for d in diffs.values()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
