@@ -42,8 +42,12 @@ def applied(edits) -> contextlib.ExitStack:
     for filename, old, new in edits:
         per_file.setdefault(filename, []).append((old, new))
     stack = contextlib.ExitStack()
-    for filename, pairs in per_file.items():
-        stack.enter_context(backends.override_template(filename, *pairs))
+    try:
+        for filename, pairs in per_file.items():
+            stack.enter_context(backends.override_template(filename, *pairs))
+    except BaseException:  # an edit that does not apply: undo the ones entered
+        stack.close()
+        raise
     return stack
 
 
