@@ -4,8 +4,12 @@ each variant's kernels built from its edited template text.
     python bench/template_ab.py --variants FILE [--op OP] [--shape TEXT] [--dtype NAME] \\
         [--rounds 10]
 
-FILE is Python that defines ``VARIANTS = {name: [(template file, old, new), ...]}``, the
-first variant the reference (an empty list: the templates as they are). Per bench case
+FILE is Python that defines ``VARIANTS = {name: variant}``, the first variant the
+reference. A variant is a list of template edits ``[(template file, old, new), ...]`` (an
+empty list: the templates as they are), or a dict with such a list under ``"edits"`` and
+plan constants under ``"set"``: ``{"mlx_metaltile.ops.sdpa_multi.MMA_SIMDGROUPS": 2}``, each
+module attribute set for the variant's calls and put back after (an op's plan reads its
+constants when it is built, and each variant's plans are built afresh). Per bench case
 (``cases()`` of the ops, selected as ``bench`` selects them) and round, each side in turn (the
 order reversed every other round, as ``bench``): the op's plans forgotten, the variant's
 edits applied through ``backends.override_template`` (every kernel of an edited template,
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import math
 import runpy
 import sys
@@ -33,11 +38,15 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 BATCH = 8  # calls per sample, as bench on a GPU
 
 
-def applied(edits) -> contextlib.ExitStack:
-    """A context holding ``edits`` ((template, old, new) triples) through
-    ``backends.override_template``, one per template."""
+def applied(variant) -> contextlib.ExitStack:
+    """A context holding ``variant`` (module docstring): its edits through
+    ``backends.override_template``, one per template, and its plan constants set."""
     from mlx_metaltile import backends
 
+    if isinstance(variant, dict):
+        edits, settings = variant.get("edits", ()), variant.get("set", {})
+    else:
+        edits, settings = variant, {}
     per_file: dict[str, list[tuple[str, str]]] = {}
     for filename, old, new in edits:
         per_file.setdefault(filename, []).append((old, new))
@@ -45,7 +54,12 @@ def applied(edits) -> contextlib.ExitStack:
     try:
         for filename, pairs in per_file.items():
             stack.enter_context(backends.override_template(filename, *pairs))
-    except BaseException:  # an edit that does not apply: undo the ones entered
+        for dotted, value in settings.items():
+            module_name, name = dotted.rsplit(".", 1)
+            module = importlib.import_module(module_name)
+            stack.callback(setattr, module, name, getattr(module, name))  # it must exist
+            setattr(module, name, value)
+    except BaseException:  # an edit that does not apply, a constant that does not exist
         stack.close()
         raise
     return stack

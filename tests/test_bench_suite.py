@@ -149,3 +149,40 @@ def test_template_ab_times_each_variant_on_its_own_kernels():
     assert {side: len(t) for side, t in times.items()} == dict.fromkeys(variants, 2)
     assert diffs["as is"] == diffs["same"] == 0.0 and diffs["no silu"] > 0.1
     assert mx.array_equal(after, before)
+
+
+def test_template_ab_sets_plan_constants_per_variant():
+    """A variant's plan constants ("set") hold for its calls only: moe_gather_qmm's GEMV
+    plan switched on for the emulator launches the GEMV in that variant's calls alone (one
+    untimed call and a sample per round), with the same results as the tiles to float32
+    rounding, and the constant is put back."""
+    import importlib
+
+    import mlx.core as mx
+    import numpy as np
+
+    import mlx_metaltile as mt
+    from mlx_metaltile import backends
+    from mlx_metaltile.cases.moe_gather_qmm import make_case
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import template_ab as ab
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    op = importlib.import_module("mlx_metaltile.ops.moe_gather_qmm")
+    x, w, scales, biases, indices = make_case(np.random.default_rng(0), 4, 5, 64, 128, 32, 4,
+                                              mx.float32)
+    inputs = {"x": x, "w": w, "scales": scales, "biases": biases, "indices": indices}
+    plan = op.GEMV_ROWS_PER_EXPERT
+    variants = {"tiles": [], "gemv": {"set": {
+        "mlx_metaltile.ops.moe_gather_qmm.GEMV_ROWS_PER_EXPERT": {"emulator": 4}}}}
+    with backends.use_backend("emulator"):
+        before = backends.launch_count(op.GEMV_SPEC.name, "emulator")
+        _, diffs = ab.time_variants(
+            lambda **a: mt.moe_gather_qmm(**a, group_size=32, bits=4), None, [inputs],
+            variants, rounds=2, batch=2)
+        launched = backends.launch_count(op.GEMV_SPEC.name, "emulator") - before
+    assert launched == 2 * (1 + 2)
+    assert op.GEMV_ROWS_PER_EXPERT is plan
+    assert diffs["tiles"] == 0.0 and 0.0 < diffs["gemv"] < 1e-4
