@@ -138,7 +138,8 @@
 // CHECKED ONLY ON A MAC: that Apple's compiler accepts this body (address-space deduction of
 //   `auto` pointers for device and constant inputs, a kernel-scope threadgroup array, simd_shuffle
 //   with a ushort lane, numeric_limits NaN converted to bfloat, expert_qdot.h's constructs:
-//   as_type between half and ushort, an explicitly specialised function template), register
+//   as_type between half and ushort, an explicitly specialised function template;
+//   mt_qmv_shuffle's and mt_qmv_sum's choice on a bool template parameter), register
 //   use / occupancy, and the performance (GB/s vs mx.gather_qmm). The emulator checks the arithmetic, the bounds,
 //   the SIMD-group collectives and the read counts; the CUDA translation compiles in CI.
 #include "common.h"
@@ -207,8 +208,8 @@ inline float mt_qmv_word_dot_rounded(uint word, thread const float* xv, float s,
 // moe_gather_qmm bfloat16, 4-bit, us per call, converged / plain): M 32 N 768 K 2048 85.4 /
 // 57.6, M 128 253.4 / 135.1, the revision before the converged helpers 132.5 at M 128;
 // 8-bit ROUND 148.5 / 153.4 and expert_qmv's own 4-bit rows (Mixtral up 78.2 / 74.4)
-// within the run's noise, so they keep the converged calls (2 to 8% of the MoE decode
-// kernels' time when they came). On CUDA the plain calls ask for __activemask() per call,
+// within the run's noise, so they keep the converged calls (which saved 2 to 8% of the MoE
+// decode kernels' time when they came). On CUDA the plain calls ask for __activemask() per call,
 // and ptxas (sm_90) then builds this instantiation in 72 registers and a 96-byte stack
 // frame instead of 100 registers: 28 warps per SM instead of 20. On Metal both are
 // simd_shuffle / simd_sum.
