@@ -10,15 +10,15 @@ empty list: the templates as they are), or a dict with such a list under ``"edit
 plan constants under ``"set"``: ``{"mlx_metaltile.ops.sdpa_multi.MMA_SIMDGROUPS": 2}``, each
 module attribute set for the variant's calls and put back after (an op's plan reads its
 constants when it is built, and each variant's plans are built afresh). Per bench case
-(``cases()`` of the ops, selected as ``bench`` selects them) and round, each side in turn (the
-order reversed every other round, as ``bench``): the op's plans forgotten, the variant's
-edits applied through ``backends.override_template`` (every kernel of an edited template,
-built before or not, is built from the edited text), one untimed call, then one sample of 8
-queued calls evaluated, timed inside the override, so that the sample launches that
-variant's kernels. (Applied with ``_templates.override`` alone, or timed after the override
-ends, a sample would launch the kernels built before: every variant would time the same.)
+(``cases()`` of the ops, selected as ``bench`` selects them), the sides are sampled as
+``bench`` samples them (``_measure.samples_in_turns``: one sample of 8 queued calls per side
+and round, the order reversed every other round). Each call of a variant is built with the
+op's plans forgotten and the variant's edits applied through ``backends.override_template``
+(every kernel of an edited template, built before or not, is built from the edited text),
+so the graph it queues holds that variant's kernels. (Applied with ``_templates.override``
+alone, a call would launch the kernels built before: every variant would time the same.)
 Printed per case: native's median us, each variant's, and each variant's largest |difference|
-from the reference's output on the same inputs, taken from its timed calls (the check that
+from the reference's output on the same inputs, taken from its last timed call (the check that
 an edit meant to keep the results does, and that the variant ran). Speed only: ``bench`` checks results against the float64 oracles.
 """
 
@@ -27,10 +27,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import math
 import runpy
 import sys
-import time
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
@@ -84,12 +82,15 @@ def first_output(result):
 def time_variants(ours, native, inputs: list[dict], variants: dict, rounds: int,
                   batch: int = BATCH) -> tuple[dict[str, list[float]], dict[str, float]]:
     """({side: seconds per call, one per round}, {variant: max |output - reference's|}):
-    ``native`` (None: not timed) and each variant of ``variants`` (name -> edits) calling
-    ``ours``, in turns, on the input sets ``inputs`` (rotating). A variant's difference is
-    taken from the first call of each of its timed samples against the reference variant's
-    output for the same inputs: from the calls timed, not from a call made apart."""
+    ``native`` (None: not timed) and each variant of ``variants`` calling ``ours``, sampled
+    in turns by ``_measure.samples_in_turns`` on the input sets ``inputs``. Each call of a
+    variant is built inside its override with its plans built afresh, so the graph it
+    queues holds that variant's kernels when the sample evaluates it. A variant's difference
+    is taken from its last timed call against the reference variant's output for the same
+    inputs: from a call timed, not from one made apart."""
     import mlx.core as mx
 
+    from mlx_metaltile import _measure
     from mlx_metaltile.ops import _common
 
     names = list(variants)
@@ -97,29 +98,26 @@ def time_variants(ours, native, inputs: list[dict], variants: dict, rounds: int,
         _common.clear_plans()  # plans hold prepared launches of the kernels
         refs = [first_output(ours(**arrays)) for arrays in inputs]
         mx.eval(refs)
-    sides = ([] if native is None else ["native"]) + names
-    times: dict[str, list[float]] = {side: [] for side in sides}
-    diffs = dict.fromkeys(names, 0.0)
-    k = 0
-    for r in range(rounds):
-        for side in sides if r % 2 == 0 else sides[::-1]:
-            fn = native if side == "native" else ours
-            with applied(variants.get(side, ())):
-                if side != "native":
-                    _common.clear_plans()
-                mx.eval(fn(**inputs[k % len(inputs)]))  # the plan and kernels, untimed
-                first, outs = k % len(inputs), []
-                for _ in range(batch):
-                    outs.append(fn(**inputs[k % len(inputs)]))
-                    k += 1
-                start = time.perf_counter()
-                mx.eval(outs)
-                times[side].append((time.perf_counter() - start) / batch)
-            if side != "native":
-                d = max_diff(first_output(outs[0]), refs[first])
-                diffs[side] = math.nan if math.isnan(d) else max(diffs[side], d)
+    last = {}
+
+    def side(name):
+        def call(**arrays):
+            with applied(variants[name]):
+                _common.clear_plans()  # the variant's plan constants
+                out = ours(**arrays)
+            last[name] = (arrays, out)
+            return out
+        return call
+
+    sides = ([] if native is None else [("native", native)]) + [(n, side(n)) for n in names]
+    samples = _measure.samples_in_turns([fn for _, fn in sides], inputs, 1, rounds, batch)
     _common.clear_plans()  # none built under a variant outlives it
-    return times, diffs
+    diffs = {}
+    for name, (arrays, out) in last.items():
+        at = next(i for i, given in enumerate(inputs)  # the input set by its arrays
+                  if all(given[key] is value for key, value in arrays.items()))
+        diffs[name] = max_diff(first_output(out), refs[at])
+    return dict(zip((n for n, _ in sides), samples, strict=True)), diffs
 
 
 def main(argv=None) -> None:
