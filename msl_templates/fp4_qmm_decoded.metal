@@ -5,19 +5,20 @@
 //   e2m1 -> {+-0, 0.5, 1, 1.5, 2, 3, 4, 6}; scale = mt_fp4_scale<SCALE_MODE>(scales[n, g]);
 //   factor: a power of two (1 or 2^-3, the wrapper's; 2^-3 keeps every E8M0-scaled weight
 //   finite in float32 / bfloat: |code| <= 6 < 8). The float32 product is exact for E8M0 / E4M3
-//   scales, as the tile kernel's weights (fp4_qmm_simdgroup.metal). D is x's half / bfloat
-//   type, declared only where every weight of the scale format is a value of it, so the
-//   conversion is exact (bfloat: E8M0 and E4M3; half: E4M3 with factor 1; ops/fp4_qmm.py,
-//   _decoded_exact).
+//   scales, as the tile kernel's weights (fp4_qmm_simdgroup.metal). D is declared only where
+//   every weight of the scale format is a value of it, so the conversion is exact: x's
+//   bfloat (E8M0 and E4M3), x's half (E4M3, factor 1), or float for half x with E8M0 scales
+//   (ops/fp4_qmm.py, _decoded_dtype).
 //
 // LAYOUT (row-contiguous): w [N, K / 8] uint32 (code j of a word at bits [4j, 4j + 4));
 //   scales [N, K / GS] ST; out [N, K] D. n_words (N K / 8), k_words (K / 8), gs_shift (log2 GS,
 //   GS in 16 .. 128): 0-d uint32 runtime inputs; factor: 0-d float32.
-// TEMPLATE: D (output dtype: float16 or bfloat16), ST (uint8), SCALE_MODE (1 E8M0, 2 E4M3).
+// TEMPLATE: D (output dtype: float16, bfloat16 or float32), ST (uint8), SCALE_MODE (1 E8M0,
+//   2 E4M3).
 //
 // DESIGN: thread t decodes word t (row t / k_words): its 8 codes with mt_e2m1x2 (two at a time:
 //   codes j and j + 4), times the word's group scale (8 | GS: one scale a word), stored as 8
-//   consecutive outputs (common.h's mt_store8: one 16-byte store on cuda where aligned).
+//   consecutive outputs (common.h's mt_store8: 16-byte stores on cuda where aligned).
 // TRAFFIC: w read once, a scale once per word (GS / 8 threads read the same one, from cache),
 //   out written once: N K (1/2 + sizeof(D)) bytes.
 //

@@ -252,8 +252,9 @@ def test_check_reports_unchecked_and_failures_never_as_passes():
 
 @needs_emulator
 def test_check_tries_each_dtype_of_a_shape_for_a_variant_asked_by_name():
-    """fp4_qmm's decoded variant refuses float16 x with mxfp4 scales: check moves on to the
-    same shape's bfloat16 case and checks the variant there (at a small size here)."""
+    """fp4_qmm's decoded variant refuses float32 x: check moves on to the same shape's
+    bfloat16 case and checks the variant there (at a small size here; float32 made the
+    cheapest, so that it comes first)."""
     def small(rng, dtype):
         w, scales = mx.quantize(mx.array(rng.standard_normal((64, 128), dtype=np.float32)),
                                 mode="mxfp4")[:2]
@@ -261,15 +262,15 @@ def test_check_tries_each_dtype_of_a_shape_for_a_variant_asked_by_name():
         return dict(x=x, w=w, scales=scales)
 
     shape = [c for c in cases("fp4_qmm") if c.label == "M1-N4096-K4096"
-             and c.dtype in (mx.float16, mx.bfloat16)]
+             and c.dtype in (mx.float32, mx.bfloat16)]
     fake = [replace(c, make=lambda rng, d=c.dtype: small(rng, d),
-                    nbytes=1 if c.dtype == mx.float16 else 2) for c in shape]
+                    nbytes=1 if c.dtype == mx.float32 else 2) for c in shape]
     assert len(fake) == 2
     results = {r.kernel: r for r in _check.check_variants(
         "emulator", lambda op=None, quick=False: fake if op == "fp4_qmm" else [])}
     decoded = results["fp4_qmm_decoded"]
     assert decoded.status == "pass" and decoded.case.endswith("bfloat16"), decoded
-    assert results["fp4_qmm_simdgroup"].case.endswith("float16")  # the cheapest dtype first
+    assert results["fp4_qmm_simdgroup"].case.endswith("float32")  # the cheapest dtype first
 
 
 @needs_emulator

@@ -17,12 +17,14 @@ Kernels (``variant=``):
              scales of group 16
   mpp        32x32 tiles on MetalPerformancePrimitives matmul2d (16, 16, 32); auto for M > 8
              on Metal when macOS >= 26.2 and the GPU generation is >= 17 (as MLX's NAX)
-  decoded    W decoded once by a kernel (fp4_qmm_decoded) into x's dtype, then MLX's
-             matmul (cuBLAS on cuda): bfloat16 x with uint8 scales, float16 x with E4M3
-             (there every weight is exact in x's dtype); auto from DECODED_MIN_M[backend]
-             rows (cuda only: a tuned GEMM library against the tile kernel's simdgroup-matrix
-             products, which NVIDIA runs at a few % of its peak). The decoded W is a
-             transient N x K array in x's dtype (32 MiB at 4096 x 4096)
+  decoded    W decoded once by a kernel (fp4_qmm_decoded) into a dtype that holds every
+             weight exactly, then MLX's matmul (cuBLAS on cuda): x's dtype for bfloat16 x with
+             uint8 scales and float16 x with E4M3, float32 for float16 x with E8M0
+             (_decoded_dtype); auto from DECODED_MIN_M[backend] rows (DECODED_F32_MIN_M
+             through float32; cuda only: a tuned GEMM library against the tile kernel's
+             simdgroup-matrix products, which NVIDIA runs at a few % of its peak). The
+             decoded W is a transient N x K array (32 MiB at 4096 x 4096 in 16 bits, 64 MiB
+             in float32)
 """
 
 from __future__ import annotations
@@ -82,11 +84,17 @@ TILE_THREADS = 128
 SPLITK_TARGET_TGS = 512  # split K (simdgroup kernel) until about this many threadgroups run
 SUM_THREADS = 256
 # The decoded plan: auto on these backends from this many rows of x, where x's dtype holds
-# every weight exactly (_decoded_exact). A tuning constant: the same math either way (float32
+# every weight exactly (_decoded_dtype is x's dtype). A tuning constant: the same math either way (float32
 # accumulation rounded once; the GEMM's summation order is the library's). Measured on an
 # H200 (bfloat16, mxfp4, N K 4096, us, tile kernel / decoded): M 32 61.9 / 67.3, M 64 93.4 /
 # 62.7, M 512 553.8 / 100.8. Metal keeps its kernels until a Mac measures the plan there.
 DECODED_MIN_M = {"cuda": 64}
+# The same through float32 (float16 x with E8M0 scales; _decoded_dtype): a W twice the size
+# and TF32 products. H200 (float16, mxfp4, K 4096, us, median of 10 samples of 8 calls, in
+# turns; native / tile kernel / decoded): N 4096 M 64 53.0 / 110.4 / 161.8, M 128 80.2 /
+# 166.9 / 174.1, M 256 134.9 / 287.6 / 182.4, M 512 241.8 / 531.3 / 207.5; N 14336 M 64
+# 129.7 / 254.5 / 259.7, M 128 220.8 / 474.8 / 280.8, M 512 784.7 / 1761.8 / 404.7.
+DECODED_F32_MIN_M = {"cuda": 128}
 DECODE_THREADS = 256
 # The skinny kernel (fp4_qmm_skinny.metal): auto on these backends for these rows of x
 # (half / bfloat x, _skinny_fits); its K slices for about SKINNY_TARGET_WARPS warps (the
@@ -222,20 +230,37 @@ def _skinny_bindings():
 )
 
 
-def _decoded_exact(dtype: mx.Dtype, scale_mode: int) -> bool:
-    """Whether x's ``dtype`` holds every weight of the scale format exactly, the decoded
-    plan's condition (fp4_qmm_decoded.metal): bfloat16 with E8M0 or E4M3 scales, float16
-    with E4M3 (E8M0 weights leave half's range; float scales add significant bits; float32
-    x would multiply in TF32 where MLX does so: not float32's accuracy)."""
-    return ((dtype == mx.bfloat16 and scale_mode != SCALE_FLOAT)
-            or (dtype == mx.float16 and scale_mode == SCALE_E4M3))
+def _decoded_dtype(dtype: mx.Dtype | None, scale_mode: int | None) -> mx.Dtype | None:
+    """The dtype the decoded plan decodes W into for x of ``dtype`` with scales of
+    ``scale_mode`` (fp4_qmm_decoded.metal), or None where it has none. x's own dtype where
+    that holds every weight exactly: bfloat16 with E8M0 or E4M3 scales, float16 with E4M3.
+    float32 for float16 x with E8M0 scales (those weights leave half's range): every weight
+    (at most 6 significant bits) and every half value is exact in TF32 too, so MLX's float32
+    matmul forms exact products whether or not it runs them in TF32. None for float scales
+    (they add significant bits) and for float32 x (split for TF32, its forward missed
+    float32's bound: the tensor cores' float32 accumulation)."""
+    if scale_mode not in (SCALE_E8M0, SCALE_E4M3):
+        return None
+    if dtype == mx.bfloat16 or (dtype == mx.float16 and scale_mode == SCALE_E4M3):
+        return dtype
+    return mx.float32 if dtype == mx.float16 else None
+
+
+def _decoded_min_m(backend: str, dtype: mx.Dtype | None, scale_mode: int | None) -> float:
+    """Rows of x from which auto takes the decoded plan on ``backend`` (inf: never)."""
+    decoded = _decoded_dtype(dtype, scale_mode)
+    if decoded is None:
+        return math.inf
+    table = DECODED_MIN_M if decoded == dtype else DECODED_F32_MIN_M
+    return table.get(backend, math.inf)
 
 
 def _decoded_bindings():
     for t in FLOAT_TYPES:
         for st, _, mode in _scale_formats():
-            if _decoded_exact(t, mode):
-                yield {"D": t, "ST": st, "SCALE_MODE": mode}
+            decoded = _decoded_dtype(t, mode)
+            if decoded is not None:
+                yield {"D": decoded, "ST": st, "SCALE_MODE": mode}
 
 
 (DECODED_SPEC,) = register(
@@ -247,8 +272,9 @@ def _decoded_bindings():
         bindings=_decoded_bindings, dtypes=("float16", "bfloat16"),
         geometry="one thread per word of w (8 weights): threadgroup (256, 1, 1), grid "
                  "(round_up(N*K/8, 256), 1, 1); then MLX's matmul of x and the decoded W",
-        notes="template D (x's dtype: bfloat16 with uint8 scales, float16 with E4M3), ST, "
-              "SCALE_MODE; factor 1 (float16) or 2^-3 (runtime), undone after the matmul",
+        notes="template D (bfloat16 x with uint8 scales: bfloat16; float16 x: float16 with "
+              "E4M3, float32 with E8M0), ST, SCALE_MODE; factor 1 (float16) or 2^-3 (runtime), "
+              "undone after the matmul",
     ),
 )
 VARIANT_SPECS = {spec.variant: spec
@@ -436,14 +462,14 @@ def _auto(backend: str, m: int, dtype: mx.Dtype | None, scale_mode: int | None,
           group_size: int | None = None) -> str:
     """The variant ``auto`` picks: skinny for SKINNY_M[backend] rows where it takes the
     arguments, else the GEMV for few rows, else mpp where the Metal device has matrix units,
-    else decoded from DECODED_MIN_M[backend] rows, else simdgroup."""
+    else decoded from _decoded_min_m's rows, else simdgroup."""
     if m in SKINNY_M.get(backend, ()) and _skinny_fits(dtype, scale_mode, group_size):
         return "skinny"
     if m <= QMV_MAX_M:
         return "qmv"
     if backend == "metal" and _device.metal_mpp_reason() is None:
         return "mpp"
-    if m >= DECODED_MIN_M.get(backend, math.inf) and _decoded_exact(dtype, scale_mode):
+    if m >= _decoded_min_m(backend, dtype, scale_mode):
         return "decoded"
     return "simdgroup"
 
@@ -462,12 +488,12 @@ def _choose(backend: str, m: int, variant, dtype: mx.Dtype | None = None,
             "nvfp4) scales or float scales of group_size >= 32; got "
             f"{dtype_name(dtype)} x with {_SCALE_NAMES[scale_mode]} scales of group_size "
             f"{group_size}")
-    if spec is DECODED_SPEC and dtype is not None and not _decoded_exact(dtype, scale_mode):
+    if (spec is DECODED_SPEC and dtype is not None
+            and _decoded_dtype(dtype, scale_mode) is None):
         raise ValueError(
-            f"[{OP}] variant 'decoded' decodes W into x's dtype, which must hold every "
-            "weight exactly: bfloat16 x with uint8 (mxfp4 / nvfp4) scales or float16 x with "
-            f"E4M3 (nvfp4) scales; got {dtype_name(dtype)} x with "
-            f"{_SCALE_NAMES[scale_mode]} scales")
+            f"[{OP}] variant 'decoded' decodes W into a dtype that holds every weight "
+            "exactly and multiplies in it: bfloat16 or float16 x with uint8 (mxfp4 / nvfp4) "
+            f"scales; got {dtype_name(dtype)} x with {_SCALE_NAMES[scale_mode]} scales")
     return spec
 
 
@@ -622,8 +648,8 @@ def _launcher(spec: KernelSpec, m: int, n: int, k: int, mode: int, group_size: i
 def _decoder(n: int, k: int, mode: int, group_size: int, dtype: mx.Dtype,
              backend: str) -> tuple[Callable, float]:
     """DECODED_SPEC's kernel for w [n, k / 8] on ``backend``, prepared once: returns
-    ``(decode, factor)``, ``decode(w, scales)`` giving W * factor [n, k] in ``dtype`` (exact
-    where _decoded_exact holds; factor 1 for float16, whose E4M3 weights stay <= 2688, else
+    ``(decode, factor)``, ``decode(w, scales)`` giving W * factor [n, k] in ``dtype`` (a
+    _decoded_dtype, exact; factor 1 for float16, whose E4M3 weights stay <= 2688, else
     WEIGHT_FACTOR, so that every E8M0-scaled weight stays finite)."""
     factor = 1.0 if dtype == mx.float16 else WEIGHT_FACTOR
     words = n * k // 8
@@ -646,9 +672,13 @@ def _decoder(n: int, k: int, mode: int, group_size: int, dtype: mx.Dtype,
 
 def _product(a: mx.array, wd: mx.array, factor: float) -> mx.array:
     """``a @ wd / factor`` in a's 16-bit dtype by MLX's matmul (float32 accumulation, rounded
-    once; the power-of-two factor undone exactly). ``a * 1`` (exact) is a fresh buffer: MLX's
-    CUDA matmul (cuBLASLt, MLX 0.32.4) raises on 16-bit operands that start off a 16-byte
-    boundary, as a view may."""
+    once; the power-of-two factor undone exactly). wd in a's dtype, or float32: a is then
+    taken to float32 (exact), the products exact in TF32 as in float32 (_decoded_dtype), the
+    result rounded to a's dtype once. ``a * 1`` (exact) is a fresh buffer: MLX's CUDA matmul
+    (cuBLASLt, MLX 0.32.4) raises on 16-bit operands that start off a 16-byte boundary, as a
+    view may."""
+    if wd.dtype == mx.float32:
+        return (mx.matmul(a.astype(mx.float32), wd) * (1.0 / factor)).astype(a.dtype)
     y = mx.matmul(a * 1, wd)
     return y if factor == 1.0 else y * (1.0 / factor)
 
@@ -674,8 +704,8 @@ def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | Non
         writes); nvfp4's optional global scale is not taken.
       variant: None (auto) or "qmv", "skinny", "simdgroup", "mpp", "decoded" to force a
         kernel; a variant that cannot run on the current backend raises ValueError, as
-        "decoded" does where x's dtype cannot hold every weight exactly and "skinny" for
-        float32 x or float scales of group 16. Kernel backends only.
+        "decoded" does for float32 x and float scales and "skinny" for float32 x or float
+        scales of group 16. Kernel backends only.
       stream: MLX's StreamOrDevice (None, an mx.Stream, an mx.Device, mx.cpu / mx.gpu):
         where the composite's ops or the kernel run.
 
@@ -683,10 +713,10 @@ def fp4_qmm(x: mx.array, w: mx.array, scales: mx.array, *, group_size: int | Non
 
     Differentiable with respect to x (``g @ W`` on the decoded weights, float32 accumulation:
     on a kernel backend with uint8 scales and at most DX_MAX_M (8) rows one launch of the
-    ``fp4_qmm_dx`` kernel, moe_gather_qmm's dx template with one expert; more rows where x's
-    dtype holds every weight, W decoded by ``fp4_qmm_decoded`` and MLX's matmul in that
-    dtype; otherwise, float scales and the reference backend: the composite, kept float32
-    where MLX multiplies float32 in TF32);
+    ``fp4_qmm_dx`` kernel, moe_gather_qmm's dx template with one expert; more rows of 16-bit
+    x with uint8 scales, W decoded by ``fp4_qmm_decoded`` as the decoded plan does and MLX's
+    matmul; otherwise, float32 x, float scales and the reference backend: the composite,
+    kept float32 where MLX multiplies float32 in TF32);
     asking for the gradient of w or scales raises.
 
     Reference backend: ``mx.compile(shapeless=True)`` (any leading dims of x) and
@@ -710,16 +740,17 @@ def _plan(x, w, scales, group_size, mode, variant, backend: str, stream) -> Call
     on_stream(OP, stream)  # refuses what is not a stream
     dtype, x_shape = x.dtype, tuple(x.shape)
     # The decode kernel (prepared once) serves the decoded plan's forward and, past DX_MAX_M
-    # rows, the x-VJP's product in x's dtype, wherever x's dtype holds every weight.
+    # rows, the x-VJP's product, wherever the decoded plan takes x's dtype and the scales.
+    decoded = _decoded_dtype(dtype, scale_mode)
     decoder = None
-    if spec is not None and m > DX_MAX_M and _decoded_exact(dtype, scale_mode):
-        decoder = _decoder(n, k, scale_mode, group_size, dtype, backend)
+    if spec is not None and m > DX_MAX_M and decoded is not None:
+        decoder = _decoder(n, k, scale_mode, group_size, decoded, backend)
     launch = None
     if spec is DECODED_SPEC and m > 0:
         decode, factor = decoder if decoder is not None else _decoder(
-            n, k, scale_mode, group_size, dtype, backend)
+            n, k, scale_mode, group_size, decoded, backend)
 
-        def launch(x, w, scales):  # W decoded into x's dtype, then x @ W^T (_product)
+        def launch(x, w, scales):  # W decoded (_decoded_dtype), then x @ W^T (_product)
             return _product(x.reshape(m, k), decode(w, scales).T, factor).reshape(out_shape)
     elif spec is not None and m > 0:
         launch = _launcher(spec, m, n, k, scale_mode, group_size, dtype, scales.dtype,
@@ -743,7 +774,7 @@ def _plan(x, w, scales, group_size, mode, variant, backend: str, stream) -> Call
         if dx_launch is not None:
             dx = dx_launch(g.reshape(m, n), w[None], scales[None], None, expert_ids, True)
             return dx.reshape(x_shape).astype(dtype)
-        if decoder is not None and g.dtype == dtype:  # the product in x's dtype
+        if decoder is not None and g.dtype == dtype:  # the decoded plan's product
             decode, factor = decoder
             return _product(g.reshape(m, n), decode(w, scales), factor).reshape(x_shape)
         # float32 to float32 accuracy where MLX multiplies float32 in TF32 (float32_matmul):

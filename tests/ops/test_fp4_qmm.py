@@ -45,11 +45,11 @@ def no_split(monkeypatch):
 def kernel_variant(backend: str, variant: str, dtype=None, kind: str = "e8m0",
                    group_size: int = 32) -> None:
     """Skip a variant the backend cannot run here (mpp needs an M5-class Mac or emulator MPP),
-    or for x of ``dtype`` with ``kind`` scales of ``group_size`` (decoded: where x's dtype
-    holds every weight exactly; skinny: half / bfloat x, no float scales of group 16; their
+    or for x of ``dtype`` with ``kind`` scales of ``group_size`` (decoded: 16-bit x with
+    uint8 scales; skinny: half / bfloat x, no float scales of group 16; their
     refusals elsewhere are tested apart)."""
-    if variant == "decoded" and dtype is not None and not op_module._decoded_exact(
-            dtype, SCALE_MODES[kind]):
+    if variant == "decoded" and dtype is not None and op_module._decoded_dtype(
+            dtype, SCALE_MODES[kind]) is None:
         pytest.skip(f"decoded: {dtype_id(dtype)} x with {kind} scales is refused")
     if variant == "skinny" and dtype is not None and not op_module._skinny_fits(
             dtype, SCALE_MODES[kind], group_size):
@@ -386,8 +386,12 @@ def test_auto_choice_by_backend_and_m(monkeypatch):
     assert choose("cuda", low - 1, None, mx.bfloat16, e8m0) is op_module.SIMDGROUP_SPEC
     assert choose("cuda", low, None, mx.bfloat16, e8m0) is op_module.DECODED_SPEC
     assert choose("cuda", low, None, mx.float16, e4m3) is op_module.DECODED_SPEC
-    for dtype, mode in ((mx.float16, e8m0), (mx.float32, e4m3),
-                        (mx.bfloat16, op_module.SCALE_FLOAT)):  # not exact in x's dtype
+    wide = op_module.DECODED_F32_MIN_M["cuda"]  # float16 x, E8M0: decoded into float32
+    assert choose("cuda", max(wide - 1, skinny[-1] + 1), None, mx.float16, e8m0) is \
+        op_module.SIMDGROUP_SPEC
+    assert choose("cuda", wide, None, mx.float16, e8m0) is op_module.DECODED_SPEC
+    for dtype, mode in ((mx.float32, e8m0), (mx.float32, e4m3),
+                        (mx.bfloat16, op_module.SCALE_FLOAT)):  # no decoded dtype
         assert choose("cuda", 512, None, dtype, mode) is op_module.SIMDGROUP_SPEC
     assert choose("cuda", 512, "simdgroup", mx.bfloat16, e8m0) is op_module.SIMDGROUP_SPEC
     assert choose("emulator", 512, None, mx.bfloat16, e8m0) is op_module.SIMDGROUP_SPEC
@@ -464,8 +468,10 @@ def test_sizes_do_not_rebuild(kernel_backend, rng, variant):
     one in the constant address space: no second source per template class.)"""
     kernel_variant(kernel_backend, variant)
     # warm-up: every template class this variant can take (qmv: MB = 1, 2, 4, 8;
-    # simdgroup: one pass (OT = T) and split (OT = float))
-    warm = [(1, 32, 64), (2, 32, 64), (3, 32, 64), (5, 32, 64), (40, 64, 32), (9, 64, 64)]
+    # simdgroup: one pass (OT = T) and split (OT = float), the split at 40 rows too, past
+    # the skinny kernel's rows on cuda)
+    warm = [(1, 32, 64), (2, 32, 64), (3, 32, 64), (5, 32, 64), (40, 64, 32), (9, 64, 64),
+            (40, 64, 64)]
     dtype = mx.bfloat16 if variant == "decoded" else mx.float16  # decoded: exact in x's dtype
     for m, n, k in warm:
         x, w, s = make_case(rng, m, n, k, dtype)
@@ -488,8 +494,8 @@ def test_instantiations_match_the_launches(launch_recorder, monkeypatch, rng):
         for kind, gs in SCALE_KINDS:
             x, w, s = make_case(rng, 40, 64, 128, dtype, kind, gs)
             for variant in VARIANTS:
-                if variant == "decoded" and not op_module._decoded_exact(
-                        dtype, SCALE_MODES[kind]):
+                if variant == "decoded" and op_module._decoded_dtype(
+                        dtype, SCALE_MODES[kind]) is None:
                     continue  # refused (test_decoded_refuses_what_x_dtype_cannot_hold)
                 if variant == "skinny" and not op_module._skinny_fits(
                         dtype, SCALE_MODES[kind], gs):
@@ -1232,17 +1238,29 @@ def test_negative_control_half_tile_range(kernel_backend, broken_kernel, monkeyp
 
 @pytest.mark.parametrize("dtype, kind, group_size, scales", [
     (mx.float32, "e8m0", 32, "E8M0"), (mx.float32, "e4m3", 16, "E4M3"),
-    (mx.float16, "e8m0", 32, "E8M0"), (mx.float16, "float32", 32, "float"),
-    (mx.bfloat16, "float16", 64, "float")], ids=str)
+    (mx.float16, "float32", 32, "float"), (mx.bfloat16, "float16", 64, "float")], ids=str)
 def test_decoded_refuses_what_x_dtype_cannot_hold(kernel_backend, rng, dtype, kind, group_size,
                                                   scales):
-    """The decoded plan multiplies in x's dtype: forced where that dtype does not hold every
-    weight exactly (or would multiply float32 in TF32), it raises instead of rounding."""
+    """The decoded plan multiplies exact weights: forced where no dtype it multiplies in
+    holds every weight exactly (float scales) or where float32 x would multiply in TF32, it
+    raises instead of rounding."""
     x, w, s = make_case(rng, 40, 64, 128, dtype, kind, group_size)
     with pytest.raises(ValueError, match=rf"^\[fp4_qmm\] variant 'decoded' decodes W into "
-                                         rf"x's dtype, .* got {dtype_id(dtype)} x with "
+                                         rf"a dtype that .* got {dtype_id(dtype)} x with "
                                          rf"{scales}"):
         mt.fp4_qmm(x, w, s, group_size=group_size, variant="decoded")
+
+
+def test_decoded_through_float32_under_tf32(kernel_backend, tf32_matmul, poisoned_outputs,
+                                            rng):
+    """float16 x with E8M0 scales (weights over 18 binades, outside half's range): the
+    decoded plan decodes W into float32 and multiplies there, under a matmul that keeps
+    TF32's 11 significand bits as MLX's CUDA default does. Forward and dx against the
+    float64 oracle, the decode kernel launched for each."""
+    x, w = make_x(rng, (40,), 128, mx.float16), make_w(rng, 64, 128)
+    s = make_scales(rng, 64, 128, "e8m0", 32)
+    run_and_check(x, w, s, "e8m0", 32, kernel_backend, variant="decoded", expect="decoded")
+    run_and_check_dx(x, w, s, make_x(rng, (40,), 64, mx.float16), "e8m0", 32, kernel_backend)
 
 
 @pytest.mark.parametrize("mf", (2, 4), ids=("MF2", "MF4"))
