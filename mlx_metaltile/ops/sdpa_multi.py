@@ -43,6 +43,7 @@ ROW_TILE = 32  # query rows per threadgroup (L * Hq/Hkv rows share one KV head)
 KEY_BLOCK = 32  # keys per staged block (one per lane)
 STAGE_BYTES = 16 * 1024  # most bytes of one staged K or V block
 COMBINE_ROWS = 4  # output rows per combine threadgroup (one simdgroup each)
+COMBINE_MAX_SPLITS = 128  # slices the combine kernel merges at most (its 32 * SPL)
 # Splitting the KV range across threadgroups: aim for about TARGET_THREADS threads in
 # flight, with slices of at least MIN_SPLIT_BLOCKS key blocks and at least MIN_KEYS_PER_ROW
 # keys per query row of the tile (so re-reading q and writing partials stays small next to
@@ -587,6 +588,10 @@ def _launcher(p: _Problem, mask_shape: tuple | None, has_sinks: bool, dtype: mx.
     device_kv_len = p.kv_len is None
     # A device-side kv_len: the grid covers the whole buffer; slices past kv_len see no key.
     pl = split_plan(backend, B, Hq, Hkv, L, D, S if device_kv_len else p.kv_len, dtype)
+    if pl["n_splits"] > COMBINE_MAX_SPLITS:  # a plan constant set past what it merges
+        raise ValueError(f"[{OP}] the split plan has {pl['n_splits']} KV slices; the combine "
+                         f"kernel merges at most {COMBINE_MAX_SPLITS} (MAX_SPLITS, "
+                         "VEC_MAX_SPLITS and MMA_MAX_SPLITS must stay within it)")
     n_out = B * Hq * L
     scale2 = scalar(p.scale * LOG2E, mx.float32)
     # Element strides of the row-contiguous 4-D mask, 0 on its broadcast (size-1) axes.

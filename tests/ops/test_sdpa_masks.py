@@ -265,7 +265,8 @@ def test_negative_control_block_offset(kernel_backend, broken_kernel, rng):
 
 
 def test_negative_control_sink_dropped(kernel_backend, broken_kernel, rng):
-    broken_kernel(op_module.COMBINE_SPEC, ("float w_sum = has_sinks != 0u ?", "float w_sum = false ?"))
+    broken_kernel(op_module.COMBINE_SPEC, ("if (has_sinks != 0u) {\n  w_sum +=",
+                                           "if (false) {\n  w_sum +="))
     q, k, v = make_inputs(rng, 1, 4, 2, 1, 40, 64, mx.float32)
     with pytest.raises(AssertionError, match="out of tolerance|want NaN"):
         run_and_check(q, k, v, scale=0.125, causal=False, kv_len=40,

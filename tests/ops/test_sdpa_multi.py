@@ -17,6 +17,7 @@ from mlx_metaltile import backends
 from mlx_metaltile._registry import instantiations
 from mlx_metaltile.cases import assert_close, to_f64
 from mlx_metaltile.cases.sdpa_multi import launch_counts, make_inputs, oracle, run_and_check
+from mlx_metaltile.ops._common import clear_plans
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 op_module = importlib.import_module("mlx_metaltile.ops.sdpa_multi")
@@ -215,6 +216,65 @@ def test_combine_of_empty_and_extreme_slices(kernel_backend, poisoned_outputs, r
     assert np.isnan(to_f64(out)[0]).all()
     assert_close(out[1:], want[1:], dtype, magnitude[1:],
                  what=f"sdpa_multi combine[{kernel_backend}]")
+
+
+@pytest.mark.parametrize("n_splits", (1, 8, 9, 33, 100, 128))
+def test_combine_of_many_slices(kernel_backend, poisoned_outputs, rng, n_splits):
+    """The combine pass alone, on random partials of up to COMBINE_MAX_SPLITS slices: one,
+    one batch of o loads, a ragged batch, slices held by up to 4 lanes' registers each;
+    a third of the slices empty, maxima spread over 40 units, a sink on odd heads."""
+    n_rows, D, heads = 6, 96, 2
+    m = rng.uniform(-20.0, 20.0, (n_rows, n_splits)).astype(np.float32)
+    lsum = rng.uniform(0.5, 30.0, (n_rows, n_splits)).astype(np.float32)
+    empty = rng.random((n_rows, n_splits)) < 1 / 3
+    empty[:, 0] = False  # every row sees a key
+    m[empty], lsum[empty] = -np.inf, 0.0
+    o = rng.standard_normal((n_rows, n_splits, D)).astype(np.float32)
+    o[empty] = 0.0
+    sinks = np.array([-np.inf, 3.0], np.float32)  # head 0 none, head 1 a sink of 3
+    sink = sinks[np.arange(n_rows) % heads].astype(np.float64)[:, None]
+    m64 = m.astype(np.float64)
+    m_max = np.maximum(m64.max(axis=1, keepdims=True), sink)  # scale 0.5: units as given
+    w = np.where(empty, 0.0, np.exp2(m64 - m_max)) * lsum
+    den = w.sum(axis=1, keepdims=True) + np.exp2(sink - m_max)
+    want = np.einsum("rs,rsd->rd", w, o.astype(np.float64)) / den
+    magnitude = np.einsum("rs,rsd->rd", w, np.abs(o.astype(np.float64))) / den
+    ml = np.stack([m, lsum], axis=-1)
+    sink_logits = np.where(np.isinf(sinks), -1e30, sinks / 1.4426950408889634)
+    before = backends.launch_count(op_module.COMBINE_SPEC.name, kernel_backend)
+    (out,) = backends.launch(
+        op_module.COMBINE_SPEC, kernel_backend,
+        inputs={"o_part": mx.array(o), "ml_part": mx.array(ml),
+                "n_rows": mx.array(n_rows, dtype=mx.uint32),
+                "n_splits": mx.array(n_splits, dtype=mx.uint32), "scale": mx.array(0.5),
+                "n_q": mx.array(1, dtype=mx.uint32), "n_heads": mx.array(heads, dtype=mx.uint32),
+                "has_sinks": mx.array(1, dtype=mx.uint32),
+                "sinks": mx.array(sink_logits.astype(np.float32))},
+        template={"T": mx.float32, "D": D}, outputs={"out": ((n_rows, D), mx.float32)},
+        grid=(32 * op_module.COMBINE_ROWS * 2, 1, 1),
+        threadgroup=(32 * op_module.COMBINE_ROWS, 1, 1), init_value=float("nan"))
+    mx.eval(out)
+    assert backends.launch_count(op_module.COMBINE_SPEC.name, kernel_backend) == before + 1
+    assert_close(out, want, mx.float32, magnitude,
+                 what=f"sdpa_multi combine[{kernel_backend}] {n_splits} slices")
+
+
+def test_split_plan_past_the_combine_refused(kernel_backend, monkeypatch, rng):
+    """A plan constant set past what the combine kernel merges raises at planning time
+    instead of merging part of the slices."""
+    monkeypatch.setattr(op_module, "MAX_SPLITS", 4 * op_module.COMBINE_MAX_SPLITS)
+    monkeypatch.setattr(op_module, "VEC_MAX_SPLITS", 4 * op_module.COMBINE_MAX_SPLITS)
+    monkeypatch.setattr(op_module, "TARGET_THREADS", 10**9)
+    monkeypatch.setattr(op_module, "VEC_SIMDGROUPS_PER_CORE", 10**6)
+    clear_plans()
+    try:
+        q, k, v = make_inputs(rng, 1, 4, 2, 1, 64 * 1024, 64, mx.float16)
+        with mt.use_backend(kernel_backend), pytest.raises(
+                ValueError, match=r"^\[sdpa_multi\] the split plan has \d+ KV slices; the "
+                                  r"combine kernel merges at most 128"):
+            mt.sdpa_multi(q, k, v, scale=0.125)
+    finally:
+        clear_plans()
 
 
 @pytest.mark.parametrize("scale", (0.0, -0.3), ids=("zero", "negative"))
