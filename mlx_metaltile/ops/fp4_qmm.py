@@ -84,10 +84,11 @@ TILE_THREADS = 128
 SPLITK_TARGET_TGS = 512  # split K (simdgroup kernel) until about this many threadgroups run
 SUM_THREADS = 256
 # The decoded plan: auto on these backends from this many rows of x, where x's dtype holds
-# every weight exactly (_decoded_dtype is x's dtype). A tuning constant: the same math either way (float32
-# accumulation rounded once; the GEMM's summation order is the library's). Measured on an
-# H200 (bfloat16, mxfp4, N K 4096, us, tile kernel / decoded): M 32 61.9 / 67.3, M 64 93.4 /
-# 62.7, M 512 553.8 / 100.8. Metal keeps its kernels until a Mac measures the plan there.
+# every weight exactly (_decoded_dtype is x's dtype). A tuning constant: the same math either
+# way (float32 accumulation rounded once; the GEMM's summation order is the library's).
+# Measured on an H200 (bfloat16, mxfp4, N K 4096, us, tile kernel / decoded): M 32 61.9 /
+# 67.3, M 64 93.4 / 62.7, M 512 553.8 / 100.8. Metal keeps its kernels until a Mac measures
+# the plan there.
 DECODED_MIN_M = {"cuda": 64}
 # The same through float32 (float16 x with E8M0 scales; _decoded_dtype): a W twice the size
 # and TF32 products. H200 (float16, mxfp4, K 4096, us, median of 10 samples of 8 calls, in
