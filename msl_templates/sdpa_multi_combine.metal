@@ -35,16 +35,14 @@
 //   (m, lsum) of slices i + 32 j (j < SPL) in one round of loads and keeps their weights;
 //   M and sum_s w_s are taken over the lanes by xor trees; then the slices' o rows are read
 //   OB at a time, all OB loads issued before they are used, each slice's weight taken from
-//   its lane by a shuffle. (The loop it replaced read each slice's (m, lsum), then its o,
-//   one slice after another: 21 us for 32 rows of 49 slices on an H200, a memory round
-//   trip per slice.)
+//   its lane by a shuffle. (Reading one slice after another cost a memory round trip per
+//   slice: the README's H200 section.)
 //
 // REDUCTION ORDER: sum_s w_s: each lane's slices in increasing j, then the lanes by the
 //   xor tree (partner 1, 2, 4, 8, 16; every lane gets the same bits), then the sink's
 //   weight. o: the slices in increasing slice order.
 // TRAFFIC: each (m, lsum) read once (by one lane), o_part read once, out written once.
 // Checked only on a Mac: that Apple's compiler accepts the body, and the speed.
-
 #include "common.h"
 // ---- kernel body ----
 constexpr int DPL = D / 32;
