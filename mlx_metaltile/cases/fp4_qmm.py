@@ -152,9 +152,11 @@ def run_and_check_dx(x, w, scales, g, kind, group_size, backend):
     kernel = on_kernels and scales.dtype == mx.uint8 and m <= fp4_module.DX_MAX_M
     # more rows where the decoded plan takes x's dtype and the scales: W decoded for the
     # product (the forward too where its plan is the decoded one)
-    decoded = int(on_kernels and m > fp4_module.DX_MAX_M and fp4_module._decoded_dtype(
-        dtype, mode) is not None) + int(on_kernels and _choose(backend, m, None, dtype, mode, group_size)
-                            is fp4_module.DECODED_SPEC)
+    dx_decoded = (on_kernels and m > fp4_module.DX_MAX_M
+                  and fp4_module._decoded_dtype(dtype, mode) is not None)
+    forward_decoded = on_kernels and _choose(
+        backend, m, None, dtype, mode, group_size) is fp4_module.DECODED_SPEC
+    decoded = int(dx_decoded) + int(forward_decoded)
     names = ("fp4_qmm_dx", "fp4_qmm_decoded")
     before = [backends.launch_count(name, backend) for name in names]
     _, (dx,) = mx.vjp(lambda x: mt.fp4_qmm(x, w, scales, group_size=group_size), [x], [g])
