@@ -679,7 +679,8 @@ def _product(a: mx.array, wd: mx.array, factor: float) -> mx.array:
     (cuBLASLt, MLX 0.32.4) raises on 16-bit operands that start off a 16-byte boundary, as a
     view may."""
     if wd.dtype == mx.float32:
-        return (mx.matmul(a.astype(mx.float32), wd) * (1.0 / factor)).astype(a.dtype)
+        y = float32_matmul(a.astype(mx.float32), wd, a_exact=True, b_exact=True)
+        return (y * (1.0 / factor)).astype(a.dtype)
     y = mx.matmul(a * 1, wd)
     return y if factor == 1.0 else y * (1.0 / factor)
 
