@@ -17,6 +17,8 @@ op's plans forgotten and the variant's edits applied through ``backends.override
 (every kernel of an edited template, built before or not, is built from the edited text),
 so the graph it queues holds that variant's kernels. (Applied with ``_templates.override``
 alone, a call would launch the kernels built before: every variant would time the same.)
+A variant's edited kernels are built once and kept for its later calls, as the unedited
+ones are, so that no side's timed evaluations launch kernel objects built for them.
 Printed per case: native's median us, each variant's, and each variant's largest |difference|
 from the reference's output on the same inputs, taken from its last timed call (the check that
 an edit meant to keep the results does, and that the variant ran). Speed only: ``bench`` checks results against the float64 oracles.
@@ -36,9 +38,13 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 BATCH = 8  # calls per sample, as bench on a GPU
 
 
-def applied(variant) -> contextlib.ExitStack:
+def applied(variant, kept: dict | None = None) -> contextlib.ExitStack:
     """A context holding ``variant`` (module docstring): its edits through
-    ``backends.override_template``, one per template, and its plan constants set."""
+    ``backends.override_template``, one per template, and its plan constants set.
+    ``kept``: the variant's own dict (one per variant, held across its calls): its edited
+    kernels are built once and launched again call after call, as the unedited kernels are
+    (built anew each call, a variant's kernels would pay a first launch's cost in every
+    timed evaluation)."""
     from mlx_metaltile import backends
 
     if isinstance(variant, dict):
@@ -51,7 +57,8 @@ def applied(variant) -> contextlib.ExitStack:
     stack = contextlib.ExitStack()
     try:
         for filename, pairs in per_file.items():
-            stack.enter_context(backends.override_template(filename, *pairs))
+            own = None if kept is None else kept.setdefault(filename, {})
+            stack.enter_context(backends.override_template(filename, *pairs, kept=own))
         for dotted, value in settings.items():
             module_name, name = dotted.rsplit(".", 1)
             module = importlib.import_module(module_name)
@@ -100,9 +107,11 @@ def time_variants(ours, native, inputs: list[dict], variants: dict, rounds: int,
         mx.eval(refs)
     last = {}
 
+    kernels = {name: {} for name in names}  # each variant's edited kernels, kept
+
     def side(name):
         def call(**arrays):
-            with applied(variants[name]):
+            with applied(variants[name], kernels[name]):
                 _common.clear_plans()  # the variant's plan constants
                 out = ours(**arrays)
             last[name] = (arrays, out)

@@ -192,13 +192,17 @@ def kernel_text(spec: KernelSpec, backend: str) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def override_template(filename: str, *edits: tuple[str, str]) -> Iterator[None]:
+def override_template(filename: str, *edits: tuple[str, str],
+                      kept: dict | None = None) -> Iterator[None]:
     """Inside: every kernel of template ``filename`` (of each spec built from it: several
     may share one) is built from its text with each (old, new) edit applied (each ``old``
     must occur in it); the kernels of it built before are set aside, those built inside
     forgotten at the end, and the set-aside ones launched again. The seam of the negative
     controls and of A/B timings of a template's variants. (``_templates.override`` alone
-    changes the text only: a kernel built before it would still be launched.)"""
+    changes the text only: a kernel built before it would still be launched.) ``kept``: a
+    dict the caller holds for these same edits; the kernels built inside are moved into it
+    at the end and launched again the next time it is passed (an A/B timing's variant then
+    launches the same kernel objects call after call, as the unedited side does)."""
     def built_from_file(key) -> bool:
         spec = _REGISTRY.get(key[1])
         return spec is not None and spec.template == filename
@@ -206,11 +210,14 @@ def override_template(filename: str, *edits: tuple[str, str]) -> Iterator[None]:
     with _templates.override(filename, *edits):
         saved = {key: _kernel_cache.pop(key) for key in list(_kernel_cache)
                  if built_from_file(key)}
+        _kernel_cache.update(kept or {})
         try:
             yield
         finally:
             for key in [key for key in _kernel_cache if built_from_file(key)]:
-                del _kernel_cache[key]
+                kernel = _kernel_cache.pop(key)
+                if kept is not None:
+                    kept[key] = kernel
             _kernel_cache.update(saved)
 
 

@@ -151,6 +151,50 @@ def test_template_ab_times_each_variant_on_its_own_kernels():
     assert mx.array_equal(after, before)
 
 
+def test_template_ab_builds_each_variants_kernels_once(monkeypatch):
+    """A variant's edited kernels are built once and launched again in its later calls (as
+    the unedited side's are): the kernel objects built during a timing do not grow with
+    its rounds."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_metaltile import backends
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import template_ab as ab
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    rng = np.random.default_rng(0)
+    y, z, w = (mx.array(rng.standard_normal(s).astype(np.float32)) for s in ((4, 64),) * 2
+               + ((64,),))
+    built = []
+    factory = backends._factory
+
+    def counting(backend):
+        make = factory(backend)
+
+        def build(**kwargs):
+            built.append(kwargs["name"])
+            return make(**kwargs)
+        return build
+
+    monkeypatch.setattr(backends, "_factory", counting)
+    files = ("gated_rms_norm.metal", "gated_rms_norm_simd_rows.metal")
+    variants = {"as is": [], "same": [(f, "mt_silu(z_reg[j])", "mt_silu(z_reg[j] + 0.0f)")
+                                      for f in files]}
+    counts = []
+    with backends.use_backend("emulator"):
+        import mlx_metaltile as mt
+        mt.gated_rms_norm(y, z, w)  # the unedited kernel built before the timings
+        for rounds in (1, 3):
+            built.clear()
+            ab.time_variants(lambda y, z, w: mt.gated_rms_norm(y, z, w), None,
+                             [{"y": y, "z": z, "w": w}], variants, rounds=rounds, batch=2)
+            counts.append(len(built))
+    assert counts[0] == counts[1] == 1, counts
+
+
 def test_template_ab_sets_plan_constants_per_variant():
     """A variant's plan constants ("set") hold for its calls only: moe_gather_qmm's GEMV
     plan switched on for the emulator launches the GEMV in that variant's calls alone (one
