@@ -81,6 +81,20 @@ inline uint mt_and_or(uint a, uint mask, uint bits) {
 }
 #endif
 
+// mt_round2<T>(v) = float2(float(T(v.x)), float(T(v.y))): two float32 values rounded to T
+// (round to nearest even) and read back; exact for T = float. Written as one vector
+// conversion so that the CUDA layer (mt_cuda/vec.cuh, mt_pair_cast) rounds both in one
+// cvt.rn.bf16x2 / f16x2 instruction; the same values as two scalar conversions. Below
+// Metal 3.1 MLX's bfloat16_t is a struct with no vector type: two scalar conversions.
+template <typename T>
+inline float2 mt_round2(float2 v) {
+#if defined(__METAL_VERSION__) && __METAL_VERSION__ < 310
+  return float2(float(T(v.x)), float(T(v.y)));
+#else
+  return float2(vec<T, 2>(v));
+#endif
+}
+
 // Converged SIMD-group functions: mt_shuffle_converged(v, lane) = simd_shuffle(v, lane),
 // mt_shuffle_xor_converged(v, mask) = simd_shuffle_xor(v, mask), mt_sum_converged(v) =
 // simd_sum(v), mt_max_converged(v) = simd_max(v) and mt_min_converged(v) = simd_min(v), where

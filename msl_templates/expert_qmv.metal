@@ -30,8 +30,9 @@
 //   (fp modes: T(scale * v), exact in float32), and the word's term is
 //   sum_i float(W_i) * x_i in code order (mt_qmv_word_dot_rounded; activations not
 //   pre-scaled, no bias term apart); the reduction order is the same. About twice the
-//   arithmetic per code (a conversion to T and back per weight): the GEMV stays bound by
-//   its loads.
+//   arithmetic per code: a conversion to T and back per weight, two weights per conversion
+//   instruction on CUDA (common.h's mt_round2; ptxas sm_90, bf16 4-bit rows: F2FP.BF16
+//   pairs instead of one F2F per weight).
 //   OUT-OF-RANGE IDS: the id is read as uint (a negative int32 id becomes >= 2^31), and an id
 //   >= E makes the whole output row out[p, :] NaN; no byte of w/scales/biases is read for p.
 //
@@ -186,18 +187,24 @@ inline float mt_qmv_word_dot_rounded(uint word, thread const float* xv, float s,
   constexpr uint MASK = (1u << BITS) - 1u;
   float dot = 0.0f;
   if constexpr (MODE == 0) {
-    for (int i = 0; i < 32 / BITS; ++i) {
-      const float q = float((word >> (BITS * i)) & MASK);
-      dot += float(T(metal::fma(s, q, b))) * xv[i];
+    for (int i = 0; i < 32 / BITS; i += 2) {  // codes i and i + 1 rounded together
+      const float q0 = float((word >> (BITS * i)) & MASK);
+      const float q1 = float((word >> (BITS * (i + 1))) & MASK);
+      const float2 wv = mt_round2<T>(float2(metal::fma(s, q0, b), metal::fma(s, q1, b)));
+      dot += wv.x * xv[i];
+      dot += wv.y * xv[i + 1];
     }
   } else if constexpr (MODE == 3) {
-    for (int i = 0; i < 4; ++i) {
-      dot += float(T(s * mt_fp4_scale<2>(word >> (8 * i)))) * xv[i];
+    for (int i = 0; i < 4; i += 2) {
+      const float2 wv = mt_round2<T>(float2(s * mt_fp4_scale<2>(word >> (8 * i)),
+                                            s * mt_fp4_scale<2>(word >> (8 * (i + 1)))));
+      dot += wv.x * xv[i];
+      dot += wv.y * xv[i + 1];
     }
   } else {
     for (int i = 0; i < 4; ++i) {  // codes i and i + 4 of the word at once
-      const float2 v = float2(mt_e2m1x2(word >> (4 * i)));
-      dot += float(T(s * v.x)) * xv[i] + float(T(s * v.y)) * xv[i + 4];
+      const float2 wv = mt_round2<T>(s * float2(mt_e2m1x2(word >> (4 * i))));
+      dot += wv.x * xv[i] + wv.y * xv[i + 4];
     }
   }
   return dot;
@@ -210,9 +217,10 @@ inline float mt_qmv_word_dot_rounded(uint word, thread const float* xv, float s,
 // 8-bit ROUND 148.5 / 153.4 and expert_qmv's own 4-bit rows (Mixtral up 78.2 / 74.4)
 // within the run's noise, so they keep the converged calls (which saved 2 to 8% of the MoE
 // decode kernels' time when they came). On CUDA the plain calls ask for __activemask() per call,
-// and ptxas (sm_90) then builds this instantiation in 72 registers and a 96-byte stack
-// frame instead of 100 registers: 28 warps per SM instead of 20. On Metal both are
-// simd_shuffle / simd_sum.
+// and ptxas (sm_90) then built this instantiation in 72 registers and a 96-byte stack
+// frame instead of 100 registers: 28 warps per SM instead of 20. Since the row loop is
+// unrolled by pragma (kernel body) it builds in 96 registers and no stack frame. On Metal
+// both are simd_shuffle / simd_sum.
 template <bool PLAIN, typename V>
 inline V mt_qmv_shuffle(V v, ushort src) {
   return PLAIN ? simd_shuffle(v, src) : mt_shuffle_converged(v, src);
@@ -352,6 +360,9 @@ for (uint step = k_group; step < n_steps; step += k_groups) {
       xv[wi * PACK + i] *= mt_expert_prescale<MODE, BITS>(i);
     }
   }
+  // Unrolled: words[r], group[r] and acc[r] stay in registers. ptxas left this loop rolled
+  // for the 4-bit ROUND rows (moe_gather_qmm's), which then kept them in local memory.
+  #pragma clang loop unroll(full)
   for (uint r = 0; r < ROWS; ++r) {
     if (r >= rows) {
       break;  // uniform over the SIMD-group

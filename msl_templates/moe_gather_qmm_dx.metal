@@ -139,11 +139,11 @@
 #include "common.h"
 #include "expert_qdot.h"
 
-// A weight as the products use it: rounded once to T (ROUND: moe_gather_qmm's weights), or
-// the float32 value itself (expert_qmv's).
+// Two weights as the products use them: each rounded once to T (ROUND: moe_gather_qmm's
+// weights; common.h's mt_round2), or the float32 values themselves (expert_qmv's).
 template <typename T, bool ROUND>
-inline float mt_dx_weight(float v) {
-  return ROUND ? float(T(v)) : v;
+inline float2 mt_dx_weights(float2 v) {
+  return ROUND ? mt_round2<T>(v) : v;
 }
 
 // ---- kernel body ----
@@ -291,19 +291,27 @@ for (uint n0 = (block_begin + sg) * 32; n0 < block_end * 32; n0 += SG * 32) {
       float wv[PACK];  // the lane's PACK weights of row n, each rounded to T
       const uint word = words[u];
       if constexpr (MODE == 0) {
-        for (uint i = 0; i < PACK; ++i) {
-          const float q = float((word >> (BITS * i)) & MASK);
-          wv[i] = mt_dx_weight<T, ROUND>(metal::fma(s, q, b));
+        for (uint i = 0; i < PACK; i += 2) {  // codes i and i + 1 rounded together
+          const float q0 = float((word >> (BITS * i)) & MASK);
+          const float q1 = float((word >> (BITS * (i + 1))) & MASK);
+          const float2 p = mt_dx_weights<T, ROUND>(
+              float2(metal::fma(s, q0, b), metal::fma(s, q1, b)));
+          wv[i] = p.x;
+          wv[i + 1] = p.y;
         }
       } else if constexpr (MODE == 3) {
-        for (uint i = 0; i < 4; ++i) {
-          wv[i] = mt_dx_weight<T, ROUND>(s * mt_fp4_scale<2>(word >> (8 * i)));
+        for (uint i = 0; i < 4; i += 2) {
+          const float2 p = mt_dx_weights<T, ROUND>(
+              float2(s * mt_fp4_scale<2>(word >> (8 * i)),
+                     s * mt_fp4_scale<2>(word >> (8 * (i + 1)))));
+          wv[i] = p.x;
+          wv[i + 1] = p.y;
         }
       } else {
         for (uint i = 0; i < 4; ++i) {  // codes i and i + 4 of the word at once
-          const float2 v = float2(mt_e2m1x2(word >> (4 * i)));
-          wv[i] = mt_dx_weight<T, ROUND>(s * v.x);
-          wv[i + 4] = mt_dx_weight<T, ROUND>(s * v.y);
+          const float2 p = mt_dx_weights<T, ROUND>(s * float2(mt_e2m1x2(word >> (4 * i))));
+          wv[i] = p.x;
+          wv[i + 4] = p.y;
         }
       }
       for (uint r = 0; r < ROWS; ++r) {

@@ -90,29 +90,37 @@
 #include "common.h"
 
 // Dequantise 16 consecutive codes of one weight row that lie in one quantisation group,
-// rounding each weight once to T (returned as float). `words` points at the first word.
-// MODE 0: scale * q + bias; MODE 1, 2 (BITS 4): scale * e2m1(q); MODE 3 (BITS 8):
-// scale * e4m3(q); the fp modes have no bias.
-template <typename T, int MODE, int BITS, typename WordPtr>
-inline void mt_moe_dequant16(WordPtr words, float scale, float bias, thread float* dst) {
+// rounding each weight once to T (two at a time: one vector conversion, which the CUDA
+// layer issues as one instruction), stored as the staging type S (exact: S holds every T).
+// `words` points at the first word. MODE 0: scale * q + bias; MODE 1, 2 (BITS 4):
+// scale * e2m1(q); MODE 3 (BITS 8): scale * e4m3(q); the fp modes have no bias.
+template <typename T, typename S, int MODE, int BITS, typename WordPtr>
+inline void mt_moe_dequant16(WordPtr words, float scale, float bias, thread S* dst) {
   constexpr int PER_WORD = 32 / BITS;
   constexpr uint MASK = (1u << BITS) - 1u;
   for (int j = 0; j < 16 / PER_WORD; ++j) {
     const uint word = words[j];
     if constexpr (MODE == 0) {
-      for (int i = 0; i < PER_WORD; ++i) {
-        const float q = float((word >> (BITS * i)) & MASK);
-        dst[j * PER_WORD + i] = float(T(metal::fma(scale, q, bias)));
+      for (int i = 0; i < PER_WORD; i += 2) {  // codes i and i + 1
+        const float q0 = float((word >> (BITS * i)) & MASK);
+        const float q1 = float((word >> (BITS * (i + 1))) & MASK);
+        const float2 p = mt_round2<T>(float2(metal::fma(scale, q0, bias),
+                                             metal::fma(scale, q1, bias)));
+        dst[j * PER_WORD + i] = S(p.x);
+        dst[j * PER_WORD + i + 1] = S(p.y);
       }
     } else if constexpr (MODE == 3) {
-      for (int i = 0; i < 4; ++i) {
-        dst[j * 4 + i] = float(T(scale * mt_fp4_scale<2>(word >> (8 * i))));
+      for (int i = 0; i < 4; i += 2) {
+        const float2 p = mt_round2<T>(float2(scale * mt_fp4_scale<2>(word >> (8 * i)),
+                                             scale * mt_fp4_scale<2>(word >> (8 * (i + 1)))));
+        dst[j * 4 + i] = S(p.x);
+        dst[j * 4 + i + 1] = S(p.y);
       }
     } else {
       for (int i = 0; i < 4; ++i) {  // codes i and i + 4 of the word at once
-        const float2 v = float2(mt_e2m1x2(word >> (4 * i)));
-        dst[j * 8 + i] = float(T(scale * v.x));
-        dst[j * 8 + i + 4] = float(T(scale * v.y));
+        const float2 p = mt_round2<T>(scale * float2(mt_e2m1x2(word >> (4 * i))));
+        dst[j * 8 + i] = S(p.x);
+        dst[j * 8 + i + 4] = S(p.y);
       }
     }
   }
@@ -233,10 +241,10 @@ for (uint step = step_begin; step < step_end; ++step) {
   for (uint i = 0; i < 4; ++i) {
     my_x[xr * BK + xk + i] = S(xq[i]);  // exact: x is T
   }
-  float wv[BK];
-  mt_moe_dequant16<T, MODE, BITS>(wq, scale, bias, wv);
+  S wv[BK];
+  mt_moe_dequant16<T, S, MODE, BITS>(wq, scale, bias, wv);
   for (uint i = 0; i < BK; ++i) {
-    my_w[i * WS_LD + lane] = S(wv[i]);  // exact: wv holds T values
+    my_w[i * WS_LD + lane] = wv[i];
   }
   // Fetch the next step while this one is multiplied.
   if (step + 1 < step_end) {

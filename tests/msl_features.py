@@ -501,4 +501,27 @@ out[i] = f.x + 2.0f * f.y + 4.0f * f.z + float(sizeof(packed_float3));
     refused_by=frozenset({"cuda"}),
 )
 
-FEATURES = (SIMD, CONVERGED, RECONVERGE, MATRIX, MMA, PRODUCT_HELPERS, SCALARS, ATOMIC_OUT, EDGE, HEADER, SWIZZLES, PACKED)
+# common.h's mt_round2<T>: pairs of float32 values rounded to T and read back (one vector
+# conversion; the CUDA layer's cvt.rn.bf16x2 / f16x2), next to two scalar conversions.
+ROUND2 = Feature(
+    name="round2",
+    header="#include <metal_stdlib>\nusing namespace metal;\n\n" + read_text("common.h"),
+    source="""
+const uint i = thread_position_in_grid.x;
+if (i >= n) {
+  return;
+}
+const float2 v = float2(x[2 * i], x[2 * i + 1]);
+const float2 r = mt_round2<T>(v);
+pair[2 * i] = r.x;
+pair[2 * i + 1] = r.y;
+scalar[2 * i] = float(T(v.x));
+scalar[2 * i + 1] = float(T(v.y));
+""",
+    inputs=(("x", mx.float32, 1), ("n", mx.uint32, 0)),
+    outputs=(("pair", mx.float32), ("scalar", mx.float32)),
+    templates=FLOATS,
+)
+
+FEATURES = (SIMD, CONVERGED, RECONVERGE, MATRIX, MMA, PRODUCT_HELPERS, SCALARS, ATOMIC_OUT, EDGE, HEADER, SWIZZLES, PACKED,
+            ROUND2)

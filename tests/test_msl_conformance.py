@@ -24,6 +24,7 @@ from msl_features import (
     PACKED,
     PRODUCT_HELPERS,
     RECONVERGE,
+    ROUND2,
     SCALARS,
     SIMD,
     SWIZZLES,
@@ -333,6 +334,42 @@ def test_scalars_vectors_math(executor, rng, dtype):
     np.testing.assert_array_equal(got[:, 11], to_f64(as_dtype(f, dtype)) + 1)
 
 
+def rounded_to(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values rounded to nearest even in ``dtype`` (NaN stays NaN), as float64."""
+    if dtype == "float32":
+        return values.astype(np.float64)
+    if dtype == "float16":
+        return values.astype(np.float16).astype(np.float64)
+    bits = values.view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    out = rounded.astype(np.uint32).view(np.float32).astype(np.float64)
+    return np.where(np.isnan(values), np.nan, out)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_round2_rounds_pairs_as_scalars(executor, rng, dtype):
+    """mt_round2 against NumPy's round to nearest even and the scalar conversion: ties of
+    bfloat16 and float16 both ways, values past float16's range, float16 subnormals, signed
+    zeros, infinities, NaN, and random values."""
+    one = np.float32(1.0).view(np.uint32)
+    ties = [one + 0x8000, one + 0x18000, one + 0x7FFF, one + 0x8001, one | 0x80000000 | 0x8000]
+    special = np.array(ties, dtype=np.uint32).view(np.float32)
+    half_ties = np.float32(1.0) + np.float32(2.0**-11) * np.array([1, 3, -1, -3], np.float32)
+    edges = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504.0, 65520.0, 70000.0, -1e6,
+                      3e-6, -6e-8, 1e-8, 3.4e38, np.float32(2.0**-126)], np.float32)
+    x = np.concatenate([special, half_ties, edges,
+                        rng.standard_normal(64).astype(np.float32) * 100]).astype(np.float32)
+    if x.size % 2:
+        x = np.append(x, np.float32(0.5))
+    n = x.size // 2
+    got = run(executor, ROUND2, (("T", DTYPES[dtype]),), [mx.array(x), mx.array(n, mx.uint32)],
+              grid=(64, 1, 1), threadgroup=(64, 1, 1), shapes=[(x.size,), (x.size,)])
+    want = rounded_to(x, dtype)
+    np.testing.assert_array_equal(got["pair"], want)
+    np.testing.assert_array_equal(got["pair"], got["scalar"])
+    assert (np.signbit(got["pair"]) == np.signbit(want)).all()
+
+
 def test_atomic_outputs_on_an_overhanging_grid(executor, rng):
     n = 1000  # 4 blocks of 256: the last one is partial, so the grid guard is in play
     x = rng.standard_normal(n).astype(np.float32)
@@ -418,7 +455,7 @@ def test_refusals_need_no_device(name):
 
 def test_every_feature_has_a_conformance_test():
     tested = (SIMD, CONVERGED, RECONVERGE, MATRIX, MMA, PRODUCT_HELPERS, SCALARS, ATOMIC_OUT, EDGE, HEADER,
-              SWIZZLES, PACKED)
+              SWIZZLES, PACKED, ROUND2)
     assert sorted(f.name for f in FEATURES) == sorted(f.name for f in tested)
 
 

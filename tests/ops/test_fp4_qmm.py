@@ -1399,8 +1399,9 @@ def test_dx_scales_over_ninety_binades(kernel_backend, poisoned_outputs, rng, dt
 
 def test_dx_negative_control(kernel_backend, broken_kernel, rng):
     """The dx kernel without its E2M1 scale must fail the gradient check."""
-    old = "wv[i] = mt_dx_weight<T, ROUND>(s * v.x);"
-    broken_kernel(op_module.DX_SPEC, (old, "wv[i] = mt_dx_weight<T, ROUND>(v.x);"))
+    old = "mt_dx_weights<T, ROUND>(s * float2(mt_e2m1x2(word >> (4 * i))))"
+    broken_kernel(op_module.DX_SPEC,
+                  (old, "mt_dx_weights<T, ROUND>(float2(mt_e2m1x2(word >> (4 * i))))"))
     x, w, s = make_case(rng, 2, 64, 128, mx.float32)
     with pytest.raises(AssertionError, match="out of tolerance"):
         run_and_check_dx(x, w, s, make_x(rng, (2,), 64, mx.float32), "e8m0", 32,

@@ -783,7 +783,7 @@ def test_dx_geometry_constants(monkeypatch, rng):
 # A deliberately broken dx kernel must fail the harness: (edit, case, what must be raised).
 DX_BREAKAGES = {
     "weights_not_rounded_to_t": (
-        ("return ROUND ? float(T(v)) : v;", "return v;"), "rounding", None),
+        ("return ROUND ? mt_round2<T>(v) : v;", "return v;"), "rounding", None),
     # the random case's ids [0, 3, 1, 3, 9]: the first tile of 4 holds 3 runs
     "runs_share_one_expert": (
         ("const bool same = uint(indices[row0 + r]) == e;", "const bool same = true;"),
@@ -1061,8 +1061,9 @@ def test_gemv_weights_rounded_to_t(gemv, poisoned_outputs, dtype):
 def test_gemv_negative_control_unrounded_weights(broken_kernel, poisoned_outputs):
     """Weights left in float32 (expert_qmv's own contract) fail the rounding case."""
     require_backend("emulator")
-    broken_kernel(op_module.GEMV_SPEC, ("dot += float(T(metal::fma(s, q, b))) * xv[i];",
-                                        "dot += metal::fma(s, q, b) * xv[i];"))
+    broken_kernel(op_module.GEMV_SPEC, (
+        "mt_round2<T>(float2(metal::fma(s, q0, b), metal::fma(s, q1, b)))",
+        "float2(metal::fma(s, q0, b), metal::fma(s, q1, b))"))
     case, gs, bits = gemv_rounding_case(mx.bfloat16)
     with backends.use_backend("emulator"), gemv_plan("emulator", 1e9), pytest.raises(
             AssertionError, match="out of tolerance"):

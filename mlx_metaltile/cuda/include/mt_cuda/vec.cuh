@@ -11,6 +11,28 @@ namespace metal {
 template <class T, int N>
 struct vec;
 
+// float2 -> bfloat2 / half2 in one cvt.rn.{bf16x2,f16x2}.f32 (ptxas: one F2FP ... PACK_AB
+// instead of two F2F conversions): the same round-to-nearest-even of each element as the
+// scalar conversion, at half the conversion instructions. Kernels that round pairs of
+// float32 values to T (expert_qmv.metal's ROUND dot) write float2(vec<T, 2>(float2(a, b))).
+template <class T, class U, int N>
+constexpr bool mt_pair_cast = N == 2 && cuda::std::is_same_v<U, float> &&
+                              (cuda::std::is_same_v<T, __nv_bfloat16> ||
+                               cuda::std::is_same_v<T, __half>);
+
+template <class R, class F>
+MT_FN void mt_cast_pair(R& r, const F& o) {
+  if constexpr (cuda::std::is_same_v<decltype(r.x), __nv_bfloat16>) {
+    const __nv_bfloat162 p = __float22bfloat162_rn(::make_float2(o.x, o.y));
+    r.x = p.x;
+    r.y = p.y;
+  } else {
+    const __half2 p = __float22half2_rn(::make_float2(o.x, o.y));
+    r.x = p.x;
+    r.y = p.y;
+  }
+}
+
 #define MT_VEC_COMMON(N)                                                           \
   vec() = default;                                                                 \
   MT_FN vec(T s) { /* scalar broadcast is implicit in MSL */                       \
@@ -18,7 +40,11 @@ struct vec;
   }                                                                                \
   template <class U, class = cuda::std::enable_if_t<!cuda::std::is_same_v<U, T>>>  \
   MT_FN explicit vec(const vec<U, N>& o) {                                         \
-    _Pragma("unroll") for (int i = 0; i < N; ++i)(*this)[i] = mt_cast<T>(o[i]);    \
+    if constexpr (mt_pair_cast<T, U, N>) {                                         \
+      mt_cast_pair(*this, o);                                                      \
+    } else {                                                                       \
+      _Pragma("unroll") for (int i = 0; i < N; ++i)(*this)[i] = mt_cast<T>(o[i]);  \
+    }                                                                              \
   }                                                                                \
   MT_FN T& operator[](int i) { return (&x)[i]; }                                   \
   MT_FN const T& operator[](int i) const { return (&x)[i]; }
