@@ -115,25 +115,38 @@ def test_cuda_kernel_time_parses_nsight_compute_csv(tmp_path):
         "old expert_qmv-x-float16: custom_kernel_mt_op 3.0"]
 
 
+def _template_ab():
+    """bench/template_ab.py as a module."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import template_ab
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return template_ab
+
+
+def _norm_inputs():
+    """gated_rms_norm's y, z [4, 64] and w [64], float32, fixed seed."""
+    import mlx.core as mx
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return tuple(mx.array(rng.standard_normal(s).astype(np.float32))
+                 for s in ((4, 64), (4, 64), (64,)))
+
+
 def test_template_ab_times_each_variant_on_its_own_kernels():
     """bench/template_ab.py's time_variants: every side sampled each round, and each
     variant's timed calls launch kernels built from its own edits (the emulator runs a kernel
     when the op is called): a variant that keeps the math reads no difference from the
     reference, one that drops silu reads one, from the calls it timed."""
     import mlx.core as mx
-    import numpy as np
 
     import mlx_metaltile as mt
     from mlx_metaltile import backends
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import template_ab as ab
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    rng = np.random.default_rng(0)
-    y, z, w = (mx.array(rng.standard_normal(s).astype(np.float32)) for s in ((4, 64),) * 2
-               + ((64,),))
+    ab = _template_ab()
+    y, z, w = _norm_inputs()
 
     def edits(old, new):  # both of the plan's small-row kernels
         return [(f, old, new) for f in ("gated_rms_norm.metal", "gated_rms_norm_simd_rows.metal")]
@@ -155,19 +168,11 @@ def test_template_ab_builds_each_variants_kernels_once(monkeypatch):
     """A variant's edited kernels are built once and launched again in its later calls (as
     the unedited side's are): the kernel objects built during a timing do not grow with
     its rounds."""
-    import mlx.core as mx
-    import numpy as np
 
     from mlx_metaltile import backends
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import template_ab as ab
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    rng = np.random.default_rng(0)
-    y, z, w = (mx.array(rng.standard_normal(s).astype(np.float32)) for s in ((4, 64),) * 2
-               + ((64,),))
+    ab = _template_ab()
+    y, z, w = _norm_inputs()
     built = []
     factory = backends._factory
 
@@ -209,11 +214,7 @@ def test_template_ab_sets_plan_constants_per_variant():
     from mlx_metaltile import backends
     from mlx_metaltile.cases.moe_gather_qmm import make_case
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import template_ab as ab
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    ab = _template_ab()
     op = importlib.import_module("mlx_metaltile.ops.moe_gather_qmm")
     x, w, scales, biases, indices = make_case(np.random.default_rng(0), 4, 5, 64, 128, 32, 4,
                                               mx.float32)
