@@ -36,7 +36,7 @@
 //   M and sum_s w_s are taken over the lanes by xor trees; then the slices' o rows are read
 //   OB at a time, all OB loads issued before they are used, each slice's weight taken from
 //   its lane by a shuffle. (Reading one slice after another cost a memory round trip per
-//   slice: the README's H200 section.)
+//   slice: docs/nvidia-measurements.md, H200, revision f79c1dc.)
 //
 // REDUCTION ORDER: sum_s w_s: each lane's slices in increasing j, then the lanes by the
 //   xor tree (partner 1, 2, 4, 8, 16; every lane gets the same bits), then the sink's
