@@ -580,6 +580,27 @@ def test_gemv_rows_plain_shuffles_at_four_bits():
 
 
 @pytest.mark.skipif(nvcc_check.find_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME)")
+def test_gemv_rows_round_weights_in_pairs():
+    """moe_gather_qmm's GEMV rows round their weights to bfloat16 two per instruction
+    (common.h's mt_round2 -> one cvt.rn.bf16x2.f32): per step of the loop 4 rows x 4 words x
+    (codes per word / 2), with the row loop unrolled (no local-memory array). Negative
+    controls: mt_round2 as two scalar conversions issues no paired one; the row loop without
+    its pragma keeps its words in local memory."""
+    from mlx_metaltile.ops.moe_gather_qmm import GEMV_SPEC
+
+    for bits in (4, 8):
+        pairs = _qmv_ptx_counts("cvt.rn.bf16x2.f32", GEMV_SPEC, bits)
+        assert pairs and all(c >= 4 * 4 * (32 // bits) // 2 for c in pairs)
+        assert _qmv_ptx_counts("__local_depot", GEMV_SPEC, bits) == [0] * len(pairs)
+    with backends.template_override(
+            GEMV_SPEC, ("return float2(vec<T, 2>(v));",
+                        "return float2(float(T(v.x)), float(T(v.y)));")):
+        assert _qmv_ptx_counts("cvt.rn.bf16x2.f32", GEMV_SPEC, 4) == [0] * len(pairs)
+    with backends.template_override(GEMV_SPEC, ("  #pragma clang loop unroll(full)\n", "")):
+        assert all(c > 0 for c in _qmv_ptx_counts("__local_depot", GEMV_SPEC, 4))
+
+
+@pytest.mark.skipif(nvcc_check.find_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME)")
 def test_and_or_is_one_lop3():
     """mt_and_or is one lop3 on CUDA: expert_qmv's affine decode issues one per code, at least
     16 words x 8 codes per step of its loop (ptxas would otherwise make two LOP3s of the
