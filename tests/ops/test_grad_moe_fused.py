@@ -430,6 +430,7 @@ def test_expert_glu_recompute_negative_control(kernel_backend, broken_kernel, rn
 def test_expert_down_combine_negative_control(kernel_backend, broken_kernel, rng):
     """The x-VJP kernel's weights without their affine bias (u = g W[e], behind dh and
     dscores) must fail the harness."""
-    broken_kernel(qmv.DX_SPEC, ("metal::fma(s, q, b)", "s * q"))
+    broken_kernel(qmv.DX_SPEC, ("float2(metal::fma(s, q0, b), metal::fma(s, q1, b))",
+                                "float2(s * q0, s * q1)"))
     with pytest.raises(AssertionError, match="dh .*out of tolerance"):
         down_check(rng, mx.float32, 3, True, True)
