@@ -86,6 +86,7 @@ inline uint mt_and_or(uint a, uint mask, uint bits) {
 // conversion so that the CUDA layer (mt_cuda/vec.cuh, mt_pair_cast) rounds both in one
 // cvt.rn.bf16x2 / f16x2 instruction; the same values as two scalar conversions. Below
 // Metal 3.1 MLX's bfloat16_t is a struct with no vector type: two scalar conversions.
+// Checked only on a Mac: that Apple's compiler takes vec<bfloat, 2>(float2) (Metal 3.1).
 template <typename T>
 inline float2 mt_round2(float2 v) {
 #if defined(__METAL_VERSION__) && __METAL_VERSION__ < 310
