@@ -49,3 +49,16 @@ def test_wheel_installs_and_renders_templates(tmp_path):
                             text=True)
     assert result.returncode == 0, result.stderr
     assert "rendered" in result.stdout
+
+
+def test_no_assert_statements_in_the_package():
+    """The package checks with explicit raises: an ``assert`` statement vanishes under
+    ``python -O`` (the harness's kernel-ran and shape checks would then pass silently)."""
+    import ast
+
+    root = ROOT / "mlx_metaltile"
+    found = [f"{path.relative_to(root)}:{node.lineno}"
+             for path in sorted(root.rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+             if isinstance(node, ast.Assert)]
+    assert not found, found

@@ -62,6 +62,16 @@ def to_f64(a) -> np.ndarray:
 f64 = to_f64
 
 
+def verify(condition, message="") -> None:
+    """Raise AssertionError(``message``) unless ``condition``: the harness's checks (a kernel
+    launched, dtypes and shapes, NaN rows), which fail as ``assert_close`` does. Explicit,
+    where an ``assert`` statement would vanish under ``python -O`` and pass every check.
+    ``message`` is built before the call: one that reads the failure itself (the first bad
+    element) is raised by the caller instead."""
+    if not condition:
+        raise AssertionError(message)
+
+
 def assert_close(got, want, dtype, magnitude=None, what: str = "",
                  underflow_scale=None) -> None:
     """|got - want| <= atol + rtol*|want| + accum*magnitude + FLOAT32_TINY*underflow_scale
@@ -111,7 +121,7 @@ def expect_launches(backend: str, count: int = 1, name: str | None = None):
     before = backends.launch_count(name, backend)
     yield
     if backend != "reference":
-        assert backends.launch_count(name, backend) == before + count, name or backend
+        verify(backends.launch_count(name, backend) == before + count, name or backend)
 
 
 def check_rows(out: mx.array, want, magnitude, valid, dtype, what: str) -> None:
@@ -119,10 +129,10 @@ def check_rows(out: mx.array, want, magnitude, valid, dtype, what: str) -> None:
     NaN wherever ``valid`` is False (an id outside [0, E)), the rest within the tolerance
     table (``valid`` indexes the leading axes of ``want``)."""
     want = np.asarray(want)
-    assert out.dtype == dtype and tuple(out.shape) == want.shape, (
-        f"{what}: {out.dtype} {tuple(out.shape)}, expected {dtype} {want.shape}")
+    verify(out.dtype == dtype and tuple(out.shape) == want.shape, (
+        f"{what}: {out.dtype} {tuple(out.shape)}, expected {dtype} {want.shape}"))
     got = to_f64(out)
-    assert np.isnan(got[~valid]).all(), f"{what}: an out-of-range id must give a NaN row"
+    verify(np.isnan(got[~valid]).all(), f"{what}: an out-of-range id must give a NaN row")
     assert_close(got[valid], want[valid], dtype, magnitude=np.asarray(magnitude)[valid],
                  what=what)
 

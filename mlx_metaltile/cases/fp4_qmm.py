@@ -13,7 +13,7 @@ import mlx_metaltile as mt
 from .. import backends
 from ..ops._common import clear_plans
 from ..ops.fp4_qmm import _choose, _split_k
-from ._base import DTYPES, BenchCase, assert_close, grad_case, oracle_and_magnitude, to_f64
+from ._base import DTYPES, BenchCase, assert_close, grad_case, oracle_and_magnitude, to_f64, verify
 
 OP = "fp4_qmm"
 
@@ -130,10 +130,10 @@ def run_and_check(x, w, scales, kind, group_size, backend, variant=None, expect=
     out = mt.fp4_qmm(x, w, scales, group_size=group_size, variant=variant)
     mx.eval(out)
     if backend != "reference":  # prove a kernel ran (never the reference against itself)
-        assert backends.launch_count(backend=backend) == before + launches
+        verify(backends.launch_count(backend=backend) == before + launches)
         for name, count in zip(names, before_named, strict=True):
-            assert backends.launch_count(name, backend) == count + 1, name
-    assert out.dtype == dtype and tuple(out.shape) == (*x.shape[:-1], w.shape[0])
+            verify(backends.launch_count(name, backend) == count + 1, name)
+    verify(out.dtype == dtype and tuple(out.shape) == (*x.shape[:-1], w.shape[0]))
     want, mag = oracle(x, w, scales, kind, group_size)
     assert_close(out, want, dtype, magnitude=mag,
                  what=f"fp4_qmm[{backend}, {variant or 'auto'}, {kind}/{group_size}]")
@@ -162,8 +162,8 @@ def run_and_check_dx(x, w, scales, g, kind, group_size, backend):
     _, (dx,) = mx.vjp(lambda x: mt.fp4_qmm(x, w, scales, group_size=group_size), [x], [g])
     mx.eval(dx)
     for name, count, want in zip(names, before, (int(kernel), decoded), strict=True):
-        assert backends.launch_count(name, backend) == count + want, name
-    assert dx.dtype == dtype and dx.shape == x.shape
+        verify(backends.launch_count(name, backend) == count + want, name)
+    verify(dx.dtype == dtype and dx.shape == x.shape)
     ((want, mag),) = grad_oracle(x, w, scales, g, kind, group_size)
     assert_close(dx, want, dtype, magnitude=mag,
                  what=f"fp4_qmm[{backend}] dx {kind}/{group_size}")

@@ -14,7 +14,7 @@ import numpy as np
 import mlx_metaltile as mt
 
 from .. import backends
-from ._base import DTYPES, BenchCase, assert_close, grad_case, to_f64
+from ._base import DTYPES, BenchCase, assert_close, grad_case, to_f64, verify
 
 OP = "gated_rms_norm"
 
@@ -63,9 +63,9 @@ def run_and_check(y, z, w, eps, backend):
     out = mt.gated_rms_norm(y, z, w, eps=eps)
     mx.eval(out)
     if backend != "reference":  # prove a kernel ran (never the reference compared with itself)
-        assert backends.launch_count(backend=backend) == before + 1
+        verify(backends.launch_count(backend=backend) == before + 1)
     dtype = y.dtype
-    assert out.dtype == dtype and tuple(out.shape) == tuple(z.shape)
+    verify(out.dtype == dtype and tuple(out.shape) == tuple(z.shape))
     want = oracle(y, z, w, eps)
     mag, underflow_scale = float32_error_scales(y, z, w, eps, want)
     assert_close(out, want, dtype, magnitude=mag, underflow_scale=underflow_scale,

@@ -17,7 +17,7 @@ from .. import backends
 from ..ops._common import clear_plans
 from ..ops.moe_gather_qmm import DX_SPEC, GEMV_SPEC, VARIANT_SPECS, uses_gemv
 from . import _mxfp4
-from ._base import BenchCase, check_rows, grad_case, oracle_and_magnitude, to_f64
+from ._base import BenchCase, check_rows, grad_case, oracle_and_magnitude, to_f64, verify
 from .expert_glu import dequantize
 
 op_module = importlib.import_module("mlx_metaltile.ops.moe_gather_qmm")
@@ -174,10 +174,10 @@ def run_and_check_dx(g, w, scales, biases, indices, group_size, bits, mode, dtyp
     _, (dx,) = mx.vjp(forward, [x], [g])
     mx.eval(dx)
     if backend != "reference":  # the forward's kernel, then the dx kernel: nothing else
-        assert backends.launch_count(DX_SPEC.name, backend) == before + 1, DX_SPEC.name
-        assert backends.launch_count() == before_all + 2
+        verify(backends.launch_count(DX_SPEC.name, backend) == before + 1, DX_SPEC.name)
+        verify(backends.launch_count() == before_all + 2)
     else:  # the composite of native ops dispatches no kernel of ours
-        assert backends.launch_count() == before_all
+        verify(backends.launch_count() == before_all)
     want, mag = dx_oracle(g, w, scales, biases, indices, group_size, bits, mode, dtype)
     check_rows(dx, want, mag, ~np.isnan(want[:, 0]), dtype,
                f"moe_gather_qmm dx[{backend}/{mode}]{what}")
@@ -185,11 +185,11 @@ def run_and_check_dx(g, w, scales, biases, indices, group_size, bits, mode, dtyp
         from mlx_metaltile import emulator
 
         stats = emulator.last_launch_stats()
-        assert stats.kernel.startswith(f"mt_{DX_SPEC.name}"), stats.kernel
+        verify(stats.kernel.startswith(f"mt_{DX_SPEC.name}"), stats.kernel)
         partials = op_module.dx_slices(M, g.shape[1], K, bits, backend) * M * K
-        assert stats.bytes_written["dx"] == partials * 4, (
+        verify(stats.bytes_written["dx"] == partials * 4, (
             f"{what}: {stats.bytes_written['dx']} bytes written to dx, expected each of the "
-            f"{partials} float32 elements (every slice's partial of each) once")
+            f"{partials} float32 elements (every slice's partial of each) once"))
     return dx
 
 
@@ -205,10 +205,10 @@ def run_and_check(case, group_size, bits, dtype, backend, variant=None, what="")
                             variant=variant)
     mx.eval(out)
     if backend != "reference":  # prove the kernel ran (never the reference against itself)
-        assert backends.launch_count(name, backend) == before_name + 1, name
-        assert backends.launch_count(backend=backend) == before + 1
+        verify(backends.launch_count(name, backend) == before_name + 1, name)
+        verify(backends.launch_count(backend=backend) == before + 1)
     else:  # the composite of native ops dispatches no kernel of ours
-        assert backends.launch_count() == before_all
+        verify(backends.launch_count() == before_all)
     want, mag = oracle(x, w, scales, biases, indices, group_size, bits, dtype)
     check_rows(out, want, mag, ~np.isnan(want[:, 0]), dtype,
                f"moe_gather_qmm[{backend}/{variant}]{what}")
@@ -218,10 +218,10 @@ def run_and_check(case, group_size, bits, dtype, backend, variant=None, what="")
         from mlx_metaltile import emulator
 
         stats = emulator.last_launch_stats()
-        assert stats.kernel.startswith(f"mt_{name}"), stats.kernel
-        assert stats.bytes_written["out"] == out.size * dtype.size, (
+        verify(stats.kernel.startswith(f"mt_{name}"), stats.kernel)
+        verify(stats.bytes_written["out"] == out.size * dtype.size, (
             f"{what}: {stats.bytes_written['out']} bytes written to out, "
-            f"expected each of the {out.size} elements once")
+            f"expected each of the {out.size} elements once"))
     return out
 
 

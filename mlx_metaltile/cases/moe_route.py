@@ -7,7 +7,15 @@ import numpy as np
 
 import mlx_metaltile as mt
 
-from ._base import BenchCase, assert_close, expect_launches, grad_case, oracle_and_magnitude, to_f64
+from ._base import (
+    BenchCase,
+    assert_close,
+    expect_launches,
+    grad_case,
+    oracle_and_magnitude,
+    to_f64,
+    verify,
+)
 
 OP = "moe_route"
 
@@ -56,16 +64,17 @@ def check(ids, scores, logits, k: int, normalize: bool, what: str) -> None:
     scores NaN exactly where the oracle's are, elsewhere within the tolerance table."""
     want_ids, want, mag = oracle(logits, k, normalize)
     shape = (*logits.shape[:-1], k)
-    assert ids.dtype == mx.uint32 and tuple(ids.shape) == shape, (what, ids.dtype, ids.shape)
-    assert scores.dtype == logits.dtype and tuple(scores.shape) == shape, (
-        what, scores.dtype, scores.shape)
+    verify(ids.dtype == mx.uint32 and tuple(ids.shape) == shape, (what, ids.dtype, ids.shape))
+    verify(scores.dtype == logits.dtype and tuple(scores.shape) == shape, (
+        what, scores.dtype, scores.shape))
     got_ids = np.array(ids)
     bad = got_ids != want_ids
-    assert not bad.any(), (f"{what}: ids differ at {np.argwhere(bad)[0].tolist()}: got "
-                           f"{got_ids[bad][:4]}, want {want_ids[bad][:4]}")
+    if bad.any():  # the message reads the first difference: built only when there is one
+        raise AssertionError(f"{what}: ids differ at {np.argwhere(bad)[0].tolist()}: got "
+                             f"{got_ids[bad][:4]}, want {want_ids[bad][:4]}")
     got = to_f64(scores)
     nan = np.isnan(want)
-    assert np.isnan(got[nan]).all(), f"{what}: a row with no finite max must give NaN scores"
+    verify(np.isnan(got[nan]).all(), f"{what}: a row with no finite max must give NaN scores")
     assert_close(got[~nan], want[~nan], logits.dtype, magnitude=mag[~nan], what=what)
 
 

@@ -19,7 +19,7 @@ from ..ops.sdpa_multi import (
     MMA_SPEC,
     SPLIT_SPEC,
 )
-from ._base import DTYPES, BenchCase, assert_close, grad_case, oracle_and_magnitude, to_f64
+from ._base import DTYPES, BenchCase, assert_close, grad_case, oracle_and_magnitude, to_f64, verify
 
 _ops = importlib.import_module("..ops.sdpa_multi", __package__)  # the module (the package
 # exports the function under the same name)
@@ -251,13 +251,13 @@ def run_and_check(q, k, v, *, scale, causal, kv_len, backend, what="", mask=None
     out = mt.sdpa_multi(q, k, v, scale=scale, causal=causal, kv_len=kv_len, sinks=sinks, **kw)
     mx.eval(out)
     if backend != "reference":  # prove both kernels ran (never the reference vs itself)
-        assert launch_counts(backend) == (before[0] + 1, before[1] + 1)
-    assert out.dtype == q.dtype and tuple(out.shape) == tuple(q.shape)
+        verify(launch_counts(backend) == (before[0] + 1, before[1] + 1))
+    verify(out.dtype == q.dtype and tuple(out.shape) == tuple(q.shape))
     n = kv_len.item() if isinstance(kv_len, mx.array) else kv_len
     want, magnitude = oracle(q, k, v, scale, causal, k.shape[2] if n is None else n, mask,
                              sinks)
     nan = np.isnan(want)  # rows that see no key and no sink: NaN, as MLX's sdpa gives
-    assert np.isnan(to_f64(out)[nan]).all(), f"sdpa_multi[{backend}]{what}: want NaN rows"
+    verify(np.isnan(to_f64(out)[nan]).all(), f"sdpa_multi[{backend}]{what}: want NaN rows")
     if nan.any():
         want, magnitude = np.where(nan, 0.0, want), np.where(nan, 0.0, magnitude)
         checked = mx.array(np.where(nan, 0.0, to_f64(out))).astype(q.dtype)
@@ -300,17 +300,17 @@ def run_grad_and_check(q, k, v, *, scale, causal, kv_len, backend, rng, what="",
     mx.eval(grads)
     if backend != "reference":  # the backward kernels ran (never the composite's autodiff)
         ran = tuple(a - b for a, b in zip(backward_counts(backend), before, strict=True))
-        assert ran == (1, 1, 1), (what, ran)  # statistics, split dq, dk/dv: once each
+        verify(ran == (1, 1, 1), (what, ran))  # statistics, split dq, dk/dv: once each
     n = kv_len.item() if isinstance(kv_len, mx.array) else kv_len
     want = grad_oracle(q, k, v, g, scale, causal, k.shape[2] if n is None else n, mask, sinks)
     out = {}
     for name, got, primal in zip(names, grads, primals, strict=True):
-        assert got.dtype == primal.dtype and got.shape == primal.shape, (name, got.dtype)
+        verify(got.dtype == primal.dtype and got.shape == primal.shape, (name, got.dtype))
         exact, mag = want[name]
         nan = np.isnan(exact)
         out[name] = got
         label = f"sdpa_multi[{backend}]{what} {name}"
-        assert np.isnan(to_f64(got)[nan]).all(), f"{label}: want NaN where the oracle is"
+        verify(np.isnan(to_f64(got)[nan]).all(), f"{label}: want NaN where the oracle is")
         if nan.any():
             exact, mag = np.where(nan, 0.0, exact), np.where(nan, 0.0, mag)
             got = mx.array(np.where(nan, 0.0, to_f64(got))).astype(got.dtype)
