@@ -33,6 +33,16 @@ inline void mt_store8(device T* p, const thread float* v) {
     p[j] = T(v[j]);
   }
 }
+
+// w[0 .. N) = p[0 .. N), N = 2 or 4 packed code words of a quantized weight row. Word by
+// word here; the CUDA layer reads them in one 8- or 16-byte access where p is aligned to it
+// (a lane reading its own weight row then issues one load per step, not N).
+template <uint N>
+inline void mt_load_codes(const device uint* p, thread uint* w) {
+  for (uint j = 0; j < N; ++j) {
+    w[j] = p[j];
+  }
+}
 #endif
 
 // p[0 .. N) as floats for N = 4 or 8 (mt_load4 / mt_load8), or zeros where !live (a

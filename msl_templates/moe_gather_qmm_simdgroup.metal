@@ -73,7 +73,10 @@
 // TRAFFIC per call: for each (tile, distinct expert in the tile): N * K * BITS / 8 bytes of
 //   codes and 2 * N * K / GROUP_SIZE scale/bias elements (fp modes: N * K / GROUP_SIZE
 //   scale bytes, no bias) (a group cut by a K-split boundary
-//   is loaded by both simdgroups: at most 3 extra per weight row); x rows are read N / 32
+//   is loaded by both simdgroups: at most 3 extra per weight row). A lane's codes of one
+//   step (BK codes of its own weight row: 8 bytes at 4 bits, 16 at 8) come through
+//   common.h's mt_load_codes: one access on cuda where aligned (each row is a multiple of 16
+//   bytes and a step's words start at a multiple of their size). x rows are read N / 32
 //   times (once per column block; the other reads hit cache; a lane's 4 values per step
 //   through common.h's mt_load_live: one 8- or 16-byte access on cuda where x is aligned);
 //   out written once (M * N).
@@ -224,9 +227,7 @@ float bias = 0.0f;
 uint wq[WORDS];  // the fetched step: this lane's codes and x values
 float xq[4];
 if (step_begin < step_end) {
-  for (uint j = 0; j < WORDS; ++j) {
-    wq[j] = w_words[step_begin * WORDS + j];
-  }
+  mt_load_codes<WORDS>(w_words + step_begin * WORDS, wq);
   mt_load_live<4>(x_row + step_begin * BK, x_live, xq);
 }
 for (uint step = step_begin; step < step_end; ++step) {
@@ -248,9 +249,7 @@ for (uint step = step_begin; step < step_end; ++step) {
   }
   // Fetch the next step while this one is multiplied.
   if (step + 1 < step_end) {
-    for (uint j = 0; j < WORDS; ++j) {
-      wq[j] = w_words[(step + 1) * WORDS + j];
-    }
+    mt_load_codes<WORDS>(w_words + (step + 1) * WORDS, wq);
     mt_load_live<4>(x_row + (step + 1) * BK, x_live, xq);
   }
   simdgroup_barrier(mem_flags::mem_threadgroup);

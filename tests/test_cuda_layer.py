@@ -600,6 +600,39 @@ def test_gemv_rows_round_weights_in_pairs():
         assert all(c > 0 for c in _qmv_ptx_counts("__local_depot", GEMV_SPEC, 4))
 
 
+def _tile_code_loads(bits: int) -> list[int]:
+    """Per kernel of moe_gather_qmm's bfloat16 affine tile instance at ``bits``: its vector
+    loads of code words (16-byte at 8 bits; 8-byte at 4 bits, where x's 4 bfloat16 values
+    per step also load as 8 bytes: 2 of them)."""
+    spec = sys.modules["mlx_metaltile.ops.moe_gather_qmm"].SIMDGROUP_SPEC
+    inst = nvcc_check.spec_instance(spec, T="bfloat16", BITS=bits, GROUP_SIZE=64, MODE=0)
+    ptx = nvcc_check.ptx_text(nvcc_check.spec_unit(spec, [inst]))
+    op = "ld.global.v4.u32" if bits == 8 else "ld.global.v2.u32"
+    return [body.count(op) - (0 if bits == 8 else 2) for body in ptx.split(".entry ")[1:]]
+
+
+@pytest.mark.skipif(nvcc_check.find_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME)")
+def test_tile_lanes_load_their_codes_in_one_access():
+    """moe_gather_qmm's tile kernel: each lane's code words of a step (its own weight row)
+    come in one 16-byte (8 bits) or 8-byte (4 bits) load on CUDA, common.h's mt_load_codes:
+    two per kernel, the first step's and the fetch of the next. Negative control: the words
+    read one by one give no such load."""
+    import mlx_metaltile.ops.moe_gather_qmm  # noqa: F401 (the module, not the op)
+
+    for bits in (4, 8):
+        counts = _tile_code_loads(bits)
+        assert counts and all(c == 2 for c in counts), (bits, counts)
+    spec = sys.modules["mlx_metaltile.ops.moe_gather_qmm"].SIMDGROUP_SPEC
+    one_by_one = "for (uint j = 0; j < WORDS; ++j) { wq[j] = w_words[{s} * WORDS + j]; }"
+    with backends.template_override(
+            spec, ("mt_load_codes<WORDS>(w_words + step_begin * WORDS, wq);",
+                   one_by_one.replace("{s}", "step_begin")),
+            ("mt_load_codes<WORDS>(w_words + (step + 1) * WORDS, wq);",
+             one_by_one.replace("{s}", "(step + 1)"))):
+        assert _tile_code_loads(8) == [0] * len(counts)
+        assert _tile_code_loads(4) == [0] * len(counts)
+
+
 @pytest.mark.skipif(nvcc_check.find_nvcc() is None, reason="nvcc not found (PATH, CUDA_HOME)")
 def test_and_or_is_one_lop3():
     """mt_and_or is one lop3 on CUDA: expert_qmv's affine decode issues one per code, at least

@@ -1,8 +1,8 @@
-// mt_cuda/wide.cuh: 16-byte loads and stores of 8 consecutive elements (and loads of 4), where
-// the address allows them. Not MSL: a kernel reaches them through common.h's mt_load8 /
-// mt_load4 / mt_store8, whose MSL definitions (element by element: what Metal and the
-// emulator run) this header replaces by defining MT_WIDE_LOADS. Part of msl_compat.cuh;
-// included only from it.
+// mt_cuda/wide.cuh: 16-byte loads and stores of 8 consecutive elements (and loads of 4, and
+// of 2 or 4 code words), where the address allows them. Not MSL: a kernel reaches them
+// through common.h's mt_load8 / mt_load4 / mt_store8 / mt_load_codes, whose MSL definitions
+// (element by element: what Metal and the emulator run) this header replaces by defining
+// MT_WIDE_LOADS. Part of msl_compat.cuh; included only from it.
 //
 // Why: a warp's scalar 16-bit load moves 64 bytes, a 16-byte load per lane 512. NVIDIA's
 // memory system tracks a bounded number of requests per SM, so streaming kernels reading
@@ -56,6 +56,28 @@ MT_FN void mt_load4(const T* p, float* v) {
 template <class T>
 MT_FN void mt_load8(const T* p, float* v) {
   mt_load_words<8>(p, v);
+}
+
+// w[j] = p[j], j < N (N = 2 or 4 packed code words): one 8- or 16-byte load where p is
+// aligned to it, else word by word.
+template <unsigned N>
+MT_FN void mt_load_codes(const unsigned* p, unsigned* w) {
+  static_assert(N == 2 || N == 4, "mt_load_codes: 2 or 4 words");
+  using Word = cuda::std::conditional_t<N == 2, ::uint2, ::uint4>;
+  if ((reinterpret_cast<unsigned long long>(p) & (sizeof(Word) - 1)) == 0) {
+    const Word v = *reinterpret_cast<const Word*>(p);
+    w[0] = v.x;
+    w[1] = v.y;
+    if constexpr (N == 4) {
+      w[2] = v.z;
+      w[3] = v.w;
+    }
+  } else {
+#pragma unroll
+    for (unsigned j = 0; j < N; ++j) {
+      w[j] = p[j];
+    }
+  }
 }
 
 // p[j] = T(v[j]), j < 8 (rounded as MSL's conversion rounds).
